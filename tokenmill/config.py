@@ -1,0 +1,120 @@
+"""Engine configuration: the model, the KV cache, the scheduler."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string or torch.dtype, got {dtype!r}")
+    if dtype == "auto":
+        ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        resolved = _DTYPES.get(ckpt, torch.float32)
+        # fp16 on CPU is slow and lossy; bf16 is the fast half type there.
+        if device.type == "cpu" and resolved == torch.float16:
+            resolved = torch.bfloat16
+        return resolved
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder as is; otherwise a hub id fetched with huggingface_hub."""
+    if os.path.isdir(model):
+        return model
+    if os.path.sep in model.strip("/").split("/", 1)[-1] or model.startswith((".", "/")):
+        raise ValueError(f"model folder {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                        "*.model", "*.jinja"])
+    except Exception as e:  # network errors come in many types
+        raise ValueError(f"model {model!r} is not a local folder and could not be fetched "
+                         f"from the Hugging Face hub (no network here?): {e}") from e
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    path: str
+    hf_config: dict
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @classmethod
+    def from_pretrained(cls, model: str, dtype="auto", device="auto",
+                        max_model_len: int | None = None) -> "ModelConfig":
+        path = resolve_model_path(model)
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ValueError(f"model folder {path!r} has no config.json")
+        with open(cfg_path) as f:
+            hf_config = json.load(f)
+        gen_cfg = {}
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                gen_cfg = json.load(f)
+        dev = resolve_device(device)
+        limit = hf_config.get("max_position_embeddings", 2048)
+        if max_model_len is None:
+            max_model_len = limit
+        elif not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        return cls(model, path, hf_config, resolve_dtype(dtype, hf_config, dev), dev,
+                   max_model_len, gen_cfg)
+
+    def eos_token_ids(self, tokenizer=None) -> frozenset[int]:
+        ids = set()
+        for source in (self.generation_config, self.hf_config):
+            eos = source.get("eos_token_id")
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, list) else [eos])
+            break
+        if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(ids)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    # Share of available memory for the KV cache when neither is given.
+    memory_fraction: float = 0.3

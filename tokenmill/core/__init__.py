@@ -1,0 +1,4 @@
+"""Scheduler-side state: requests, KV bookkeeping, the scheduler/runner contract.
+
+Nothing in this package imports torch; it only moves ids and counters.
+"""

@@ -1,0 +1,66 @@
+"""The scheduler/runner contract: two plain dataclasses and their parts.
+
+They carry only ids, counts and sampling parameters, so the runner could live
+in another process later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: everything it needs to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    block_ids: list[list[int]]  # one list per KV cache group
+    num_computed_tokens: int
+    # Tokens already generated (non-empty when a request is replayed).
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the runner already holds."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: the request was preempted and comes back; block_ids replace the old ones.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Per request: None, or one list of block ids per group to append (or set, if resumed).
+    new_block_ids: list[list[list[int]] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were aborted since the last step: drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted in this schedule call: drop them from the batch.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls([], CachedRequestData(), {}, 0)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Request ids in the runner's batch order, and the index of each.
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Per request: the tokens it produced this step (empty while still in its prompt).
+    sampled_token_ids: list[list[int]]

@@ -1,0 +1,207 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget: running requests first (oldest first), then
+waiting ones. There is no prefill or decode phase: a request simply has
+`num_tokens - num_computed_tokens` tokens left to compute, and a step computes
+as many of them as the budget allows (a prompt chunk, or one decode token).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_spec import KVCacheConfig
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                         SchedulerOutput)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(kv_cache_config)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+        # Requests whose state the runner holds (seen in an earlier step).
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(rid)
+        return aborted
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        if req.request_id in self._known_to_runner:
+            self._known_to_runner.discard(req.request_id)
+            self._finished_req_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            cached.req_ids.append(req.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in order, while nothing was preempted this step.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.request_id in self._known_to_runner:
+                cached.req_ids.append(req.request_id)
+                cached.resumed_from_preemption.append(resumed)
+                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req.request_id))
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            else:
+                new_reqs.append(NewRequestData(
+                    req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                    output_token_ids=list(req.output_token_ids)))
+                self._known_to_runner.add(req.request_id)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted)
+        self._finished_req_ids = set()
+        # The tokens are now scheduled: count them as computed (vLLM V1 does the same).
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        max_len = self.config.max_model_len
+        for rid, idx in runner_output.req_id_to_index.items():
+            req = self.requests.get(rid)
+            new_ids = runner_output.sampled_token_ids[idx]
+            if req is None or req.is_finished or not new_ids:
+                continue
+            sp = req.sampling_params
+            status = None
+            appended = []
+            for tok in new_ids:
+                req.output_token_ids.append(tok)
+                appended.append(tok)
+                if not sp.ignore_eos and tok in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif tok in sp.stop_token_ids_set:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = tok
+                elif (len(req.output_token_ids) >= sp.max_tokens
+                      or req.num_tokens >= max_len):
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            outputs.append(EngineCoreOutput(rid, appended, req.finish_reason, req.stop_reason))
+        return outputs

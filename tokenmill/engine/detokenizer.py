@@ -1,0 +1,36 @@
+"""Incremental detokenization that never emits half a character.
+
+Each step decodes a short window (a few tokens already shown plus the new
+ones) and emits only the text beyond what the window already showed; while the
+window ends in U+FFFD (an incomplete UTF-8 sequence), it waits for more tokens.
+"""
+from __future__ import annotations
+
+# Prompt tokens kept as left context, so the first output token gets its
+# leading space right with sentencepiece-style tokenizers.
+_PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the newly complete text (possibly empty)."""
+        self.ids.extend(new_token_ids)
+        shown = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(shown) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(shown):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,87 @@
+"""EngineCore: owns the scheduler and the runner, and runs one step at a time.
+
+step() = schedule -> execute_model -> sample_tokens -> update_from_output.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.core.kv_cache_spec import KVCacheConfig, KVCacheGroup
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.models.loader import load_model
+from tokenmill.worker.kv_cache import available_memory_bytes
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
+                         max_model_len: int, device: torch.device) -> KVCacheConfig:
+    specs = runner.get_kv_cache_spec(cache.block_size)
+    # Every layer of a dense model has the same spec: one group, one block table.
+    group = KVCacheGroup(list(specs), next(iter(specs.values())))
+    per_block = KVCacheConfig(1, [group]).bytes_per_block()
+    # Enough for every sequence at full length, plus the null block: more is waste.
+    useful = max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
+    if cache.num_kv_blocks is not None:
+        num_blocks = cache.num_kv_blocks
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be an int >= 2, got {num_blocks!r}")
+    else:
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+            if not isinstance(budget, int) or budget <= 0:
+                raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {budget!r}")
+        else:
+            budget = int(available_memory_bytes(device) * cache.memory_fraction)
+        num_blocks = min(budget // per_block, useful)
+    if num_blocks - 1 < cdiv(max_model_len, cache.block_size):
+        raise ValueError(
+            f"the KV cache holds {num_blocks - 1} blocks of {cache.block_size} tokens, fewer "
+            f"than one sequence of max_model_len={max_model_len} needs; raise num_kv_blocks / "
+            f"kv_cache_memory or lower max_model_len")
+    return KVCacheConfig(num_blocks, [group])
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, model=None):
+        self.model_config = model_config
+        if model is None:
+            model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
+                               model_config.device)
+        self.runner = ModelRunner(
+            model, dtype=model_config.dtype, device=model_config.device,
+            max_num_reqs=scheduler_config.max_num_seqs,
+            max_model_len=model_config.max_model_len,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
+        self.kv_cache_config = make_kv_cache_config(
+            self.runner, cache_config, scheduler_config.max_num_seqs,
+            model_config.max_model_len, model_config.device)
+        self.runner.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_config)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.kv_cache_config.num_blocks,
+                    cache_config.block_size,
+                    self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        self.runner.execute_model(so)
+        runner_output = self.runner.sample_tokens()
+        if so.total_num_scheduled_tokens == 0:
+            return []
+        return self.scheduler.update_from_output(so, runner_output)

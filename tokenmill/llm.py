@@ -1,0 +1,89 @@
+"""The offline API, call-compatible with vLLM's LLM for generate() and chat()."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate everything first: a bad prompt raises before anything runs.
+        processed = [engine.process_prompt(p) for p in prompts]
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        ids = []
+        try:
+            for prompt, sp, proc in zip(prompts, params, processed):
+                ids.append(engine.add_request(None, prompt, sp, processed=proc))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them."""
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **template_kwargs)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order = {rid: i for i, rid in enumerate(request_ids)}
+        results: list[RequestOutput | None] = [None] * len(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start = time.perf_counter()
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        out_tokens += len(out.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(
+                            f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",
+                            refresh=False)
+        except BaseException:
+            engine.abort_request([rid for rid, i in order.items() if results[i] is None])
+            raise
+        finally:
+            bar.close()
+        return results

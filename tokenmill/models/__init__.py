@@ -1,0 +1,1 @@
+"""Model implementations in plain PyTorch, and the loader that fills them from HF checkpoints."""

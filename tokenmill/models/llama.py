@@ -1,0 +1,132 @@
+"""Llama-family decoder: Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+
+Weights are packed where it saves ops: q/k/v in one `qkv_proj`, gate/up in one
+`gate_up_proj` (the loader concatenates HF's separate matrices).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+
+
+class DecoderConfig:
+    """The fields a Llama-family decoder needs, read from an HF config dict."""
+
+    def __init__(self, cfg: dict, *, qkv_bias: bool | None = None, qk_norm: bool = False):
+        self.vocab_size = cfg["vocab_size"]
+        self.hidden_size = cfg["hidden_size"]
+        self.intermediate_size = cfg["intermediate_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_heads
+        self.rms_norm_eps = cfg.get("rms_norm_eps", 1e-6)
+        self.max_position_embeddings = cfg.get("max_position_embeddings", 4096)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.qkv_bias = bool(cfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias
+        self.o_bias = bool(cfg.get("attention_bias", False))
+        self.mlp_bias = bool(cfg.get("mlp_bias", False))
+        self.qk_norm = qk_norm
+        self.hidden_act = cfg.get("hidden_act", "silu")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        self.rope_params = rope_parameters_from_config(cfg)
+        self.rotary_dim = int(self.head_dim * self.rope_params.get("partial_rotary_factor", 1.0))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+
+    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.intermediate_size = c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, rotary, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names packed into one parameter: (packed name, shard index).
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias: bool | None = None  # None: from config.attention_bias
+    qk_norm = False
+
+    def __init__(self, hf_config: dict):
+        super().__init__()
+        c = self.config = DecoderConfig(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
+                                      c.rope_params)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self.rotary, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

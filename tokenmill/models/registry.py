@@ -1,0 +1,25 @@
+"""Architecture name (config.json "architectures") -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from tokenmill.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def resolve_model_class(hf_config: dict) -> type[nn.Module]:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"architectures {archs} not supported; supported architectures: "
+                     f"{', '.join(supported_architectures())}")

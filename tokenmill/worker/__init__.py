@@ -1,0 +1,1 @@
+"""Runner-side state: the persistent batch, KV tensors, the model runner."""

@@ -1,0 +1,165 @@
+"""The persistent batch: one row per live request, kept across steps.
+
+Rows are added, removed, condensed and swapped; every per-row field moves
+together, so a row index names one request in every array at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.sample.sampler import SamplingMetadata
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.block_table import BlockTable
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner keeps for a request between steps (also while it is out of the batch)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_sizes: list[int],
+                 device: torch.device):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens_no_spec = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.generators: dict[int, torch.Generator] = {}
+        self.seeds: dict[int, int] = {}
+        self.block_tables = [BlockTable(max_num_reqs, -(-max_model_len // bs), bs)
+                             for bs in block_sizes]
+        self._num_reqs = 0  # rows [0, _num_reqs) are in use after condense()
+
+    # ---- membership ------------------------------------------------------------
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, state: CachedRequestState) -> int:
+        row = self._first_free_row()
+        rid = state.req_id
+        self.req_ids[row] = rid
+        self.req_id_to_index[rid] = row
+        n_prompt = len(state.prompt_token_ids)
+        n_tokens = state.num_tokens
+        if n_tokens > self.max_model_len:
+            raise RuntimeError(f"request {rid} has {n_tokens} tokens > max_model_len")
+        self.token_ids_cpu[row, :n_prompt] = state.prompt_token_ids
+        self.token_ids_cpu[row, n_prompt:n_tokens] = state.output_token_ids
+        self.num_prompt_tokens[row] = n_prompt
+        self.num_tokens_no_spec[row] = n_tokens
+        self.num_computed_tokens_cpu[row] = state.num_computed_tokens
+        sp = state.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        if state.generator is not None:
+            self.generators[row] = state.generator
+            self.seeds[row] = sp.seed
+        for table, ids in zip(self.block_tables, state.block_ids):
+            table.add_row(ids, row)
+        return row
+
+    def _first_free_row(self) -> int:
+        for row in range(self.max_num_reqs):
+            if self.req_ids[row] is None:
+                return row
+        raise RuntimeError("the input batch is full (max_num_seqs rows)")
+
+    def remove_request(self, req_id: str) -> int | None:
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self.req_ids[row] = None
+        self.generators.pop(row, None)
+        self.seeds.pop(row, None)
+        for table in self.block_tables:
+            table.clear_row(row)
+        return row
+
+    def condense(self) -> None:
+        """Move the last rows into holes so rows [0, num_reqs) are dense."""
+        n = self.num_reqs()
+        holes = [r for r in range(n) if self.req_ids[r] is None]
+        tail = [r for r in range(self.max_num_reqs - 1, n - 1, -1) if self.req_ids[r] is not None]
+        for dst, src in zip(holes, tail):
+            self._move(src, dst)
+
+    def _move(self, src: int, dst: int) -> None:
+        rid = self.req_ids[src]
+        self.req_ids[dst], self.req_ids[src] = rid, None
+        self.req_id_to_index[rid] = dst
+        n = self.num_tokens_no_spec[src]
+        self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
+        for arr in self._per_row_arrays():
+            arr[dst] = arr[src]
+        for d in (self.generators, self.seeds):
+            if src in d:
+                d[dst] = d.pop(src)
+        for table in self.block_tables:
+            table.move_row(src, dst)
+            table.clear_row(src)
+
+    def swap_states(self, a: int, b: int) -> None:
+        ra, rb = self.req_ids[a], self.req_ids[b]
+        self.req_ids[a], self.req_ids[b] = rb, ra
+        self.req_id_to_index[rb], self.req_id_to_index[ra] = a, b
+        n = max(self.num_tokens_no_spec[a], self.num_tokens_no_spec[b])
+        self.token_ids_cpu[[a, b], :n] = self.token_ids_cpu[[b, a], :n]
+        for arr in self._per_row_arrays():
+            arr[[a, b]] = arr[[b, a]]
+        for d in (self.generators, self.seeds):
+            va, vb = d.pop(a, None), d.pop(b, None)
+            if va is not None:
+                d[b] = va
+            if vb is not None:
+                d[a] = vb
+        for table in self.block_tables:
+            table.swap_row(a, b)
+
+    def _per_row_arrays(self):
+        return (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu,
+                self.temperature, self.top_p, self.top_k)
+
+    def token_id(self, row: int, col: int) -> int:
+        return int(self.token_ids_cpu[row, col])
+
+    # ---- sampling ------------------------------------------------------------
+    def make_sampling_metadata(self) -> SamplingMetadata:
+        n = self.num_reqs()
+        temp = self.temperature[:n]
+        greedy = temp < 1e-5
+        top_k = self.top_k[:n]
+        top_p = self.top_p[:n]
+        dev = self.device
+        return SamplingMetadata(
+            temperature=torch.from_numpy(np.where(greedy, 1.0, temp).astype(np.float32)).to(dev),
+            greedy_mask=torch.from_numpy(greedy).to(dev),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
+            top_k=torch.from_numpy(top_k.copy()).to(dev) if (top_k > 0).any() else None,
+            top_p=torch.from_numpy(top_p.copy()).to(dev) if (top_p < 1.0).any() else None,
+            generators=dict(self.generators),
+        )

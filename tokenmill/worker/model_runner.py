@@ -1,0 +1,245 @@
+"""The model runner: persistent batch -> flat step inputs -> forward -> sample.
+
+One step is split in two, as in vLLM's GPU model runner: `execute_model`
+updates the batch from the SchedulerOutput, reorders it decode-first, builds
+the flat inputs and attention metadata, runs the forward and gathers the
+logits of the rows that sample; `sample_tokens` samples on the device, writes
+the ids back into the batch and returns the ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.sample.sampler import Sampler
+from tokenmill.worker.input_batch import CachedRequestState, InputBatch
+from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
+
+# Rows scheduling at most this many tokens count as decodes in the reorder.
+DECODE_THRESHOLD = 1
+
+
+@dataclass
+class StepInputs:
+    """The flat inputs of the last step, kept for inspection and tests."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    discard_mask: np.ndarray  # rows still consuming their prompt: they sample nothing
+    block_table: np.ndarray  # group 0, rows [0, num_reqs)
+
+
+def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
+                          decode_threshold: int = DECODE_THRESHOLD) -> bool:
+    """Order rows decode -> short extend -> long extend -> prefill, with few swaps.
+
+    Only rows that sit in the wrong region move; each follows its swap chain.
+    Returns whether anything moved.
+    """
+    n = batch.num_reqs()
+    if n <= 1:
+        return False
+    sched = np.array([num_scheduled[batch.req_ids[i]] for i in range(n)])
+    computed = batch.num_computed_tokens_cpu[:n]
+    prompt = batch.num_prompt_tokens[:n]
+    region = np.where(computed == 0, 3,
+                      np.where(sched > decode_threshold, 2,
+                               np.where(computed < prompt, 1, 0)))
+    target = np.sort(region, kind="stable")
+    wrong = np.nonzero(region != target)[0]
+    if wrong.size == 0:
+        return False
+    sources = wrong[np.argsort(region[wrong], kind="stable")]
+    dest = {int(s): int(d) for s, d in zip(sources, wrong)}
+    for src in sources.tolist():
+        dst = dest[src]
+        while src != dst:
+            batch.swap_states(src, dst)
+            nxt = dest.get(dst, dst)
+            dest[dst] = dst
+            dst = nxt
+    return True
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
+                 max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int):
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.input_batch: InputBatch | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.last_step: StepInputs | None = None
+        self.last_attn_meta: AttentionMetadata | None = None
+        self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
+        self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
+
+    # ---- KV cache ----------------------------------------------------------------
+    def attention_layers(self) -> dict[str, nn.Module]:
+        return {f"layers.{i}.attn": layer for i, layer in enumerate(self.model.attention_layers())}
+
+    def get_kv_cache_spec(self, block_size: int) -> dict[str, FullAttentionSpec]:
+        return {name: FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                        dtype_name(self.dtype))
+                for name, layer in self.attention_layers().items()}
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        self.kv_cache_config = config
+        self.kv_caches = allocate_kv_caches(config, self.device)
+        layers = self.attention_layers()
+        for name, cache in self.kv_caches.items():
+            layers[name].kv_cache = cache
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
+                                      [g.spec.block_size for g in config.groups], self.device)
+
+    # ---- step, part 1 ------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        # Preempted or simply not scheduled: out of the batch, state kept.
+        for rid in list(batch.req_id_to_index):
+            if rid not in so.num_scheduled_tokens:
+                batch.remove_request(rid)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            gen = None
+            if sp.seed is not None and not sp.greedy:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(sp.seed)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
+                                       [list(b) for b in new.block_ids],
+                                       new.num_computed_tokens, list(new.output_token_ids))
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests[rid]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                state.block_ids = [list(b) for b in new_blocks]
+            elif new_blocks is not None:
+                for group_ids, ids in zip(state.block_ids, new_blocks):
+                    group_ids.extend(ids)
+            row = batch.req_id_to_index.get(rid)
+            if row is None:
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            if new_blocks is not None:
+                for table, ids in zip(batch.block_tables, new_blocks):
+                    table.append_row(ids, row)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput):
+        batch = self.input_batch
+        n = batch.num_reqs()
+        num_sched = np.array([so.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)],
+                             dtype=np.int64)
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        query_start_loc[1:] = cu
+        req_indices = np.repeat(np.arange(n), num_sched)
+        # Offset of each token inside its request's chunk.
+        offsets = self._arange[:total] - np.repeat(query_start_loc[:-1], num_sched)
+        computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+        positions = computed[req_indices] + offsets
+        input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
+        table = batch.block_tables[0]
+        bs = table.block_size
+        block_ids = table.block_table.reshape(-1)[
+            req_indices * table.max_num_blocks_per_req + positions // bs]
+        slot_offset = positions % bs
+        seq_lens = computed + num_sched
+        logits_indices = cu - 1
+        discard = seq_lens < batch.num_tokens_no_spec[:n]
+
+        # Leading single-token rows share one batched decode call.
+        not_single = np.nonzero(num_sched != 1)[0]
+        nd = int(not_single[0]) if not_single.size else n
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=nd,
+            slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
+            slot_offset=torch.from_numpy(slot_offset).to(dev))
+        if nd:
+            nb = -(-int(seq_lens[:nd].max()) // bs)
+            meta.decode_block_table = torch.from_numpy(
+                table.block_table[:nd, :nb].astype(np.int64)).to(dev)
+            visible = self._arange[:nb * bs][None, :] < seq_lens[:nd, None]
+            mask = np.where(visible, 0.0, -np.inf).astype(np.float32)
+            meta.decode_mask = torch.from_numpy(mask).to(dev).view(nd, 1, 1, nb * bs)
+        for r in range(nd, n):
+            nb = -(-int(seq_lens[r]) // bs)
+            meta.prefills.append(PrefillChunk(
+                int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
+                torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        self.last_step = StepInputs(
+            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, slot_mapping=block_ids.astype(np.int64) * bs + slot_offset,
+            logits_indices=logits_indices, discard_mask=discard,
+            block_table=table.block_table[:n].copy())
+        self.last_attn_meta = meta
+        return input_ids, positions, logits_indices, meta, discard
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        """Forward for the scheduled tokens; logits wait for sample_tokens()."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            self._pending = None
+            return None
+        reorder_decodes_first(self.input_batch, so.num_scheduled_tokens)
+        input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
+        dev = self.device
+        hidden = self.model(torch.from_numpy(input_ids.astype(np.int64)).to(dev),
+                            torch.from_numpy(positions).to(dev), meta)
+        # Only the rows that sample reach lm_head.
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
+        self._pending = (logits, discard)
+        return None
+
+    # ---- step, part 2 ------------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        batch = self.input_batch
+        n = batch.num_reqs()
+        req_ids = list(batch.req_ids[:n])
+        req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
+        if self._pending is None:
+            return ModelRunnerOutput(req_ids, req_id_to_index, [[] for _ in range(n)])
+        logits, discard = self._pending
+        self._pending = None
+        sampled = self.sampler(logits.float(), batch.make_sampling_metadata())
+        sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
+        # Write back into the batch, vectorised over the rows that keep their token.
+        rows = np.nonzero(~discard)[0]
+        cols = batch.num_tokens_no_spec[rows]
+        batch.token_ids_cpu[rows, cols] = sampled_np[rows]
+        batch.num_tokens_no_spec[rows] += 1
+        out = [[] for _ in range(n)]
+        for r in rows.tolist():
+            tok = int(sampled_np[r])
+            out[r] = [tok]
+            self.requests[req_ids[r]].output_token_ids.append(tok)
+        return ModelRunnerOutput(req_ids, req_id_to_index, out)
