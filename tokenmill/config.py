@@ -47,7 +47,8 @@ def resolve_model_path(model: str) -> str:
     """A local folder as is; otherwise a hub id fetched with huggingface_hub."""
     if os.path.isdir(model):
         return model
-    if os.path.sep in model.strip("/").split("/", 1)[-1] or model.startswith((".", "/")):
+    # A hub id is "name" or "org/name"; anything else is a missing local folder.
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ValueError(f"model folder {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download

@@ -1,0 +1,98 @@
+"""The `tokenmill` command: generate, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    p.add_argument("--model", required=model_required, default=None,
+                   help="local HF folder or hub id (default: the built-in demo model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, seed=args.seed,
+                max_model_len=args.max_model_len, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=not args.no_chunked_prefill)
+
+
+def resolve_model(name: str | None) -> str:
+    if name:
+        return name
+    from tokenmill.demo_model import ensure_demo_model
+    return ensure_demo_model()
+
+
+def cmd_generate(args) -> int:
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(resolve_model(args.model), **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed,
+                            ignore_eos=args.ignore_eos)
+    outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}))
+        else:
+            print(c.text)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tokenmill.bench.throughput import run_throughput_bench
+    return run_throughput_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks against baselines in the same run")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput: tokenmill vs HF generate")
+    from tokenmill.bench.throughput import add_throughput_args
+    add_throughput_args(t)
+    t.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
