@@ -79,6 +79,11 @@ class Scheduler:
             self._known_to_runner.discard(req.request_id)
             self._finished_req_ids.add(req.request_id)
 
+    def take_finished_req_ids(self) -> set[str]:
+        """Finished ids not yet passed to the runner (for flushing when idle)."""
+        ids, self._finished_req_ids = self._finished_req_ids, set()
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

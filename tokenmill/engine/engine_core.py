@@ -73,7 +73,15 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        aborted = self.scheduler.abort_requests(request_ids)
+        self._flush_finished_if_idle()
+        return aborted
+
+    def _flush_finished_if_idle(self) -> None:
+        # Finished ids normally ride on the next SchedulerOutput; when there is
+        # no next step, hand them to the runner now so it holds no stale rows.
+        if not self.scheduler.has_unfinished_requests():
+            self.runner.remove_requests(self.scheduler.take_finished_req_ids())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -82,6 +90,8 @@ class EngineCore:
         so = self.scheduler.schedule()
         self.runner.execute_model(so)
         runner_output = self.runner.sample_tokens()
-        if so.total_num_scheduled_tokens == 0:
-            return []
-        return self.scheduler.update_from_output(so, runner_output)
+        outputs = []
+        if so.total_num_scheduled_tokens:
+            outputs = self.scheduler.update_from_output(so, runner_output)
+        self._flush_finished_if_idle()
+        return outputs

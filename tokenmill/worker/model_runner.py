@@ -90,6 +90,11 @@ class ModelRunner:
         self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
 
+    def _arange_upto(self, n: int) -> np.ndarray:
+        if n > self._arange.size:
+            self._arange = np.arange(n, dtype=np.int64)
+        return self._arange[:n]
+
     # ---- KV cache ----------------------------------------------------------------
     def attention_layers(self) -> dict[str, nn.Module]:
         return {f"layers.{i}.attn": layer for i, layer in enumerate(self.model.attention_layers())}
@@ -145,7 +150,10 @@ class ModelRunner:
                 batch.add_request(state)
                 continue
             batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
-            if new_blocks is not None:
+            if resumed:
+                for table, ids in zip(batch.block_tables, state.block_ids):
+                    table.add_row(ids, row)
+            elif new_blocks is not None:
                 for table, ids in zip(batch.block_tables, new_blocks):
                     table.append_row(ids, row)
         batch.condense()
@@ -161,7 +169,7 @@ class ModelRunner:
         query_start_loc[1:] = cu
         req_indices = np.repeat(np.arange(n), num_sched)
         # Offset of each token inside its request's chunk.
-        offsets = self._arange[:total] - np.repeat(query_start_loc[:-1], num_sched)
+        offsets = self._arange_upto(total) - np.repeat(query_start_loc[:-1], num_sched)
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         positions = computed[req_indices] + offsets
         input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
@@ -186,7 +194,7 @@ class ModelRunner:
             nb = -(-int(seq_lens[:nd].max()) // bs)
             meta.decode_block_table = torch.from_numpy(
                 table.block_table[:nd, :nb].astype(np.int64)).to(dev)
-            visible = self._arange[:nb * bs][None, :] < seq_lens[:nd, None]
+            visible = self._arange_upto(nb * bs)[None, :] < seq_lens[:nd, None]
             mask = np.where(visible, 0.0, -np.inf).astype(np.float32)
             meta.decode_mask = torch.from_numpy(mask).to(dev).view(nd, 1, 1, nb * bs)
         for r in range(nd, n):
@@ -201,6 +209,13 @@ class ModelRunner:
             block_table=table.block_table[:n].copy())
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
+
+    def remove_requests(self, req_ids) -> None:
+        """Drop finished requests when no further step will carry their ids."""
+        for rid in req_ids:
+            self.requests.pop(rid, None)
+            self.input_batch.remove_request(rid)
+        self.input_batch.condense()
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -230,7 +245,11 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids, req_id_to_index, [[] for _ in range(n)])
         logits, discard = self._pending
         self._pending = None
-        sampled = self.sampler(logits.float(), batch.make_sampling_metadata())
+        md = batch.make_sampling_metadata()
+        # A row still in its prompt samples nothing, so its seeded generator must not advance.
+        for r in np.nonzero(discard)[0].tolist():
+            md.generators.pop(r, None)
+        sampled = self.sampler(logits.float(), md)
         sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
         # Write back into the batch, vectorised over the rows that keep their token.
         rows = np.nonzero(~discard)[0]

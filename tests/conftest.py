@@ -1,0 +1,219 @@
+"""Shared fixtures: tiny random HF checkpoints, built once per session, and HF references.
+
+No network and no downloaded weights: every checkpoint is a freshly initialised
+transformers model saved with `save_pretrained` into a session temp folder.
+Random tiny models have nearly flat logits, so the weights get a large scale
+(initializer_range=0.2) and the norms/biases are randomised too (so a loader
+that skips them cannot pass by luck). Everything is fp32.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+# The models are tiny: one intra-op thread is as fast, and on a shared 2-core
+# machine it avoids OpenMP threads spinning against each other (10x slower).
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            initializer_range=0.2, rms_norm_eps=1e-6,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name -> (architecture, config overrides). Every parity config lives here.
+MODEL_SPECS: dict[str, tuple[str, dict]] = {
+    # Llama, GQA (4 q heads / 2 kv heads), tied embeddings, default rope.
+    "llama_gqa_tied": ("llama", dict(tie_word_embeddings=True)),
+    # Llama, MQA (1 kv head), untied, llama3 rope scaling that actually moves frequencies.
+    "llama_mqa_llama3": ("llama", dict(
+        num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Llama, GQA, untied, linear rope scaling.
+    "llama_linear": ("llama", dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Llama with attention_bias (q/k/v/o) and mlp_bias (gate/up/down), GQA, untied.
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    # Qwen2 (qkv bias), GQA, tied.
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    # Qwen2 with yarn (HF's Qwen2 rotary supports every ROPE_INIT_FUNCTIONS type).
+    "qwen2_yarn": ("qwen2", dict(
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    # Qwen3 (q/k norm), head_dim 32 != hidden / heads = 16, untied.
+    "qwen3_headdim": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # Qwen3, MQA, tied.
+    "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+}
+
+PARITY_MODELS = list(MODEL_SPECS)
+
+
+def _classes(arch: str):
+    import transformers as tf
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+
+
+def build_checkpoint(path: str, arch: str, overrides: dict | None = None, seed: int = 0,
+                     max_shard_size: str | None = None, generation_config: dict | None = None):
+    """Save a tiny random fp32 model to `path`; return the HF model (eval, fp32)."""
+    cfg_cls, model_cls = _classes(arch)
+    kw = dict(TINY)
+    kw.update(overrides or {})
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = cfg_cls(**kw)
+        model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    save_kw = {}
+    if max_shard_size is not None:
+        save_kw["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kw)
+    if generation_config is not None:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation_config, f)
+    return model
+
+
+def make_prompts(n_lengths, vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in n_lengths]
+
+
+PROMPT_LENGTHS = [5, 17, 33, 8, 70, 3, 40, 12]
+NUM_NEW = 20
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF generate(do_sample=False) for one prompt, exactly n new tokens."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def hf_greedy_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF generate(do_sample=False) for a left-padded batch (one call, same tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[:, width:].tolist()
+
+
+@torch.inference_mode()
+def hf_next_token(model, tokens: list[int]) -> int:
+    """Dense HF forward over all tokens, argmax of the last row."""
+    return int(model(torch.tensor([tokens])).logits[0, -1].argmax())
+
+
+class TinyModel:
+    """A saved checkpoint, its HF twin and (lazily) HF greedy references."""
+
+    def __init__(self, name: str, path: str, arch: str, hf_model):
+        self.name, self.path, self.arch, self.hf = name, path, arch, hf_model
+        self.hf_config = json.load(open(os.path.join(path, "config.json")))
+        self.vocab_size = self.hf_config["vocab_size"]
+        self._refs: dict[tuple, list[int]] = {}
+
+    def reference(self, prompt: list[int], n: int = NUM_NEW) -> list[int]:
+        """HF greedy tokens; the standard prompts are generated together in one batch."""
+        key = (tuple(prompt), n)
+        if key not in self._refs:
+            prompts = self.prompts
+            if n == NUM_NEW and prompt in prompts:
+                for p, ref in zip(prompts, hf_greedy_batch(self.hf, prompts, n)):
+                    self._refs[(tuple(p), n)] = ref
+            else:
+                self._refs[key] = hf_greedy(self.hf, prompt, n)
+        return self._refs[key]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return make_prompts(PROMPT_LENGTHS, self.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    cache: dict[str, TinyModel] = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in cache:
+            arch, overrides = MODEL_SPECS[name]
+            path = str(tmp_path_factory.mktemp(name))
+            hf = build_checkpoint(path, arch, overrides)
+            cache[name] = TinyModel(name, path, arch, hf)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_tiny(tiny_model_factory) -> TinyModel:
+    """The default model for unit tests: Llama, GQA, tied."""
+    return tiny_model_factory("llama_gqa_tied")
+
+
+@pytest.fixture(scope="session")
+def eos_model(tmp_path_factory) -> TinyModel:
+    """A Llama checkpoint whose generation_config.json (not config.json) names the EOS ids.
+
+    The EOS id is picked from the model's own greedy output for `eos_prompt`, so
+    greedy generation provably meets it: eos_ref[eos_index] == eos_id, first
+    occurrence. stop_index is another first occurrence, for stop_token_ids tests.
+    """
+    path = str(tmp_path_factory.mktemp("llama_eos"))
+    hf = build_checkpoint(path, "llama", dict(tie_word_embeddings=True), seed=3)
+    tm = TinyModel("llama_eos", path, "llama", hf)
+    for seed in range(20):
+        prompt = make_prompts([9], tm.vocab_size, seed=100 + seed)[0]
+        ref = tm.reference(prompt, 20)
+        firsts = [k for k in range(2, 12) if ref[k] not in ref[:k]]
+        eos_idx = next((k for k in firsts if k >= 3 and ref[k] in ref[k + 1:]), None)
+        stop_idx = next((k for k in firsts if k != eos_idx), None)
+        if eos_idx is not None and stop_idx is not None:
+            break
+    else:
+        raise AssertionError("no usable EOS candidate in the greedy outputs")
+    unused = next(t for t in range(tm.vocab_size) if t not in ref)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [ref[eos_idx], unused]}, f)
+    tm.eos_prompt, tm.eos_ref, tm.eos_id, tm.eos_index = prompt, ref, ref[eos_idx], eos_idx
+    tm.stop_index = stop_idx
+    return tm
+
+
+def make_llm(path: str, **kw):
+    """An LLM on CPU in fp32 with small defaults (callers override)."""
+    from tokenmill import LLM
+    args = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=16)
+    args.update(kw)
+    return LLM(path, **args)
+
+
+def scheduler_of(llm):
+    return llm.llm_engine.engine_core.scheduler
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.runner

@@ -1,0 +1,340 @@
+"""`tokenmill bench throughput`: offline throughput, tokenmill vs HF generate, in one run.
+
+Both sides run the same seeded workload (random token-id prompts, greedy,
+ignore_eos, per-request output lengths) on the same weights and dtype:
+
+- tokenmill: one `LLM.generate` call over every request (continuous batching).
+- HF transformers: `model.generate` on static batches in workload order, left
+  padded. A static batch runs until its longest request is done, so every row
+  generates the batch maximum; only each request's own length counts as output.
+
+Output tok/s = counted output tokens / wall seconds of the timed part.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+BENCH_MODEL_NAME = "bench-qwen3-512"
+BENCH_MODEL_CONFIG = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=64, intermediate_size=1536, vocab_size=32000, tie_word_embeddings=False,
+    max_position_embeddings=2048)
+DTYPES = ("bfloat16", "float16", "float32")
+PAD_TOKEN_ID = 0
+
+
+# ---- arguments -----------------------------------------------------------------
+def int_range(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), both inclusive, 1 <= A <= B."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected A:B with integers 1 <= A <= B (e.g. 32:512), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected A:B with 1 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"local HF model folder (default: the {BENCH_MODEL_NAME} random-weight "
+                        "Qwen3 model, built once into $TOKENMILL_CACHE or ~/.cache/tokenmill)")
+    p.add_argument("--num-prompts", type=positive_int, default=128)
+    p.add_argument("--input-len", type=int_range, default=(32, 512), metavar="A:B",
+                   help="prompt lengths, uniform integers in [A, B] (default 32:512)")
+    p.add_argument("--output-len", type=int_range, default=(32, 256), metavar="A:B",
+                   help="output lengths, uniform integers in [A, B] (default 32:256)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    p.add_argument("--output-json", default=None, metavar="PATH")
+    p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--hf-num-prompts", type=positive_int, default=None, metavar="N",
+                   help="run the HF baseline on the first N requests only (default: all)")
+    p.add_argument("--hf-batch-size", type=positive_int, default=32)
+
+
+# ---- the benchmark model -------------------------------------------------------
+def cache_root() -> str:
+    return os.environ.get("TOKENMILL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tokenmill")
+
+
+def _is_saved_model(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def ensure_bench_model() -> str:
+    """Build the random-weight Qwen3 model once; later runs reuse the folder."""
+    path = os.path.join(cache_root(), BENCH_MODEL_NAME)
+    if os.path.isdir(path) and _is_saved_model(path):
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    logger.info("building the benchmark model in %s", path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**BENCH_MODEL_CONFIG)).to(torch.bfloat16)
+    # Save beside the target and rename: a reader never sees a half-written folder.
+    tmp = tempfile.mkdtemp(prefix=f".{BENCH_MODEL_NAME}.tmp-", dir=os.path.dirname(path))
+    try:
+        model.save_pretrained(tmp)
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_saved_model(path):  # not a lost race with another run: a real error
+            raise
+    return path
+
+
+def read_model_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {path!r} is not a local folder (this benchmark never downloads)")
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise ValueError(f"--model folder {path!r} has no config.json")
+    with open(cfg) as f:
+        return json.load(f)
+
+
+# ---- the workload --------------------------------------------------------------
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def head(self, n: int) -> "Workload":
+        return Workload(self.prompts[:n], self.output_lens[:n])
+
+
+def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  vocab_size: int, seed: int) -> Workload:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num_prompts)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num_prompts)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in in_lens]
+    return Workload(prompts, [int(n) for n in out_lens])
+
+
+# ---- tokenmill -----------------------------------------------------------------
+def _tokenmill_generate(llm, workload: Workload):
+    from tokenmill import SamplingParams
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in workload.output_lens]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
+                  max_model_len: int):
+    """-> (LLM, output tok/s, seconds, generated token ids per request)."""
+    from tokenmill import LLM
+    llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    _tokenmill_generate(llm, warmup)  # first-call costs (allocator, kernels) stay untimed
+    start = time.perf_counter()
+    outputs = _tokenmill_generate(llm, workload)
+    seconds = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    return llm, sum(len(t) for t in token_ids) / seconds, seconds, token_ids
+
+
+def check_lengths(token_ids: list[list[int]], workload: Workload) -> str | None:
+    """An error message when a request did not get exactly its max_tokens."""
+    generated = sum(len(t) for t in token_ids)
+    if generated == workload.total_output_tokens:
+        return None
+    wrong = [i for i, (t, n) in enumerate(zip(token_ids, workload.output_lens)) if len(t) != n]
+    return (f"tokenmill generated {generated} tokens, the workload asks for "
+            f"{workload.total_output_tokens}; wrong lengths in requests {wrong[:8]}")
+
+
+# ---- HF transformers generate --------------------------------------------------
+def _left_pad(prompts: list[list[int]], device):
+    import torch
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _hf_generate_batch(model, prompts: list[list[int]], num_new: int):
+    """Greedy, exactly num_new tokens per row (EOS cannot stop a row early)."""
+    import torch
+    ids, mask = _left_pad(prompts, model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=num_new, min_new_tokens=num_new,
+                             pad_token_id=PAD_TOKEN_ID)
+    out = out[:, ids.shape[1]:].cpu()  # to the host: the timer then covers device work too
+    if out.shape[1] != num_new:
+        raise RuntimeError(f"HF generate made {out.shape[1]} tokens per row, expected {num_new}")
+    return out
+
+
+def run_hf(model_path: str, workload: Workload, warmup: Workload, dtype: str, device,
+           batch_size: int):
+    """-> (useful output tok/s, seconds, generated token ids, generated tokens incl. waste)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    _hf_generate_batch(model, warmup.prompts, max(warmup.output_lens))
+    batches = [range(i, min(i + batch_size, len(workload.prompts)))
+               for i in range(0, len(workload.prompts), batch_size)]
+    token_ids: list[list[int]] = []
+    generated = 0
+    start = time.perf_counter()
+    for rows in batches:
+        lens = [workload.output_lens[i] for i in rows]
+        out = _hf_generate_batch(model, [workload.prompts[i] for i in rows], max(lens))
+        generated += out.numel()
+        token_ids += [out[r, :n].tolist() for r, n in enumerate(lens)]
+    seconds = time.perf_counter() - start
+    return workload.total_output_tokens / seconds, seconds, token_ids, generated
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean share of each output that matches before the first divergence."""
+    shares = []
+    for x, y in zip(a, b):
+        same = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        shares.append(same / max(len(x), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
+# ---- report --------------------------------------------------------------------
+def format_table(tm_tok_s: float, hf_tok_s: float | None) -> str:
+    ratio = f"{tm_tok_s / hf_tok_s:.2f}x" if hf_tok_s else "-"
+    hf = f"{hf_tok_s:.1f}" if hf_tok_s else "skipped"
+    rows = [("tokenmill", f"{tm_tok_s:.1f}"), ("HF generate", hf), ("ratio", ratio)]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'':<{width}}  output tok/s"]
+    lines += [f"{name:<{width}}  {value:>12}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def _fmt_range(r: tuple[int, int]) -> str:
+    return f"{r[0]}:{r[1]}"
+
+
+def validate_args(args: argparse.Namespace, hf_config: dict) -> int:
+    """-> max_model_len: room for the longest prompt plus the longest output."""
+    if args.hf_num_prompts is not None and args.hf_num_prompts > args.num_prompts:
+        raise ValueError(f"--hf-num-prompts ({args.hf_num_prompts}) exceeds --num-prompts "
+                         f"({args.num_prompts})")
+    max_model_len = args.input_len[1] + args.output_len[1]
+    limit = hf_config.get("max_position_embeddings", 2048)
+    if max_model_len > limit:
+        raise ValueError(f"longest prompt + output ({max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return max_model_len
+
+
+def build_result(args, model_path: str, device, max_model_len: int, workload: Workload,
+                 tm: tuple[float, float], hf: tuple | None, hf_n: int) -> dict:
+    """The --output-json document. tm = (tok/s, s); hf = (tok/s, s, generated, agreement)."""
+    hf_tok_s, hf_seconds, hf_generated, agreement = hf or (None, None, None, None)
+    return {
+        "tokenmill_tok_s": tm[0],
+        "hf_generate_tok_s": hf_tok_s,
+        "ratio": tm[0] / hf_tok_s if hf_tok_s else None,
+        "tokenmill_seconds": tm[1],
+        "hf_generate_seconds": hf_seconds,
+        "greedy_agreement": agreement,
+        "workload": {
+            "model": model_path, "dtype": args.dtype, "device": str(device),
+            "seed": args.seed, "num_prompts": args.num_prompts,
+            "input_len": _fmt_range(args.input_len), "output_len": _fmt_range(args.output_len),
+            "total_prompt_tokens": workload.total_prompt_tokens,
+            "total_output_tokens": workload.total_output_tokens,
+            "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "hf_skipped": hf is None, "hf_num_prompts": hf_n,
+            "hf_batch_size": args.hf_batch_size,
+            "hf_output_tokens": workload.head(hf_n).total_output_tokens,
+            # Static batching pads every row to its batch's longest output: the waste.
+            "hf_generated_tokens": hf_generated,
+        },
+    }
+
+
+def run_throughput_bench(args: argparse.Namespace) -> int:
+    model_path = args.model or ensure_bench_model()
+    hf_config = read_model_config(model_path)
+    max_model_len = validate_args(args, hf_config)
+    vocab = hf_config["vocab_size"]
+    workload = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    # Short requests, from another seed, to warm both sides up untimed.
+    warmup = make_workload(4, (16, 32), (4, 8), vocab, args.seed + 1)
+    logger.info("workload: %d requests, %d prompt tokens, %d output tokens",
+                args.num_prompts, workload.total_prompt_tokens, workload.total_output_tokens)
+
+    llm, tm_tok_s, tm_seconds, tm_ids = run_tokenmill(model_path, workload, warmup, args,
+                                                      max_model_len)
+    device = llm.llm_engine.model_config.device
+    error = check_lengths(tm_ids, workload)
+    if error:
+        logger.error(error)
+        return 1
+    logger.info("tokenmill: %.1f output tok/s (%.1f s)", tm_tok_s, tm_seconds)
+    del llm  # free its weights and KV cache before the baseline loads
+    gc.collect()
+
+    hf = None
+    hf_n = args.hf_num_prompts or args.num_prompts
+    if not args.skip_hf:
+        hf_work = workload.head(hf_n)
+        hf_tok_s, hf_seconds, hf_ids, hf_generated = run_hf(
+            model_path, hf_work, warmup, args.dtype, device, args.hf_batch_size)
+        agreement = greedy_agreement(tm_ids[:hf_n], hf_ids)
+        logger.info("HF generate: %.1f useful output tok/s (%.1f s, %d tokens generated for "
+                    "%d useful); greedy agreement with tokenmill %.1f%%", hf_tok_s, hf_seconds,
+                    hf_generated, hf_work.total_output_tokens, 100 * agreement)
+        hf = (hf_tok_s, hf_seconds, hf_generated, agreement)
+
+    print(format_table(tm_tok_s, hf[0] if hf else None))
+    if args.output_json:
+        result = build_result(args, model_path, device, max_model_len, workload,
+                              (tm_tok_s, tm_seconds), hf, hf_n)
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
