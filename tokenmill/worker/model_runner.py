@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.kernels import cpu_ops
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.sample.sampler import Sampler
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
@@ -89,6 +90,7 @@ class ModelRunner:
         self.last_attn_meta: AttentionMetadata | None = None
         self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
+        self.native_ops = cpu_ops() if device.type == "cpu" else None
 
     def _arange_upto(self, n: int) -> np.ndarray:
         if n > self._arange.size:
@@ -192,11 +194,9 @@ class ModelRunner:
             slot_offset=torch.from_numpy(slot_offset).to(dev))
         if nd:
             nb = -(-int(seq_lens[:nd].max()) // bs)
-            meta.decode_block_table = torch.from_numpy(
-                table.block_table[:nd, :nb].astype(np.int64)).to(dev)
-            visible = self._arange_upto(nb * bs)[None, :] < seq_lens[:nd, None]
-            mask = np.where(visible, 0.0, -np.inf).astype(np.float32)
-            meta.decode_mask = torch.from_numpy(mask).to(dev).view(nd, 1, 1, nb * bs)
+            meta.decode_block_table = torch.from_numpy(table.block_table[:nd, :nb].copy()).to(dev)
+            meta.decode_seq_lens = torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev)
+            meta.native_ops = self.native_ops
         for r in range(nd, n):
             nb = -(-int(seq_lens[r]) // bs)
             meta.prefills.append(PrefillChunk(

@@ -33,11 +33,23 @@ class AttentionMetadata:
     # Where each new token's K/V goes: block id and offset inside the block ([T] each).
     slot_block: torch.Tensor
     slot_offset: torch.Tensor
-    # Decode rows: their block tables cut to the widest one, and a [nd, 1, 1, L]
-    # additive mask hiding the padded tail of each row.
+    # Decode rows: their block tables (int32) cut to the widest one, and their lengths.
     decode_block_table: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Native kernels (tokenmill.kernels.cpu_ops()) or None for the PyTorch path.
+    native_ops: object = None
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """[nd, 1, 1, L] additive mask hiding each decode row's padded tail (built once a step)."""
+        if self._decode_mask is None:
+            width = self.decode_block_table.shape[1] * block_size
+            pos = torch.arange(width, device=self.decode_seq_lens.device)
+            visible = pos[None, :] < self.decode_seq_lens[:, None]
+            mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            self._decode_mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+        return self._decode_mask
 
 
 class PagedAttention(nn.Module):
@@ -63,13 +75,17 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
+        if meta.native_ops is not None:
+            return meta.native_ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
+                                                meta.decode_seq_lens, self.scale)
+        # PyTorch path: gather the rows' blocks, then one batched grouped-query matmul.
         nd, hkv, d = q.shape[0], self.num_kv_heads, self.head_size
-        blocks = cache[meta.decode_block_table]  # [nd, nb, 2, bs, Hkv, D]
+        blocks = cache[meta.decode_block_table.long()]  # [nd, nb, 2, bs, Hkv, D]
         kv = blocks.transpose(1, 2).reshape(nd, 2, -1, hkv, d)  # [nd, 2, L, Hkv, D]
         keys = kv[:, 0].permute(0, 2, 3, 1)  # [nd, Hkv, D, L]
         values = kv[:, 1].transpose(1, 2)  # [nd, Hkv, L, D]
         qg = q.view(nd, hkv, -1, d)  # [nd, Hkv, G, D]
-        scores = torch.matmul(qg, keys).float() * self.scale + meta.decode_mask
+        scores = torch.matmul(qg, keys).float() * self.scale + meta.decode_mask(cache.shape[2])
         probs = scores.softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(nd, self.num_heads, d)
 

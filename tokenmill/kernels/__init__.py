@@ -1,0 +1,26 @@
+"""Native kernels, compiled on first use with torch's C++ extension builder.
+
+When no compiler is at hand (or TOKENMILL_NO_NATIVE=1), `cpu_ops()` returns
+None and callers use their plain PyTorch path.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_ops():
+    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(__file__), "cpu_paged_attention.cpp")
+        return load(name="tokenmill_cpu_paged_attention", sources=[src],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, unsupported flags...
+        logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", e)
+        return None
