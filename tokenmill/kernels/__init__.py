@@ -6,10 +6,22 @@ None and callers use their plain PyTorch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 
 logger = logging.getLogger(__name__)
+
+
+def _cpu_fingerprint() -> str:
+    """Built with -march=native: a build must never be reused on another CPU model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        info = platform.processor()
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -19,8 +31,8 @@ def cpu_ops():
     try:
         from torch.utils.cpp_extension import load
         src = os.path.join(os.path.dirname(__file__), "cpu_paged_attention.cpp")
-        return load(name="tokenmill_cpu_paged_attention", sources=[src],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+        return load(name=f"tokenmill_cpu_paged_attention_{_cpu_fingerprint()}", sources=[src],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags...
         logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", e)
         return None

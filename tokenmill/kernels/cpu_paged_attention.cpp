@@ -1,79 +1,221 @@
 // Paged decode attention for CPU: reads K/V straight from the cache blocks
 // through the block table (no gather copy), fp32 accumulation, one job per
-// (row, kv head) spread over the intra-op threads.
+// (row, kv head) spread over the intra-op threads. With AVX-512 the head
+// dimension is processed 16 lanes at a time; otherwise a plain loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
-// Decode attention over a paged KV cache: one query token per row.
-// q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (any strides on dim 0);
-// block_table [nd, max_nb] int32; seq_lens [nd] int32; out [nd, Hq, D].
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for 16 lanes: 2^(x log2 e) split into an integer power (scalef) and a
+// degree-6 polynomial of 2^f on [-0.5, 0.5] (relative error ~1e-7, as expf).
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-inf) -> 0, no NaN
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 template <typename T>
-static void decode_kernel(const T* q, const T* kv, const int32_t* bt, const int32_t* seq_lens,
-                          T* out, int64_t nd, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                          int64_t max_nb, int64_t s_block, int64_t s_kv, int64_t s_tok,
-                          int64_t s_head, float scale) {
+struct Cache {
+  const T* data;
+  const int32_t* block_table;  // [rows, max_nb]
+  int64_t max_nb, bs, s_block, s_kv, s_tok, s_head;
+  // Calls fn(t, key_ptr, value_ptr) for tokens 0..len-1 of row r, head h,
+  // walking block by block (no division per token).
+  template <typename F>
+  inline void for_each_token(int64_t r, int64_t h, int64_t len, F&& fn) const {
+    const int32_t* row = block_table + r * max_nb;
+    for (int64_t start = 0, b = 0; start < len; start += bs, ++b) {
+      const T* k = data + row[b] * s_block + h * s_head;
+      const int64_t n = std::min(bs, len - start);
+      for (int64_t o = 0; o < n; ++o, k += s_tok) fn(start + o, k, k + s_kv);
+    }
+  }
+};
+
+// scores[j][t] = q_j . k_t for the g query heads sharing kv head h.
+template <typename T>
+static void qk(const float* qf, const Cache<T>& c, int64_t r, int64_t h, int64_t len, int64_t g,
+               int64_t d, float* scores) {
+#if defined(__AVX512F__)
+  if (d == 64) {
+    c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
+      const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* q = qf + j * d;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, acc);
+        scores[j * len + t] = _mm512_reduce_add_ps(acc);
+      }
+    });
+    return;
+  }
+  if (d % 16 == 0) {
+    c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
+      for (int64_t j = 0; j < g; ++j) {
+        const float* q = qf + j * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t x = 0; x < d; x += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), load16(k + x), acc);
+        scores[j * len + t] = _mm512_reduce_add_ps(acc);
+      }
+    });
+    return;
+  }
+#endif
+  c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* q = qf + j * d;
+      float s = 0.f;
+      for (int64_t x = 0; x < d; ++x) s += q[x] * static_cast<float>(k[x]);
+      scores[j * len + t] = s;
+    }
+  });
+}
+
+// acc[j] = sum_t p[j][t] v_t
+template <typename T>
+static void pv(const float* probs, const Cache<T>& c, int64_t r, int64_t h, int64_t len, int64_t g,
+               int64_t d, float* acc) {
+  std::fill(acc, acc + g * d, 0.f);
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
+      for (int64_t x = 0; x < d; x += 16) {
+        const __m512 vx = load16(v + x);
+        for (int64_t j = 0; j < g; ++j) {
+          float* a = acc + j * d + x;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[j * len + t]), vx,
+                                              _mm512_loadu_ps(a)));
+        }
+      }
+    });
+    return;
+  }
+#endif
+  c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float p = probs[j * len + t];
+      float* a = acc + j * d;
+      for (int64_t x = 0; x < d; ++x) a[x] += p * static_cast<float>(v[x]);
+    }
+  });
+}
+
+static void softmax_rows(float* s, int64_t rows, int64_t len) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < rows; ++j, s += len) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    float m = _mm512_reduce_max_ps(vmax);
+    for (; t < len; ++t) m = std::max(m, s[t]);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+      _mm512_storeu_ps(s + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (t < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv));
+      _mm512_mask_storeu_ps(s + t, tail, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    for (; t < len; ++t) s[t] *= _mm512_cvtss_f32(inv);
+  }
+  return;
+#endif
+  for (int64_t j = 0; j < rows; ++j, s += len) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
+template <typename T>
+static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
+                   int64_t hq, int64_t hkv, int64_t d, float scale) {
   const int64_t g = hq / hkv;
   at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), scores;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / hkv, h = job % hkv;
       const int64_t len = seq_lens[r];
+      const int64_t q_off = (r * hq + h * g) * d;
       scores.resize(g * len);
-      for (int64_t i = 0; i < g * d; ++i)
-        qf[i] = static_cast<float>(q[(r * hq + h * g) * d + i]) * scale;
-      // Pass 1: scores[j][t] = q_j . k_t
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = bt[r * max_nb + t / bs];
-        const T* k = kv + blk * s_block + (t % bs) * s_tok + h * s_head;
-        for (int64_t j = 0; j < g; ++j) {
-          const float* qj = qf.data() + j * d;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t c = 0; c < d; ++c) s += qj[c] * static_cast<float>(k[c]);
-          scores[j * len + t] = s;
-        }
-      }
-      // Softmax per query head.
-      for (int64_t j = 0; j < g; ++j) {
-        float* sj = scores.data() + j * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sj[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - m); sum += sj[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
-      }
-      // Pass 2: acc[j] = sum_t p[j][t] v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = bt[r * max_nb + t / bs];
-        const T* v = kv + blk * s_block + s_kv + (t % bs) * s_tok + h * s_head;
-        for (int64_t j = 0; j < g; ++j) {
-          const float p = scores[j * len + t];
-          float* aj = acc.data() + j * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) aj[c] += p * static_cast<float>(v[c]);
-        }
-      }
-      for (int64_t i = 0; i < g * d; ++i) out[(r * hq + h * g) * d + i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[q_off + i]) * scale;
+      qk(qf.data(), c, r, h, len, g, d, scores.data());
+      softmax_rows(scores.data(), g, len);
+      pv(scores.data(), c, r, h, len, g, d, acc.data());
+      for (int64_t i = 0; i < g * d; ++i) out[q_off + i] = static_cast<T>(acc[i]);
     }
   });
 }
 
+// q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (dim 0 may be padded);
+// block_table [nd, max_nb] int32; seq_lens [nd] int32 -> out [nd, Hq, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous());
-  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4));
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [nd, Hq, D] tensor");
+  TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
+              "kv cache must be [num_blocks, 2, block_size, Hkv, D] with contiguous heads");
+  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous());
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous());
+  TORCH_CHECK(q.size(1) % kv.size(3) == 0, "query heads must be a multiple of kv heads");
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
-                            block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                            out.data_ptr<scalar_t>(), q.size(0), q.size(1), kv.size(3), q.size(2),
-                            kv.size(2), block_table.size(1), kv.stride(0), kv.stride(1),
-                            kv.stride(2), kv.stride(3), static_cast<float>(scale));
-  });
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Cache<T> c{reinterpret_cast<const T*>(kv.data_ptr()), block_table.data_ptr<int32_t>(),
+               block_table.size(1), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
+               kv.stride(3)};
+    decode<T>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
+              reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3), q.size(2),
+              static_cast<float>(scale));
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
   return out;
 }
 
