@@ -48,9 +48,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
     if dtype == "auto":
         ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
         resolved = _DTYPES.get(ckpt, torch.float32)
-        if device.type == "cpu" and resolved in (torch.float16, torch.bfloat16):
-            # Half types pay on CPU only with native bf16; fp16 is slow there anyway.
-            resolved = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        # fp16 on CPU is slow and lossy; bf16 is the CPU's half type (as in vLLM).
+        if device.type == "cpu" and resolved == torch.float16:
+            resolved = torch.bfloat16
         return resolved
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
@@ -82,6 +82,14 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     generation_config: dict = field(default_factory=dict)
+
+    @property
+    def gemm_dtype(self) -> torch.dtype | None:
+        """fp32 GEMMs for half-precision models on CPUs that only emulate bf16 (4x faster there)."""
+        if (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                and not cpu_has_native_bf16()):
+            return torch.float32
+        return None
 
     @property
     def vocab_size(self) -> int:

@@ -76,3 +76,20 @@ def test_decode_ignores_garbage_past_each_rows_length():
     for ops in (None, native):
         got = _decode(layer, poisoned, table, q, seq_lens, ops)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_widened_gemm_matches_a_bf16_gemm():
+    """fp32 GEMM over upcast bf16 weights == bf16 GEMM with fp32 accumulation, up to rounding."""
+    from tokenmill.models.layers.linear import Linear, widen_gemms
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ref = (x.float() @ layer.weight.float().T + layer.bias.float())
+    native = layer(x)
+    assert widen_gemms(layer, torch.float32) == 1
+    assert layer.weight.dtype == torch.float32
+    wide = layer(x)
+    assert wide.dtype == torch.bfloat16
+    # Both round the same fp32-accumulated sum to bf16.
+    torch.testing.assert_close(wide.float(), ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(wide.float(), native.float(), atol=2e-2, rtol=1e-2)

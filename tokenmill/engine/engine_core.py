@@ -54,7 +54,7 @@ class EngineCore:
         self.model_config = model_config
         if model is None:
             model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
-                               model_config.device)
+                               model_config.device, model_config.gemm_dtype)
         self.runner = ModelRunner(
             model, dtype=model_config.dtype, device=model_config.device,
             max_num_reqs=scheduler_config.max_num_seqs,

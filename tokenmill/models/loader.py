@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.models.layers.linear import widen_gemms
 from tokenmill.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device) -> nn.Module:
+               device: torch.device, gemm_dtype: torch.dtype | None = None) -> nn.Module:
+    """Build and fill the model; `gemm_dtype` widens its Linear layers (see layers/linear.py)."""
     cls = resolve_model_class(hf_config)
     torch_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -107,5 +109,9 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(torch_default)
     load_weights(model, model_dir)
+    if gemm_dtype is not None and gemm_dtype != dtype:
+        n = widen_gemms(model, gemm_dtype)
+        logger.info("%d linear layers compute in %s (activations and KV cache stay %s)",
+                    n, gemm_dtype, dtype)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)
