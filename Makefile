@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The main job: generate on the built-in demo model (created on first use).
+# The main job: the OpenAI-compatible server on the built-in demo model
+# (created on first use), on 127.0.0.1:8000.
 run: install
-	$(VENV)/bin/tokenmill generate --prompt "The quick brown fox" --max-tokens 32
+	$(VENV)/bin/tokenmill serve
 
 test: install
 	$(PY) -m pytest -q tests

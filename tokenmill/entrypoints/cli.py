@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, bench."""
+"""The `tokenmill` command: generate, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from tokenmill.entrypoints.openai.server import run_server
+    return run_server(args)
+
+
 def cmd_bench(args) -> int:
     from tokenmill.bench.throughput import run_throughput_bench
     return run_throughput_bench(args)
@@ -74,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="local HF folder or hub id (default: the built-in demo model)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: MODEL as given)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    s.add_argument("--log-stats-interval", type=float, default=5.0,
+                   help="seconds between stats log lines while busy (0: off)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks against baselines in the same run")
     bsub = b.add_subparsers(dest="bench_command", required=True)

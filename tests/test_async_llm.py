@@ -1,0 +1,105 @@
+"""AsyncLLM directly: streaming, validation before anything runs, abort on a dropped consumer."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
+
+SMALL = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    return LLM(ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME)), **SMALL)
+
+
+@pytest.fixture
+def async_llm(llm):
+    # Shares the offline LLM's engine: nothing else steps it while this test runs.
+    a = AsyncLLM(llm.llm_engine, log_stats_interval=None)
+    yield a
+    a.shutdown()
+    assert not a._thread.is_alive()
+
+
+def _wait_idle(a: AsyncLLM, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while a.stats.num_running or a.stats.num_waiting or a.stats.num_used_blocks:
+        assert time.monotonic() < deadline, a.stats
+        time.sleep(0.02)
+
+
+def test_streams_cumulative_outputs_equal_to_offline(llm, async_llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["one prompt", "another, longer prompt", "3"]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    async def one(i):
+        seen = []
+        async for out in async_llm.generate(prompts[i], params, f"r{i}"):
+            seen.append(list(out.outputs[0].token_ids))
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    for seen, exp in zip(asyncio.run(main()), expected):
+        assert seen[-1] == exp
+        assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))  # cumulative
+    assert async_llm.stats.generation_tokens_total == 18
+    _wait_idle(async_llm)
+
+
+def test_validation_errors_raise_before_anything_runs(async_llm):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in async_llm.generate({"prompt_token_ids": [5] * 300}, SamplingParams()):
+                pass
+        with pytest.raises(ValueError, match="already in use"):
+            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            gen = async_llm.generate("x", params, "same")
+            await gen.__anext__()
+            async for _ in async_llm.generate("y", params, "same"):
+                pass
+        await gen.aclose()
+    asyncio.run(main())
+    _wait_idle(async_llm)
+
+
+def test_dropped_consumer_aborts_and_frees_blocks(async_llm):
+    async def main():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        n = 0
+        async for out in async_llm.generate("a long one", params, "drop-me"):
+            n += 1
+            if n == 2:
+                break  # the generator is closed by the async for: abort
+        # cancelled consumer
+        task = asyncio.create_task(_consume(async_llm.generate("another", params, "cancel-me")))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    _wait_idle(async_llm)
+    assert async_llm.stats.requests_finished_total == 0
+
+
+async def _consume(gen):
+    async for _ in gen:
+        pass
+
+
+def test_after_shutdown_new_requests_fail(async_llm):
+    async_llm.shutdown()
+
+    async def main():
+        async for _ in async_llm.generate("x", SamplingParams(max_tokens=2)):
+            pass
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())

@@ -1,0 +1,60 @@
+"""/metrics in the Prometheus text format, from AsyncLLM's stats and latency observations."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.engine.async_llm import AsyncLLM
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _StatsCollector:
+    def __init__(self, async_llm: AsyncLLM, model_name: str):
+        self.async_llm, self.labels = async_llm, {"model_name": model_name}
+
+    def collect(self):
+        s = self.async_llm.stats
+        for name, help_, value in (
+                ("tokenmill:num_requests_running", "Requests in the running batch.", s.num_running),
+                ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.",
+                 s.num_waiting),
+                ("tokenmill:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                 s.kv_cache_usage),
+                ("tokenmill:kv_cache_used_blocks", "KV cache blocks in use.", s.num_used_blocks)):
+            g = GaugeMetricFamily(name, help_, labels=list(self.labels))
+            g.add_metric(list(self.labels.values()), value)
+            yield g
+        for name, help_, value in (
+                ("tokenmill:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+                ("tokenmill:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+                ("tokenmill:request_success", "Requests finished (not aborted).",
+                 s.requests_finished_total),
+                ("tokenmill:num_preemptions", "Preemptions by recompute.",
+                 s.num_preemptions_total)):
+            c = CounterMetricFamily(name, help_, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, async_llm: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(async_llm, model_name))
+        kw = dict(labelnames=["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._hist = {
+            "ttft": Histogram("tokenmill:time_to_first_token_seconds",
+                              "Time to first token.", **kw).labels(model_name),
+            "itl": Histogram("tokenmill:inter_token_latency_seconds",
+                             "Time between output tokens.", **kw).labels(model_name),
+            "e2e": Histogram("tokenmill:e2e_request_latency_seconds",
+                             "Arrival to last token.", **kw).labels(model_name),
+        }
+        async_llm.observer = self.observe
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self._hist[kind].observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
