@@ -75,3 +75,28 @@ def test_unreachable_hub_id_says_so(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not be fetched"):
         LLM("tokenmill-test-org/no-such-model")
+
+
+def test_cli_chat_keeps_the_conversation(demo_path, llm, monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAnd again\nexit\n"))
+    rc = main(["chat", "--model", demo_path, "--dtype", "float32", "--max-model-len", "256",
+               "--num-kv-blocks", "64", "--max-tokens", "5", "--temperature", "0",
+               "--system", "Be brief."])
+    assert rc == 0
+    replies = capsys.readouterr().out.splitlines()
+    # The second turn sees the first exchange: same as LLM.chat on the whole history.
+    params = SamplingParams(temperature=0, max_tokens=5)
+    first = llm.chat([{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Hello"}], params, use_tqdm=False)[0].outputs[0].text
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+               {"role": "assistant", "content": first}, {"role": "user", "content": "And again"}]
+    second = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+    assert "\n".join(replies) == f"{first}\n{second}"
+
+
+def test_llm_without_a_model_uses_the_demo_model(demo_path, monkeypatch):
+    import os
+    monkeypatch.setenv("TOKENMILL_CACHE", os.path.dirname(demo_path))
+    llm = LLM(**SMALL)
+    assert llm.llm_engine.model_config.path == demo_path

@@ -12,7 +12,11 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
+        """`model`: a local HF folder or hub id; None serves the built-in demo model."""
+        if model is None:
+            from tokenmill.demo_model import ensure_demo_model
+            model = ensure_demo_model()
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
     def get_tokenizer(self):

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, serve, bench."""
+"""The `tokenmill` command: generate, chat, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    """A conversation on stdin/stdout through the model's chat template."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(resolve_model(args.model), **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("exit", "quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
 def cmd_serve(args) -> int:
     from tokenmill.entrypoints.openai.server import run_server
     return run_server(args)
@@ -62,6 +84,11 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     from tokenmill.bench.throughput import run_throughput_bench
     return run_throughput_bench(args)
+
+
+def cmd_bench_serve(args) -> int:
+    from tokenmill.bench.serve import run_serve_bench
+    return run_serve_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat on stdin/stdout through the chat template")
+    add_engine_args(c)
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--sampling-seed", type=int, default=None)
+    c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
@@ -103,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.throughput import add_throughput_args
     add_throughput_args(t)
     t.set_defaults(func=cmd_bench)
+    sv = bsub.add_parser("serve", help="online serving: latency and throughput over HTTP")
+    from tokenmill.bench.serve import add_serve_bench_args
+    add_serve_bench_args(sv)
+    sv.set_defaults(func=cmd_bench_serve)
     return parser
 
 

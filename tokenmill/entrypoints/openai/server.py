@@ -289,7 +289,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                         echoed[i] = True
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     completion_tokens[i] = len(c.token_ids)
-                    if not delta and c.finish_reason is None:
+                    # Text can lag the tokens (an incomplete UTF-8 character): skip
+                    # empty chunks then; without a tokenizer, one chunk per step.
+                    if not delta and c.finish_reason is None and tok is not None:
                         continue
                     yield _sse({"id": base_id, "object": "text_completion", "created": created,
                                 "model": model,
