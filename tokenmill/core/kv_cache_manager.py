@@ -32,9 +32,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size) * self.num_groups
-
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         return self.req_to_blocks.get(request_id) or [[] for _ in range(self.num_groups)]
 

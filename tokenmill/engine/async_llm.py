@@ -208,8 +208,7 @@ class AsyncLLM:
                 stream.put(err)
             self._streams.clear()
             if self._stopped and self.engine.has_unfinished_requests():
-                ids = list(self.engine._states)
-                self.engine.abort_request(ids)
+                self.engine.abort_request(self.engine.unfinished_request_ids())
 
     def _handle(self, cmds: list[tuple]) -> None:
         for cmd in cmds:

@@ -173,8 +173,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.scheduler.num_running + self.engine_core.scheduler.num_waiting
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._states)
 
     # ---- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
