@@ -54,17 +54,10 @@ class LLM:
              add_generation_prompt: bool = True, chat_template: str | None = None,
              **template_kwargs) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them."""
-        tok = self.llm_engine.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **template_kwargs)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [{"prompt_token_ids": self.llm_engine.apply_chat_template(
+                        conv, add_generation_prompt, chat_template, **template_kwargs)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -111,6 +111,11 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Cumulative RequestOutputs, one per engine step that advanced this request."""
         request_id, queue = await self.add_request(prompt, sampling_params, request_id)
+        async for out in self.stream(request_id, queue):
+            yield out
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with add_request(); leaving early aborts it."""
         finished = False
         try:
             while True:

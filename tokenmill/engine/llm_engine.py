@@ -176,6 +176,18 @@ class LLMEngine:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._states)
 
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs) -> list[int]:
+        """A conversation -> prompt token ids through the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
     # ---- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs = []

@@ -122,15 +122,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         if not messages:
             raise APIError("messages must not be empty", 400, param="messages")
         try:
-            ids = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                          tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+            return async_llm.engine.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt,
+                chat_template)
         except Exception as e:  # jinja errors, templates that reject a message
             raise APIError(f"messages: could not apply the chat template: {e}", 400,
                            param="messages") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     def make_params(req, default_max_tokens: int | None) -> SamplingParams:
         try:
@@ -139,27 +136,24 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise _bad_value(e) from e
 
     async def start(prompt, params: SamplingParams, request_id: str):
-        """add the request now (so validation errors become a 400), return its stream."""
+        """Add the request now (so validation errors become a 400); return its stream."""
         try:
-            gen = async_llm.generate(prompt, params, request_id)
-            first = await gen.__anext__()
+            rid, queue = await async_llm.add_request(prompt, params, request_id)
         except ValueError as e:
             raise _bad_value(e, "prompt") from e
-        return first, gen
+        return async_llm.stream(rid, queue)
 
     class Merged:
         """(index, output) from several request streams as they come; close() frees them all."""
 
-        def __init__(self, starts, request_ids):
-            self.starts, self.request_ids = starts, request_ids
+        def __init__(self, streams, request_ids):
+            self.streams, self.request_ids = streams, request_ids
             self.q: asyncio.Queue = asyncio.Queue()
-            self.tasks = [asyncio.create_task(self._pump(i, f, g))
-                          for i, (f, g) in enumerate(starts)]
+            self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(streams)]
             self.closed = False
 
-        async def _pump(self, i, first, gen):
+        async def _pump(self, i, gen):
             try:
-                await self.q.put((i, first))
                 async for out in gen:
                     await self.q.put((i, out))
                 await self.q.put((i, None))
@@ -186,7 +180,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             for t in self.tasks:
                 t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
-            for _, g in self.starts:
+            for g in self.streams:
                 try:
                     await g.aclose()
                 except RuntimeError:
