@@ -248,14 +248,14 @@ def test_bad_temperature_is_400_naming_the_param(client):
     assert_serving(client)
 
 
-def test_unsupported_n_and_stop_strings(client):
+def test_n_zero_and_greedy_n_are_400(client):
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=0)
     assert _error(ei, 400)["param"] == "n"
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=MODEL, prompt="x", stop=["\n"])
+        client.completions.create(model=MODEL, prompt="x", n=2, temperature=0)
     body = _error(ei, 400)
-    assert body["param"] == "stop" and "not supported" in body["message"]
+    assert body["param"] == "n" and "greedy" in body["message"]
     assert_serving(client)
 
 

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -41,6 +41,9 @@ class LLM:
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        # generate() returns each request once, finished: ask the engine for just that.
+        params = [sp if sp.output_kind == RequestOutputKind.FINAL_ONLY
+                  else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         ids = []
         try:
             for prompt, sp, proc in zip(prompts, params, processed):
@@ -73,7 +76,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
-                        out_tokens += len(out.outputs[0].token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(
                             f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",

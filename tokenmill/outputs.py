@@ -5,12 +5,30 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log probability at one position (vLLM's shape).
+
+    `rank` is 1 for the most likely token; `decoded_token` is its text, or None
+    when the request does not detokenize.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob} with the top-N tokens plus the chosen one.
+SampleLogprobs = list  # list[dict[int, Logprob]]
+PromptLogprobs = list  # list[dict[int, Logprob] | None]; the first position has none
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -32,5 +50,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)

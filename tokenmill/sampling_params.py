@@ -1,24 +1,47 @@
 """Sampling parameters, with vLLM's names and meanings.
 
-Every check raises ValueError naming the offending field, at construction,
-before a request reaches the engine.
+Every check here raises ValueError naming the offending field, at
+construction, before a request reaches the engine. Checks that need the model
+(token ids inside the vocabulary, the logprobs cap) run in LLMEngine.add_request.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import MISSING, dataclass, field, fields
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass(init=False)
 class SamplingParams:
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N per generated position (plus the sampled token)
+    prompt_logprobs: int | None = None  # top-N per prompt position (plus the prompt token)
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __init__(self, **kwargs):
         known = {f.name: f for f in fields(self)}
@@ -40,34 +63,119 @@ class SamplingParams:
         def number(name, kinds=(int, float)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, kinds):
-                raise ValueError(f"{name} must be a number, got {v!r}")
+                kind = "an int" if kinds is int else "a number"
+                raise ValueError(f"{name} must be {kind}, got {v!r}")
             return v
 
-        if number("n", int) != 1:
-            raise ValueError(f"n must be 1 (n > 1 is not supported yet), got {self.n}")
+        def int_list(name, v):
+            if not isinstance(v, (list, tuple, set, frozenset)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in v):
+                raise ValueError(f"{name} must be a list of ints, got {v!r}")
+            return list(v)
+
+        if number("n", int) < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if number("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if number("temperature") < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < number("top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if number("top_k", int) < -1:
             raise ValueError(f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
+        if not 0 <= number("min_p") <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and number("max_tokens", int) < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if number("min_tokens", int) < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
         if self.seed is not None:
             number("seed", int)
-        if not isinstance(self.stop_token_ids, (list, tuple, set)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and number(name, int) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids)
+
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain an empty string")
+        self.stop = list(stop)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, "
+                                 f"got {self.logit_bias!r}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)  # JSON keys arrive as strings
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"logit_bias: bias of token {k} must be a number, got {v!r}")
+                bias[tok] = max(-100.0, min(100.0, float(v)))  # OpenAI's range
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, "
+                                 f"got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind, "
+                             f"got {self.output_kind!r}") from None
+
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
         if self.top_k == -1:
             self.top_k = 0
+        if self.n > 1 and self.greedy:
+            raise ValueError(f"n={self.n} with greedy sampling (temperature=0) would give "
+                             f"{self.n} identical completions; set temperature > 0")
         self.stop_token_ids_set = frozenset(self.stop_token_ids)
+        # Text held back while streaming: it may yet turn out to start a stop string.
+        self.output_text_buffer_length = (max(len(s) for s in self.stop) - 1
+                                          if self.stop and not self.include_stop_str_in_output
+                                          else 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def clone(self) -> "SamplingParams":
-        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self)})
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        kwargs.update(changes)
+        return SamplingParams(**kwargs)

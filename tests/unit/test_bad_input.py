@@ -23,7 +23,7 @@ def assert_idle_and_usable(llm):
     sched = scheduler_of(llm)
     assert sched.kv_cache_manager.num_used_blocks == 0
     assert not sched.requests and not sched.waiting and not sched.running
-    assert llm.llm_engine._states == {}
+    assert llm.llm_engine.output_processor.requests == {}
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                        SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
@@ -59,7 +59,8 @@ BAD_PARAMS = [
     ("max_tokens_zero", dict(max_tokens=0), "max_tokens"),
     ("max_tokens_negative", dict(max_tokens=-3), "max_tokens"),
     ("unknown_keyword", dict(best_of_typo=2), "best_of_typo"),
-    ("n_two", dict(n=2), r"\bn\b"),
+    ("n_zero", dict(n=0), r"\bn\b"),
+    ("n_two_greedy", dict(n=2, temperature=0.0), r"\bn=2\b.*greedy"),
     ("stop_token_ids_not_ints", dict(stop_token_ids=["x"]), "stop_token_ids"),
 ]
 

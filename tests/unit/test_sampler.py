@@ -160,7 +160,8 @@ def test_tiny_top_p_equals_greedy(greedy_setup):
 def test_sampler_top_k_one_and_tiny_top_p_equal_argmax():
     torch.manual_seed(0)
     logits = torch.randn(64, 50) * 3
-    sampler = Sampler()
+    def sampler(lg, md):
+        return Sampler()(lg, md).sampled_token_ids
     argmax = logits.argmax(-1)
     assert torch.equal(sampler(logits, metadata(64, 2.0, top_k=1)), argmax)
     assert torch.equal(sampler(logits, metadata(64, 2.0, top_p=1e-6)), argmax)
@@ -172,7 +173,7 @@ def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     torch.manual_seed(1)
     logits = torch.randn(32, 40)
     greedy = [i % 2 == 0 for i in range(32)]
-    out = Sampler()(logits, metadata(32, 1.0, greedy=greedy))
+    out = Sampler()(logits, metadata(32, 1.0, greedy=greedy)).sampled_token_ids
     argmax = logits.argmax(-1)
     assert torch.equal(out[0::2], argmax[0::2])
     assert not torch.equal(out[1::2], argmax[1::2])
@@ -204,7 +205,7 @@ N_DRAWS = 40000
 
 def _frequencies(md, n=N_DRAWS):
     logits = LOGITS.expand(n, -1).clone()
-    out = Sampler()(logits, md)
+    out = Sampler()(logits, md).sampled_token_ids
     return torch.bincount(out, minlength=LOGITS.numel()).float() / n
 
 
@@ -235,7 +236,7 @@ def test_seeded_generators_give_per_row_streams():
     def draw(seed_rows):
         gens = {r: torch.Generator().manual_seed(s) for r, s in seed_rows.items()}
         md = metadata(4, 1.0, generators=gens)
-        return torch.stack([Sampler()(logits, md) for _ in range(200)], 1)
+        return torch.stack([Sampler()(logits, md).sampled_token_ids for _ in range(200)], 1)
 
     a = draw({0: 5, 2: 6})
     b = draw({0: 5, 3: 6})

@@ -327,7 +327,7 @@ def test_block_accounting_back_to_zero_after_mixed_workload_with_aborts(llama_ti
     assert set(finished) == set(ids) - set(aborted)
     for rid, out in finished.items():
         assert out.outputs[0].finish_reason == "length"
-    assert llm.llm_engine._states == {}
+    assert llm.llm_engine.output_processor.requests == {}
     # The engine is still usable.
     again = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                          SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

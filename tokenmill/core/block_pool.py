@@ -42,6 +42,13 @@ class BlockPool:
             self.ref_cnt[b] = 1
         return out
 
+    def share(self, block_ids: list[int]) -> None:
+        """Take one more reference on blocks someone already holds."""
+        for b in block_ids:
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"block {b} is free and cannot be shared")
+            self.ref_cnt[b] += 1
+
     def free(self, block_ids: list[int]) -> None:
         # Freed in reverse so the tail of a sequence is reused first and the
         # head (likely shared later by prefix caching) stays longest.

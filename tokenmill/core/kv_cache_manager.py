@@ -54,6 +54,19 @@ class KVCacheManager:
             group_blocks.extend(ids)
         return new_ids
 
+    def share_prefix(self, request: Request, donor_id: str, num_blocks: int) -> int:
+        """Give `request` the first `num_blocks` blocks of `donor_id` (per group) and
+        return the number of tokens they hold. The caller marks them computed."""
+        assert not any(self.req_to_blocks.get(request.request_id, [])), "request holds blocks"
+        donor = self.req_to_blocks.get(donor_id)
+        if not donor or len(donor[0]) < num_blocks or num_blocks <= 0:
+            return 0
+        shared = [list(group[:num_blocks]) for group in donor]
+        for ids in shared:
+            self.pool.share(ids)
+        self.req_to_blocks[request.request_id] = shared
+        return num_blocks * self.block_size
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_ids: frozenset[int] = frozenset(),
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, share_prompt_with: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -37,7 +37,10 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
+        # A sibling of the same n > 1 request that prefills the shared prompt:
+        # this one waits for it and then takes its full prompt blocks.
+        self.share_prompt_with = share_prompt_with
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -58,9 +60,31 @@ class SchedulerOutput:
 
 
 @dataclass
+class LogprobsLists:
+    """Logprobs of some positions, on the host: row i is one position.
+
+    Column 0 holds the chosen token (sampled, or the next prompt token), the
+    other columns the top-k tokens, most likely first. `ranks` is the chosen
+    token's 1-based rank among the whole vocabulary.
+    """
+
+    token_ids: "np.ndarray"  # [P, 1 + k] int
+    logprobs: "np.ndarray"  # [P, 1 + k] float32
+    ranks: "np.ndarray"  # [P] int
+
+    def slice(self, start: int, end: int) -> "LogprobsLists":
+        return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end],
+                             self.ranks[start:end])
+
+
+@dataclass
 class ModelRunnerOutput:
     # Request ids in the runner's batch order, and the index of each.
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     # Per request: the tokens it produced this step (empty while still in its prompt).
     sampled_token_ids: list[list[int]]
+    # Row i: logprobs of request i's sampled token (None when no request asked).
+    logprobs: LogprobsLists | None = None
+    # Prompt logprobs of requests whose prompt finished this step (all positions but the first).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

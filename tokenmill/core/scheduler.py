@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                         SchedulerOutput)
+from tokenmill.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
+                                         NewRequestData, SchedulerOutput)
 
 
 @dataclass
@@ -25,12 +25,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+_WAIT = object()
+
+
 @dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsLists | None = None  # one row per new token
+    prompt_logprobs: LogprobsLists | None = None  # once, when the prompt is done
 
     @property
     def finished(self) -> bool:
@@ -49,6 +54,7 @@ class Scheduler:
         # Requests whose state the runner holds (seen in an earlier step).
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        self.num_shared_prompt_blocks = 0
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,7 +64,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids) -> list[str]:
-        aborted = []
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids, status: RequestStatus,
+                        stop_reason: int | str | None = None) -> list[str]:
+        """Finish live requests from outside (abort, a stop string found in the text)."""
+        finished = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
@@ -67,9 +78,10 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            aborted.append(rid)
-        return aborted
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+            finished.append(rid)
+        return finished
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -103,6 +115,27 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _prompt_donor(self, req: Request):
+        """The sibling whose prompt blocks `req` can take now, None to prefill
+        alone, or _WAIT while that sibling's prompt is still being computed."""
+        if req.share_prompt_with is None or req.num_computed_tokens:
+            return None
+        if req.num_prompt_tokens - 1 < self.kv_cache_manager.block_size:
+            return None  # not even one full block to share
+        donor = self.requests.get(req.share_prompt_with)
+        if donor is None or donor.is_finished:
+            return None
+        # Its prompt KV is written once a step counted it computed and has run.
+        if donor.status == RequestStatus.RUNNING and \
+                donor.num_computed_tokens >= donor.num_prompt_tokens:
+            return donor
+        return _WAIT
+
+    def _undo_share(self, req: Request) -> None:
+        if req.num_computed_tokens:
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -139,17 +172,30 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, in order, while nothing was preempted this step.
-        while (not preempted and self.waiting and budget > 0
+        # A request whose prompt a sibling is still prefilling is skipped, not waited on.
+        w = 0
+        while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[w]
+            donor = self._prompt_donor(req)
+            if donor is _WAIT:
+                w += 1
+                continue
+            if donor is not None:
+                num_blocks = (req.num_prompt_tokens - 1) // self.kv_cache_manager.block_size
+                req.num_computed_tokens = self.kv_cache_manager.share_prefix(
+                    req, donor.request_id, num_blocks)
+                self.num_shared_prompt_blocks += num_blocks
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
+                self._undo_share(req)
                 break
             num_new = min(num_new, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
             if new_blocks is None:
+                self._undo_share(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -184,6 +230,8 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         max_len = self.config.max_model_len
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for rid, idx in runner_output.req_id_to_index.items():
             req = self.requests.get(rid)
             new_ids = runner_output.sampled_token_ids[idx]
@@ -195,18 +243,23 @@ class Scheduler:
             for tok in new_ids:
                 req.output_token_ids.append(tok)
                 appended.append(tok)
-                if not sp.ignore_eos and tok in req.eos_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif tok in sp.stop_token_ids_set:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = tok
-                elif (len(req.output_token_ids) >= sp.max_tokens
-                      or req.num_tokens >= max_len):
+                num_out = len(req.output_token_ids)
+                if num_out >= sp.min_tokens:  # before min_tokens nothing but length stops
+                    if not sp.ignore_eos and tok in req.eos_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif tok in sp.stop_token_ids_set:
+                        status = RequestStatus.FINISHED_STOPPED
+                        req.stop_reason = tok
+                if status is None and (num_out >= sp.max_tokens or req.num_tokens >= max_len):
                     status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            outputs.append(EngineCoreOutput(rid, appended, req.finish_reason, req.stop_reason))
+            outputs.append(EngineCoreOutput(
+                rid, appended, req.finish_reason, req.stop_reason,
+                logprobs.slice(idx, idx + len(appended)) if logprobs is not None and
+                sp.logprobs is not None else None,
+                prompt_logprobs.get(rid)))
         return outputs

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -50,7 +50,7 @@ class EngineStats:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    num_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
 
     def put(self, item) -> None:
@@ -172,16 +172,20 @@ class AsyncLLM:
                     continue
                 outputs = engine.step()
                 self.stats.steps_total += 1
+                new_tokens = engine.step_num_new_tokens
+                self.stats.generation_tokens_total += sum(new_tokens.values())
+                # Timings follow the tokens, whatever output kind a request streams.
+                finished_ids = {out.request_id for out in outputs if out.finished}
+                for rid, k in new_tokens.items():
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        self._observe(stream, k, rid in finished_ids)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         self.stats.requests_finished_total += 1
                     if stream is not None:
-                        n = len(out.outputs[0].token_ids)
-                        self._observe(stream, out, n - stream.num_tokens)
-                        self.stats.generation_tokens_total += n - stream.num_tokens
-                        stream.num_tokens = n
                         stream.put(out)
                 self._refresh_stats()
                 now = time.monotonic()
@@ -235,24 +239,22 @@ class AsyncLLM:
                 self._streams.pop(rid, None)
                 self.engine.abort_request([rid])
 
-    def _observe(self, stream: _Stream, out: RequestOutput, new_tokens: int) -> None:
+    def _observe(self, stream: _Stream, new_tokens: int, finished: bool) -> None:
         if self.observer is None:
             return
         now = time.monotonic()
         try:
-            m = out.metrics
             if new_tokens > 0:
                 if stream.last_token_time is None:
-                    if m is not None:
-                        self.observer("ttft", now - m.arrival_time)
+                    self.observer("ttft", now - stream.arrival_time)
                     new_tokens -= 1
                 else:
                     gap = (now - stream.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.observer("itl", gap)
                 stream.last_token_time = now
-            if out.finished and m is not None:
-                self.observer("e2e", now - m.arrival_time)
+            if finished:
+                self.observer("e2e", now - stream.arrival_time)
         except Exception:  # noqa: BLE001 - metrics must never break the engine
             logger.exception("metrics observer failed")
 

@@ -77,6 +77,11 @@ class EngineCore:
         self._flush_finished_if_idle()
         return aborted
 
+    def finish_requests(self, request_ids, status, stop_reason=None) -> list[str]:
+        finished = self.scheduler.finish_requests(request_ids, status, stop_reason)
+        self._flush_finished_if_idle()
+        return finished
+
     def _flush_finished_if_idle(self) -> None:
         # Finished ids normally ride on the next SchedulerOutput; when there is
         # no next step, hand them to the runner now so it holds no stale rows.

@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass, fields
 
 from tokenmill.config import CacheConfig, ModelConfig
-from tokenmill.core.request import Request
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.output_processor import CompletionState, OutputProcessor, RequestState
+from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -49,23 +51,12 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_num_batched_tokens is not None and (
                 not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be a positive int, "
                              f"got {self.max_num_batched_tokens!r}")
-
-
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
-    metrics: RequestMetrics
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | None = None
 
 
 class LLMEngine:
@@ -90,7 +81,7 @@ class LLMEngine:
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config)
         self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
-        self._states: dict[str, _RequestState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     @staticmethod
@@ -147,34 +138,101 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, ids = processed if processed is not None else self.process_prompt(prompt)
         request_id = request_id if request_id is not None else self.next_request_id()
-        if request_id in self._states:
+        if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.max_tokens is None:
-            params = params.clone()
-            params.max_tokens = self.model_config.max_model_len - len(ids)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary")
-        req = Request(request_id, ids, params, self.eos_token_ids)
-        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                 if self.tokenizer is not None else None)
-        self._states[request_id] = _RequestState(request_id, text, ids, params, detok,
-                                                 RequestMetrics(req.arrival_time), [])
-        self.engine_core.add_request(req)
+        params = self._resolve_params(params, len(ids))
+        processor = self.output_processor
+        completions = []
+        for i in range(params.n):
+            # n = 1 keeps the user's id in the core; n > 1 gives each completion its own.
+            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                               params.spaces_between_special_tokens)
+            completions.append(CompletionState(i, core_id, detok,
+                                               logprobs=[] if params.logprobs is not None else None))
+        req_state = RequestState(request_id, text, ids, params, completions,
+                                 RequestMetrics(time.monotonic()))
+        core_requests = []
+        for c in completions:
+            child = params
+            if params.n > 1:
+                # Each completion samples alone; seeded ones get seed + index, so the n
+                # completions differ and each is reproducible.
+                child = params.clone(n=1, seed=None if params.seed is None else params.seed + c.index,
+                                     prompt_logprobs=params.prompt_logprobs if c.index == 0 else None)
+                self._attach_derived(child, params)
+            core_requests.append(Request(
+                c.core_id, ids, child, self.eos_token_ids, req_state.metrics.arrival_time,
+                share_prompt_with=completions[0].core_id if c.index > 0 else None))
+        for r in core_requests:
+            if r.request_id in self.engine_core.scheduler.requests:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
+        processor.add_request(req_state)
+        for r in core_requests:
+            self.engine_core.add_request(r)
         return request_id
+
+    def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Checks that need the model, and the request's own copy with derived fields."""
+        vocab = self.model_config.vocab_size
+        max_lp = self.args.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > max_lp:
+                raise ValueError(f"{name}: {v} requested, but at most max_logprobs={max_lp} "
+                                 f"are allowed")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            field = "stop" if params.stop else "bad_words"
+            raise ValueError(f"{field}: this model has no tokenizer")
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        changes = {}
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.model_config.max_model_len - num_prompt_tokens
+        resolved = params.clone(**changes)
+        resolved.all_stop_token_ids = params.stop_token_ids_set | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
+        if params.bad_words:
+            resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return resolved
+
+    @staticmethod
+    def _attach_derived(child: SamplingParams, parent: SamplingParams) -> None:
+        for name in ("all_stop_token_ids", "bad_words_token_ids"):
+            if hasattr(parent, name):
+                setattr(child, name, getattr(parent, name))
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as token ids, alone and after a space (how it appears mid-text)."""
+        out = []
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.engine_core.abort_requests(request_ids)
+        core_ids = []
         for rid in request_ids:
-            self._states.pop(rid, None)
+            core_ids += self.output_processor.remove_request(rid) or [rid]
+        self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._states)
+        return list(self.output_processor.requests)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs) -> list[int]:
@@ -190,28 +248,13 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        now = time.monotonic()
-        for out in self.engine_core.step():
-            st = self._states.get(out.request_id)
-            if st is None:
-                continue
-            if st.metrics.first_token_time is None:
-                st.metrics.first_token_time = now
-            st.token_ids.extend(out.new_token_ids)
-            if st.detokenizer is not None:
-                st.detokenizer.update(out.new_token_ids)
-            if out.finished:
-                st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
-                st.metrics.finished_time = now
-                del self._states[out.request_id]
-            outputs.append(self._make_output(st))
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        for core_id, stop in stopped:  # a stop string showed up in the text
+            self.engine_core.finish_requests([core_id], RequestStatus.FINISHED_STOPPED, stop)
         return outputs
 
-    @staticmethod
-    def _make_output(st: _RequestState) -> RequestOutput:
-        text = st.detokenizer.text if st.detokenizer is not None else ""
-        completion = CompletionOutput(0, text, list(st.token_ids), finish_reason=st.finish_reason,
-                                      stop_reason=st.stop_reason)
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion],
-                             st.finish_reason is not None, metrics=st.metrics)
+    @property
+    def step_num_new_tokens(self) -> dict[str, int]:
+        """New tokens per request id in the last step()."""
+        return self.output_processor.num_new_tokens

@@ -1,5 +1,11 @@
 """On-device sampling, vectorised over the batch.
 
+The order follows vLLM: raw logprobs are taken from the model's logits first;
+then the logits processors run (allowed tokens, bad words and min_tokens as
+-inf masks, logit_bias, penalties), then temperature, min_p and top-k / top-p,
+and finally the draw. A batch where every row is greedy and nothing needs a
+processor or logprobs takes a plain argmax.
+
 Random rows sample by the exponential race (argmax of probs / Exp(1) noise),
 which equals a categorical draw. A seeded request draws its noise from its own
 generator, one [vocab] row per step, so its tokens do not depend on whatever
@@ -13,6 +19,18 @@ import torch
 
 
 @dataclass
+class Penalties:
+    """Repetition / frequency / presence penalties for a subset of rows."""
+
+    rows: torch.Tensor  # [R] long: rows of the batch these apply to
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+    prompt_token_ids: torch.Tensor  # [R, Lp] long, padded with vocab_size
+    output_token_ids: torch.Tensor  # [R, Lo] long, padded with vocab_size
+
+
+@dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows (never divides by 0)
     greedy_mask: torch.Tensor  # [N] bool
@@ -21,6 +39,99 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [N] int32, 0 = off; None when no row uses it
     top_p: torch.Tensor | None  # [N] float32; None when no row uses it
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    min_p: torch.Tensor | None = None  # [N] float32; None when no row uses it
+    # Top-k width of the logprobs to return (None: no row wants logprobs).
+    max_num_logprobs: int | None = None
+    # (rows [A], index into rows [M], token ids [M]): rows with an allow-list
+    # may sample only the tokens listed for them.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids) that must not be sampled now (bad words, min_tokens).
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, bias) added to the logits.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
+
+    @property
+    def no_processors(self) -> bool:
+        return (self.allowed_token_ids is None and self.blocked is None
+                and self.logit_bias is None and self.penalties is None)
+
+
+@dataclass
+class LogprobsTensors:
+    """Column 0: the chosen token; columns 1..k: the top-k tokens. ranks: 1-based."""
+
+    token_ids: torch.Tensor  # [N, 1 + k] long
+    logprobs: torch.Tensor  # [N, 1 + k] float32
+    ranks: torch.Tensor  # [N] long
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] long
+    logprobs: LogprobsTensors | None = None
+
+
+def gather_logprobs(logprobs: torch.Tensor, k: int, chosen: torch.Tensor) -> LogprobsTensors:
+    """Top-k of each row plus the chosen token's logprob and rank."""
+    chosen = chosen.long().unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)
+    # Rank = 1 + how many tokens are strictly more likely than the chosen one.
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=1)
+        ids = torch.cat([chosen, top_ids], dim=1)
+        lps = torch.cat([chosen_lp, top_lp], dim=1)
+    else:
+        ids, lps = chosen, chosen_lp
+    return LogprobsTensors(ids, lps.float(), ranks)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """In place, on p.rows: repetition (prompt and output tokens, HF's rule),
+    then frequency and presence (output tokens, OpenAI's rule)."""
+    vocab = logits.shape[1]
+    sub = logits[p.rows]
+    num_rows = sub.shape[0]
+    counts = torch.zeros(num_rows, vocab + 1, dtype=sub.dtype, device=sub.device)
+    counts.scatter_add_(1, p.output_token_ids, torch.ones_like(p.output_token_ids, dtype=sub.dtype))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+    in_prompt = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=sub.device)
+    in_prompt.scatter_(1, p.prompt_token_ids, True)
+    seen = in_prompt[:, :vocab] | in_output
+    rep = p.repetition.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= p.frequency.unsqueeze(1) * counts
+    sub -= p.presence.unsqueeze(1) * in_output.to(sub.dtype)
+    logits[p.rows] = sub
+
+
+def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """allowed tokens, bad words / min_tokens, logit_bias, penalties: in place on a copy."""
+    logits = logits.clone()
+    if md.allowed_token_ids is not None:
+        rows, which, toks = md.allowed_token_ids
+        keep = torch.zeros(rows.shape[0], logits.shape[1], dtype=torch.bool,
+                           device=logits.device)
+        keep[which, toks] = True
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    if md.blocked is not None:
+        rows, toks = md.blocked
+        logits[rows, toks] = float("-inf")
+    if md.logit_bias is not None:
+        rows, toks, bias = md.logit_bias
+        logits.index_put_((rows, toks), bias, accumulate=True)
+    if md.penalties is not None:
+        apply_penalties(logits, md.penalties)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
@@ -41,12 +152,24 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits [N, V] float32 -> sampled token ids [N] int64."""
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [N, V] float32 -> sampled token ids [N] (and logprobs when asked)."""
+        # Raw logprobs: of the model's distribution, before any processor.
+        raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if not md.no_processors:
+            logits = apply_processors(logits, md)
+        sampled = self._sample(logits, md)
+        logprobs = None if raw is None else gather_logprobs(raw, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled, logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         logits = logits / md.temperature.unsqueeze(1)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1)

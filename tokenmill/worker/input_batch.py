@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.sample.sampler import SamplingMetadata
+from tokenmill.sample.sampler import Penalties, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.block_table import BlockTable
 
@@ -26,6 +26,9 @@ class CachedRequestState:
     block_ids: list[list[int]]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs filled chunk by chunk ([P - 1] positions), until sent once.
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -34,10 +37,11 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, block_sizes: list[int],
-                 device: torch.device):
+                 device: torch.device, vocab_size: int):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
+        self.vocab_size = vocab_size
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
@@ -47,6 +51,15 @@ class InputBatch:
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: none asked
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Rows whose request needs a logits processor (looked up in `params` then).
+        self.needs_processors = np.zeros(max_num_reqs, dtype=bool)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.seeds: dict[int, int] = {}
         self.block_tables = [BlockTable(max_num_reqs, -(-max_model_len // bs), bs)
@@ -75,6 +88,16 @@ class InputBatch:
         self.temperature[row] = sp.temperature
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.min_tokens[row] = sp.min_tokens
+        self.needs_processors[row] = bool(
+            sp.logit_bias or sp.allowed_token_ids or getattr(sp, "bad_words_token_ids", None)
+            or sp.min_tokens or sp.has_penalties)
+        self.params[row] = sp
         if state.generator is not None:
             self.generators[row] = state.generator
             self.seeds[row] = sp.seed
@@ -93,6 +116,8 @@ class InputBatch:
         if row is None:
             return None
         self.req_ids[row] = None
+        self.params[row] = None
+        self.needs_processors[row] = False
         self.generators.pop(row, None)
         self.seeds.pop(row, None)
         for table in self.block_tables:
@@ -115,6 +140,8 @@ class InputBatch:
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         for arr in self._per_row_arrays():
             arr[dst] = arr[src]
+        self.params[dst], self.params[src] = self.params[src], None
+        self.needs_processors[src] = False
         for d in (self.generators, self.seeds):
             if src in d:
                 d[dst] = d.pop(src)
@@ -130,6 +157,7 @@ class InputBatch:
         self.token_ids_cpu[[a, b], :n] = self.token_ids_cpu[[b, a], :n]
         for arr in self._per_row_arrays():
             arr[[a, b]] = arr[[b, a]]
+        self.params[a], self.params[b] = self.params[b], self.params[a]
         for d in (self.generators, self.seeds):
             va, vb = d.pop(a, None), d.pop(b, None)
             if va is not None:
@@ -141,7 +169,9 @@ class InputBatch:
 
     def _per_row_arrays(self):
         return (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-                self.temperature, self.top_p, self.top_k)
+                self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalty,
+                self.frequency_penalty, self.repetition_penalty, self.num_logprobs,
+                self.min_tokens, self.needs_processors)
 
     def token_id(self, row: int, col: int) -> int:
         return int(self.token_ids_cpu[row, col])
@@ -153,8 +183,10 @@ class InputBatch:
         greedy = temp < 1e-5
         top_k = self.top_k[:n]
         top_p = self.top_p[:n]
+        min_p = self.min_p[:n]
+        num_logprobs = self.num_logprobs[:n]
         dev = self.device
-        return SamplingMetadata(
+        md = SamplingMetadata(
             temperature=torch.from_numpy(np.where(greedy, 1.0, temp).astype(np.float32)).to(dev),
             greedy_mask=torch.from_numpy(greedy).to(dev),
             all_greedy=bool(greedy.all()),
@@ -162,4 +194,86 @@ class InputBatch:
             top_k=torch.from_numpy(top_k.copy()).to(dev) if (top_k > 0).any() else None,
             top_p=torch.from_numpy(top_p.copy()).to(dev) if (top_p < 1.0).any() else None,
             generators=dict(self.generators),
+            min_p=torch.from_numpy(min_p.copy()).to(dev) if (min_p > 0).any() else None,
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         )
+        rows = np.nonzero(self.needs_processors[:n])[0]
+        if rows.size:
+            self._add_processors(md, rows)
+        return md
+
+    def _add_processors(self, md: SamplingMetadata, rows: np.ndarray) -> None:
+        """Host side of the logits processors, for the few rows that use them.
+
+        Only sparse (row, token) lists and padded token histories cross to the
+        device; the [N, vocab] work happens there.
+        """
+        dev = self.device
+        allowed_rows, allowed_which, allowed_toks = [], [], []
+        blocked_rows, blocked_toks = [], []
+        bias_rows, bias_toks, bias_vals = [], [], []
+        for r in rows.tolist():
+            sp = self.params[r]
+            n_prompt = int(self.num_prompt_tokens[r])
+            n_out = int(self.num_tokens_no_spec[r]) - n_prompt
+            if sp.allowed_token_ids:
+                allowed_which += [len(allowed_rows)] * len(sp.allowed_token_ids)
+                allowed_rows.append(r)
+                allowed_toks += sp.allowed_token_ids
+            if n_out < sp.min_tokens:
+                stops = getattr(sp, "all_stop_token_ids", sp.stop_token_ids_set)
+                blocked_rows += [r] * len(stops)
+                blocked_toks += stops
+            for word in getattr(sp, "bad_words_token_ids", None) or ():
+                # Ban the word's last token when the output ends with the rest of it.
+                prefix = word[:-1]
+                if len(prefix) > n_out:
+                    continue
+                tail = self.token_ids_cpu[r, n_prompt + n_out - len(prefix):n_prompt + n_out]
+                if np.array_equal(tail, prefix):
+                    blocked_rows.append(r)
+                    blocked_toks.append(word[-1])
+            if sp.logit_bias:
+                bias_rows += [r] * len(sp.logit_bias)
+                bias_toks += sp.logit_bias.keys()
+                bias_vals += sp.logit_bias.values()
+
+        def longs(x):
+            return torch.tensor(x, dtype=torch.long, device=dev)
+
+        if allowed_rows:
+            md.allowed_token_ids = (longs(allowed_rows), longs(allowed_which), longs(allowed_toks))
+        if blocked_rows:
+            md.blocked = (longs(blocked_rows), longs(blocked_toks))
+        if bias_rows:
+            md.logit_bias = (longs(bias_rows), longs(bias_toks),
+                             torch.tensor(bias_vals, dtype=torch.float32, device=dev))
+        pen = rows[(self.presence_penalty[rows] != 0) | (self.frequency_penalty[rows] != 0)
+                   | (self.repetition_penalty[rows] != 1)]
+        if pen.size:
+            md.penalties = self._penalties(pen)
+
+    def _penalties(self, rows: np.ndarray) -> Penalties:
+        """Prompt and output token ids of `rows`, padded with vocab_size (a dump column)."""
+        pad = self.vocab_size
+        n_prompt = self.num_prompt_tokens[rows]
+        n_total = self.num_tokens_no_spec[rows]
+        width = int(n_total.max())
+        hist = self.token_ids_cpu[rows, :width].astype(np.int64)
+        col = np.arange(width)
+        prompt = np.where(col < n_prompt[:, None], hist, pad)[:, :int(n_prompt.max())]
+        out_len = n_total - n_prompt
+        out_width = max(int(out_len.max()), 1)
+        # Output token j of row i sits at column n_prompt[i] + j.
+        idx = np.minimum(n_prompt[:, None] + np.arange(out_width), width - 1)
+        output = np.where(np.arange(out_width) < out_len[:, None],
+                          np.take_along_axis(hist, idx, axis=1), pad)
+        dev = self.device
+
+        def f32(a):
+            return torch.from_numpy(a.astype(np.float32)).to(dev)
+
+        return Penalties(torch.from_numpy(rows.astype(np.int64)).to(dev),
+                         f32(self.presence_penalty[rows]), f32(self.frequency_penalty[rows]),
+                         f32(self.repetition_penalty[rows]),
+                         torch.from_numpy(prompt).to(dev), torch.from_numpy(output).to(dev))

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import cpu_ops
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
-from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.sampler import Sampler, gather_logprobs
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 
@@ -89,6 +89,8 @@ class ModelRunner:
         self.last_step: StepInputs | None = None
         self.last_attn_meta: AttentionMetadata | None = None
         self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
+        self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
+        self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         self.native_ops = cpu_ops() if device.type == "cpu" else None
 
@@ -113,13 +115,15 @@ class ModelRunner:
         for name, cache in self.kv_caches.items():
             layers[name].kv_cache = cache
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      [g.spec.block_size for g in config.groups], self.device)
+                                      [g.spec.block_size for g in config.groups], self.device,
+                                      self.model.config.vocab_size)
 
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self._prompt_logprobs_reqs.discard(rid)
             batch.remove_request(rid)
         # Preempted or simply not scheduled: out of the batch, state kept.
         for rid in list(batch.req_id_to_index):
@@ -136,6 +140,8 @@ class ModelRunner:
                                        new.num_computed_tokens, list(new.output_token_ids))
             self.requests[new.req_id] = state
             batch.add_request(state)
+            if sp.prompt_logprobs is not None:
+                self._prompt_logprobs_reqs.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -214,6 +220,7 @@ class ModelRunner:
         """Drop finished requests when no further step will carry their ids."""
         for rid in req_ids:
             self.requests.pop(rid, None)
+            self._prompt_logprobs_reqs.discard(rid)
             self.input_batch.remove_request(rid)
         self.input_batch.condense()
 
@@ -232,7 +239,45 @@ class ModelRunner:
         # Only the rows that sample reach lm_head.
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
         self._pending = (logits, discard)
+        self._compute_prompt_logprobs(hidden, so)
         return None
+
+    def _compute_prompt_logprobs(self, hidden: torch.Tensor, so: SchedulerOutput) -> None:
+        """Logprobs of each prompt token given the tokens before it, for the requests
+        that asked, over the prompt positions of this step's chunk."""
+        self._prompt_logprobs_ready = {}
+        if not self._prompt_logprobs_reqs:
+            return
+        batch = self.input_batch
+        step = self.last_step
+        for rid in list(self._prompt_logprobs_reqs):
+            r = batch.req_id_to_index.get(rid)
+            if r is None:  # not scheduled this step
+                continue
+            state = self.requests[rid]
+            k = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            start = int(step.seq_lens[r]) - so.num_scheduled_tokens[rid]
+            end = int(step.seq_lens[r])
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = (np.zeros((num_prompt - 1, 1 + k), dtype=np.int64),
+                                         np.zeros((num_prompt - 1, 1 + k), dtype=np.float32),
+                                         np.zeros(num_prompt - 1, dtype=np.int64))
+            # Position p predicts prompt token p + 1.
+            lo, hi = start, min(end, num_prompt - 1)
+            if hi > lo:
+                flat = int(step.query_start_loc[r]) + self._arange_upto(hi - start)[lo - start:]
+                logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
+                got = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
+                ids, lps, ranks = state.prompt_logprobs
+                ids[lo:hi] = got.token_ids.cpu().numpy()
+                lps[lo:hi] = got.logprobs.cpu().numpy()
+                ranks[lo:hi] = got.ranks.cpu().numpy()
+            if end >= num_prompt:
+                self._prompt_logprobs_ready[rid] = LogprobsLists(*state.prompt_logprobs)
+                state.prompt_logprobs, state.prompt_logprobs_sent = None, True
+                self._prompt_logprobs_reqs.discard(rid)
 
     # ---- step, part 2 ------------------------------------------------------------
     @torch.inference_mode()
@@ -243,14 +288,20 @@ class ModelRunner:
         req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
         if self._pending is None:
             return ModelRunnerOutput(req_ids, req_id_to_index, [[] for _ in range(n)])
+        prompt_logprobs, self._prompt_logprobs_ready = self._prompt_logprobs_ready, {}
         logits, discard = self._pending
         self._pending = None
         md = batch.make_sampling_metadata()
         # A row still in its prompt samples nothing, so its seeded generator must not advance.
         for r in np.nonzero(discard)[0].tolist():
             md.generators.pop(r, None)
-        sampled = self.sampler(logits.float(), md)
-        sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
+        sampler_out = self.sampler(logits.float(), md)
+        sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
+        logprobs = None
+        if sampler_out.logprobs is not None:
+            lt = sampler_out.logprobs
+            logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
+                                     lt.ranks.cpu().numpy())
         # Write back into the batch, vectorised over the rows that keep their token.
         rows = np.nonzero(~discard)[0]
         cols = batch.num_tokens_no_spec[rows]
@@ -261,4 +312,4 @@ class ModelRunner:
             tok = int(sampled_np[r])
             out[r] = [tok]
             self.requests[req_ids[r]].output_token_ids.append(tok)
-        return ModelRunnerOutput(req_ids, req_id_to_index, out)
+        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import signal
 import threading
 import time
@@ -20,12 +22,17 @@ from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, TokenizeRequest)
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids",
-                "stop", "prompt", "prompt_token_ids", "messages", "ignore_eos")
+                "stop", "prompt", "prompt_token_ids", "messages", "ignore_eos", "logprobs",
+                "top_logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids",
+                "bad_words", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens", "max_completion_tokens")
+_FIRST_WORD = re.compile(r"[A-Za-z_]+")
 
 
 class APIError(Exception):
@@ -42,7 +49,9 @@ def error_response(message: str, status: int = 400, type: str = "BadRequestError
 
 
 def _param_of(message: str) -> str | None:
-    first = message.split(" ", 1)[0].rstrip(":")
+    """The request field a ValueError's message starts with ("n=2 with ..." -> "n")."""
+    m = _FIRST_WORD.match(message)
+    first = m.group(0) if m else ""
     if first == "prompt_token_ids":
         return "prompt"
     return first if first in _PARAM_NAMES else None
@@ -51,6 +60,17 @@ def _param_of(message: str) -> str | None:
 def _bad_value(e: ValueError, param: str | None = None) -> APIError:
     msg = str(e)
     return APIError(msg, 400, "BadRequestError", _param_of(msg) or param)
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: OpenAI reports impossible tokens as -9999.0."""
+    x = float(x)
+    return x if math.isfinite(x) else -9999.0
+
+
+def _rank_key(item):
+    _, lp = item
+    return (lp.rank if lp.rank is not None else math.inf, -lp.logprob)
 
 
 def _sse(obj) -> str:
@@ -129,18 +149,25 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise APIError(f"messages: could not apply the chat template: {e}", 400,
                            param="messages") from e
 
-    def make_params(req, default_max_tokens: int | None) -> SamplingParams:
+    def make_params(req, default_max_tokens: int | None, output_kind: RequestOutputKind,
+                    rename: dict | None = None) -> SamplingParams:
         try:
-            return req.to_sampling_params(default_max_tokens=default_max_tokens)
+            return req.to_sampling_params(default_max_tokens=default_max_tokens,
+                                          output_kind=output_kind)
         except ValueError as e:
-            raise _bad_value(e) from e
+            raise _renamed(_bad_value(e), rename) from e
 
-    async def start(prompt, params: SamplingParams, request_id: str):
+    def _renamed(err: APIError, rename: dict | None) -> APIError:
+        if rename and err.param in rename:
+            err.param = rename[err.param]
+        return err
+
+    async def start(prompt, params: SamplingParams, request_id: str, rename: dict | None = None):
         """Add the request now (so validation errors become a 400); return its stream."""
         try:
             rid, queue = await async_llm.add_request(prompt, params, request_id)
         except ValueError as e:
-            raise _bad_value(e, "prompt") from e
+            raise _renamed(_bad_value(e, "prompt"), rename) from e
         return async_llm.stream(rid, queue)
 
     class Merged:
@@ -188,13 +215,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             for rid in self.request_ids:  # idempotent: finished ids are ignored
                 async_llm.abort(rid)
 
-    async def start_all(prompts, params, base_id):
+    async def start_all(prompts, params, base_id, rename: dict | None = None):
         starts, ids = [], []
         try:
             for i, p in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 ids.append(rid)
-                starts.append(await start(p, params, rid))
+                starts.append(await start(p, params, rid, rename))
         except BaseException:
             await Merged(starts, ids).close()
             raise
@@ -239,11 +266,79 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return StreamingResponse(wrapped(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    # ---- logprobs in OpenAI's shapes -------------------------------------------------
+    max_logprobs = getattr(getattr(async_llm.engine, "args", None), "max_logprobs", 20)
+
+    def token_text(token_id: int, lp=None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if tok is not None:
+            return tok.decode([token_id])
+        return f"token_id:{token_id}"
+
+    def completion_logprobs(positions, num: int, offset: int) -> tuple[dict, int]:
+        """Completions' logprobs object for (token id, {id: Logprob} | None) positions;
+        `offset` is the text offset of the first one. Returns it and the next offset."""
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for token_id, top in positions:
+            chosen = top.get(token_id) if top else None
+            text = token_text(token_id, chosen)
+            tokens.append(text)
+            text_offset.append(offset)
+            offset += len(text)
+            if top is None:  # the first prompt token: nothing before it to predict it
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
+            shown: dict[str, float] = {}
+            for t, lp in sorted(top.items(), key=_rank_key):
+                if t == token_id or lp.rank is None or lp.rank <= num:
+                    shown.setdefault(token_text(t, lp), _finite(lp.logprob))
+            top_logprobs.append(shown)
+        return ({"tokens": tokens, "token_logprobs": token_logprobs,
+                 "top_logprobs": top_logprobs, "text_offset": text_offset}, offset)
+
+    def chat_logprobs(positions, num: int) -> list[dict]:
+        """Chat's logprobs.content entries for (token id, {id: Logprob}) positions."""
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": _finite(logprob),
+                    "bytes": list(text.encode("utf-8", errors="replace"))}
+
+        content = []
+        for token_id, top in positions:
+            chosen = top.get(token_id)
+            e = entry(token_text(token_id, chosen),
+                      chosen.logprob if chosen is not None else -math.inf)
+            best = [(t, lp) for t, lp in sorted(top.items(), key=_rank_key)
+                    if not (t == token_id and lp.rank is not None and lp.rank > num)][:num]
+            e["top_logprobs"] = [entry(token_text(t, lp), lp.logprob) for t, lp in best]
+            content.append(e)
+        return content
+
+    def prompt_logprobs_json(plp) -> list | None:
+        """vLLM's (non-OpenAI) prompt_logprobs: None, then {token id: {logprob, rank,
+        decoded_token}} per prompt position."""
+        if plp is None:
+            return None
+        return [None if top is None else
+                {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                          "decoded_token": lp.decoded_token} for t, lp in top.items()}
+                for top in plp]
+
+    def sample_positions(c) -> list:
+        return list(zip(c.token_ids, c.logprobs or ()))
+
     # ---- completions -------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        params = make_params(req, 16)  # OpenAI's default for completions
+        # echo + logprobs asks the engine for prompt logprobs: its errors are about `logprobs`
+        rename = ({"prompt_logprobs": "logprobs"}
+                  if req.echo and req.logprobs is not None and req.prompt_logprobs is None
+                  else None)
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = make_params(req, 16, kind, rename)  # OpenAI's default max_tokens: 16
         p = req.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -257,108 +352,174 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise APIError("prompt must not be empty", 400, param="prompt")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        job = await start_all(prompts, params, base_id)
-        n = len(prompts)
+        job = await start_all(prompts, params, base_id, rename)
+        n = params.n
         model = served_model_name
+        num_logprobs = req.logprobs
+        want_prompt_logprobs = req.prompt_logprobs is not None
 
         def prompt_text(out) -> str:
             if out.prompt is not None:
                 return out.prompt
             return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
+        def prompt_positions(out, plp) -> list:
+            return list(zip(out.prompt_token_ids, plp or [None] * len(out.prompt_token_ids)))
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             async def body():
-                sent = [0] * n
-                echoed = [False] * n
-                prompt_tokens = [0] * n
-                completion_tokens = [0] * n
+                started: set[int] = set()  # choices whose first chunk went out
+                pending: dict[int, list] = {}  # logprob positions not sent yet, per choice
+                offsets: dict[int, int] = {}  # text offset of the next token, per choice
+                plps: dict[int, list] = {}  # prompt logprobs, per prompt
+                prompt_tokens = [0] * len(prompts)
+                completion_tokens = 0
                 async for i, out in job:
-                    c = out.outputs[0]
-                    delta = c.text[sent[i]:]
-                    sent[i] = len(c.text)
-                    if req.echo and not echoed[i]:
-                        delta = prompt_text(out) + delta
-                        echoed[i] = True
                     prompt_tokens[i] = len(out.prompt_token_ids)
-                    completion_tokens[i] = len(c.token_ids)
-                    # Text can lag the tokens (an incomplete UTF-8 character): skip
-                    # empty chunks then; without a tokenizer, one chunk per step.
-                    if not delta and c.finish_reason is None and tok is not None:
-                        continue
-                    yield _sse({"id": base_id, "object": "text_completion", "created": created,
-                                "model": model,
-                                "choices": [{"index": i, "text": delta, "logprobs": None,
-                                             "finish_reason": c.finish_reason,
-                                             "stop_reason": c.stop_reason}]})
+                    if out.prompt_logprobs is not None and i not in plps:
+                        plps[i] = out.prompt_logprobs
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        completion_tokens += len(c.token_ids)
+                        text = c.text
+                        positions = pending.setdefault(index, [])
+                        extra = {}
+                        if index not in started:
+                            started.add(index)
+                            if req.echo:
+                                text = prompt_text(out) + text
+                                if num_logprobs is not None:
+                                    positions[:0] = prompt_positions(out, plps.get(i))
+                            if want_prompt_logprobs:
+                                extra["prompt_logprobs"] = prompt_logprobs_json(plps.get(i))
+                        if num_logprobs is not None:
+                            positions.extend(sample_positions(c))
+                        # Text can lag the tokens (an incomplete UTF-8 character, a possible
+                        # stop string): skip empty chunks then, their logprobs go with the
+                        # next one; without a tokenizer, one chunk per step.
+                        if (not text and c.finish_reason is None and tok is not None
+                                and not extra):
+                            continue
+                        logprobs = None
+                        if num_logprobs is not None:
+                            logprobs, offsets[index] = completion_logprobs(
+                                positions, num_logprobs, offsets.get(index, 0))
+                            pending[index] = []
+                        yield _sse({"id": base_id, "object": "text_completion",
+                                    "created": created, "model": model,
+                                    "choices": [{"index": index, "text": text,
+                                                 "logprobs": logprobs,
+                                                 "finish_reason": c.finish_reason,
+                                                 "stop_reason": c.stop_reason, **extra}]})
                 if include_usage:
                     yield _sse({"id": base_id, "object": "text_completion", "created": created,
                                 "model": model, "choices": [],
-                                "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
+                                "usage": usage(sum(prompt_tokens), completion_tokens)})
                 yield "data: [DONE]\n\n"
             return streaming(body(), job)
 
         finals = await collect(job, raw)
         choices = []
         for i, out in enumerate(finals):
-            c = out.outputs[0]
-            text = (prompt_text(out) + c.text) if req.echo else c.text
-            choices.append({"index": i, "text": text, "logprobs": None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                text = (prompt_text(out) + c.text) if req.echo else c.text
+                logprobs = None
+                if num_logprobs is not None:
+                    positions = sample_positions(c)
+                    if req.echo:
+                        positions = prompt_positions(out, out.prompt_logprobs) + positions
+                    logprobs, _ = completion_logprobs(positions, num_logprobs, 0)
+                choice = {"index": i * n + c.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if want_prompt_logprobs:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices,
                 "usage": usage(sum(len(o.prompt_token_ids) for o in finals),
-                               sum(len(o.outputs[0].token_ids) for o in finals))}
+                               sum(len(c.token_ids) for o in finals for c in o.outputs))}
 
     # ---- chat ----------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        params = make_params(req, None)  # chat: up to the context length
+        # chat asks for top-N logprobs with `top_logprobs`: the engine's checks say `logprobs`
+        rename = {"logprobs": "top_logprobs"}
+        if req.logprobs and req.top_logprobs is not None and req.top_logprobs > max_logprobs:
+            raise APIError(f"top_logprobs: {req.top_logprobs} is more than this server's "
+                           f"max_logprobs={max_logprobs}", 400, param="top_logprobs")
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        params = make_params(req, None, kind, rename)  # chat: up to the context length
         ids = render_chat(req.messages, req.add_generation_prompt, req.chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        job = Merged([await start({"prompt_token_ids": ids}, params, rid)], [rid])
+        job = Merged([await start({"prompt_token_ids": ids}, params, rid, rename)], [rid])
         model = served_model_name
+        n = params.n
+        num_logprobs = params.logprobs  # None unless logprobs=true
+        want_prompt_logprobs = req.prompt_logprobs is not None
 
-        def chunk(delta: dict, finish_reason=None, stop_reason=None) -> str:
+        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None,
+                  stop_reason=None, **extra) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason,
-                                      "stop_reason": stop_reason}]})
+                                      "stop_reason": stop_reason}], **extra})
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             async def body():
-                yield chunk({"role": "assistant", "content": ""})
-                sent = 0
-                last = None
+                for index in range(n):
+                    yield chunk(index, {"role": "assistant", "content": ""})
+                pending: dict[int, list] = {}
+                prompt_tokens = completion_tokens = 0
+                plp_extra = {}  # the prompt logprobs, sent with the first content chunk
                 async for _, out in job:
-                    last = out
-                    c = out.outputs[0]
-                    delta = c.text[sent:]
-                    sent = len(c.text)
-                    if not delta and c.finish_reason is None:
-                        continue
-                    yield chunk({"content": delta}, c.finish_reason, c.stop_reason)
-                if include_usage and last is not None:
+                    prompt_tokens = len(out.prompt_token_ids)
+                    if want_prompt_logprobs and out.prompt_logprobs is not None:
+                        plp_extra = {"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        positions = pending.setdefault(c.index, [])
+                        if num_logprobs is not None:
+                            positions.extend(sample_positions(c))
+                        if not c.text and c.finish_reason is None and not plp_extra:
+                            continue
+                        logprobs = None
+                        if num_logprobs is not None:
+                            logprobs = {"content": chat_logprobs(positions, num_logprobs)}
+                            pending[c.index] = []
+                        yield chunk(c.index, {"content": c.text}, logprobs, c.finish_reason,
+                                    c.stop_reason, **plp_extra)
+                        plp_extra = {}
+                if include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": model, "choices": [],
-                                "usage": usage(len(last.prompt_token_ids),
-                                               len(last.outputs[0].token_ids))})
+                                "usage": usage(prompt_tokens, completion_tokens)})
                 yield "data: [DONE]\n\n"
             return streaming(body(), job)
 
         final = (await collect(job, raw))[0]
-        c = final.outputs[0]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}],
-                "usage": usage(len(final.prompt_token_ids), len(c.token_ids))}
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = None
+            if num_logprobs is not None:
+                logprobs = {"content": chat_logprobs(sample_positions(c), num_logprobs)}
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                    "choices": choices,
+                    "usage": usage(len(final.prompt_token_ids),
+                                   sum(len(c.token_ids) for c in final.outputs))}
+        if want_prompt_logprobs:
+            response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     # ---- the rest -------------------------------------------------------------------
     @app.get("/v1/models")

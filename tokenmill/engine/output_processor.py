@@ -1,0 +1,217 @@
+"""From EngineCoreOutputs to RequestOutputs: detokenize, stop strings, logprobs, n.
+
+One user request owns n completions; each completion is one request of the
+engine core. Per step, the processor appends the new tokens of each
+completion, decodes them, looks for stop strings in the new text (a stop
+string may span tokens), turns logprob rows into {token id: Logprob} dicts and
+builds the RequestOutput its output_kind asks for. Completions that hit a stop
+string are reported back so the engine finishes them in the core.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.sched_output import LogprobsLists
+from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the last `num_new_chars` of text:
+    (its start, the string), or None. Earlier text was searched on earlier calls."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+@dataclass
+class CompletionState:
+    index: int
+    core_id: str  # the engine core's request id for this completion
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # How much of each the last DELTA output already carried.
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[CompletionState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.core_to_request: dict[str, tuple[RequestState, CompletionState]] = {}
+        self._token_text: dict[int, str] = {}  # decoded text of single tokens, for logprobs
+        # New tokens per request in the last process() call (for serving metrics).
+        self.num_new_tokens: dict[str, int] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for c in state.completions:
+            self.core_to_request[c.core_id] = (state, c)
+
+    def remove_request(self, request_id: str) -> list[str]:
+        """Forget a request; return its completions' core ids."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for c in state.completions:
+            self.core_to_request.pop(c.core_id, None)
+        return [c.core_id for c in state.completions]
+
+    # ---- one step ------------------------------------------------------------
+    def process(self, core_outputs: list[EngineCoreOutput], now: float
+                ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Returns the RequestOutputs to hand out and the (core id, stop string)
+        pairs of completions that a stop string finished."""
+        touched: dict[str, tuple[RequestState, list[CompletionState]]] = {}
+        stopped: list[tuple[str, str]] = []
+        self.num_new_tokens = {}
+        for out in core_outputs:
+            entry = self.core_to_request.get(out.request_id)
+            if entry is None:
+                continue
+            state, comp = entry
+            if comp.finished:
+                continue
+            if state.metrics.first_token_time is None and out.new_token_ids:
+                state.metrics.first_token_time = now
+            self.num_new_tokens[state.request_id] = (
+                self.num_new_tokens.get(state.request_id, 0) + len(out.new_token_ids))
+            comp.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and comp.logprobs is not None:
+                self._append_logprobs(comp, state.params.logprobs, out.new_logprobs)
+            if out.prompt_logprobs is not None and comp.index == 0:
+                state.prompt_logprobs = self._prompt_logprobs(state.params.prompt_logprobs,
+                                                              out.prompt_logprobs)
+            if out.finished:
+                comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+            if comp.detokenizer is not None:
+                new_text = comp.detokenizer.update(out.new_token_ids)
+                if comp.finished:
+                    new_text += comp.detokenizer.finish()
+                comp.text += new_text
+                if state.params.stop and new_text:
+                    hit = find_stop_string(comp.text, len(new_text), state.params.stop)
+                    if hit is not None:
+                        start, stop = hit
+                        end = start + len(stop) if state.params.include_stop_str_in_output \
+                            else start
+                        comp.text = comp.text[:end]
+                        if not comp.finished:
+                            stopped.append((comp.core_id, stop))
+                        comp.finish_reason, comp.stop_reason = "stop", stop
+            touched.setdefault(state.request_id, (state, []))[1].append(comp)
+
+        outputs = []
+        for state, comps in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.remove_request(state.request_id)
+            out = self._make_output(state, comps)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped
+
+    # ---- logprobs ------------------------------------------------------------
+    def _token_texts(self, ids) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        missing = [t for t in dict.fromkeys(ids) if t not in self._token_text]
+        if missing:
+            for t, text in zip(missing, self.tokenizer.batch_decode([[t] for t in missing])):
+                self._token_text[t] = text
+        return [self._token_text[t] for t in ids]
+
+    def _logprob_dicts(self, k: int, rows: LogprobsLists) -> list[dict[int, Logprob]]:
+        """One dict per row: the top-k tokens (rank 1..k) plus the chosen token."""
+        ids = rows.token_ids[:, :1 + k].tolist()
+        lps = rows.logprobs[:, :1 + k].tolist()
+        ranks = rows.ranks.tolist()
+        texts = self._token_texts([t for row in ids for t in row])
+        out, pos = [], 0
+        for row_ids, row_lps, rank in zip(ids, lps, ranks):
+            row_texts = texts[pos:pos + len(row_ids)]
+            pos += len(row_ids)
+            d = {row_ids[0]: Logprob(row_lps[0], rank, row_texts[0])}
+            for j in range(1, len(row_ids)):
+                if row_ids[j] != row_ids[0]:
+                    d[row_ids[j]] = Logprob(row_lps[j], j, row_texts[j])
+            out.append(d)
+        return out
+
+    def _append_logprobs(self, comp: CompletionState, k: int, rows: LogprobsLists) -> None:
+        comp.logprobs.extend(self._logprob_dicts(k, rows))
+        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + float(
+            rows.logprobs[:, 0].sum())
+
+    def _prompt_logprobs(self, k: int, rows: LogprobsLists) -> list:
+        return [None] + self._logprob_dicts(k, rows)
+
+    # ---- outputs -------------------------------------------------------------
+    def _make_output(self, state: RequestState, comps: list[CompletionState]
+                     ) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        hold = state.params.output_text_buffer_length
+        if kind == RequestOutputKind.DELTA:
+            completions = [self._delta(c, hold) for c in sorted(comps, key=lambda c: c.index)]
+            prompt_logprobs = None
+            if not state.prompt_logprobs_sent and state.prompt_logprobs is not None:
+                prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
+        else:
+            completions = [self._cumulative(c, hold) for c in state.completions]
+            prompt_logprobs = state.prompt_logprobs
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, prompt_logprobs=prompt_logprobs, metrics=state.metrics)
+
+    @staticmethod
+    def _visible(c: CompletionState, hold: int) -> str:
+        # While running, the last `hold` chars may still become the start of a stop string.
+        return c.text if c.finished or not hold else c.text[:max(0, len(c.text) - hold)]
+
+    def _cumulative(self, c: CompletionState, hold: int) -> CompletionOutput:
+        return CompletionOutput(c.index, self._visible(c, hold), list(c.token_ids),
+                                c.cumulative_logprob,
+                                list(c.logprobs) if c.logprobs is not None else None,
+                                c.finish_reason, c.stop_reason)
+
+    def _delta(self, c: CompletionState, hold: int) -> CompletionOutput:
+        text = self._visible(c, hold)
+        delta_text = text[c.sent_text:]
+        tokens = c.token_ids[c.sent_tokens:]
+        logprobs = c.logprobs[c.sent_tokens:] if c.logprobs is not None else None
+        c.sent_text, c.sent_tokens = max(c.sent_text, len(text)), len(c.token_ids)
+        return CompletionOutput(c.index, delta_text, tokens, c.cumulative_logprob, logprobs,
+                                c.finish_reason, c.stop_reason)
