@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import re
 import signal
 import threading
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
+from tokenmill.entrypoints.openai.logprobs import LogprobFormatter, sample_positions_of
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, TokenizeRequest)
@@ -60,17 +60,6 @@ def _param_of(message: str) -> str | None:
 def _bad_value(e: ValueError, param: str | None = None) -> APIError:
     msg = str(e)
     return APIError(msg, 400, "BadRequestError", _param_of(msg) or param)
-
-
-def _finite(x: float) -> float:
-    """JSON has no -inf: OpenAI reports impossible tokens as -9999.0."""
-    x = float(x)
-    return x if math.isfinite(x) else -9999.0
-
-
-def _rank_key(item):
-    _, lp = item
-    return (lp.rank if lp.rank is not None else math.inf, -lp.logprob)
 
 
 def _sse(obj) -> str:
@@ -266,68 +255,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         return StreamingResponse(wrapped(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    # ---- logprobs in OpenAI's shapes -------------------------------------------------
     max_logprobs = getattr(getattr(async_llm.engine, "args", None), "max_logprobs", 20)
-
-    def token_text(token_id: int, lp=None) -> str:
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        if tok is not None:
-            return tok.decode([token_id])
-        return f"token_id:{token_id}"
-
-    def completion_logprobs(positions, num: int, offset: int) -> tuple[dict, int]:
-        """Completions' logprobs object for (token id, {id: Logprob} | None) positions;
-        `offset` is the text offset of the first one. Returns it and the next offset."""
-        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for token_id, top in positions:
-            chosen = top.get(token_id) if top else None
-            text = token_text(token_id, chosen)
-            tokens.append(text)
-            text_offset.append(offset)
-            offset += len(text)
-            if top is None:  # the first prompt token: nothing before it to predict it
-                token_logprobs.append(None)
-                top_logprobs.append(None)
-                continue
-            token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
-            shown: dict[str, float] = {}
-            for t, lp in sorted(top.items(), key=_rank_key):
-                if t == token_id or lp.rank is None or lp.rank <= num:
-                    shown.setdefault(token_text(t, lp), _finite(lp.logprob))
-            top_logprobs.append(shown)
-        return ({"tokens": tokens, "token_logprobs": token_logprobs,
-                 "top_logprobs": top_logprobs, "text_offset": text_offset}, offset)
-
-    def chat_logprobs(positions, num: int) -> list[dict]:
-        """Chat's logprobs.content entries for (token id, {id: Logprob}) positions."""
-        def entry(text: str, logprob: float) -> dict:
-            return {"token": text, "logprob": _finite(logprob),
-                    "bytes": list(text.encode("utf-8", errors="replace"))}
-
-        content = []
-        for token_id, top in positions:
-            chosen = top.get(token_id)
-            e = entry(token_text(token_id, chosen),
-                      chosen.logprob if chosen is not None else -math.inf)
-            best = [(t, lp) for t, lp in sorted(top.items(), key=_rank_key)
-                    if not (t == token_id and lp.rank is not None and lp.rank > num)][:num]
-            e["top_logprobs"] = [entry(token_text(t, lp), lp.logprob) for t, lp in best]
-            content.append(e)
-        return content
-
-    def prompt_logprobs_json(plp) -> list | None:
-        """vLLM's (non-OpenAI) prompt_logprobs: None, then {token id: {logprob, rank,
-        decoded_token}} per prompt position."""
-        if plp is None:
-            return None
-        return [None if top is None else
-                {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                          "decoded_token": lp.decoded_token} for t, lp in top.items()}
-                for top in plp]
-
-    def sample_positions(c) -> list:
-        return list(zip(c.token_ids, c.logprobs or ()))
+    fmt = LogprobFormatter(tok)
+    completion_logprobs, chat_logprobs = fmt.completion_logprobs, fmt.chat_logprobs
+    prompt_logprobs_json, sample_positions = fmt.prompt_logprobs_json, sample_positions_of
 
     # ---- completions -------------------------------------------------------------
     @app.post("/v1/completions")
