@@ -57,6 +57,16 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
     return _DTYPES[dtype]
 
 
+def flatten_text_config(hf_config: dict) -> dict:
+    """A vision-language config keeps its language model's fields in text_config:
+    lift them to the top (they win), keep the architectures, drop the vision part."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        return hf_config
+    top = {k: v for k, v in hf_config.items() if k not in ("text_config", "vision_config")}
+    return {**top, **text, "architectures": hf_config.get("architectures")}
+
+
 def resolve_model_path(model: str) -> str:
     """A local folder as is; otherwise a hub id fetched with huggingface_hub."""
     if os.path.isdir(model):
@@ -103,7 +113,7 @@ class ModelConfig:
         if not os.path.exists(cfg_path):
             raise ValueError(f"model folder {path!r} has no config.json")
         with open(cfg_path) as f:
-            hf_config = json.load(f)
+            hf_config = flatten_text_config(json.load(f))
         gen_cfg = {}
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_path):

@@ -14,13 +14,17 @@ class KVCacheManager:
     """Full-attention groups: each request holds a growing list of blocks per group.
 
     All groups draw from one pool (a block id indexes the same page in every
-    layer of its group, and groups never share ids).
+    layer of its group, and groups never share ids). A recurrent-state
+    (MambaSpec) group takes no blocks: its list stays empty, the runner keeps
+    the state in a slot keyed on the request id.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig):
         self.config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.groups)
+        self.block_groups = [i for i, g in enumerate(kv_cache_config.groups) if g.is_attention]
+        self.first_block_group = self.block_groups[0]
         self.pool = BlockPool(kv_cache_config.num_blocks)
         self.req_to_blocks: dict[str, list[list[int]]] = {}
 
@@ -44,12 +48,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id,
                                                [[] for _ in range(self.num_groups)])
         needed_per_group = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new = max(0, needed_per_group - len(blocks[0]))
-        if num_new * self.num_groups > self.pool.num_free_blocks:
+        num_new = max(0, needed_per_group - len(blocks[self.first_block_group]))
+        if num_new * len(self.block_groups) > self.pool.num_free_blocks:
             if not any(blocks):
                 del self.req_to_blocks[request.request_id]
             return None
-        new_ids = [self.pool.allocate(num_new) for _ in range(self.num_groups)]
+        new_ids = [self.pool.allocate(num_new) if i in self.block_groups else []
+                   for i in range(self.num_groups)]
         for group_blocks, ids in zip(blocks, new_ids):
             group_blocks.extend(ids)
         return new_ids
@@ -59,7 +64,7 @@ class KVCacheManager:
         return the number of tokens they hold. The caller marks them computed."""
         assert not any(self.req_to_blocks.get(request.request_id, [])), "request holds blocks"
         donor = self.req_to_blocks.get(donor_id)
-        if not donor or len(donor[0]) < num_blocks or num_blocks <= 0:
+        if not donor or len(donor[self.first_block_group]) < num_blocks or num_blocks <= 0:
             return 0
         shared = [list(group[:num_blocks]) for group in donor]
         for ids in shared:

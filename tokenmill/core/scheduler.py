@@ -55,6 +55,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
         self.num_shared_prompt_blocks = 0
+        self._has_state = kv_cache_config.state_group_id is not None
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,8 +120,8 @@ class Scheduler:
     def _prompt_donor(self, req: Request):
         """The sibling whose prompt blocks `req` can take now, None to prefill
         alone, or _WAIT while that sibling's prompt is still being computed."""
-        if req.share_prompt_with is None or req.num_computed_tokens:
-            return None
+        if req.share_prompt_with is None or req.num_computed_tokens or self._has_state:
+            return None  # (a recurrent state cannot be shared: hybrids prefill each copy)
         if req.num_prompt_tokens - 1 < self.kv_cache_manager.block_size:
             return None  # not even one full block to share
         donor = self.requests.get(req.share_prompt_with)

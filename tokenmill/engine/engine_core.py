@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.kv_cache_manager import cdiv
-from tokenmill.core.kv_cache_spec import KVCacheConfig, KVCacheGroup
+from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.models.loader import load_model
@@ -23,9 +23,15 @@ logger = logging.getLogger(__name__)
 def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
                          max_model_len: int, device: torch.device) -> KVCacheConfig:
     specs = runner.get_kv_cache_spec(cache.block_size)
-    # Every layer of a dense model has the same spec: one group, one block table.
-    group = KVCacheGroup(list(specs), next(iter(specs.values())))
-    per_block = KVCacheConfig(1, [group]).bytes_per_block()
+    # Every attention layer has the same spec: one group, one block table. Recurrent
+    # layers form a second group whose state lives in one slot per live sequence.
+    attn = [n for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
+    state = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
+    groups = [KVCacheGroup(attn, specs[attn[0]])]
+    if state:
+        groups.append(KVCacheGroup(state, specs[state[0]]))
+    config = KVCacheConfig(1, groups, num_state_slots=max_num_seqs if state else 0)
+    per_block = config.bytes_per_block()
     # Enough for every sequence at full length, plus the null block: more is waste.
     useful = max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
     if cache.num_kv_blocks is not None:
@@ -39,13 +45,15 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
                 raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {budget!r}")
         else:
             budget = int(available_memory_bytes(device) * cache.memory_fraction)
-        num_blocks = min(budget // per_block, useful)
+        budget -= config.state_bytes()  # the recurrent state comes out of the same budget
+        num_blocks = min(max(budget, 0) // per_block, useful)
     if num_blocks - 1 < cdiv(max_model_len, cache.block_size):
         raise ValueError(
             f"the KV cache holds {num_blocks - 1} blocks of {cache.block_size} tokens, fewer "
             f"than one sequence of max_model_len={max_model_len} needs; raise num_kv_blocks / "
             f"kv_cache_memory or lower max_model_len")
-    return KVCacheConfig(num_blocks, [group])
+    config.num_blocks = num_blocks
+    return config
 
 
 class EngineCore:

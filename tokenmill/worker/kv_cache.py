@@ -22,6 +22,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> dict[str, torch.Tensor]:
     caches = {}
     for group in config.groups:
+        if not group.is_attention:
+            continue
         spec = group.spec
         for name in group.layer_names:
             caches[name] = _allocate_layer(spec, config.num_blocks, device)

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import cpu_ops
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
 from tokenmill.sample.sampler import Sampler, gather_logprobs
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
+from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
@@ -86,6 +87,10 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.kv_cache_config: KVCacheConfig | None = None
+        self.state_caches: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.state_slots: StateSlots | None = None
+        self.attn_group_id = 0
+        self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         self.last_attn_meta: AttentionMetadata | None = None
         self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
@@ -103,19 +108,40 @@ class ModelRunner:
     def attention_layers(self) -> dict[str, nn.Module]:
         return {f"layers.{i}.attn": layer for i, layer in enumerate(self.model.attention_layers())}
 
-    def get_kv_cache_spec(self, block_size: int) -> dict[str, FullAttentionSpec]:
-        return {name: FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
-                                        dtype_name(self.dtype))
-                for name, layer in self.attention_layers().items()}
+    def state_layers(self) -> dict[str, nn.Module]:
+        """Recurrent layers (Gated DeltaNet): each has state_shapes() and a `state` tuple."""
+        layers = getattr(self.model, "state_layers", lambda: [])()
+        return {f"layers.{i}.state": layer for i, layer in enumerate(layers)}
+
+    def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {
+            name: FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                    dtype_name(self.dtype))
+            for name, layer in self.attention_layers().items()}
+        for name, layer in self.state_layers().items():
+            shapes = layer.state_shapes()
+            specs[name] = MambaSpec(tuple(tuple(s) for s in shapes),
+                                    tuple(dtype_name(d) for d in
+                                          layer.state_dtypes(self.dtype)))
+        return specs
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         self.kv_cache_config = config
+        self.attn_group_id = config.attention_group_id
+        self.state_group_id = config.state_group_id
         self.kv_caches = allocate_kv_caches(config, self.device)
         layers = self.attention_layers()
         for name, cache in self.kv_caches.items():
-            layers[name].kv_cache = cache
+            if name in layers:  # a draft model's layers are bound by its own runner
+                layers[name].kv_cache = cache
+        self.state_caches = allocate_state_caches(config, self.device)
+        state_layers = self.state_layers()
+        for name, tensors in self.state_caches.items():
+            state_layers[name].state = tensors
+        self.state_slots = StateSlots(config.num_state_slots) if self.state_caches else None
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      [g.spec.block_size for g in config.groups], self.device,
+                                      [g.spec.block_size if g.is_attention else 1
+                                       for g in config.groups], self.device,
                                       self.model.config.vocab_size)
 
     # ---- step, part 1 ------------------------------------------------------------
@@ -125,6 +151,11 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
             batch.remove_request(rid)
+            if self.state_slots is not None:
+                self.state_slots.release(rid)
+        if self.state_slots is not None:
+            for rid in so.preempted_req_ids:  # resumed later from 0: a fresh state then
+                self.state_slots.release(rid)
         # Preempted or simply not scheduled: out of the batch, state kept.
         for rid in list(batch.req_id_to_index):
             if rid not in so.num_scheduled_tokens:
@@ -181,7 +212,7 @@ class ModelRunner:
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         positions = computed[req_indices] + offsets
         input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
-        table = batch.block_tables[0]
+        table = batch.block_tables[self.attn_group_id]
         bs = table.block_size
         block_ids = table.block_table.reshape(-1)[
             req_indices * table.max_num_blocks_per_req + positions // bs]
@@ -208,6 +239,8 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        if self.state_slots is not None:
+            meta.state = self._state_metadata(nd, query_start_loc, computed)
         self.last_step = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
             seq_lens=seq_lens, slot_mapping=block_ids.astype(np.int64) * bs + slot_offset,
@@ -216,11 +249,39 @@ class ModelRunner:
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
 
+    def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
+                        computed: np.ndarray) -> StateMetadata:
+        """Each row's state slot; a request seen for the first time gets a zeroed one."""
+        batch = self.input_batch
+        n = batch.num_reqs()
+        slots = np.empty(n, dtype=np.int64)
+        fresh = []
+        for r in range(n):
+            slot, new = self.state_slots.get_or_allocate(batch.req_ids[r])
+            slots[r] = slot
+            if new:
+                fresh.append(slot)
+            if computed[r] == 0 and not new:
+                # Back from the start with a slot still held (not preempted): reset it.
+                fresh.append(slot)
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for tensors in self.state_caches.values():
+                for t in tensors:
+                    t.index_fill_(0, idx, 0)
+        meta = StateMetadata(num_decodes, torch.from_numpy(slots).to(self.device))
+        for r in range(num_decodes, n):
+            meta.prefills.append((int(query_start_loc[r]), int(query_start_loc[r + 1]),
+                                  int(slots[r])))
+        return meta
+
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
         for rid in req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
+            if self.state_slots is not None:
+                self.state_slots.release(rid)
             self.input_batch.remove_request(rid)
         self.input_batch.condense()
 
@@ -268,7 +329,7 @@ class ModelRunner:
             if hi > lo:
                 flat = int(step.query_start_loc[r]) + self._arange_upto(hi - start)[lo - start:]
                 logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
-                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
+                targets = torch.tensor(state.prompt_token_ids[lo:hi], device=self.device)
                 got = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
                 ids, lps, ranks = state.prompt_logprobs
                 ids[lo:hi] = got.token_ids.cpu().numpy()

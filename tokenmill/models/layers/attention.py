@@ -26,6 +26,20 @@ class PrefillChunk:
 
 
 @dataclass
+class StateMetadata:
+    """Per-step inputs of the recurrent (Gated DeltaNet) layers; None for attention-only models.
+
+    Rows follow the batch order (decodes first, one token each); row i's state
+    lives in slot state_indices[i] of every recurrent layer.
+    """
+
+    num_decodes: int
+    state_indices: torch.Tensor  # [num_reqs] long
+    # Multi-token rows: (query_start, query_end, slot), as host ints.
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built once by the runner, shared by all layers."""
 
@@ -39,6 +53,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Native kernels (tokenmill.kernels.cpu_ops()) or None for the PyTorch path.
     native_ops: object = None
+    state: StateMetadata | None = None
     _decode_mask: torch.Tensor | None = None
 
     def decode_mask(self, block_size: int) -> torch.Tensor:

@@ -1,0 +1,195 @@
+"""Gated DeltaNet (linear attention with a recurrent state), paged by request slot.
+
+Per token t and value head h, with q, k L2-normalised and q scaled by 1/sqrt(Dk):
+
+    S_t = exp(g_t) * S_{t-1} + beta_t * (v_t - exp(g_t) * S_{t-1} k_t) k_t^T     S: [Dv, Dk]
+    o_t = S_t q_t
+
+Decode rows (one token each) take that step directly, batched over rows. A
+prompt chunk runs the chunked form: inside a chunk of C tokens the updates
+u_i = beta_i * (v_i - (decayed state) k_i) solve one unit-lower-triangular
+system, so a chunk costs a few matmuls and only the chunks are sequential.
+Before either, q/k/v pass a depthwise causal conv1d whose last kernel-1
+inputs are carried per sequence (the conv state), so a prompt split across
+steps, even into chunks shorter than the kernel, convolves exactly as whole.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.models.layers.linear import Linear
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, C] one new input per row; conv_state [S, C, K-1] updated in place."""
+    window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [n, C, K]
+    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    out = (window * weight).sum(dim=-1)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out)
+
+
+def conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
+                   weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [L, C] consecutive inputs of one sequence, continuing from its conv state."""
+    keep = conv_state.shape[-1]
+    seq = torch.cat([conv_state[slot].to(x.dtype), x.t()], dim=-1)  # [C, K-1+L]
+    conv_state[slot] = seq[:, seq.shape[1] - keep:].to(conv_state.dtype)
+    out = F.conv1d(seq.unsqueeze(0), weight.unsqueeze(1), bias, groups=seq.shape[0])[0]
+    return F.silu(out.t())  # [L, C]
+
+
+def delta_rule_decode(q, k, v, g, beta, ssm_state: torch.Tensor, slots: torch.Tensor):
+    """One step for n rows. q/k [n, H, Dk], v [n, H, Dv], g/beta [n, H] (fp32);
+    ssm_state [S, H, Dv, Dk] updated in place. Returns [n, H, Dv] fp32."""
+    state = ssm_state[slots].float() * g.exp()[..., None, None]
+    predicted = torch.matmul(state, k.unsqueeze(-1)).squeeze(-1)  # [n, H, Dv]
+    update = (v - predicted) * beta.unsqueeze(-1)
+    state = state + update.unsqueeze(-1) * k.unsqueeze(-2)
+    ssm_state[slots] = state.to(ssm_state.dtype)
+    return torch.matmul(state, q.unsqueeze(-1)).squeeze(-1)
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
+    """One sequence. q/k [L, H, Dk], v [L, H, Dv], g/beta [L, H] (fp32), state [H, Dv, Dk].
+    Returns (out [L, H, Dv], final state [H, Dv, Dk])."""
+    length = q.shape[0]
+    pad = (-length) % chunk
+    # Padded steps have g = beta = k = 0: no decay, no update.
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (length + pad) // chunk
+    # [H, n, C, D] and [H, n, C]
+    q, k, v = (x.view(n, chunk, *x.shape[1:]).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.view(n, chunk, -1).permute(2, 0, 1) for x in (g, beta))
+
+    gamma = g.cumsum(dim=-1)  # log of the decay from the chunk start to each step
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i, else 0
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    kk = torch.matmul(k, k.transpose(-1, -2))
+    # (I + A) U = beta*V - (beta*a) K S0^T, with A strictly lower: beta_i decay_ij k_i.k_j
+    system = (beta.unsqueeze(-1) * decay * kk).tril(-1) + torch.eye(chunk, device=q.device)
+    a = gamma.exp()
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * a).unsqueeze(-1) * k], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    attn = torch.matmul(q, k.transpose(-1, -2)) * decay  # [H, n, C, C]
+    q_decayed = a.unsqueeze(-1) * q
+    k_to_end = (gamma[..., -1:] - gamma).exp().unsqueeze(-1) * k  # decay to the chunk end
+    chunk_decay = gamma[..., -1].exp()  # [H, n]
+
+    out = torch.empty_like(v)
+    s = state.float()  # [H, Dv, Dk]
+    for c in range(n):
+        s_t = s.transpose(-1, -2)  # [H, Dk, Dv]
+        u = w_v[:, c] - torch.matmul(w_k[:, c], s_t)  # [H, C, Dv]
+        out[:, c] = torch.matmul(q_decayed[:, c], s_t) + torch.matmul(attn[:, c], u)
+        s = chunk_decay[:, c, None, None] * s + torch.matmul(u.transpose(-1, -2), k_to_end[:, c])
+    out = out.permute(1, 2, 0, 3).reshape(n * chunk, -1, v.shape[-1])[:length]
+    return out, s
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's output, then times silu(z)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x.to(dtype)
+        return (x * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Token mixer of the linear-attention layers of Qwen3.5 / Qwen3-Next.
+
+    `in_proj` packs, in this order, q, k, v (the conv input), z (the output
+    gate), b (-> beta) and a (-> decay); the loader maps each checkpoint
+    layout onto it. The runner binds `state` = (conv_state [S, conv_dim, K-1],
+    ssm_state [S, Hv, Dv, Dk]).
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel: int, eps: float):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj = Linear(hidden_size, self.conv_dim + self.value_dim + 2 * num_v_heads,
+                              bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+        self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.conv_dim, self.conv_kernel - 1),
+                (self.num_v_heads, self.head_v_dim, self.head_k_dim)]
+
+    @staticmethod
+    def state_dtypes(model_dtype: torch.dtype) -> list[torch.dtype]:
+        # The conv state holds raw inputs (model dtype); the SSM state accumulates
+        # over the whole sequence, so it stays fp32.
+        return [model_dtype, torch.float32]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        sm = meta.state
+        conv_state, ssm_state = self.state
+        t = x.shape[0]
+        proj = self.in_proj(x)
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads,
+                                     self.num_v_heads], dim=-1)
+        weight = self.conv1d.weight[:, 0, :].to(x.dtype)
+        nd = sm.num_decodes
+        conv_out = torch.empty_like(mixed)
+        if nd:
+            conv_out[:nd] = conv1d_decode(mixed[:nd], conv_state, sm.state_indices[:nd], weight, None)
+        for start, end, slot in sm.prefills:
+            conv_out[start:end] = conv1d_prefill(mixed[start:end], conv_state, slot, weight, None)
+
+        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
+        if rep > 1:  # each q/k head serves `rep` consecutive value heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+        core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
+                           device=x.device)
+        if nd:
+            core[:nd] = delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
+                                          sm.state_indices[:nd])
+        for start, end, slot in sm.prefills:
+            out, final = delta_rule_chunked(q[start:end], k[start:end], v[start:end],
+                                            g[start:end], beta[start:end], ssm_state[slot])
+            core[start:end] = out
+            ssm_state[slot] = final.to(ssm_state.dtype)
+        core = self.norm(core.to(x.dtype), z.reshape(t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(t, self.value_dim))
