@@ -6,11 +6,11 @@ Weights are packed where it saves ops: q/k/v in one `qkv_proj`, gate/up in one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 
@@ -64,25 +64,13 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class MLP(nn.Module):
-    def __init__(self, c: DecoderConfig):
-        super().__init__()
-        self.intermediate_size = c.intermediate_size
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, rotary, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
@@ -97,18 +85,25 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias: bool | None = None  # None: from config.attention_bias
     qk_norm = False
+    config_class = DecoderConfig
 
     def __init__(self, hf_config: dict):
         super().__init__()
-        c = self.config = DecoderConfig(hf_config, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        c = self.config = self.config_class(hf_config, qkv_bias=self.qkv_bias,
+                                            qk_norm=self.qk_norm)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, self.make_mlp(c, i))
+                                    for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
                                       c.rope_params)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_mlp(self, c: DecoderConfig, layer_idx: int) -> nn.Module:
+        """The MLP of layer `layer_idx` (an MoE model overrides this)."""
+        return GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -30,6 +30,16 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
+def mapped_checkpoint(model: nn.Module, tensors):
+    """A model's `map_checkpoint(name, tensor)` may rename, split or drop tensors."""
+    mapper = getattr(model, "map_checkpoint", None)
+    for name, tensor in tensors:
+        if mapper is None:
+            yield name, tensor
+        else:
+            yield from mapper(name, tensor)
+
+
 def iter_checkpoint(model_dir: str):
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
@@ -51,17 +61,64 @@ def _param_name(ckpt_name: str, packed: dict) -> tuple[str, int | None]:
     return name, None
 
 
+def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
+    """A per-expert HF name -> (stacked parameter, expert index, shard), else None.
+
+    "model.layers.1.mlp.experts.3.up_proj.weight" with experts
+    {"up_proj": ("gate_up_proj", 1), ...} -> ("layers.1.mlp.experts.gate_up_proj", 3, 1).
+    """
+    parts = ckpt_name.removeprefix("model.").split(".")
+    if len(parts) < 4 or parts[-1] != "weight" or parts[-2] not in experts:
+        return None
+    if parts[-4] != "experts" or not parts[-3].isdigit():
+        return None
+    target, shard = experts[parts[-2]]
+    return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
+
+
 def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Fill every parameter of `model` from the checkpoint, or raise naming what is missing.
+
+    A model may declare `packed_modules` (checkpoint matrices concatenated into one
+    parameter, e.g. q/k/v -> qkv_proj) and `expert_modules` (per-expert matrices
+    "...experts.{e}.{name}.weight" copied into row e of a stacked parameter
+    "...experts.{target}" [E, ...], at shard i of its dim 1 (equal-sized shards), as
+    they arrive). A checkpoint that already stores the stacked tensors under the
+    parameter's own name (HF's fused "experts.gate_up_proj") loads as is.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    experts = getattr(model, "expert_modules", {})
     # Shards of a packed parameter wait here until all of them arrived.
     pending: dict[str, dict[int, torch.Tensor]] = {}
     num_shards = {}
     for _, (target, _) in packed.items():
         num_shards[target] = num_shards.get(target, 0) + 1
+    num_expert_shards = {}
+    for _, (target, _) in experts.items():
+        num_expert_shards[target] = num_expert_shards.get(target, 0) + 1
+    expert_seen: dict[str, set[tuple[int, int]]] = {}  # stacked parameter -> (expert, shard)
     loaded = set()
-    for ckpt_name, tensor in iter_checkpoint(model_dir):
+    for ckpt_name, tensor in mapped_checkpoint(model, iter_checkpoint(model_dir)):
         if "rotary_emb.inv_freq" in ckpt_name:
+            continue
+        expert = _expert_name(ckpt_name, experts) if experts else None
+        if expert is not None:
+            name, e, shard = expert
+            if name not in params:
+                logger.warning("skipping checkpoint tensor %s (no matching parameter)", ckpt_name)
+                continue
+            param = params[name]
+            if e >= param.shape[0]:
+                raise ValueError(f"weight {ckpt_name}: expert {e} out of range (the model "
+                                 f"has {param.shape[0]} experts)")
+            n_shards = num_expert_shards[name.rsplit(".", 1)[-1]]
+            rows = param.shape[1] // n_shards
+            _copy(param[e, shard * rows:(shard + 1) * rows], tensor, ckpt_name)
+            seen = expert_seen.setdefault(name, set())
+            seen.add((e, shard))
+            if len(seen) == param.shape[0] * n_shards:
+                loaded.add(name)
             continue
         name, shard = _param_name(ckpt_name, packed)
         if name not in params:
@@ -80,6 +137,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             del pending[name]
     if pending:
         raise ValueError(f"incomplete packed weights in checkpoint: {sorted(pending)}")
+    for name, seen in expert_seen.items():
+        if name not in loaded:
+            shards = {shard: source for source, (target, shard) in experts.items()
+                      if target == name.rsplit(".", 1)[-1]}
+            absent = [f"{e}.{shards[s]}" for e in range(params[name].shape[0])
+                      for s in sorted(shards) if (e, s) not in seen]
+            raise ValueError(f"checkpoint {model_dir} lacks experts of {name}: "
+                             f"{', '.join(absent[:8])}" + (" ..." if len(absent) > 8 else ""))
     missing = [n for n in params if n not in loaded]
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if "lm_head.weight" in missing and tied:
@@ -99,7 +164,7 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                device: torch.device, gemm_dtype: torch.dtype | None = None) -> nn.Module:
-    """Build and fill the model; `gemm_dtype` widens its Linear layers (see layers/linear.py)."""
+    """Build and fill the model; `gemm_dtype` widens its GEMM layers (see layers/linear.py)."""
     cls = resolve_model_class(hf_config)
     torch_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -111,7 +176,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     load_weights(model, model_dir)
     if gemm_dtype is not None and gemm_dtype != dtype:
         n = widen_gemms(model, gemm_dtype)
-        logger.info("%d linear layers compute in %s (activations and KV cache stay %s)",
+        logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
                     n, gemm_dtype, dtype)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

@@ -4,11 +4,21 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
+from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                                         Qwen3_5MoeForCausalLM,
+                                         Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 

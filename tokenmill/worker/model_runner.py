@@ -329,7 +329,7 @@ class ModelRunner:
             if hi > lo:
                 flat = int(step.query_start_loc[r]) + self._arange_upto(hi - start)[lo - start:]
                 logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
-                targets = torch.tensor(state.prompt_token_ids[lo:hi], device=self.device)
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
                 got = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
                 ids, lps, ranks = state.prompt_logprobs
                 ids[lo:hi] = got.token_ids.cpu().numpy()

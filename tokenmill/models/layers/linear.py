@@ -17,14 +17,15 @@ from torch import nn
 class Linear(nn.Linear):
     compute_dtype: torch.dtype | None = None
 
-    def set_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Keep the weights in `dtype` and run the GEMM there."""
+    def set_compute_dtype(self, dtype: torch.dtype) -> bool:
+        """Keep the weights in `dtype` and run the GEMM there; False if they already were."""
         if self.weight.dtype == dtype:
-            return
+            return False
         self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         self.compute_dtype = dtype
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None:
@@ -33,10 +34,14 @@ class Linear(nn.Linear):
 
 
 def widen_gemms(model: nn.Module, dtype: torch.dtype) -> int:
-    """Run every Linear of `model` in `dtype`; returns how many were changed."""
+    """Run every GEMM layer of `model` in `dtype`; returns how many were changed.
+
+    A GEMM layer is any module with `set_compute_dtype(dtype) -> bool`: `Linear`,
+    and the stacked experts of an MoE block (layers/moe.py `FusedMoE`).
+    """
     changed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype != dtype:
-            module.set_compute_dtype(dtype)
+        set_compute_dtype = getattr(module, "set_compute_dtype", None)
+        if set_compute_dtype is not None and set_compute_dtype(dtype):
             changed += 1
     return changed

@@ -1,0 +1,176 @@
+"""The MoE layer (tokenmill/models/layers/moe.py) against a naive per-token reference,
+and the SparseMoeBlock against transformers' Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE blocks."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.models.layers.linear import widen_gemms
+from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, fused_experts, route
+
+
+def naive_moe(x, w13, w2, weights, ids):
+    """One token and one slot at a time: y[t] = sum_k w[t,k] * down(silu(gate x) * up x)."""
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = w13[e, :inter], w13[e, inter:]
+            h = F.silu(gate @ x[t]) * (up @ x[t])
+            out[t] += weights[t, k] * (w2[e] @ h)
+    return out
+
+
+def _experts(num_experts, hidden, inter, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(num_experts, hidden, inter)
+    with torch.no_grad():
+        moe.gate_up_proj.copy_(torch.randn(moe.gate_up_proj.shape, generator=g) * 0.2)
+        moe.down_proj.copy_(torch.randn(moe.down_proj.shape, generator=g) * 0.2)
+    return moe.to(dtype).requires_grad_(False)
+
+
+CASES = [  # (tokens, experts, top_k, renormalize)
+    (1, 8, 2, True),
+    (17, 8, 2, False),
+    (40, 16, 1, False),   # top-1 of 16: several experts get no tokens
+    (6, 32, 3, True),     # more experts than (token, slot) pairs
+    (5, 4, 4, True),      # every expert for every token
+]
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,renorm", CASES)
+def test_fused_experts_match_per_token_reference(tokens, num_experts, top_k, renorm):
+    torch.manual_seed(tokens)
+    hidden, inter = 24, 12
+    moe = _experts(num_experts, hidden, inter, seed=num_experts)
+    x = torch.randn(tokens, hidden)
+    logits = torch.randn(tokens, num_experts)
+    weights, ids = route(logits, top_k, renorm)
+    # route: softmax over all experts, top-k, renormalised only when asked.
+    probs = torch.softmax(logits, dim=-1)
+    ref_w, ref_ids = probs.topk(top_k, dim=-1)
+    if renorm:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+    got = moe(x, weights, ids)
+    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_one_gemm_pair_per_expert_that_received_tokens(monkeypatch):
+    """The experts run as grouped GEMMs: 2 GEMMs per expert hit, none for idle experts."""
+    torch.manual_seed(0)
+    moe = _experts(16, 24, 12)
+    x = torch.randn(64, 24)
+    ids = torch.randint(0, 10, (64, 2))  # experts 10..15 get no tokens
+    ids[:, 1] = (ids[:, 0] + 1) % 10
+    weights = torch.rand(64, 2)
+    calls = []
+    mm = torch.mm
+
+    def counting_mm(*args, **kw):
+        calls.append(args[0].shape[0])
+        return mm(*args, **kw)
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    got = moe(x, weights, ids)
+    monkeypatch.undo()
+    hit = ids.unique()
+    assert len(hit) == 10
+    assert len(calls) == 2 * len(hit)
+    assert sum(calls) == 2 * ids.numel()  # every (token, slot) pair once per GEMM
+    torch.testing.assert_close(got, naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_widened_experts_match_bf16_experts():
+    """bf16 experts widened to fp32 GEMMs: weights exact in fp32, output bf16, same math."""
+    torch.manual_seed(0)
+    block = SparseMoeBlock(32, 8, 2, 16, norm_topk_prob=True, shared_expert_intermediate_size=24,
+                           shared_expert_gate=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    block = block.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(9, 32).to(torch.bfloat16)
+    native = block(x)
+    w13 = block.experts.gate_up_proj.float()
+    # gate, experts, shared gate_up / down, shared_expert_gate
+    assert widen_gemms(block, torch.float32) == 5
+    assert block.experts.gate_up_proj.dtype == block.experts.down_proj.dtype == torch.float32
+    assert block.experts.compute_dtype == torch.float32
+    assert torch.equal(block.experts.gate_up_proj, w13)
+    assert widen_gemms(block, torch.float32) == 0
+    wide = block(x)
+    assert wide.dtype == torch.bfloat16
+    torch.testing.assert_close(wide.float(), native.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_bad_top_k_is_rejected():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        SparseMoeBlock(16, 4, 5, 8, norm_topk_prob=False)
+
+
+# ---- SparseMoeBlock vs transformers' blocks ------------------------------------------
+
+def _hf_block(kind: str, norm_topk_prob: bool):
+    import transformers as tf
+    common = dict(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                  intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=1, vocab_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "qwen3_moe":
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+            block = Qwen3MoeSparseMoeBlock(tf.Qwen3MoeConfig(norm_topk_prob=norm_topk_prob,
+                                                             **common))
+        elif kind == "qwen3_next":
+            from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+            block = Qwen3NextSparseMoeBlock(tf.Qwen3NextConfig(
+                norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=24, **common))
+        else:
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+                Qwen3_5MoeSparseMoeBlock)
+            common.pop("intermediate_size")
+            block = Qwen3_5MoeSparseMoeBlock(tf.Qwen3_5MoeTextConfig(
+                shared_expert_intermediate_size=24, **common))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    return block.float().eval()
+
+
+@pytest.mark.parametrize("kind,norm", [("qwen3_moe", True), ("qwen3_moe", False),
+                                       ("qwen3_next", True), ("qwen3_next", False),
+                                       ("qwen3_5_moe", True)])
+def test_sparse_moe_block_matches_hf(kind, norm):
+    hf = _hf_block(kind, norm)
+    shared = getattr(hf, "shared_expert", None)
+    ours = SparseMoeBlock(32, 8, 2, 16, norm_topk_prob=norm,
+                          shared_expert_intermediate_size=24 if shared is not None else 0,
+                          shared_expert_gate=shared is not None)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
+        if shared is not None:
+            ours.shared_expert.gate_up_proj.weight.copy_(
+                torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+            ours.shared_expert.down_proj.weight.copy_(shared.down_proj.weight)
+            ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+    # The same parameter names as HF, but for the shared expert's packed gate/up.
+    hf_names = {n.replace("gate_proj", "gate_up_proj").replace(".up_proj", ".gate_up_proj")
+                for n, _ in hf.named_parameters()}
+    assert {n for n, _ in ours.named_parameters()} == hf_names
+    x = torch.randn(2, 11, 32)
+    with torch.no_grad():
+        ref = hf(x)
+        got = ours(x.view(-1, 32)).view_as(ref)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,21 @@
+"""The gated SiLU MLP of Llama-family models (also the shared expert of MoE blocks)."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.linear import Linear
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,133 @@
+"""Mixture of experts: softmax top-k routing and the experts as grouped GEMMs.
+
+`fused_experts` sorts the (token, slot) pairs of a batch by expert, so the
+tokens routed to one expert form one contiguous slice; each expert that
+received tokens then runs one GEMM per weight matrix over its slice (a loop
+over experts with work, never over tokens), the weighted results are added
+back to their tokens with one `index_add_`.
+
+`SparseMoeBlock` is the MoE MLP of Qwen3-MoE (`norm_topk_prob` from the
+config, no shared expert), Qwen3-Next (plus a shared expert scaled by
+sigmoid(shared_expert_gate(x))) and Qwen3.5-MoE (the same, top-k always
+renormalised). Checkpoint names follow HF: `gate` (the router),
+`experts.gate_up_proj` [E, 2*I, H] (gate rows, then up rows, per expert),
+`experts.down_proj` [E, H, I], `shared_expert.*`, `shared_expert_gate`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.mlp import GatedMLP
+
+
+def route(router_logits: torch.Tensor, top_k: int,
+          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, top-k, optionally renormalised to sum to 1.
+
+    Returns (weights [T, k] in the logits' dtype, expert ids [T, k]).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t.
+
+    x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. The GEMMs
+    run in `compute_dtype` (the weights' dtype) when given; their results are
+    rounded to x's dtype after each GEMM, as a widened `Linear` does.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    gemm_dtype = compute_dtype or x.dtype
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + slot, by expert
+    token_idx = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    ends = torch.cumsum(counts, 0)
+    hit = torch.nonzero(counts).flatten()
+    # (expert, start, end) of every expert that received tokens: one host sync per layer.
+    groups = [(e, end - n, end) for e, n, end in
+              zip(hit.tolist(), counts[hit].tolist(), ends[hit].tolist())]
+
+    xs = x[token_idx].to(gemm_dtype)  # [T*k, H], grouped by expert
+    gate_up = xs.new_empty(xs.shape[0], w13.shape[1])
+    for e, lo, hi in groups:
+        torch.mm(xs[lo:hi], w13[e].t(), out=gate_up[lo:hi])
+    gate, up = gate_up.to(x.dtype).chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(gemm_dtype)
+    down = xs.new_empty(xs.shape[0], w2.shape[1])
+    for e, lo, hi in groups:
+        torch.mm(act[lo:hi], w2[e].t(), out=down[lo:hi])
+    down = down.to(x.dtype) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_idx, down)
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` gated SiLU MLPs, their weights stacked along a leading expert dim."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def extra_repr(self) -> str:
+        e, i2, h = self.gate_up_proj.shape
+        return f"num_experts={e}, hidden_size={h}, intermediate_size={i2 // 2}"
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> bool:
+        """Keep the expert weights in `dtype` and run their GEMMs there (see layers/linear.py)."""
+        if self.gate_up_proj.dtype == dtype:
+            return False
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.detach().to(dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.detach().to(dtype), requires_grad=False)
+        self.compute_dtype = dtype
+        return True
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                             self.compute_dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts, plus an optional (optionally gated) shared expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 *, norm_topk_prob: bool, shared_expert_intermediate_size: int = 0,
+                 shared_expert_gate: bool = False):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts "
+                             f"{num_experts}]")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = (GatedMLP(hidden_size, shared_expert_intermediate_size)
+                              if shared_expert_intermediate_size else None)
+        self.shared_expert_gate = (Linear(hidden_size, 1, bias=False)
+                                   if self.shared_expert is not None and shared_expert_gate
+                                   else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
