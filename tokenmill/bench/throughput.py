@@ -29,6 +29,17 @@ BENCH_MODEL_CONFIG = dict(
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
     head_dim=64, intermediate_size=1536, vocab_size=32000, tie_word_embeddings=False,
     max_position_embeddings=2048)
+# Built-in benchmark models (random bf16 weights, built locally once): name ->
+# (transformers config class, model class, config). The hybrid is the dense
+# model's size class with three Gated DeltaNet layers per full-attention layer.
+BENCH_MODELS = {
+    BENCH_MODEL_NAME: ("Qwen3Config", "Qwen3ForCausalLM", BENCH_MODEL_CONFIG),
+    "bench-qwen3.5-512": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        BENCH_MODEL_CONFIG, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"] * 2)),
+}
 DTYPES = ("bfloat16", "float16", "float32")
 PAD_TOKEN_ID = 0
 
@@ -59,8 +70,9 @@ def positive_int(text: str) -> int:
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help=f"local HF model folder (default: the {BENCH_MODEL_NAME} random-weight "
-                        "Qwen3 model, built once into $TOKENMILL_CACHE or ~/.cache/tokenmill)")
+                   help=f"local HF model folder, or a built-in benchmark model "
+                        f"({', '.join(BENCH_MODELS)}; random weights, built once into "
+                        f"$TOKENMILL_CACHE or ~/.cache/tokenmill). Default: {BENCH_MODEL_NAME}")
     p.add_argument("--num-prompts", type=positive_int, default=128)
     p.add_argument("--input-len", type=int_range, default=(32, 512), metavar="A:B",
                    help="prompt lengths, uniform integers in [A, B] (default 32:512)")
@@ -88,20 +100,22 @@ def _is_saved_model(path: str) -> bool:
         f.endswith(".safetensors") for f in os.listdir(path))
 
 
-def ensure_bench_model() -> str:
-    """Build the random-weight Qwen3 model once; later runs reuse the folder."""
-    path = os.path.join(cache_root(), BENCH_MODEL_NAME)
+def ensure_bench_model(name: str = BENCH_MODEL_NAME) -> str:
+    """Build a random-weight benchmark model once; later runs reuse the folder."""
+    path = os.path.join(cache_root(), name)
     if os.path.isdir(path) and _is_saved_model(path):
         return path
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    config_cls, model_cls, config = BENCH_MODELS[name]
     logger.info("building the benchmark model in %s", path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**BENCH_MODEL_CONFIG)).to(torch.bfloat16)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+    model = model.to(torch.bfloat16)
     # Save beside the target and rename: a reader never sees a half-written folder.
-    tmp = tempfile.mkdtemp(prefix=f".{BENCH_MODEL_NAME}.tmp-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=os.path.dirname(path))
     try:
         model.save_pretrained(tmp)
         os.rename(tmp, path)
@@ -297,7 +311,8 @@ def build_result(args, model_path: str, device, max_model_len: int, workload: Wo
 
 
 def run_throughput_bench(args: argparse.Namespace) -> int:
-    model_path = args.model or ensure_bench_model()
+    name = args.model or BENCH_MODEL_NAME
+    model_path = ensure_bench_model(name) if name in BENCH_MODELS else name
     hf_config = read_model_config(model_path)
     max_model_len = validate_args(args, hf_config)
     vocab = hf_config["vocab_size"]
