@@ -21,6 +21,12 @@ class IncrementalDetokenizer:
         if not getattr(tokenizer, "is_fast", True):  # only slow tokenizers take this option
             self.decode_kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # A prompt given as ids may end inside a multi-byte character. Such a context
+        # decodes with a trailing U+FFFD that the output's first bytes would turn into
+        # a real character, so `full` would no longer extend `shown` and those bytes
+        # would vanish from the output. Keep only context that ends on a whole character.
+        while self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids.pop()
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""

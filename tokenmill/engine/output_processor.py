@@ -84,9 +84,15 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
+        core_ids = []
         for c in state.completions:
-            self.core_to_request.pop(c.core_id, None)
-        return [c.core_id for c in state.completions]
+            # A finished completion's core id ("{i}_{id}") may since belong to a
+            # new request: leave that one alone.
+            entry = self.core_to_request.get(c.core_id)
+            if entry is not None and entry[0] is state:
+                del self.core_to_request[c.core_id]
+                core_ids.append(c.core_id)
+        return core_ids
 
     # ---- one step ------------------------------------------------------------
     def process(self, core_outputs: list[EngineCoreOutput], now: float
@@ -109,18 +115,27 @@ class OutputProcessor:
                 self.num_new_tokens.get(state.request_id, 0) + len(out.new_token_ids))
             comp.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and comp.logprobs is not None:
-                self._append_logprobs(comp, state.params.logprobs, out.new_logprobs)
+                self._append_logprobs(comp, state.params.logprobs, out.new_logprobs,
+                                      state.params.detokenize)
             if out.prompt_logprobs is not None and comp.index == 0:
                 state.prompt_logprobs = self._prompt_logprobs(state.params.prompt_logprobs,
-                                                              out.prompt_logprobs)
+                                                              out.prompt_logprobs,
+                                                              state.params.detokenize)
             if out.finished:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
             if comp.detokenizer is not None:
-                new_text = comp.detokenizer.update(out.new_token_ids)
+                text_ids = out.new_token_ids
+                if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                    # Ended by EOS or a stop token id: like vLLM, that token stays in
+                    # token_ids but its text is not part of the output.
+                    text_ids = text_ids[:-1]
+                new_text = comp.detokenizer.update(text_ids)
                 if comp.finished:
                     new_text += comp.detokenizer.finish()
                 comp.text += new_text
-                if state.params.stop and new_text:
+                # As vLLM: no stop string counts before min_tokens tokens (like EOS).
+                if state.params.stop and new_text and \
+                        len(comp.token_ids) > state.params.min_tokens:
                     hit = find_stop_string(comp.text, len(new_text), state.params.stop)
                     if hit is not None:
                         start, stop = hit
@@ -152,12 +167,15 @@ class OutputProcessor:
                 self._token_text[t] = text
         return [self._token_text[t] for t in ids]
 
-    def _logprob_dicts(self, k: int, rows: LogprobsLists) -> list[dict[int, Logprob]]:
-        """One dict per row: the top-k tokens (rank 1..k) plus the chosen token."""
+    def _logprob_dicts(self, k: int, rows: LogprobsLists,
+                       detokenize: bool = True) -> list[dict[int, Logprob]]:
+        """One dict per row: the top-k tokens (rank 1..k) plus the chosen token.
+        Without detokenize, decoded_token is None (as vLLM)."""
         ids = rows.token_ids[:, :1 + k].tolist()
         lps = rows.logprobs[:, :1 + k].tolist()
         ranks = rows.ranks.tolist()
-        texts = self._token_texts([t for row in ids for t in row])
+        flat = [t for row in ids for t in row]
+        texts = self._token_texts(flat) if detokenize else [None] * len(flat)
         out, pos = [], 0
         for row_ids, row_lps, rank in zip(ids, lps, ranks):
             row_texts = texts[pos:pos + len(row_ids)]
@@ -169,13 +187,14 @@ class OutputProcessor:
             out.append(d)
         return out
 
-    def _append_logprobs(self, comp: CompletionState, k: int, rows: LogprobsLists) -> None:
-        comp.logprobs.extend(self._logprob_dicts(k, rows))
+    def _append_logprobs(self, comp: CompletionState, k: int, rows: LogprobsLists,
+                         detokenize: bool = True) -> None:
+        comp.logprobs.extend(self._logprob_dicts(k, rows, detokenize))
         comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + float(
             rows.logprobs[:, 0].sum())
 
-    def _prompt_logprobs(self, k: int, rows: LogprobsLists) -> list:
-        return [None] + self._logprob_dicts(k, rows)
+    def _prompt_logprobs(self, k: int, rows: LogprobsLists, detokenize: bool = True) -> list:
+        return [None] + self._logprob_dicts(k, rows, detokenize)
 
     # ---- outputs -------------------------------------------------------------
     def _make_output(self, state: RequestState, comps: list[CompletionState]
