@@ -37,7 +37,10 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        return self.req_to_blocks.get(request_id) or [[] for _ in range(self.num_groups)]
+        """A copy: a SchedulerOutput may be read after later steps changed the lists
+        (async scheduling runs a step while the next one is scheduled)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return [list(g) for g in blocks] if blocks else [[] for _ in range(self.num_groups)]
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`.

@@ -35,6 +35,9 @@ class Request:
         self.output_token_ids: list[int] = []
         # Tokens whose KV is in the cache (or scheduled to be, this step).
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): scheduled
+        # past, not yet appended. The runner knows them; the scheduler not yet.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -75,14 +75,19 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._remove_from_queues(req)
             req.stop_reason = stop_reason
             self._finish(req, status)
             finished.append(rid)
         return finished
+
+    def _remove_from_queues(self, req: Request) -> None:
+        # Async scheduling: a request preempted while its last step was in flight
+        # can finish from the waiting queue.
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -133,6 +138,15 @@ class Scheduler:
             return donor
         return _WAIT
 
+    def _limit_reached_in_flight(self, req: Request) -> bool:
+        """Its in-flight tokens already reach max_tokens or max_model_len: scheduling
+        more would compute tokens past the end (the request finishes on update)."""
+        if not req.num_output_placeholders:
+            return False
+        n = req.num_output_placeholders
+        return (len(req.output_token_ids) + n >= req.sampling_params.max_tokens
+                or req.num_tokens + n >= self.config.max_model_len)
+
     def _undo_share(self, req: Request) -> None:
         if req.num_computed_tokens:
             self.kv_cache_manager.free(req)
@@ -149,8 +163,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens,
+                          budget)
+            if num_new <= 0 or self._limit_reached_in_flight(req):
                 i += 1
                 continue
             while True:
@@ -178,6 +193,9 @@ class Scheduler:
         while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[w]
+            if req.num_output_placeholders:  # preempted while its last step is in flight
+                w += 1
+                continue
             donor = self._prompt_donor(req)
             if donor is _WAIT:
                 w += 1
@@ -186,7 +204,6 @@ class Scheduler:
                 num_blocks = (req.num_prompt_tokens - 1) // self.kv_cache_manager.block_size
                 req.num_computed_tokens = self.kv_cache_manager.share_prefix(
                     req, donor.request_id, num_blocks)
-                self.num_shared_prompt_blocks += num_blocks
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._undo_share(req)
@@ -197,6 +214,9 @@ class Scheduler:
                 self._undo_share(req)
                 break
             del self.waiting[w]
+            if donor is not None:  # counted once the share holds (it is undone above if not)
+                self.num_shared_prompt_blocks += (req.num_computed_tokens
+                                                  // self.kv_cache_manager.block_size)
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -223,8 +243,13 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted)
         self._finished_req_ids = set()
         # The tokens are now scheduled: count them as computed (vLLM V1 does the same).
+        # A request whose chunk reaches its last token samples one: a placeholder until
+        # update_from_output appends it (at once when synchronous, a step later when async).
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -238,6 +263,7 @@ class Scheduler:
             new_ids = runner_output.sampled_token_ids[idx]
             if req is None or req.is_finished or not new_ids:
                 continue
+            req.num_output_placeholders = max(0, req.num_output_placeholders - len(new_ids))
             sp = req.sampling_params
             status = None
             appended = []
@@ -256,7 +282,7 @@ class Scheduler:
                 if status is not None:
                     break
             if status is not None:
-                self.running.remove(req)
+                self._remove_from_queues(req)
                 self._finish(req, status)
             outputs.append(EngineCoreOutput(
                 rid, appended, req.finish_reason, req.stop_reason,

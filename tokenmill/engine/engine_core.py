@@ -4,6 +4,7 @@ step() = schedule -> execute_model -> sample_tokens -> update_from_output.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import torch
@@ -12,6 +13,7 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec
 from tokenmill.core.request import Request
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.models.loader import load_model
 from tokenmill.worker.kv_cache import available_memory_bytes
@@ -58,8 +60,12 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, model=None):
+                 scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False):
         self.model_config = model_config
+        self.async_scheduling = async_scheduling
+        # One worker thread runs the steps in order when scheduling is async.
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
+        self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         if model is None:
             model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
                                model_config.device, model_config.gemm_dtype)
@@ -93,18 +99,62 @@ class EngineCore:
     def _flush_finished_if_idle(self) -> None:
         # Finished ids normally ride on the next SchedulerOutput; when there is
         # no next step, hand them to the runner now so it holds no stale rows.
-        if not self.scheduler.has_unfinished_requests():
-            self.runner.remove_requests(self.scheduler.take_finished_req_ids())
+        if self.scheduler.has_unfinished_requests():
+            return
+        if self._in_flight is not None:
+            # Every request is finished: the step in flight only computes tokens that
+            # will be dropped. Let it end (the worker owns the runner until then).
+            self._in_flight[1].result()
+            self._in_flight = None
+        self.runner.remove_requests(self.scheduler.take_finished_req_ids())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.runner.execute_model(so)
+        return self.runner.sample_tokens()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         so = self.scheduler.schedule()
-        self.runner.execute_model(so)
-        runner_output = self.runner.sample_tokens()
+        runner_output = self._execute(so)
         outputs = []
         if so.total_num_scheduled_tokens:
             outputs = self.scheduler.update_from_output(so, runner_output)
         self._flush_finished_if_idle()
         return outputs
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N+1, then collect step N.
+
+        Step N+1 is scheduled before step N's tokens are known: each request that
+        samples in N holds a placeholder, so N+1 already schedules its next token.
+        The worker thread runs steps in order, and the runner writes every sampled
+        token into its batch before the next step reads it, so N+1's inputs are
+        complete. The host work of the caller (this update, detokenizing, the
+        next schedule) overlaps the forward of the step in flight. A request that
+        N finishes may have been scheduled in N+1: that token is dropped.
+        """
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                launched = (so, self._worker.submit(self._execute, so))
+        outputs = []
+        if self._in_flight is not None:
+            prev_so, future = self._in_flight
+            self._in_flight = None
+            runner_output = future.result()
+            if prev_so.total_num_scheduled_tokens:
+                outputs = self.scheduler.update_from_output(prev_so, runner_output)
+        self._in_flight = launched
+        self._flush_finished_if_idle()
+        return outputs
+
+    def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight[1].result()
+            self._in_flight = None
+        self._worker.shutdown(wait=True)

@@ -36,6 +36,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # Schedule step N+1 while step N runs (None: on where it pays, see resolve_async).
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -59,6 +61,12 @@ class EngineArgs:
                              f"got {self.max_num_batched_tokens!r}")
 
 
+def resolve_async(flag: bool | None, device) -> bool:
+    if flag is not None:
+        return bool(flag)
+    return True
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         args.validate()
@@ -79,7 +87,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
                                                 args.enable_chunked_prefill)
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
-        self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config)
+        self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
+                                      async_scheduling=resolve_async(args.async_scheduling,
+                                                                     self.model_config.device))
         self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
