@@ -13,6 +13,8 @@ import platform
 
 logger = logging.getLogger(__name__)
 
+SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_gemv.cpp")
+
 
 def _cpu_fingerprint() -> str:
     """Built with -march=native: a build must never be reused on another CPU model."""
@@ -30,8 +32,9 @@ def cpu_ops():
         return None
     try:
         from torch.utils.cpp_extension import load
-        src = os.path.join(os.path.dirname(__file__), "cpu_paged_attention.cpp")
-        return load(name=f"tokenmill_cpu_paged_attention_{_cpu_fingerprint()}", sources=[src],
+        here = os.path.dirname(__file__)
+        sources = [os.path.join(here, f) for f in SOURCES]
+        return load(name=f"tokenmill_cpu_ops_{_cpu_fingerprint()}", sources=sources,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags...
         logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", e)

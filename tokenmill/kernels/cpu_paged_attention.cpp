@@ -218,7 +218,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
-}

@@ -6,6 +6,11 @@ weight upcast to fp32 is exact, bf16 x bf16 products are exact in fp32, and
 oneDNN's bf16 GEMM accumulates in fp32 too: computing in fp32 and rounding the
 result to bf16 is the same math (up to summation order), about 4x faster, at
 the cost of fp32 weight memory.
+
+At a few rows (decode of one to a few sequences) the layer is bound by reading
+its weights instead, and fp32 weights double the bytes: then the native
+`gemv_bf16` kernel reads the original bf16 weights (kept beside the fp32 copy)
+and accumulates in fp32, the same math again.
 """
 from __future__ import annotations
 
@@ -14,22 +19,39 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# Up to this many rows take the bf16 GEMV kernel (measured: docs/benchmarks.md).
+GEMV_MAX_ROWS = 8
+
+
 class Linear(nn.Linear):
     compute_dtype: torch.dtype | None = None
+    gemv_weight: torch.Tensor | None = None  # the bf16 weights, for gemv_bf16
+    _gemv = None
 
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
         """Keep the weights in `dtype` and run the GEMM there; False if they already were."""
         if self.weight.dtype == dtype:
             return False
-        self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
+        old = self.weight.detach()
+        self.weight = nn.Parameter(old.to(dtype), requires_grad=False)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         self.compute_dtype = dtype
+        if old.dtype == torch.bfloat16 and old.device.type == "cpu":
+            from tokenmill.kernels import cpu_ops
+            ops = cpu_ops()
+            if ops is not None:
+                self.gemv_weight = old.contiguous()
+                self._gemv = ops.gemv_bf16
+                self._no_bias = torch.empty(0)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
+        if self._gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return self._gemv(x, self.gemv_weight,
+                              self.bias if self.bias is not None else self._no_bias)
         return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
 
 
