@@ -50,3 +50,21 @@ def test_widened_linear_uses_gemv_for_few_rows_and_matches_the_gemm(monkeypatch)
         assert used == (rows <= linear_mod.GEMV_MAX_ROWS)
         ref = (x.float() @ ref_w.t() + ref_b).bfloat16()
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 3, 32), (33, 130)])
+def test_native_rms_norm_matches_hf_formula(dtype, shape):
+    """HF's Llama/Qwen RMSNorm: fp32 statistics, the normalised value rounded to the
+    input dtype, then times the weight (in the input dtype)."""
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ref = w * normed
+    out = ops.rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    # Nearly every element bit-identical (summation order can move one rounding).
+    assert (out == ref).float().mean() > 0.99

@@ -13,7 +13,7 @@ import platform
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_gemv.cpp")
+SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_gemv.cpp", "cpu_norm.cpp")
 
 
 def _cpu_fingerprint() -> str:
