@@ -34,7 +34,10 @@ def cpu_ops():
         from torch.utils.cpp_extension import load
         here = os.path.dirname(__file__)
         sources = [os.path.join(here, f) for f in SOURCES]
-        return load(name=f"tokenmill_cpu_ops_{_cpu_fingerprint()}", sources=sources,
+        # Keyed on the sources too: two checkouts with different kernels never share
+        # (and keep rebuilding) one build folder.
+        digest = hashlib.sha1(b"".join(open(p, "rb").read() for p in sources)).hexdigest()[:8]
+        return load(name=f"tokenmill_cpu_ops_{_cpu_fingerprint()}_{digest}", sources=sources,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags...
         logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", e)
