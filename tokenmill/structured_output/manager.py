@@ -1,0 +1,195 @@
+"""StructuredOutputManager: grammars for the requests of one engine.
+
+The engine core owns one. It
+
+* validates a request's StructuredOutputsParams when the request is added
+  (`validate`: parse now, ValueError naming the field) and starts compiling its
+  grammar in a worker thread; compiled grammars are cached by key
+  (kind, canonical text, whitespace flag), so equal requests compile once;
+* gives each core request a `StructuredOutputRequest` (`new_request`), the
+  only thing the scheduler sees: `ready()` (grammar compiled, so the request
+  may be scheduled) and `advance(token)` (accept one new token; True when the
+  request must stop: the grammar is complete);
+* builds the step's compact bitmask (`grammar_bitmask`): one row per
+  scheduled structured request, in scheduling order, and the request id -> row
+  map; the runner maps the rows onto its batch (the engine core calls it
+  between the forward and the sampling, see EngineCore._execute).
+
+Bit t of row r (word t // 32, bit t % 32) is 1 when token t is allowed.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from tokenmill.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (least recently used dropped first).
+GRAMMAR_CACHE_SIZE = 256
+# Async scheduling: how long a step's sampling waits for its bitmask before failing.
+BITMASK_WAIT_S = 120.0
+
+
+class StructuredOutputRequest:
+    """One request's grammar matcher, created when its grammar is compiled."""
+
+    __slots__ = ("request_id", "_future", "_backend", "matcher", "failed")
+
+    def __init__(self, request_id: str, future: concurrent.futures.Future, backend):
+        self.request_id = request_id
+        self._future = future
+        self._backend = backend
+        self.matcher = None
+        self.failed = False
+
+    def ready(self) -> bool:
+        """True once the grammar is compiled (the request may then be scheduled)."""
+        if self.matcher is not None or self.failed:
+            return True
+        if not self._future.done():
+            return False
+        try:
+            self.matcher = self._backend.new_matcher(self._future.result())
+        except Exception:  # noqa: BLE001 - a bug or a resource error, not bad input
+            logger.exception("request %s: compiling its grammar failed; it stops", self.request_id)
+            self.failed = True
+        self._future = None
+        return True
+
+    def advance(self, token_id: int) -> bool:
+        """Accept a newly generated token. True: the request must stop (the grammar
+        has ended, or the token broke it, which the bitmask should make impossible)."""
+        m = self.matcher
+        if m is None:
+            return True  # failed to compile
+        if not m.accept_token(token_id):
+            logger.error("request %s: token %d does not fit its grammar; stopping it",
+                         self.request_id, token_id)
+            return True
+        return m.is_terminated()
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, compile_workers: int = 1):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.compile_workers = compile_workers
+        self._backend = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._grammars: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
+        self._bitmask_events: dict[int, threading.Event] = {}  # id(SchedulerOutput) -> filled
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            from tokenmill.structured_output.backend import XgrammarBackend
+            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._backend
+
+    @property
+    def bitmask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    # ---- requests in ----------------------------------------------------------------
+    def validate(self, sop: StructuredOutputsParams) -> None:
+        """Parse the grammar (ValueError naming the field) and start compiling it."""
+        if self.tokenizer is None:
+            raise ValueError(f"{sop.field_name()}: this model has no tokenizer, which "
+                             f"structured output needs")
+        self._grammar_future(sop)
+
+    def _grammar_future(self, sop: StructuredOutputsParams) -> concurrent.futures.Future:
+        key = sop.cache_key()
+        with self._lock:
+            fut = self._grammars.get(key)
+            if fut is not None:
+                self._grammars.move_to_end(key)
+                return fut
+        grammar = self.backend.parse(sop)  # raises ValueError: nothing cached
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.compile_workers, thread_name_prefix="tokenmill-grammar")
+        with self._lock:
+            fut = self._grammars.get(key)
+            if fut is None:
+                fut = self._pool.submit(self.backend.compile, grammar)
+                self.num_compiled += 1
+                self._grammars[key] = fut
+                while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                    self._grammars.popitem(last=False)
+            return fut
+
+    def new_request(self, request_id: str, sop: StructuredOutputsParams) -> StructuredOutputRequest:
+        return StructuredOutputRequest(request_id, self._grammar_future(sop), self.backend)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to `timeout` s for a compilation in flight (nothing else to run)."""
+        with self._lock:
+            pending = [f for f in self._grammars.values() if not f.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    # ---- one step -------------------------------------------------------------------
+    def grammar_bitmask(self, requests: dict, num_scheduled_tokens: dict[str, int]
+                        ) -> tuple[dict[str, int], np.ndarray | None]:
+        """The compact bitmask of this step: one row per scheduled structured request,
+        in scheduling order, from its matcher's state now (every token it generated so
+        far accepted). A prompt chunk's row is filled too: its sample is discarded.
+        Requests finished since scheduling (gone from `requests`) get no row."""
+        rows: dict[str, int] = {}
+        matchers = []
+        for rid in num_scheduled_tokens:
+            req = requests.get(rid)
+            if req is None:
+                continue
+            so_req = req.structured_output
+            if so_req is None or so_req.matcher is None:
+                continue
+            rows[rid] = len(matchers)
+            matchers.append(so_req.matcher)
+        if not matchers:
+            return {}, None
+        bitmask = np.full((len(matchers), self.bitmask_words), -1, dtype=np.int32)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        return rows, bitmask
+
+    # ---- async scheduling: the bitmask is filled on the caller's thread ---------------
+    # A launched step's sampling (on the step thread) waits until the caller has
+    # accepted the tokens of the step before it and filled this step's bitmask.
+    def expect_bitmask(self, so) -> None:
+        self._bitmask_events[id(so)] = threading.Event()
+
+    def is_expected(self, so) -> bool:
+        return id(so) in self._bitmask_events
+
+    def bitmask_ready(self, so) -> None:
+        self._bitmask_events[id(so)].set()
+
+    def wait_bitmask(self, so, timeout: float = BITMASK_WAIT_S) -> None:
+        event = self._bitmask_events.get(id(so))
+        if event is None:
+            return
+        try:
+            if not event.wait(timeout):
+                raise RuntimeError(f"the grammar bitmask of a step was not filled within "
+                                   f"{timeout} s")
+        finally:
+            del self._bitmask_events[id(so)]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
