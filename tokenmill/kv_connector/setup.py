@@ -1,0 +1,82 @@
+"""Wiring for EngineCore: whether prefix caching is on, the connector's two halves,
+and the KV cache statistics (engine stats, /metrics)."""
+from __future__ import annotations
+
+import logging
+
+from tokenmill.core.kv_cache_spec import KVCacheConfig
+from tokenmill.kv_connector.config import KVConnectorConfig, KVGeometry, model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+HYBRID_REASON = (
+    "it has recurrent-state (Gated DeltaNet) layers: a cache hit would have to restore "
+    "their state at the block boundary, and a state recomputed from a snapshot is not "
+    "bit-identical to one computed in a single pass (see ARCHITECTURE.md)")
+
+
+def _num_block_groups(config: KVCacheConfig) -> int:
+    return sum(1 for g in config.groups if g.is_attention)
+
+
+def resolve_prefix_caching(flag: bool | None, kv_cache_config: KVCacheConfig) -> bool:
+    """None: on for full-attention models. Hybrids: always off, with the reason."""
+    if kv_cache_config.state_group_id is not None:
+        if flag:
+            logger.warning("prefix caching requested but turned off for this model: %s",
+                           HYBRID_REASON)
+        elif flag is None:
+            logger.info("prefix caching is off for this model: %s", HYBRID_REASON)
+        return False
+    return True if flag is None else bool(flag)
+
+
+def attach_kv_connector(config: KVConnectorConfig | None, model_config,
+                        kv_cache_config: KVCacheConfig, scheduler, runner):
+    """Build the connector (the stores), give the scheduler its scheduler half and the
+    runner its worker half. Returns the shared KVConnector, or None."""
+    if config is None:
+        return None
+    if kv_cache_config.state_group_id is not None:
+        logger.warning("the external KV tier is turned off for this model: %s", HYBRID_REASON)
+        return None
+    if _num_block_groups(kv_cache_config) != 1:
+        logger.warning("the external KV tier needs exactly one attention KV group; off")
+        return None
+    from tokenmill.kv_connector.connector import KVConnector, KVConnectorScheduler
+    from tokenmill.kv_connector.worker import KVConnectorWorker
+
+    geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
+    model_id = config.model_id
+    if model_id is None:
+        gemm = getattr(model_config, "gemm_dtype", None)
+        model_id = model_fingerprint(model_config.path,
+                                     f"dtype={model_config.dtype};gemm={gemm}")
+    connector = KVConnector(config, model_id, geometry)
+    group_id = kv_cache_config.attention_group_id
+    worker = KVConnectorWorker(connector, runner.kv_caches,
+                               kv_cache_config.groups[group_id].layer_names)
+    scheduler.connector = KVConnectorScheduler(connector, kv_cache_config.block_size, group_id)
+    runner.kv_connector = worker
+    return connector
+
+
+def kv_cache_stats(scheduler, connector=None) -> dict:
+    """Prefix-cache and external-tier counters (cumulative) and cache gauges."""
+    kvm = scheduler.kv_cache_manager
+    pc = kvm.prefix_cache_stats
+    out = {
+        "prefix_caching": kvm.enable_caching,
+        "prefix_cache_queries": pc.queries,  # tokens looked up at admission
+        "prefix_cache_hits": pc.hits,  # of those, tokens found cached
+        "prefix_cache_requests": pc.requests,
+        "prefix_cache_hit_requests": pc.hit_requests,
+        "num_used_blocks": kvm.num_used_blocks,
+        "num_cached_blocks": kvm.pool.num_cached_blocks,
+        "num_evictable_cached_blocks": kvm.pool.num_evictable_cached_blocks,
+        "num_cache_evictions": kvm.pool.num_evictions,
+        "external": None,
+    }
+    if connector is not None:
+        out["external"] = connector.stats.snapshot()
+    return out

@@ -1,0 +1,298 @@
+"""The external KV stores (in-process CPU memory, disk, Redis) and the entry format.
+
+A store maps a key (the block hash in hex) to bytes inside its namespace (model
+identity + KV geometry, see config.kv_namespace). It knows nothing of blocks or
+tensors. Every value is an entry:
+
+    header: magic "TMKV", version, namespace digest (16 B), block hash (32 B),
+            payload length (8 B), CRC-32 of the payload
+    payload: for each attention layer in order, the block's K then V pages
+
+`decode_entry` refuses an entry whose namespace, block hash, length or checksum
+disagrees (another model or geometry, a torn or corrupted write): the caller
+recomputes that block instead. A store that cannot be reached raises
+StoreUnavailable; the connector treats it as a miss.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import tempfile
+import threading
+import time
+import zlib
+from collections import OrderedDict
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TMKV"
+VERSION = 1
+HEADER = struct.Struct("<4sB3x16s32sQI")
+
+
+class EntryError(ValueError):
+    """An entry that must not be loaded (the reason says why)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached right now."""
+
+
+def encode_entry(ns_digest: bytes, block_hash: bytes, payload) -> bytes:
+    payload = memoryview(payload).cast("B")
+    header = HEADER.pack(MAGIC, VERSION, ns_digest, block_hash, payload.nbytes,
+                         zlib.crc32(payload))
+    return b"".join((header, payload))
+
+
+def decode_entry(data, ns_digest: bytes, block_hash: bytes, payload_bytes: int) -> memoryview:
+    """The payload of a whole, matching entry, or EntryError."""
+    if data is None:
+        raise EntryError("missing")
+    n = len(data)
+    if n < HEADER.size:
+        raise EntryError(f"torn: {n} bytes, shorter than the header")
+    magic, version, ns, bh, length, crc = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise EntryError("not a tokenmill KV entry (magic/version)")
+    if ns != ns_digest:
+        raise EntryError("written for another model or KV geometry")
+    if bh != block_hash:
+        raise EntryError("holds another block")
+    if length != payload_bytes:
+        raise EntryError(f"payload is {length} bytes, this KV geometry needs {payload_bytes}")
+    if n != HEADER.size + length:
+        raise EntryError(f"torn: {n - HEADER.size} of {length} payload bytes")
+    payload = memoryview(data)[HEADER.size:]
+    if zlib.crc32(payload) != crc:
+        raise EntryError("checksum mismatch (corrupted)")
+    return payload
+
+
+class KVStore:
+    """Base: keys are block hashes in hex, values entry bytes."""
+
+    kind = "?"
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CPUStore(KVStore):
+    """In-process memory with an LRU byte budget (lookups refresh an entry)."""
+
+    kind = "cpu"
+
+    def __init__(self, namespace: str, max_bytes: int):
+        super().__init__(namespace)
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_evictions = 0
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def contains_many(self, keys):
+        with self._lock:
+            out = [k in self._data for k in keys]
+            # Refresh from the last block to the first: a chain's head is evicted last
+            # (without its head, the rest of a chain is useless).
+            for k, hit in zip(reversed(keys), reversed(out)):
+                if hit:
+                    self._data.move_to_end(k)
+            return out
+
+    def get_many(self, keys):
+        with self._lock:
+            out = [self._data.get(k) for k in keys]
+            for k, v in zip(reversed(keys), reversed(out)):
+                if v is not None:
+                    self._data.move_to_end(k)
+            return out
+
+    def put_many(self, items):
+        with self._lock:
+            for key, value in items:
+                size = len(value)
+                if size > self.max_bytes:
+                    continue
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self.num_bytes -= len(old)
+                while self._data and self.num_bytes + size > self.max_bytes:
+                    _, evicted = self._data.popitem(last=False)
+                    self.num_bytes -= len(evicted)
+                    self.num_evictions += 1
+                self._data[key] = value
+                self.num_bytes += size
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            v = self._data.pop(key, None)
+            if v is not None:
+                self.num_bytes -= len(v)
+
+
+class DiskStore(KVStore):
+    """One file per block under DIR/<namespace>/<hash[:2]>/<hash>.kvb, written to a
+    temporary file in the same folder and renamed over the name (atomic: a reader
+    sees the old entry, the new one or none, never half of one)."""
+
+    kind = "disk"
+
+    def __init__(self, namespace: str, root: str):
+        super().__init__(namespace)
+        self.root = root
+        self.dir = os.path.join(root, namespace)
+        os.makedirs(self.dir, exist_ok=True)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.dir, key[:2], key + ".kvb")
+
+    def contains_many(self, keys):
+        return [os.path.exists(self.path(k)) for k in keys]
+
+    def get_many(self, keys):
+        out = []
+        for k in keys:
+            try:
+                with open(self.path(k), "rb") as f:
+                    out.append(f.read())
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as e:
+                logger.warning("KV disk store: cannot read %s: %s", self.path(k), e)
+                out.append(None)
+        return out
+
+    def put_many(self, items):
+        for key, value in items:
+            final = self.path(key)
+            folder = os.path.dirname(final)
+            try:
+                os.makedirs(folder, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=folder)
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(value)
+                    os.replace(tmp, final)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    raise
+            except OSError as e:
+                raise StoreUnavailable(f"disk store {self.dir}: {e}") from e
+
+
+class RedisStore(KVStore):
+    """A shared remote tier through redis-py: keys tokenmill:kv:<namespace>:<hash>.
+
+    Any Redis error (down at start-up, gone mid-run, timeouts) logs one warning
+    per outage and marks the store down for `retry_s` seconds; meanwhile every
+    call raises StoreUnavailable at once (so the engine recomputes, never waits)."""
+
+    kind = "redis"
+
+    def __init__(self, namespace: str, url: str, timeout_s: float = 2.0, retry_s: float = 5.0,
+                 ttl_s: int | None = None):
+        super().__init__(namespace)
+        import redis  # noqa: local: only a Redis store needs it
+
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self.url = url
+        self.retry_s = retry_s
+        self.ttl_s = ttl_s
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                            socket_connect_timeout=timeout_s)
+        self._prefix = f"tokenmill:kv:{namespace}:"
+        self._down_until = 0.0
+        self._down = False
+        try:
+            self._call(self._client.ping)
+            logger.info("KV connector: Redis at %s is up", url)
+        except StoreUnavailable:
+            pass  # warned; the engine starts and recomputes until Redis answers
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def _call(self, fn):
+        now = time.monotonic()
+        if now < self._down_until:
+            raise StoreUnavailable(f"Redis at {self.url} is down")
+        try:
+            result = fn()
+        except self._errors as e:
+            self._down_until = time.monotonic() + self.retry_s
+            if not self._down:
+                logger.warning("KV connector: Redis at %s is unreachable (%s): its blocks are "
+                               "recomputed and not stored; retrying every %.0f s",
+                               self.url, e, self.retry_s)
+            self._down = True
+            raise StoreUnavailable(f"Redis at {self.url}: {e}") from e
+        if self._down:
+            logger.warning("KV connector: Redis at %s answers again", self.url)
+            self._down = False
+        return result
+
+    def contains_many(self, keys):
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._key(k))
+            return [bool(x) for x in pipe.execute()]
+        return self._call(run) if keys else []
+
+    def get_many(self, keys):
+        if not keys:
+            return []
+        return self._call(lambda: self._client.mget([self._key(k) for k in keys]))
+
+    def put_many(self, items):
+        if not items:
+            return
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for k, v in items:
+                pipe.set(self._key(k), v, ex=self.ttl_s)
+            pipe.execute()
+        self._call(run)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection
+            pass
+
+
+def make_store(spec: str, namespace: str, config) -> KVStore:
+    from tokenmill.kv_connector.config import parse_store_spec
+    kind, arg = parse_store_spec(spec)
+    if kind == "cpu":
+        return CPUStore(namespace, config.cpu_bytes)
+    if kind == "disk":
+        return DiskStore(namespace, arg)
+    return RedisStore(namespace, arg, config.redis_timeout_s, config.redis_retry_s,
+                      config.redis_ttl_s)
