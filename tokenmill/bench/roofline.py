@@ -1,0 +1,214 @@
+"""The roofline ratio of the benches: achieved model FLOP/s over the peak GEMM FLOP/s
+measured on the same machine in the same run.
+
+Model FLOPs of a request with a prompt of L tokens and O output tokens (greedy,
+every output token sampled from one logits row):
+
+- T = L + O - 1 token positions go through the decoder layers (the last sampled
+  token is never fed back). Every GEMM weight of the layers (attention q/k/v/o,
+  MLP, MoE router, DeltaNet projections and depthwise conv; for MoE experts only
+  the `num_experts_per_tok / num_experts` active share) costs 2 FLOPs per
+  parameter per position: ``dense = 2 * layer_params * T``.
+- lm_head runs on the O rows that sample (never on the other prompt rows):
+  ``lm_head = 2 * hidden * vocab * O``.
+- Attention scores and values in each full-attention layer, causal (position p,
+  0-based, reads p + 1 keys): ``attention = 4 * heads * head_dim * T (T + 1) / 2``
+  per layer. Linear-attention (DeltaNet) state updates, norms, rotary, SiLU and
+  the embedding lookup are not counted.
+
+The same useful FLOPs are the numerator for every system (a static HF batch also
+computes padding rows; they do not count). The peak is the best `torch.mm` FLOP/s
+over GEMMs shaped like the model's (M tokens x hidden -> hidden, hidden ->
+2 x intermediate, intermediate -> hidden), best of a few repetitions, in bf16 and
+in fp32: a CPU without native bf16 (no AVX512-BF16 / AMX) emulates bf16 GEMMs,
+and tokenmill then computes its GEMMs in fp32 (ModelConfig.gemm_dtype), so both
+ratios are printed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+GEMM_M = 1024  # rows (tokens) of the peak GEMMs: a large prefill / decode batch
+PEAK_DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class ModelFlops:
+    layer_params: int       # GEMM parameters a token meets in the decoder layers (active experts)
+    lm_head_params: int     # hidden * vocab
+    attention_layers: int   # full-attention layers (softmax attention over the context)
+    num_heads: int
+    head_dim: int
+
+    def request(self, prompt_len: int, output_len: int) -> dict[str, int]:
+        """Model FLOPs of one request, by part (see the module docstring)."""
+        t = prompt_len + output_len - 1
+        dense = 2 * self.layer_params * t
+        lm_head = 2 * self.lm_head_params * output_len
+        attention = 4 * self.attention_layers * self.num_heads * self.head_dim * (t * (t + 1) // 2)
+        return {"dense": dense, "lm_head": lm_head, "attention": attention,
+                "total": dense + lm_head + attention}
+
+    def workload(self, prompt_lens, output_lens) -> dict[str, int]:
+        total = {"dense": 0, "lm_head": 0, "attention": 0, "total": 0}
+        for n_in, n_out in zip(prompt_lens, output_lens):
+            for k, v in self.request(n_in, n_out).items():
+                total[k] += v
+        return total
+
+
+def _text_config(model_path: str) -> dict:
+    from tokenmill.config import flatten_text_config
+    with open(os.path.join(model_path, "config.json")) as f:
+        return flatten_text_config(json.load(f))
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the safetensors headers (no weights are read)."""
+    from safetensors import safe_open
+    shapes = {}
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {model_path!r}")
+    for name in files:
+        with safe_open(os.path.join(model_path, name), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def count_model_flops(model_path: str) -> ModelFlops:
+    """The FLOP counts of a local checkpoint: parameter shapes from its safetensors
+    headers, attention geometry from its config.json."""
+    cfg = _text_config(model_path)
+    shapes = _checkpoint_shapes(model_path)
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    active = (cfg.get("num_experts_per_tok") or 0) / num_experts if num_experts else 1.0
+    layer_params = 0.0
+    lm_head = embed = 0
+    for name, shape in shapes.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        if name.endswith("lm_head.weight"):
+            lm_head = numel
+        elif name.endswith("embed_tokens.weight"):
+            embed = numel
+        elif (".layers." in name and len(shape) >= 2
+              and not any(s in name for s in ("visual", "vision", "mtp"))):
+            layer_params += numel * (active if ".experts." in name else 1.0)
+    if not lm_head:  # tied word embeddings: lm_head is the embedding matrix
+        lm_head = embed
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    layer_types = cfg.get("layer_types")
+    attention_layers = (sum(t == "full_attention" for t in layer_types) if layer_types
+                        else cfg["num_hidden_layers"])
+    return ModelFlops(int(round(layer_params)), lm_head, attention_layers, heads, head_dim)
+
+
+# ---- the peak ------------------------------------------------------------------
+def gemm_shapes(model_path: str, m: int = GEMM_M) -> list[tuple[int, int, int]]:
+    """(M, K, N) GEMMs shaped like the model's: qkv/o-sized, gate_up-sized, down-sized."""
+    cfg = _text_config(model_path)
+    hidden = cfg["hidden_size"]
+    inter = cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 4 * hidden
+    shapes = [(m, hidden, hidden), (m, hidden, 2 * inter), (m, inter, hidden)]
+    return list(dict.fromkeys(shapes))
+
+
+def _sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_gemm_peak(dtype: str, device, shapes: list[tuple[int, int, int]], reps: int = 5,
+                      min_rep_s: float = 0.02) -> dict:
+    """Best torch.mm FLOP/s over `shapes` (A [M, K] @ W[N, K].T, as a Linear layer does):
+    one warmup call per shape, then `reps` timed repetitions of enough calls to last
+    about `min_rep_s`; the best repetition counts."""
+    import torch
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    best = {"gflops": 0.0, "shape": None}
+    per_shape = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen).to(device=device, dtype=tdtype)
+        w = torch.randn(n, k, generator=gen).to(device=device, dtype=tdtype)
+        out = torch.empty(m, n, device=device, dtype=tdtype)
+        with torch.inference_mode():
+            _sync(device)
+            start = time.perf_counter()
+            torch.mm(a, w.t(), out=out)
+            _sync(device)
+            one = max(time.perf_counter() - start, 1e-6)
+            calls = max(1, int(min_rep_s / one))
+            rep_best = float("inf")
+            for _ in range(reps):
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    torch.mm(a, w.t(), out=out)
+                _sync(device)
+                rep_best = min(rep_best, (time.perf_counter() - start) / calls)
+        gflops = 2 * m * k * n / rep_best / 1e9
+        per_shape.append({"shape_mkn": [m, k, n], "gflops": gflops})
+        if gflops > best["gflops"]:
+            best = {"gflops": gflops, "shape": [m, k, n]}
+    return {"dtype": dtype, "peak_gflops": best["gflops"], "peak_shape_mkn": best["shape"],
+            "per_shape": per_shape, "reps": reps}
+
+
+def measure_peaks(model_path: str, device, dtypes=PEAK_DTYPES, m: int = GEMM_M,
+                  reps: int = 5) -> dict[str, dict]:
+    import torch
+    device = torch.device(device)
+    shapes = gemm_shapes(model_path, m)
+    return {dt: measure_gemm_peak(dt, device, shapes, reps=reps) for dt in dict.fromkeys(dtypes)}
+
+
+# ---- the report ----------------------------------------------------------------
+def roofline(flops: ModelFlops, peaks: dict[str, dict], runs: dict[str, tuple],
+             gemm_dtype: str | None = None) -> dict:
+    """The --output-json "roofline" block: the measured peaks and, per system
+    (name -> (prompt lengths, output lengths, timed seconds) of what it ran), the
+    model FLOPs of its workload, achieved GFLOP/s and the ratio to each peak.
+    `gemm_dtype`: the dtype tokenmill's GEMMs run in on this machine."""
+    systems = {}
+    for name, (prompt_lens, output_lens, seconds) in runs.items():
+        if not seconds:
+            continue
+        work = flops.workload(prompt_lens, output_lens)
+        achieved = work["total"] / seconds / 1e9
+        systems[name] = {"model_flops": work, "seconds": seconds, "achieved_gflops": achieved,
+                         **{f"ratio_{dt}": achieved / p["peak_gflops"]
+                            for dt, p in peaks.items() if p["peak_gflops"] > 0}}
+    return {"model": asdict(flops), "peaks": peaks, "tokenmill_gemm_dtype": gemm_dtype,
+            "systems": systems}
+
+
+def format_roofline(block: dict) -> str:
+    """A few lines: the peaks, then each system's achieved GFLOP/s and ratios."""
+    peaks = block["peaks"]
+    head = ", ".join(f"{dt} {p['peak_gflops']:.1f}" for dt, p in peaks.items())
+    lines = [f"roofline: peak GEMM GFLOP/s (torch.mm, this run): {head}"
+             + (f"; tokenmill GEMMs run in {block['tokenmill_gemm_dtype']}"
+                if block.get("tokenmill_gemm_dtype") else "")]
+    names = list(block["systems"])
+    if not names:
+        return lines[0]
+    width = max(len(n) for n in names)
+    cols = [f"vs {dt} peak" for dt in peaks]
+    cw = [max(len(c), 8) for c in cols]
+    lines.append(f"{'':<{width}}  {'GFLOP':>9}  {'GFLOP/s':>9}"
+                 + "".join(f"  {c:>{w}}" for c, w in zip(cols, cw)))
+    for name, s in block["systems"].items():
+        ratios = "".join(f"  {100 * s.get(f'ratio_{dt}', 0.0):>{w - 1}.1f}%"
+                         for dt, w in zip(peaks, cw))
+        lines.append(f"{name:<{width}}  {s['model_flops']['total'] / 1e9:>9.1f}  "
+                     f"{s['achieved_gflops']:>9.2f}{ratios}")
+    return "\n".join(lines)
