@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenmill-installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean redis-server
 
 install: $(STAMP)
 
@@ -21,8 +21,15 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/tokenmill serve
 
-test: install
+# The external-KV tests run a real redis-server (Debian's package), installed here
+# when missing; the tests start their own on a free port and stop it.
+test: install redis-server
 	$(PY) -m pytest -q tests
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
 bench: install
 	$(VENV)/bin/tokenmill bench throughput

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tokenmill.llm",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.structured_output.params",
     "EngineArgs": "tokenmill.engine.llm_engine",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",

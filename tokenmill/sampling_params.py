@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import MISSING, dataclass, field, fields
 
+from tokenmill.structured_output.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything so far
@@ -42,6 +44,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Constrain the output to a JSON schema / regex / choice / grammar (dict or
+    # StructuredOutputsParams); the grammar itself is checked at add_request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **kwargs):
         known = {f.name: f for f in fields(self)}
@@ -143,6 +148,8 @@ class SamplingParams:
                 raise ValueError(f"bad_words must be a list of non-empty strings, "
                                  f"got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

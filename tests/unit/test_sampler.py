@@ -54,6 +54,9 @@ class TargetTracker:
         rid = outs[target_index].request_id
         chunks, done = 0, 0
         for so in self.seen:
+            for nr in so.scheduled_new_reqs:  # a prefix-cache hit starts it past 0
+                if nr.req_id == rid:
+                    done = nr.num_computed_tokens
             n = so.num_scheduled_tokens.get(rid)
             if n and done < len(prompts[target_index]):
                 chunks += 1

@@ -9,6 +9,14 @@ ignore_eos, per-request output lengths) on the same weights and dtype:
   generates the batch maximum; only each request's own length counts as output.
 
 Output tok/s = counted output tokens / wall seconds of the timed part.
+
+`--structured json` adds, on the same LLM, the workload with every request
+constrained to BENCH_JSON_SCHEMA (greedy; a request ends at its max_tokens or
+when its JSON is complete, which then must parse), then the unstructured
+workload once more, and prints structured / that second unstructured run (both
+warm; the first timed run also pays first-touch costs). A model folder without
+a tokenizer borrows the demo model's (its 4096 tokens; the rest of the
+vocabulary is never allowed by a grammar); both runs skip detokenizing.
 """
 from __future__ import annotations
 
@@ -42,6 +50,18 @@ BENCH_MODELS = {
 }
 DTYPES = ("bfloat16", "float16", "float32")
 PAD_TOKEN_ID = 0
+# `--structured json`: the schema every request's output must match in the structured run.
+BENCH_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string"},
+        "kind": {"type": "string", "enum": ["mill", "barn", "river", "road"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "string"},
+    },
+    "required": ["id", "name", "kind", "tags", "notes"],
+}
 
 
 # ---- arguments -----------------------------------------------------------------
@@ -87,6 +107,17 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-num-prompts", type=positive_int, default=None, metavar="N",
                    help="run the HF baseline on the first N requests only (default: all)")
     p.add_argument("--hf-batch-size", type=positive_int, default=32)
+    p.add_argument("--skip-hf-cb", action="store_true",
+                   help="skip the HF continuous batching baseline (transformers generate_batch)")
+    p.add_argument("--hf-cb-num-prompts", type=positive_int, default=None, metavar="N",
+                   help="run the HF continuous batching baseline on the first N requests only "
+                        "(default: --hf-num-prompts, else all)")
+    p.add_argument("--skip-roofline", action="store_true",
+                   help="skip the peak GEMM measurement and the roofline ratios")
+    p.add_argument("--structured", choices=("json",), default=None,
+                   help="also run the same workload with every request's output constrained "
+                        "to a JSON schema (structured output) and print structured / "
+                        "unstructured. A model without a tokenizer borrows the demo model's")
 
 
 # ---- the benchmark model -------------------------------------------------------
@@ -165,26 +196,67 @@ def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tupl
 
 
 # ---- tokenmill -----------------------------------------------------------------
-def _tokenmill_generate(llm, workload: Workload):
+def _tokenmill_generate(llm, workload: Workload, structured: dict | None = None):
+    """`structured`: extra SamplingParams of the --structured runs (both of them)."""
     from tokenmill import SamplingParams
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **(structured or {}))
               for n in workload.output_lens]
     return llm.generate(prompts, params, use_tqdm=False)
 
 
 def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
-                  max_model_len: int):
+                  max_model_len: int, **engine_kwargs):
     """-> (LLM, output tok/s, seconds, generated token ids per request)."""
     from tokenmill import LLM
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              **engine_kwargs)
+    if getattr(args, "structured", None):  # the structured run's workload, minus the grammar
+        return run_timed(llm, workload, warmup, {"detokenize": False})
     _tokenmill_generate(llm, warmup)  # first-call costs (allocator, kernels) stay untimed
     start = time.perf_counter()
     outputs = _tokenmill_generate(llm, workload)
     seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return llm, sum(len(t) for t in token_ids) / seconds, seconds, token_ids
+
+
+def run_timed(llm, workload: Workload, warmup: Workload, structured: dict):
+    """One untimed warmup and one timed run with these extra SamplingParams."""
+    _tokenmill_generate(llm, warmup, structured)  # (also compiles the schema, untimed)
+    start = time.perf_counter()
+    outputs = _tokenmill_generate(llm, workload, structured)
+    seconds = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    return llm, sum(len(t) for t in token_ids) / seconds, seconds, token_ids
+
+
+def bench_tokenizer(model_path: str) -> str | None:
+    """A tokenizer for --structured (a grammar needs one): the model's, else the demo's."""
+    if any(os.path.exists(os.path.join(model_path, f))
+           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from tokenmill.demo_model import ensure_demo_model
+    return ensure_demo_model()
+
+
+def run_structured(llm, workload: Workload, warmup: Workload, kind: str):
+    """The same workload, every output constrained (greedy; a request ends at its
+    max_tokens or when its JSON is complete). -> (tok/s, s, tokens, number complete)."""
+    from tokenmill import StructuredOutputsParams
+    assert kind == "json"
+    sop = StructuredOutputsParams(json=BENCH_JSON_SCHEMA, disable_any_whitespace=True)
+    _, tok_s, seconds, token_ids = run_timed(
+        llm, workload, warmup, {"detokenize": False, "structured_outputs": sop})
+    tok = llm.get_tokenizer()
+    complete = 0
+    for ids, n in zip(token_ids, workload.output_lens):
+        if len(ids) < n:  # ended by its grammar: must be valid JSON
+            text = tok.decode(ids, skip_special_tokens=True)
+            json.loads(text)
+            complete += 1
+    return tok_s, seconds, sum(len(t) for t in token_ids), complete
 
 
 def check_lengths(token_ids: list[list[int]], workload: Workload) -> str | None:
@@ -254,11 +326,73 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(shares) / max(len(shares), 1)
 
 
+# ---- HF continuous batching and the roofline -----------------------------------
+def run_extra_baselines(args, model_path: str, workload: Workload, warmup: Workload, device,
+                        tm_ids: list[list[int]], tm_seconds: float, hf: tuple | None,
+                        hf_n: int) -> dict:
+    """HF continuous batching (unless --skip-hf-cb) and the roofline (unless
+    --skip-roofline). -> the extra --output-json fields (keys hf_cb_*, roofline)."""
+    extra: dict = {"bench": "throughput", "hf_cb_tok_s": None, "ratio_hf_cb": None,
+                   "hf_cb_seconds": None, "hf_cb_greedy_agreement": None,
+                   "hf_cb_num_prompts": None, "hf_cb_error": None, "roofline": None}
+    if not args.skip_hf_cb:
+        from tokenmill.bench.hf_cb import run_hf_cb
+        from tokenmill.engine.llm_engine import DEFAULT_CHUNKED_BATCHED_TOKENS
+        n = args.hf_cb_num_prompts or args.hf_num_prompts or args.num_prompts
+        cb_work = workload.head(n)
+        extra["hf_cb_num_prompts"] = n
+        try:
+            tok_s, seconds, ids = run_hf_cb(
+                model_path, cb_work.prompts, cb_work.output_lens, warmup.prompts,
+                warmup.output_lens, args.dtype, device,
+                args.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS, args.max_num_seqs)
+        except Exception as e:  # an external library's baseline: report it, keep the rest
+            logger.error("HF continuous batching failed: %s: %s", type(e).__name__, e)
+            extra["hf_cb_error"] = f"{type(e).__name__}: {e}"
+        else:
+            agreement = greedy_agreement(tm_ids[:n], ids)
+            tm_tok_s = workload.total_output_tokens / tm_seconds
+            logger.info("HF continuous batching: %.1f output tok/s (%.1f s, %d requests); "
+                        "greedy agreement with tokenmill %.1f%%", tok_s, seconds, n,
+                        100 * agreement)
+            extra.update(hf_cb_tok_s=tok_s, ratio_hf_cb=tm_tok_s / tok_s, hf_cb_seconds=seconds,
+                         hf_cb_greedy_agreement=agreement)
+    if not args.skip_roofline:
+        from tokenmill.bench import roofline as rl
+        from tokenmill.config import ModelConfig
+        gemm = ModelConfig.from_pretrained(model_path, args.dtype, device).gemm_dtype
+        peaks = rl.measure_peaks(model_path, device, rl.PEAK_DTYPES + (args.dtype,))
+        runs = {"tokenmill": (workload, tm_seconds)}
+        if hf is not None:
+            runs["HF generate"] = (workload.head(hf_n), hf[1])
+        if extra["hf_cb_seconds"]:
+            runs["HF continuous batching"] = (workload.head(extra["hf_cb_num_prompts"]),
+                                              extra["hf_cb_seconds"])
+        runs = {k: ([len(p) for p in w.prompts], w.output_lens, s) for k, (w, s) in runs.items()}
+        extra["roofline"] = rl.roofline(rl.count_model_flops(model_path), peaks, runs,
+                                        str(gemm or args.dtype).replace("torch.", ""))
+    return extra
+
+
 # ---- report --------------------------------------------------------------------
-def format_table(tm_tok_s: float, hf_tok_s: float | None) -> str:
-    ratio = f"{tm_tok_s / hf_tok_s:.2f}x" if hf_tok_s else "-"
-    hf = f"{hf_tok_s:.1f}" if hf_tok_s else "skipped"
-    rows = [("tokenmill", f"{tm_tok_s:.1f}"), ("HF generate", hf), ("ratio", ratio)]
+def format_table(tm_tok_s: float, hf_tok_s: float | None,
+                 hf_cb_tok_s: float | None = None) -> str:
+    """Output tok/s per system and tokenmill's ratio to each baseline."""
+    rows = [("tokenmill", f"{tm_tok_s:.1f}", "")]
+    for name, tok_s in (("HF generate", hf_tok_s), ("HF continuous batching", hf_cb_tok_s)):
+        rows.append((name, f"{tok_s:.1f}" if tok_s else "skipped",
+                     f"{tm_tok_s / tok_s:.2f}x" if tok_s else "-"))
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'':<{width}}  output tok/s  tokenmill / this"]
+    lines += [f"{name:<{width}}  {value:>12}  {ratio:>16}" for name, value, ratio in rows]
+    return "\n".join(lines)
+
+
+def format_structured(kind: str, plain_tok_s: float, structured_tok_s: float) -> str:
+    """Structured vs the unstructured run right after it (both warm)."""
+    rows = [("unstructured (warm)", f"{plain_tok_s:.1f}"),
+            (f"structured ({kind})", f"{structured_tok_s:.1f}"),
+            ("structured / unstructured", f"{structured_tok_s / plain_tok_s:.2f}")]
     width = max(len(name) for name, _ in rows)
     lines = [f"{'':<{width}}  output tok/s"]
     lines += [f"{name:<{width}}  {value:>12}" for name, value in rows]
@@ -273,6 +407,9 @@ def validate_args(args: argparse.Namespace, hf_config: dict) -> int:
     """-> max_model_len: room for the longest prompt plus the longest output."""
     if args.hf_num_prompts is not None and args.hf_num_prompts > args.num_prompts:
         raise ValueError(f"--hf-num-prompts ({args.hf_num_prompts}) exceeds --num-prompts "
+                         f"({args.num_prompts})")
+    if getattr(args, "hf_cb_num_prompts", None) and args.hf_cb_num_prompts > args.num_prompts:
+        raise ValueError(f"--hf-cb-num-prompts ({args.hf_cb_num_prompts}) exceeds --num-prompts "
                          f"({args.num_prompts})")
     max_model_len = args.input_len[1] + args.output_len[1]
     limit = hf_config.get("max_position_embeddings", 2048)
@@ -322,14 +459,35 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     logger.info("workload: %d requests, %d prompt tokens, %d output tokens",
                 args.num_prompts, workload.total_prompt_tokens, workload.total_output_tokens)
 
+    extra = {}
+    if getattr(args, "structured", None):
+        tokenizer = bench_tokenizer(model_path)
+        if tokenizer is not None:
+            extra["tokenizer"] = tokenizer
     llm, tm_tok_s, tm_seconds, tm_ids = run_tokenmill(model_path, workload, warmup, args,
-                                                      max_model_len)
+                                                      max_model_len, **extra)
     device = llm.llm_engine.model_config.device
     error = check_lengths(tm_ids, workload)
     if error:
         logger.error(error)
         return 1
     logger.info("tokenmill: %.1f output tok/s (%.1f s)", tm_tok_s, tm_seconds)
+    structured = None
+    if getattr(args, "structured", None):
+        try:
+            structured = run_structured(llm, workload, warmup, args.structured)
+        except ValueError as e:  # a grammar-ended output that does not parse
+            logger.error("structured output is not valid JSON: %s", e)
+            return 1
+        logger.info("tokenmill --structured %s: %.1f output tok/s (%.1f s, %d tokens, %d of %d "
+                    "requests ended by their grammar)", args.structured, structured[0],
+                    structured[1], structured[2], structured[3], args.num_prompts)
+        # The first timed run also pays first-touch costs (KV cache pages, allocator
+        # growth): compare with an unstructured run after it, as warm as the structured one.
+        _, warm_tok_s, warm_seconds, _ = run_timed(llm, workload, warmup, {"detokenize": False})
+        logger.info("tokenmill unstructured again: %.1f output tok/s (%.1f s)", warm_tok_s,
+                    warm_seconds)
+        structured = structured + (warm_tok_s,)
     del llm  # free its weights and KV cache before the baseline loads
     gc.collect()
 
@@ -344,11 +502,26 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                     "%d useful); greedy agreement with tokenmill %.1f%%", hf_tok_s, hf_seconds,
                     hf_generated, hf_work.total_output_tokens, 100 * agreement)
         hf = (hf_tok_s, hf_seconds, hf_generated, agreement)
+    more = run_extra_baselines(args, model_path, workload, warmup, device, tm_ids, tm_seconds,
+                               hf, hf_n)
 
-    print(format_table(tm_tok_s, hf[0] if hf else None))
+    print(format_table(tm_tok_s, hf[0] if hf else None, more["hf_cb_tok_s"]))
+    if more["roofline"] is not None:
+        from tokenmill.bench.roofline import format_roofline
+        print(format_roofline(more["roofline"]))
+    if structured is not None:
+        print(format_structured(args.structured, structured[4], structured[0]))
     if args.output_json:
         result = build_result(args, model_path, device, max_model_len, workload,
                               (tm_tok_s, tm_seconds), hf, hf_n)
+        result.update(more)
+        if structured is not None:
+            result["structured"] = {
+                "kind": args.structured, "schema": BENCH_JSON_SCHEMA,
+                "tok_s": structured[0], "seconds": structured[1],
+                "output_tokens": structured[2], "ended_by_grammar": structured[3],
+                "unstructured_warm_tok_s": structured[4],
+                "ratio_to_unstructured": structured[0] / structured[4]}
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")

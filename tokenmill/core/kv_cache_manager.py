@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_spec import KVCacheConfig
+from tokenmill.core.kv_cache_utils import PrefixCacheStats, request_block_hashes
 from tokenmill.core.request import Request
 
 
@@ -17,16 +18,27 @@ class KVCacheManager:
     layer of its group, and groups never share ids). A recurrent-state
     (MambaSpec) group takes no blocks: its list stays empty, the runner keeps
     the state in a slot keyed on the request id.
+
+    With `enable_caching`, full blocks are registered in the pool's prefix
+    cache under (group, chained block hash) as soon as the step that writes
+    them is scheduled, and a request admitted with nothing computed first takes
+    the longest cached prefix of its tokens (`get_computed_blocks`), leaving at
+    least its last token to compute. Requests asking for prompt logprobs skip
+    the lookup (they need every prompt position computed).
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig):
+    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = False):
         self.config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.groups)
         self.block_groups = [i for i, g in enumerate(kv_cache_config.groups) if g.is_attention]
         self.first_block_group = self.block_groups[0]
-        self.pool = BlockPool(kv_cache_config.num_blocks)
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[list[int]]] = {}
+        # Per request: how many of its leading blocks are registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def usage(self) -> float:
@@ -42,25 +54,96 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         return [list(g) for g in blocks] if blocks else [[] for _ in range(self.num_groups)]
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[list[int]] | None:
+    @property
+    def num_cached_blocks_total(self) -> int:
+        return self.pool.num_cached_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """The longest cached prefix of `request`'s tokens: (block ids per group,
+        number of tokens). Nothing is taken yet (allocate_slots does that)."""
+        empty = [[] for _ in range(self.num_groups)]
+        if (not self.enable_caching or request.num_computed_tokens
+                or request.sampling_params.prompt_logprobs is not None):
+            return empty, 0
+        hashes = request_block_hashes(request, self.block_size)
+        # The last token is always computed: its logits give the next token.
+        max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        hits = empty
+        num = max_blocks
+        for gid in self.block_groups:
+            group_hits = hits[gid]
+            for i in range(num):
+                b = self.pool.get_cached_block((gid, hashes[i]))
+                if b is None:
+                    break
+                group_hits.append(b)
+            num = len(group_hits)
+        for gid in self.block_groups:  # every group must hold the same prefix
+            del hits[gid][num:]
+        return hits, num * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[list[int]] | None = None,
+                       num_new_computed_tokens: int = 0,
+                       num_external_tokens: int = 0) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`.
+
+        On admission, `new_computed_blocks` / `num_new_computed_tokens` are the
+        cached prefix from get_computed_blocks (taken here) and
+        `num_external_tokens` the tokens after it that the external KV tier will
+        load into freshly allocated blocks; they count as computed.
 
         Returns the newly allocated block ids per group ([] lists when none were
         needed), or None when the pool cannot provide them (nothing changes then).
         """
         blocks = self.req_to_blocks.setdefault(request.request_id,
                                                [[] for _ in range(self.num_groups)])
-        needed_per_group = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new = max(0, needed_per_group - len(blocks[self.first_block_group]))
-        if num_new * len(self.block_groups) > self.pool.num_free_blocks:
+        num_tokens = (request.num_computed_tokens + num_new_computed_tokens
+                      + num_external_tokens + num_new_tokens)
+        needed_per_group = cdiv(num_tokens, self.block_size)
+        have = len(blocks[self.first_block_group])
+        num_touch_free = 0
+        if new_computed_blocks is not None:
+            have += len(new_computed_blocks[self.first_block_group])
+            num_touch_free = sum(self.pool.num_free_among(ids) for ids in new_computed_blocks)
+        num_new = max(0, needed_per_group - have)
+        if num_new * len(self.block_groups) + num_touch_free > self.pool.num_free_blocks:
             if not any(blocks):
                 del self.req_to_blocks[request.request_id]
             return None
+        if new_computed_blocks is not None:
+            if self.enable_caching:  # once per admission (a waiting request looks up again)
+                self.prefix_cache_stats.record(request.num_tokens, num_new_computed_tokens)
+            for group_blocks, ids in zip(blocks, new_computed_blocks):
+                self.pool.touch(ids)  # before allocating: allocation must not evict them
+                group_blocks.extend(ids)
         new_ids = [self.pool.allocate(num_new) if i in self.block_groups else []
                    for i in range(self.num_groups)]
         for group_blocks, ids in zip(blocks, new_ids):
             group_blocks.extend(ids)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return new_ids
+
+    def _cache_full_blocks(self, request: Request, blocks: list[list[int]],
+                           num_tokens: int) -> None:
+        """Register the request's full blocks up to `num_tokens` (written by the
+        step being scheduled, or earlier) that are not registered yet."""
+        rid = request.request_id
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_tokens // self.block_size <= start:
+            return
+        hashes = request_block_hashes(request, self.block_size)
+        end = min(num_tokens // self.block_size, len(hashes))
+        for gid in self.block_groups:
+            group_blocks = blocks[gid]
+            for i in range(start, end):
+                self.pool.cache_block(group_blocks[i], (gid, hashes[i]))
+        self.num_cached_blocks[rid] = end
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (the benchmark's cold runs); returns how many."""
+        return self.pool.reset_prefix_cache()
 
     def share_prefix(self, request: Request, donor_id: str, num_blocks: int) -> int:
         """Give `request` the first `num_blocks` blocks of `donor_id` (per group) and
@@ -76,6 +159,7 @@ class KVCacheManager:
         return num_blocks * self.block_size
 
     def free(self, request: Request) -> None:
+        self.num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             for group_blocks in blocks:

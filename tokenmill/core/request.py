@@ -26,7 +26,8 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_ids: frozenset[int] = frozenset(),
-                 arrival_time: float | None = None, share_prompt_with: str | None = None):
+                 arrival_time: float | None = None, share_prompt_with: str | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -44,6 +45,14 @@ class Request:
         # A sibling of the same n > 1 request that prefills the shared prompt:
         # this one waits for it and then takes its full prompt blocks.
         self.share_prompt_with = share_prompt_with
+        # Prefix caching: salts block 0's hash (requests with different salts never
+        # share KV); the chained hashes of its full blocks, extended as tokens arrive.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        # Structured output: the request's grammar matcher, set by the engine core
+        # (tokenmill.structured_output.StructuredOutputRequest; used here only through
+        # ready() and advance(token)). None: unconstrained.
+        self.structured_output = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -53,6 +53,15 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted in this schedule call: drop them from the batch.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's work for this step (tokenmill.kv_connector): blocks to load
+    # before the forward, blocks to store after it. None without a connector.
+    kv_connector_metadata: object = None
+    # Structured output (tokenmill.structured_output): the compact grammar bitmask,
+    # one row per structured request of this step ([R, ceil(vocab / 32)] int32; bit
+    # t % 32 of word t // 32 set = token t allowed), and request id -> its row. The
+    # engine core fills them before sampling; the runner maps rows to its batch.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: "np.ndarray | None" = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

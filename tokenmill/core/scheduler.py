@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
 
 
 _WAIT = object()
@@ -45,7 +46,10 @@ class EngineCoreOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
         self.config = config
-        self.kv_cache_manager = KVCacheManager(kv_cache_config)
+        self.kv_cache_manager = KVCacheManager(kv_cache_config,
+                                               bool(config.enable_prefix_caching))
+        # The scheduler half of a KV connector (tokenmill.kv_connector), set by EngineCore.
+        self.connector = None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,6 +95,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        req.structured_output = None  # frees its grammar matcher
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
@@ -147,6 +152,31 @@ class Scheduler:
         return (len(req.output_token_ids) + n >= req.sampling_params.max_tokens
                 or req.num_tokens + n >= self.config.max_model_len)
 
+    def _lookup_prefix(self, req: Request):
+        """Prefix caching and the external KV tier, for a request with nothing computed:
+        (cached blocks per group or None, their tokens, tokens the tier will load after them)."""
+        kvm = self.kv_cache_manager
+        if req.num_computed_tokens or not (kvm.enable_caching or self.connector is not None):
+            return None, 0, 0
+        hit, num_hit = kvm.get_computed_blocks(req)
+        num_ext = 0
+        if self.connector is not None:
+            num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)
+        return hit, num_hit, num_ext
+
+    def _take_prefix(self, req: Request, num_hit: int, num_ext: int) -> None:
+        """After allocate_slots took them: the cached and loaded tokens count as computed
+        (an n > 1 sibling's cache hit on its sibling's prompt counts as shared below)."""
+        req.num_computed_tokens += num_hit + num_ext
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                req, self.kv_cache_manager.get_block_ids(req.request_id), num_hit, num_ext)
+
+    @staticmethod
+    def _grammar_ready(req: Request) -> bool:
+        """Structured output: a request waits (others run) until its grammar is compiled."""
+        return req.structured_output is None or req.structured_output.ready()
+
     def _undo_share(self, req: Request) -> None:
         if req.num_computed_tokens:
             self.kv_cache_manager.free(req)
@@ -197,22 +227,25 @@ class Scheduler:
                 w += 1
                 continue
             donor = self._prompt_donor(req)
-            if donor is _WAIT:
+            if donor is _WAIT or not self._grammar_ready(req):
                 w += 1
                 continue
-            if donor is not None:
+            if donor is not None and not self.kv_cache_manager.enable_caching:
                 num_blocks = (req.num_prompt_tokens - 1) // self.kv_cache_manager.block_size
                 req.num_computed_tokens = self.kv_cache_manager.share_prefix(
                     req, donor.request_id, num_blocks)
-            num_new = req.num_tokens - req.num_computed_tokens
+            hit, num_hit, num_ext = self._lookup_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_ext
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self._undo_share(req)
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new, hit, num_hit, num_ext)
             if new_blocks is None:
                 self._undo_share(req)
                 break
+            if hit is not None:
+                self._take_prefix(req, num_hit, num_ext)
             del self.waiting[w]
             if donor is not None:  # counted once the share holds (it is undone above if not)
                 self.num_shared_prompt_blocks += (req.num_computed_tokens
@@ -250,6 +283,8 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -270,6 +305,8 @@ class Scheduler:
             for tok in new_ids:
                 req.output_token_ids.append(tok)
                 appended.append(tok)
+                if req.structured_output is not None and req.structured_output.advance(tok):
+                    status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
                 num_out = len(req.output_token_ids)
                 if num_out >= sp.min_tokens:  # before min_tokens nothing but length stops
                     if not sp.ignore_eos and tok in req.eos_token_ids:

@@ -44,6 +44,13 @@ class EngineStats:
     requests_finished_total: int = 0
     num_preemptions_total: int = 0
     steps_total: int = 0
+    # Prefix caching and the external KV tier (tokenmill.kv_connector.setup.kv_cache_stats).
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up
+    prefix_cache_hits_total: int = 0  # of those, found in the cache
+    num_cached_blocks: int = 0  # blocks holding a cached prefix (in use or evictable)
+    # Per external store name: hit_blocks, hit_tokens, bytes_loaded, blocks_stored,
+    # bytes_stored, load_failures, store_failures (cumulative).
+    external_kv: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -267,3 +274,9 @@ class AsyncLLM:
         kv = sched.kv_cache_manager
         s.kv_cache_usage = kv.usage
         s.num_used_blocks = kv.num_used_blocks
+        s.prefix_cache_queries_total = kv.prefix_cache_stats.queries
+        s.prefix_cache_hits_total = kv.prefix_cache_stats.hits
+        s.num_cached_blocks = kv.pool.num_cached_blocks
+        connector = getattr(self.engine.engine_core, "kv_connector", None)
+        if connector is not None:
+            s.external_kv = connector.stats.snapshot()["stores"]

@@ -15,6 +15,7 @@ from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCac
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.kv_connector.setup import attach_kv_connector, kv_cache_stats, resolve_prefix_caching
 from tokenmill.models.loader import load_model
 from tokenmill.worker.kv_cache import available_memory_bytes
 from tokenmill.worker.model_runner import ModelRunner
@@ -60,7 +61,8 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False):
+                 scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
+                 kv_connector_config=None):
         self.model_config = model_config
         self.async_scheduling = async_scheduling
         # One worker thread runs the steps in order when scheduling is async.
@@ -78,12 +80,18 @@ class EngineCore:
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device)
         self.runner.initialize_kv_cache(self.kv_cache_config)
+        # Prefix caching (None: on unless hybrid) and the external KV tier (tokenmill.kv_connector).
+        scheduler_config.enable_prefix_caching = resolve_prefix_caching(
+            scheduler_config.enable_prefix_caching, self.kv_cache_config)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_config)
+        self.kv_connector = attach_kv_connector(kv_connector_config, model_config,
+                                                self.kv_cache_config, self.scheduler, self.runner)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.kv_cache_config.num_blocks,
                     cache_config.block_size,
                     self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20)
 
     def add_request(self, request: Request) -> None:
+        self._attach_grammar(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[str]:
@@ -113,6 +121,7 @@ class EngineCore:
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.runner.execute_model(so)
+        self._grammar_bitmask_before_sampling(so)
         return self.runner.sample_tokens()
 
     def step(self) -> list[EngineCoreOutput]:
@@ -141,6 +150,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                self._expect_grammar_bitmask(so)
                 launched = (so, self._worker.submit(self._execute, so))
         outputs = []
         if self._in_flight is not None:
@@ -149,6 +159,7 @@ class EngineCore:
             runner_output = future.result()
             if prev_so.total_num_scheduled_tokens:
                 outputs = self.scheduler.update_from_output(prev_so, runner_output)
+        self._grammar_bitmask_after_update(launched)
         self._in_flight = launched
         self._flush_finished_if_idle()
         return outputs
@@ -158,3 +169,67 @@ class EngineCore:
             self._in_flight[1].result()
             self._in_flight = None
         self._worker.shutdown(wait=True)
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
+    def kv_cache_stats(self) -> dict:
+        """Prefix-cache and external-KV counters (see tokenmill.kv_connector.setup)."""
+        return kv_cache_stats(self.scheduler, self.kv_connector)
+
+    # ---- structured output (tokenmill.structured_output) ---------------------------
+    # The StructuredOutputManager, set by LLMEngine; None: no grammars.
+    structured_output = None
+
+    def _attach_grammar(self, request: Request) -> None:
+        """A request with structured_outputs gets its matcher (compiled off the step)."""
+        sop = getattr(request.sampling_params, "structured_outputs", None)
+        if sop is not None and self.structured_output is not None:
+            request.structured_output = self.structured_output.new_request(
+                request.request_id, sop)
+
+    def _fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        so.structured_output_request_ids, so.grammar_bitmask = \
+            self.structured_output.grammar_bitmask(self.scheduler.requests,
+                                                   so.num_scheduled_tokens)
+
+    def _grammar_bitmask_before_sampling(self, so: SchedulerOutput) -> None:
+        """Between the forward and the sampling of `so` (on the thread running it).
+
+        Synchronous: every earlier token is accepted, so fill the bitmask now. Async:
+        the step before is collected on the caller's thread, which fills the bitmask
+        after accepting its tokens (_grammar_bitmask_after_update); wait for that."""
+        som = self.structured_output
+        if som is None:
+            return
+        if not self.async_scheduling:
+            if so.total_num_scheduled_tokens:
+                self._fill_grammar_bitmask(so)
+            elif self.scheduler.num_waiting:
+                som.wait_for_grammars(0.05)  # nothing ran: maybe all wait for a grammar
+            return
+        som.wait_bitmask(so)
+
+    def _expect_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """Async, before launching `so`: its structured requests need a bitmask that only
+        the caller's thread can fill, once the step in flight is collected."""
+        if self.structured_output is not None:
+            reqs = self.scheduler.requests
+            if any(reqs[rid].structured_output is not None
+                   for rid in so.num_scheduled_tokens if rid in reqs):
+                self.structured_output.expect_bitmask(so)
+
+    def _grammar_bitmask_after_update(self, launched) -> None:
+        """Async, after collecting the step in flight: fill the launched step's bitmask."""
+        som = self.structured_output
+        if som is None:
+            return
+        if launched is None:
+            if self.scheduler.num_waiting:
+                som.wait_for_grammars(0.05)
+            return
+        so = launched[0]
+        if som.is_expected(so):
+            try:
+                self._fill_grammar_bitmask(so)
+            finally:
+                som.bitmask_ready(so)

@@ -36,6 +36,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # Automatic prefix caching (None: on for full-attention models, off for hybrids).
+    enable_prefix_caching: bool | None = None
+    # The external KV tier: a KVConnectorConfig, a dict of its fields, or store specs
+    # ("cpu", "disk:PATH", "redis://host:port/db"); None: no external tier.
+    kv_connector: object = None
     # Schedule step N+1 while step N runs (None: on where it pays, see resolve_async).
     async_scheduling: bool | None = None
 
@@ -49,6 +54,12 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def validate(self) -> None:
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching,
+                                                                     bool):
+            raise ValueError(f"enable_prefix_caching must be True, False or None, "
+                             f"got {self.enable_prefix_caching!r}")
+        from tokenmill.kv_connector.config import KVConnectorConfig
+        self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
         for name in ("block_size", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -85,12 +96,15 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                              f"({max_len}) when enable_chunked_prefill is off")
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
-                                                args.enable_chunked_prefill)
+                                                args.enable_chunked_prefill,
+                                                args.enable_prefix_caching)
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
                                       async_scheduling=resolve_async(args.async_scheduling,
-                                                                     self.model_config.device))
+                                                                     self.model_config.device),
+                                      kv_connector_config=args.kv_connector)
         self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
+        self._init_structured_output()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -151,6 +165,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = self._resolve_params(params, len(ids))
+        cache_salt = self._cache_salt(prompt)
         processor = self.output_processor
         completions = []
         for i in range(params.n):
@@ -175,7 +190,8 @@ class LLMEngine:
                 self._attach_derived(child, params)
             core_requests.append(Request(
                 c.core_id, ids, child, self.eos_token_ids, req_state.metrics.arrival_time,
-                share_prompt_with=completions[0].core_id if c.index > 0 else None))
+                share_prompt_with=completions[0].core_id if c.index > 0 else None,
+                cache_salt=cache_salt))
         for r in core_requests:
             if r.request_id in self.engine_core.scheduler.requests:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
@@ -184,8 +200,19 @@ class LLMEngine:
             self.engine_core.add_request(r)
         return request_id
 
+    @staticmethod
+    def _cache_salt(prompt) -> str | None:
+        """A prompt dict's optional `cache_salt`: requests share cached KV only with
+        requests of the same salt (vLLM's field)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
+
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """Checks that need the model, and the request's own copy with derived fields."""
+        if params.structured_outputs is not None:  # parses the grammar, starts compiling it
+            self.engine_core.structured_output.validate(params.structured_outputs)
         vocab = self.model_config.vocab_size
         max_lp = self.args.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -213,6 +240,12 @@ class LLMEngine:
         if params.bad_words:
             resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return resolved
+
+    def _init_structured_output(self) -> None:
+        """The engine core's grammars (xgrammar loads on the first structured request)."""
+        from tokenmill.structured_output.manager import StructuredOutputManager
+        self.engine_core.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     @staticmethod
     def _attach_derived(child: SamplingParams, parent: SamplingParams) -> None:

@@ -22,6 +22,33 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
+    add_kv_cache_args(p)
+
+
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="automatic prefix caching (default: on for "
+                                      "full-attention models, off for hybrids)")
+    p.add_argument("--kv-store", action="append", default=None, metavar="STORE",
+                   help="an external KV store, searched in the order given: cpu, disk:PATH "
+                        "or redis://HOST:PORT/DB (repeat for several)")
+    p.add_argument("--kv-cpu-bytes", type=int, default=None,
+                   help="LRU byte budget of the cpu KV store (default 1 GiB)")
+    p.add_argument("--kv-model-id", default=None,
+                   help="the model identity in external KV keys (default: a fingerprint "
+                        "of the checkpoint files)")
+
+
+def kv_cache_kwargs(args: argparse.Namespace) -> dict:
+    connector = None
+    if getattr(args, "kv_store", None):
+        connector = {"stores": args.kv_store}
+        if args.kv_cpu_bytes is not None:
+            connector["cpu_bytes"] = args.kv_cpu_bytes
+        if args.kv_model_id is not None:
+            connector["model_id"] = args.kv_model_id
+    return dict(enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+                kv_connector=connector)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -30,7 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
-                max_logprobs=args.max_logprobs)
+                max_logprobs=args.max_logprobs, **kv_cache_kwargs(args))
 
 
 def resolve_model(name: str | None) -> str:
@@ -89,6 +116,21 @@ def cmd_bench(args) -> int:
     return run_throughput_bench(args)
 
 
+def cmd_bench_latency(args) -> int:
+    from tokenmill.bench.latency import run_latency_bench
+    return run_latency_bench(args)
+
+
+def cmd_bench_plot(args) -> int:
+    from tokenmill.bench.plot import run_plot
+    return run_plot(args)
+
+
+def cmd_bench_prefix(args) -> int:
+    from tokenmill.bench.prefix import run_prefix_bench
+    return run_prefix_bench(args)
+
+
 def cmd_bench_serve(args) -> int:
     from tokenmill.bench.serve import run_serve_bench
     return run_serve_bench(args)
@@ -138,14 +180,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks against baselines in the same run")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    t = bsub.add_parser("throughput", help="offline throughput: tokenmill vs HF generate")
+    t = bsub.add_parser("throughput", help="offline throughput: tokenmill vs HF generate, HF "
+                                             "continuous batching and the GEMM roofline")
     from tokenmill.bench.throughput import add_throughput_args
     add_throughput_args(t)
     t.set_defaults(func=cmd_bench)
+    lt = bsub.add_parser("latency", help="single-stream latency: tokenmill vs HF generate")
+    from tokenmill.bench.latency import add_latency_args
+    add_latency_args(lt)
+    lt.set_defaults(func=cmd_bench_latency)
+    pl = bsub.add_parser("plot", help="a PNG bar chart from bench throughput / latency JSON")
+    from tokenmill.bench.plot import add_plot_args
+    add_plot_args(pl)
+    pl.set_defaults(func=cmd_bench_plot)
     sv = bsub.add_parser("serve", help="online serving: latency and throughput over HTTP")
     from tokenmill.bench.serve import add_serve_bench_args
     add_serve_bench_args(sv)
     sv.set_defaults(func=cmd_bench_serve)
+    pf = bsub.add_parser("prefix", help="prefix caching and the external KV tier: TTFT "
+                                        "and throughput, cached vs recomputed")
+    from tokenmill.bench.prefix import add_prefix_bench_args
+    add_prefix_bench_args(pf)
+    pf.set_defaults(func=cmd_bench_prefix)
     return parser
 
 

@@ -1,7 +1,8 @@
 """On-device sampling, vectorised over the batch.
 
 The order follows vLLM: raw logprobs are taken from the model's logits first;
-then the logits processors run (allowed tokens, bad words and min_tokens as
+then a structured request's grammar bitmask (forbidden tokens to -inf), then
+the logits processors run (allowed tokens, bad words and min_tokens as
 -inf masks, logit_bias, penalties), then temperature, min_p and top-k / top-p,
 and finally the draw. A batch where every row is greedy and nothing needs a
 processor or logprobs takes a plain argmax.
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from tokenmill.sample.bitmask import apply_grammar_bitmask
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SamplingMetadata:
     # (rows, token ids, bias) added to the logits.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
+    # Structured output: (batch rows [R] long, packed bitmask [R, ceil(V / 32)] int32);
+    # tokens a row's grammar forbids go to -inf (tokenmill.sample.bitmask).
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def no_processors(self) -> bool:
@@ -156,6 +162,8 @@ class Sampler:
         """logits [N, V] float32 -> sampled token ids [N] (and logprobs when asked)."""
         # Raw logprobs: of the model's distribution, before any processor.
         raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if md.grammar_bitmask is not None:  # the grammar first, then the processors
+            logits = apply_grammar_bitmask(logits, *md.grammar_bitmask)
         if not md.no_processors:
             logits = apply_processors(logits, md)
         sampled = self._sample(logits, md)

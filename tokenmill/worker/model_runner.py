@@ -98,6 +98,8 @@ class ModelRunner:
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         self.native_ops = cpu_ops() if device.type == "cpu" else None
+        # The worker half of a KV connector (tokenmill.kv_connector.worker), or None.
+        self.kv_connector = None
 
     def _arange_upto(self, n: int) -> np.ndarray:
         if n > self._arange.size:
@@ -288,6 +290,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Forward for the scheduled tokens; logits wait for sample_tokens()."""
+        self._grammar_so = so  # its grammar bitmask may be filled until sample_tokens()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
@@ -295,8 +298,13 @@ class ModelRunner:
         reorder_decodes_first(self.input_batch, so.num_scheduled_tokens)
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
         dev = self.device
+        kv_meta = so.kv_connector_metadata if self.kv_connector is not None else None
+        if kv_meta is not None:  # external prefix hits into their blocks, before they are read
+            self.kv_connector.load_kv(kv_meta)
         hidden = self.model(torch.from_numpy(input_ids.astype(np.int64)).to(dev),
                             torch.from_numpy(positions).to(dev), meta)
+        if kv_meta is not None:  # prompt blocks this step completed, to the external stores
+            self.kv_connector.save_kv(kv_meta)
         # Only the rows that sample reach lm_head.
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
         self._pending = (logits, discard)
@@ -340,6 +348,29 @@ class ModelRunner:
                 state.prompt_logprobs, state.prompt_logprobs_sent = None, True
                 self._prompt_logprobs_reqs.discard(rid)
 
+    # ---- structured output -------------------------------------------------------
+    def _grammar_bitmask_rows(self):
+        """The step's compact grammar bitmask and, per row, its row in the batch (the
+        reference's struct_out_req_batch_indices), on the device; None without one."""
+        so, self._grammar_so = getattr(self, "_grammar_so", None), None
+        if so is None or so.grammar_bitmask is None or not so.structured_output_request_ids:
+            return None
+        index = self.input_batch.req_id_to_index
+        compact, dense = [], []
+        for rid, row in so.structured_output_request_ids.items():
+            r = index.get(rid)
+            if r is not None:
+                compact.append(row)
+                dense.append(r)
+        if not dense:
+            return None
+        bitmask = so.grammar_bitmask
+        if compact != list(range(bitmask.shape[0])):
+            bitmask = bitmask[compact]
+        dev = self.device
+        return (torch.tensor(dense, dtype=torch.long, device=dev),
+                torch.from_numpy(np.ascontiguousarray(bitmask)).to(dev))
+
     # ---- step, part 2 ------------------------------------------------------------
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -353,6 +384,7 @@ class ModelRunner:
         logits, discard = self._pending
         self._pending = None
         md = batch.make_sampling_metadata()
+        md.grammar_bitmask = self._grammar_bitmask_rows()
         # A row still in its prompt samples nothing, so its seeded generator must not advance.
         for r in np.nonzero(discard)[0].tolist():
             md.generators.pop(r, None)

@@ -32,9 +32,37 @@ class _StatsCollector:
                 ("tokenmill:request_success", "Requests finished (not aborted).",
                  s.requests_finished_total),
                 ("tokenmill:num_preemptions", "Preemptions by recompute.",
-                 s.num_preemptions_total)):
+                 s.num_preemptions_total),
+                ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.prefix_cache_queries_total),
+                ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 s.prefix_cache_hits_total)):
             c = CounterMetricFamily(name, help_, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), value)
+            yield c
+        g = GaugeMetricFamily("tokenmill:prefix_cache_blocks",
+                              "KV blocks holding a cached prefix (in use or evictable).",
+                              labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), s.num_cached_blocks)
+        yield g
+        yield from self._external_kv(s.external_kv)
+
+    def _external_kv(self, per_store: dict):
+        """The external KV tier's counters, one series per store."""
+        labels = list(self.labels) + ["store"]
+        for key, name, help_ in (
+                ("hit_tokens", "external_kv_hit_tokens", "Prompt tokens loaded from the store."),
+                ("hit_blocks", "external_kv_hit_blocks", "KV blocks loaded from the store."),
+                ("bytes_loaded", "external_kv_loaded_bytes", "KV bytes loaded from the store."),
+                ("bytes_stored", "external_kv_stored_bytes", "KV bytes written to the store."),
+                ("load_failures", "external_kv_load_failures",
+                 "Entries listed but not loadable (evicted, torn, corrupted, foreign): "
+                 "recomputed."),
+                ("store_failures", "external_kv_store_failures",
+                 "Blocks not written (store unreachable).")):
+            c = CounterMetricFamily(f"tokenmill:{name}", help_, labels=labels)
+            for store, counters in per_store.items():
+                c.add_metric(list(self.labels.values()) + [store], counters.get(key, 0))
             yield c
 
 

@@ -1,11 +1,13 @@
 """Request bodies of the OpenAI API (the fields tokenmill honours; unknown ones are ignored)."""
 from __future__ import annotations
 
-from typing import Any, Union
+import re
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -14,6 +16,24 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Request fields that ask for structured output, in the order their errors are named.
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar")
 
 
 # Request fields passed to SamplingParams under the same name when given (not None).
@@ -38,6 +58,8 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Prefix caching: only requests with the same salt share cached KV (vLLM's field).
+    cache_salt: str | None = None
     # not OpenAI (extra_body), vLLM's names
     top_k: int | None = None
     min_p: float | None = None
@@ -51,9 +73,49 @@ class _SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # structured output: OpenAI's response_format; vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-output field given, as StructuredOutputsParams; its errors
+        (here, and when the request is added) name that field."""
+        given = [f for f in _STRUCTURED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: cannot be combined with {given[0]}; give one way of "
+                             f"constraining the output")
+        origin = given[0]
+        value = getattr(self, origin)
+        try:
+            if origin == "response_format":
+                if value.type == "json_object":
+                    sop = StructuredOutputsParams(json_object=True)
+                elif value.json_schema is None or value.json_schema.json_schema is None:
+                    raise ValueError("response_format: type json_schema needs "
+                                     "json_schema.schema")
+                else:
+                    sop = StructuredOutputsParams(json=value.json_schema.json_schema)
+            elif origin == "structured_outputs":
+                sop = StructuredOutputsParams.from_dict(value)
+            else:
+                sop = StructuredOutputsParams(**{origin[len("guided_"):]: value})
+        except ValueError as e:
+            if origin == "structured_outputs":
+                raise
+            raise ValueError(re.sub(r"^structured_outputs(\.\w+)?", origin, str(e))) from None
+        if origin != "structured_outputs":
+            sop._origin = origin
+        return sop
 
     def _logprobs(self) -> int | None:
         """Top-N logprobs per generated token, or None for none."""
@@ -81,6 +143,9 @@ class _SamplingRequest(OpenAIBaseModel):
         prompt_logprobs = self._prompt_logprobs()
         if prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = prompt_logprobs
+        structured = self._structured_outputs()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         return SamplingParams(**kwargs)
 
 

@@ -31,7 +31,9 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "sto
                 "top_logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids",
                 "bad_words", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens",
-                "spaces_between_special_tokens", "max_completion_tokens")
+                "spaces_between_special_tokens", "max_completion_tokens",
+                "structured_outputs", "response_format", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "cache_salt")
 _FIRST_WORD = re.compile(r"[A-Za-z_]+")
 
 
@@ -60,6 +62,15 @@ def _param_of(message: str) -> str | None:
 def _bad_value(e: ValueError, param: str | None = None) -> APIError:
     msg = str(e)
     return APIError(msg, 400, "BadRequestError", _param_of(msg) or param)
+
+
+def _salted(prompt, cache_salt: str | None):
+    """The engine's prompt with the request's cache_salt (prefix caching) attached."""
+    if cache_salt is None:
+        return prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": cache_salt}
+    return {**prompt, "cache_salt": cache_salt}
 
 
 def _sse(obj) -> str:
@@ -281,6 +292,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             prompts = [{"prompt_token_ids": x} for x in p]
         else:
             raise APIError("prompt must not be empty", 400, param="prompt")
+        prompts = [_salted(x, req.cache_salt) for x in prompts]
         base_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         job = await start_all(prompts, params, base_id, rename)
@@ -386,7 +398,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         ids = render_chat(req.messages, req.add_generation_prompt, req.chat_template)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        job = Merged([await start({"prompt_token_ids": ids}, params, rid, rename)], [rid])
+        job = Merged([await start(_salted({"prompt_token_ids": ids}, req.cache_salt), params, rid,
+                                  rename)], [rid])
         model = served_model_name
         n = params.n
         num_logprobs = params.logprobs  # None unless logprobs=true

@@ -1,0 +1,60 @@
+"""`tokenmill bench latency` on a tiny model: tokenmill vs HF generate, one stream."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.entrypoints.cli import main
+
+ARGS = ["--input-len", "8", "--output-len", "6", "--num-iters", "2", "--dtype", "float32"]
+METRICS = ("ttft_ms", "tpot_ms", "e2e_s", "tok_s")
+
+
+def test_bench_latency_against_hf(llama_tiny, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS,
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bench"] == "latency"
+    for system in ("tokenmill", "hf_generate"):
+        for m in METRICS:
+            s = r[system][m]
+            assert len(s["values"]) == 2 and all(v > 0 for v in s["values"]), (system, m)
+            assert s["median"] > 0 and s["mean"] > 0
+        # e2e covers the first token and the 5 after it
+        for t, e in zip(r[system]["ttft_ms"]["values"], r[system]["e2e_s"]["values"]):
+            assert t / 1e3 <= e
+        assert r[system]["tok_s"]["values"] == [6 / e for e in r[system]["e2e_s"]["values"]]
+    assert r["tokenmill_tok_s"] == r["tokenmill"]["tok_s"]["median"]
+    assert r["hf_generate_tok_s"] == r["hf_generate"]["tok_s"]["median"]
+    assert r["ratio"]["tok_s"] == r["tokenmill_tok_s"] / r["hf_generate_tok_s"]
+    assert r["ratio"]["tpot"] > 0 and r["ratio"]["ttft"] > 0
+    assert r["greedy_agreement"] == 1.0
+    w = r["workload"]
+    assert (w["input_len"], w["output_len"], w["num_iters"]) == (8, 6, 2)
+    assert w["async_scheduling"] in (True, False)
+    roof = r["roofline"]
+    assert set(roof["systems"]) == {"tokenmill", "HF generate"}
+    assert roof["systems"]["tokenmill"]["model_flops"]["lm_head"] == 2 * 64 * 384 * 6
+    assert all(s["achieved_gflops"] > 0 for s in roof["systems"].values())
+    text = capsys.readouterr().out
+    assert "TTFT ms" in text and "tokenmill speedup" in text
+
+
+@pytest.mark.parametrize("flag, expected", [("--no-async-scheduling", False),
+                                            ("--async-scheduling", True)])
+def test_bench_latency_async_flag(llama_tiny, tmp_path, flag, expected):
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS, "--num-warmup", "0",
+                 "--skip-hf", "--skip-roofline", flag, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["async_scheduling"] is expected
+    assert r["hf_generate"] is None and r["ratio"] is None and r["roofline"] is None
+    assert r["tokenmill"]["tok_s"]["median"] > 0
+
+
+def test_bench_latency_too_long(llama_tiny, capsys):
+    assert main(["bench", "latency", "--model", llama_tiny.path, "--input-len", "200",
+                 "--output-len", "100"]) == 2
+    assert "exceeds the model's max_position_embeddings (256)" in capsys.readouterr().err

@@ -1,0 +1,323 @@
+"""The external KV tier (CPU memory, disk, Redis) on a tiny fp32 model.
+
+Outputs are identical with each store to an engine without one; hits are
+counted per store; a second engine process gets hits from disk and from Redis;
+an entry that cannot be loaded whole (corrupted, torn, deleted, written for
+another model or geometry) is recomputed and counted; another geometry or model
+never gets hits; Redis down at start-up or mid-run degrades to recompute with a
+warning. The Redis tests run a real redis-server (tests/redis_server.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import build_checkpoint, make_llm, scheduler_of
+from redis_server import RedisServer, free_port, redis_server, require_redis_server  # noqa: F401
+from test_prefix_caching import BS, NEW, assert_idle, greedy, shared_prefix_prompts
+from tokenmill.core.kv_cache_utils import hash_token_blocks
+from tokenmill.kv_connector.config import KVGeometry
+from tokenmill.kv_connector.stores import HEADER, decode_entry, encode_entry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KW = dict(block_size=BS, max_model_len=160)
+PREFIX_BLOCKS = 100 // BS
+
+
+@pytest.fixture(scope="module")
+def prompts(llama_tiny):
+    return shared_prefix_prompts(llama_tiny.vocab_size, seed=11)
+
+
+@pytest.fixture(scope="module")
+def baseline(llama_tiny, prompts):
+    out = greedy(make_llm(llama_tiny.path, enable_prefix_caching=False, **KW), prompts)
+    for p, got in list(zip(prompts, out))[:2]:
+        assert got == llama_tiny.reference(p, NEW)
+    return out
+
+
+def ext(llm) -> dict:
+    return llm.llm_engine.engine_core.kv_cache_stats()["external"]
+
+
+def connector_of(llm):
+    return llm.llm_engine.engine_core.kv_connector
+
+
+def reset_local_cache(llm) -> None:
+    scheduler_of(llm).kv_cache_manager.reset_prefix_cache()
+
+
+def store_spec(kind, tmp_path, server=None) -> str:
+    if kind == "cpu":
+        return "cpu"
+    if kind == "disk":
+        return f"disk:{tmp_path / 'kv'}"
+    server.client().flushall()
+    return server.url
+
+
+# ---- each store: identical outputs, hits counted ------------------------------------------
+
+@pytest.mark.parametrize("local_cache", [True, False], ids=["local-on", "local-off"])
+@pytest.mark.parametrize("kind", ["cpu", "disk", "redis"])
+def test_each_store_identical_outputs_with_hits(request, llama_tiny, prompts, baseline, tmp_path,
+                                                kind, local_cache):
+    server = request.getfixturevalue("redis_server") if kind == "redis" else None
+    llm = make_llm(llama_tiny.path, kv_connector=[store_spec(kind, tmp_path, server)],
+                   enable_prefix_caching=local_cache, **KW)
+    conn = connector_of(llm)
+    assert conn.store_names == [kind]
+    assert greedy(llm, prompts) == baseline
+    first = ext(llm)
+    assert first["blocks_stored"] >= PREFIX_BLOCKS and first["store_failures"] == 0
+    reset_local_cache(llm)  # served by the external store now, not the local cache
+    assert greedy(llm, prompts) == baseline
+    s = ext(llm)
+    hits = s["stores"][kind]["hit_tokens"] - first["stores"][kind]["hit_tokens"]
+    assert hits >= PREFIX_BLOCKS * BS
+    if not local_cache:  # every request loads its whole prefix from the store
+        assert hits >= len(prompts[:-1]) * PREFIX_BLOCKS * BS
+    assert s["bytes_loaded"] == s["hit_blocks"] * conn.geometry.payload_bytes
+    assert s["load_failures"] == 0
+    # Blocks are stored once: the second run found them all.
+    assert s["blocks_stored"] == first["blocks_stored"]
+    assert_idle(llm)
+
+
+# ---- a second engine process --------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from tokenmill import LLM, SamplingParams
+    args = json.loads(sys.argv[1])
+    llm = LLM(args["model"], dtype="float32", device="cpu", max_model_len=160,
+              block_size=args["block_size"], kv_connector=args["kv"])
+    sp = SamplingParams(temperature=0.0, max_tokens=args["new"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], sp,
+                        use_tqdm=False)
+    stats = llm.llm_engine.engine_core.kv_cache_stats()
+    print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                                  "external": stats["external"]}))
+""")
+
+
+def run_child(tmp_path, model, kv, prompts) -> dict:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    arg = json.dumps({"model": model, "kv": kv, "prompts": prompts, "new": NEW,
+                      "block_size": BS})
+    res = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True,
+                         cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+def test_second_process_gets_external_hits(request, llama_tiny, prompts, baseline, tmp_path,
+                                           kind):
+    server = request.getfixturevalue("redis_server") if kind == "redis" else None
+    spec = store_spec(kind, tmp_path, server)
+    first = run_child(tmp_path, llama_tiny.path, [spec], prompts)
+    assert first["tokens"] == baseline
+    assert first["external"]["hit_tokens"] == 0  # nothing stored yet
+    assert first["external"]["blocks_stored"] >= PREFIX_BLOCKS
+    # The first process has exited; a new one finds its KV in the store.
+    second = run_child(tmp_path, llama_tiny.path, [spec], prompts)
+    assert second["tokens"] == baseline
+    st = second["external"]["stores"][kind]
+    assert st["hit_tokens"] >= PREFIX_BLOCKS * BS and st["load_failures"] == 0
+    assert second["external"]["blocks_stored"] == 0  # everything was there
+
+
+# ---- entries that cannot be loaded whole --------------------------------------------------
+
+def entry_path(llm, prompt, block: int) -> str:
+    conn = connector_of(llm)
+    key = hash_token_blocks(prompt, BS)[block].hex()
+    return conn.stores[0].path(key)
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "torn", "deleted", "foreign"])
+def test_damaged_entry_is_recomputed_and_counted(llama_tiny, prompts, baseline, tmp_path,
+                                                 damage, caplog):
+    spec = f"disk:{tmp_path / 'kv'}"
+    writer = make_llm(llama_tiny.path, kv_connector=[spec], **KW)
+    assert greedy(writer, prompts) == baseline
+    conn = connector_of(writer)
+    path = entry_path(writer, prompts[0], 5)  # the middle of the shared prefix
+    data = open(path, "rb").read()
+    if damage == "corrupted":
+        b = bytearray(data)
+        b[HEADER.size + 100] ^= 0x40
+        open(path, "wb").write(bytes(b))
+    elif damage == "torn":
+        open(path, "wb").write(data[:len(data) // 2])
+    elif damage == "deleted":
+        os.unlink(path)
+    else:  # KV of another model / geometry planted under this key
+        payload = decode_entry(data, conn.ns_digest, hash_token_blocks(prompts[0], BS)[5],
+                               conn.geometry.payload_bytes)
+        open(path, "wb").write(encode_entry(b"another-model-x", hash_token_blocks(
+            prompts[0], BS)[5], payload))
+    reader = make_llm(llama_tiny.path, kv_connector=[spec], **KW)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        assert greedy(reader, [prompts[0]]) == baseline[:1]
+    s = ext(reader)
+    assert s["load_failures"] == 1
+    assert s["hit_blocks"] == 5  # blocks 0-4 loaded, block 5 onwards recomputed
+    if damage != "deleted":
+        assert "not loaded" in caplog.text
+    # The recomputed block was written again, whole.
+    fixed = open(path, "rb").read()
+    decode_entry(fixed, conn.ns_digest, hash_token_blocks(prompts[0], BS)[5],
+                 conn.geometry.payload_bytes)
+    # All prompts, in a fresh engine: identical, and the tier is whole again.
+    again = make_llm(llama_tiny.path, kv_connector=[spec], **KW)
+    assert greedy(again, prompts) == baseline
+    assert ext(again)["load_failures"] == 0
+    assert_idle(reader)
+
+
+# ---- geometry and model identity ----------------------------------------------------------
+
+def test_other_geometry_or_model_never_loads(llama_tiny, tiny_model_factory, prompts,
+                                             baseline, tmp_path):
+    spec = f"disk:{tmp_path / 'kv'}"
+    writer = make_llm(llama_tiny.path, kv_connector=[spec], **KW)
+    assert greedy(writer, prompts) == baseline
+    ns = connector_of(writer).namespace
+    # Another block size, another dtype: other keys, no hits.
+    for kw in (dict(block_size=16), dict(dtype="bfloat16")):
+        other = make_llm(llama_tiny.path, kv_connector=[spec], **{**KW, **kw})
+        assert connector_of(other).namespace != ns
+        out = greedy(other, prompts[:2])
+        assert ext(other)["hit_tokens"] == 0 and ext(other)["load_failures"] == 0
+        if "block_size" in kw:
+            assert out == [llama_tiny.reference(p, NEW) for p in prompts[:2]]
+    # The same architecture and config with other weights: another model identity.
+    twin_path = str(tmp_path / "twin")
+    twin_hf = build_checkpoint(twin_path, "llama", dict(tie_word_embeddings=True), seed=5)
+    twin = make_llm(twin_path, kv_connector=[spec], **KW)
+    assert connector_of(twin).geometry == connector_of(writer).geometry
+    assert connector_of(twin).model_id != connector_of(writer).model_id
+    from conftest import hf_greedy
+    assert greedy(twin, prompts[:1]) == [hf_greedy(twin_hf, prompts[0], NEW)]
+    assert ext(twin)["hit_tokens"] == 0
+    # A model id given explicitly replaces the fingerprint.
+    named = make_llm(llama_tiny.path, kv_connector={"stores": [spec], "model_id": "tiny-1"},
+                     **KW)
+    assert connector_of(named).namespace.startswith("tiny-1-L2-H2-")
+
+
+def test_worker_refuses_a_cache_of_another_geometry(llama_tiny):
+    from tokenmill.kv_connector.config import KVConnectorConfig
+    from tokenmill.kv_connector.connector import KVConnector
+    from tokenmill.kv_connector.worker import KVConnectorWorker
+    llm = make_llm(llama_tiny.path, **KW)
+    core = llm.llm_engine.engine_core
+    names = core.kv_cache_config.groups[0].layer_names
+    real = KVGeometry.from_kv_cache_config(core.kv_cache_config)
+    for wrong in (KVGeometry(real.num_layers, real.num_kv_heads, real.head_size, "bfloat16",
+                             real.block_size),
+                  KVGeometry(real.num_layers, real.num_kv_heads, real.head_size, real.dtype, 16),
+                  KVGeometry(real.num_layers + 1, real.num_kv_heads, real.head_size, real.dtype,
+                             real.block_size)):
+        conn = KVConnector(KVConnectorConfig(["cpu"]), "m", wrong)
+        with pytest.raises(ValueError, match="refusing"):
+            KVConnectorWorker(conn, core.runner.kv_caches, names)
+
+
+# ---- Redis failures -----------------------------------------------------------------------
+
+def test_redis_down_at_startup_recomputes(llama_tiny, prompts, baseline, caplog):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        llm = make_llm(llama_tiny.path, kv_connector={"stores": [url], "redis_timeout_s": 0.5},
+                       **KW)
+    assert "unreachable" in caplog.text
+    assert greedy(llm, prompts) == baseline
+    s = ext(llm)
+    assert s["hit_tokens"] == 0 and s["store_failures"] > 0
+    assert_idle(llm)
+
+
+def test_redis_down_mid_run_recomputes_then_recovers(llama_tiny, prompts, baseline, tmp_path,
+                                                     caplog):
+    server = RedisServer(require_redis_server(), str(tmp_path / "redis")).start()
+    try:
+        llm = make_llm(llama_tiny.path, kv_connector={
+            "stores": [server.url], "redis_timeout_s": 0.5, "redis_retry_s": 0.2}, **KW)
+        assert greedy(llm, prompts) == baseline
+        stored = ext(llm)["blocks_stored"]
+        assert stored >= PREFIX_BLOCKS
+        server.stop()
+        reset_local_cache(llm)
+        with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+            assert greedy(llm, prompts) == baseline
+        assert "unreachable" in caplog.text
+        s = ext(llm)
+        assert s["hit_tokens"] == 0 and s["blocks_stored"] == stored
+        # Back (empty: no persistence): after the retry interval, blocks are stored again.
+        server.start()
+        time.sleep(0.3)
+        reset_local_cache(llm)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+            assert greedy(llm, prompts) == baseline
+        assert "answers again" in caplog.text
+        assert ext(llm)["blocks_stored"] > stored
+        assert_idle(llm)
+    finally:
+        server.stop()
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+def test_engine_stats_and_prometheus(llama_tiny, prompts):
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.entrypoints.openai.metrics import ServerMetrics
+    from tokenmill.sampling_params import SamplingParams
+    llm = make_llm(llama_tiny.path, kv_connector=["cpu"], **KW)
+    greedy(llm, prompts[:2])
+    reset_local_cache(llm)
+    a = AsyncLLM(llm.llm_engine, log_stats_interval=None)
+    try:
+        metrics = ServerMetrics(a, "tiny")
+        sp = SamplingParams(temperature=0, max_tokens=4)
+
+        async def main():
+            for i, p in enumerate(prompts[:2]):
+                async for _ in a.generate({"prompt_token_ids": p}, sp, f"m{i}"):
+                    pass
+        asyncio.run(main())
+        deadline = time.monotonic() + 10
+        while a.stats.num_running or a.stats.num_waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        a._refresh_stats()
+        s = a.stats
+        assert s.prefix_cache_queries_total > 0 and s.prefix_cache_hits_total > 0
+        assert s.external_kv["cpu"]["hit_tokens"] >= PREFIX_BLOCKS * BS
+        text = metrics.render().decode()
+        for name in ("tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
+                     "tokenmill:prefix_cache_blocks",
+                     'tokenmill:external_kv_hit_tokens_total{model_name="tiny",store="cpu"}',
+                     "tokenmill:external_kv_loaded_bytes_total",
+                     "tokenmill:external_kv_stored_bytes_total",
+                     "tokenmill:external_kv_load_failures_total"):
+            assert name in text, name
+    finally:
+        a.shutdown()
