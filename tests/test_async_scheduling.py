@@ -181,3 +181,11 @@ def test_preempted_while_in_flight_finishes_from_the_waiting_queue():
 def test_async_scheduling_flag():
     assert resolve_async(True, "cpu") and not resolve_async(False, "cpu")
     assert EngineArgs(model="x").async_scheduling is None
+
+
+def test_cli_async_scheduling_flag_reaches_the_engine_args():
+    from tokenmill.entrypoints.cli import build_parser, engine_kwargs
+    parser = build_parser()
+    for argv, want in ((["serve"], None), (["serve", "--no-async-scheduling"], False),
+                       (["serve", "--async-scheduling"], True)):
+        assert engine_kwargs(parser.parse_args(argv))["async_scheduling"] is want

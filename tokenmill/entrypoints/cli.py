@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
     add_kv_cache_args(p)
@@ -57,7 +59,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
-                max_logprobs=args.max_logprobs, **kv_cache_kwargs(args))
+                max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
+                **kv_cache_kwargs(args))
 
 
 def resolve_model(name: str | None) -> str:
