@@ -179,8 +179,12 @@ def test_preempted_while_in_flight_finishes_from_the_waiting_queue():
 
 
 def test_async_scheduling_flag():
-    assert resolve_async(True, "cpu") and not resolve_async(False, "cpu")
+    import torch
+    assert resolve_async(True, torch.device("cpu")) and not resolve_async(False, torch.device("cpu"))
     assert EngineArgs(model="x").async_scheduling is None
+    # Default: on where the forward runs beside the host, off on CPU (measured).
+    assert not resolve_async(None, torch.device("cpu"))
+    assert resolve_async(None, torch.device("cuda"))
 
 
 def test_cli_async_scheduling_flag_reaches_the_engine_args():

@@ -14,13 +14,17 @@ and accumulates in fp32, the same math again.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-# Up to this many rows take the bf16 GEMV kernel (measured: docs/benchmarks.md).
-GEMV_MAX_ROWS = 8
+# Up to this many rows take the bf16 GEMV kernel (TOKENMILL_GEMV_MAX_ROWS). Off by
+# default: on the 2-core bench machine it did not beat the fp32 GEMM at batch 1
+# (66 vs 67 tok/s single stream) and lost at throughput (336 vs 374 tok/s).
+GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_GEMV_MAX_ROWS", "0"))
 
 
 class Linear(nn.Linear):
