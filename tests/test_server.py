@@ -4,9 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from live_server import live_server  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 
@@ -25,12 +23,6 @@ SMALL = dict(dtype="float32", max_model_len=256, num_kv_blocks=128)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def demo_path(tmp_path_factory) -> str:
     return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
@@ -38,33 +30,11 @@ def demo_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_path, tmp_path_factory):
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", demo_path,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-           "--api-key", API_KEY, "--dtype", "float32", "--max-model-len", "256",
-           "--num-kv-blocks", "128", "--shutdown-grace", "20", "--log-stats-interval", "0.2"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not become healthy")
-        time.sleep(0.3)
-    yield type("Server", (), {"url": url, "proc": proc, "log": log})
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    log.close()
+    with live_server(demo_path, tmp_path_factory.mktemp("server") / "server.log",
+                     "--served-model-name", MODEL, "--api-key", API_KEY, "--dtype", "float32",
+                     "--max-model-len", "256", "--num-kv-blocks", "128",
+                     "--shutdown-grace", "20", "--log-stats-interval", "0.2") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -4,57 +4,28 @@ the external store's traffic."""
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 
+from live_server import live_server  # noqa: E402
 from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 
 PROMPT = ("The town sat where two rivers met, one brown with the silt of the farmland to "
           "the north and one clear and cold from the hills. ") * 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     demo = ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", demo,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
-           "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128",
-           "--kv-store", "cpu", "--kv-cpu-bytes", str(64 << 20),
-           "--log-stats-interval", "0", "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not become healthy")
-        time.sleep(0.3)
-    yield url
-    proc.kill()
-    proc.wait(10)
-    log.close()
+    with live_server(demo, tmp_path_factory.mktemp("server") / "server.log",
+                     "--served-model-name", "demo", "--dtype", "float32",
+                     "--max-model-len", "512", "--num-kv-blocks", "128",
+                     "--kv-store", "cpu", "--kv-cpu-bytes", str(64 << 20),
+                     "--log-stats-interval", "0", "--uvicorn-log-level", "warning",
+                     timeout=180) as srv:
+        yield srv.url
 
 
 def metric(url: str, name: str, **labels) -> float:

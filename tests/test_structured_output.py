@@ -336,40 +336,13 @@ CHAT = [{"role": "user", "content": "Describe the mill as JSON"}]
 
 @pytest.fixture(scope="module")
 def server(demo_path, tmp_path_factory):
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    httpx = pytest.importorskip("httpx")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", demo_path,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-           "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
-           "--log-stats-interval", "0", "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not become healthy")
-        time.sleep(0.3)
-    yield url
-    proc.kill()
-    proc.wait(10)
-    log.close()
+    pytest.importorskip("httpx")
+    from live_server import live_server
+    with live_server(demo_path, tmp_path_factory.mktemp("server") / "server.log",
+                     "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
+                     "--num-kv-blocks", "256", "--log-stats-interval", "0",
+                     "--uvicorn-log-level", "warning") as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="module")
