@@ -27,11 +27,11 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 import uuid
+
+from tokenmill.kv_connector.local_redis import RedisServer
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +57,6 @@ def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---- a redis-server for the run ----------------------------------------------------------
-class _LocalRedis:
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="tokenmill-bench-redis-")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", self.dir, "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-        client.close()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 # ---- one run ------------------------------------------------------------------------------
 def _engine(model_path: str, args, max_model_len: int, **kw):
     from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
@@ -175,7 +143,8 @@ def run_prefix_bench(args) -> int:
             if shutil.which("redis-server") is None:
                 redis_note = "redis-server not installed: runs 3 and 4 skipped (--redis-url)"
             else:
-                server = _LocalRedis()
+                workdir = tempfile.mkdtemp(prefix="tokenmill-bench-redis-")
+                server = RedisServer(shutil.which("redis-server"), workdir).start()
                 url = server.url
         if url is not None:
             # A fresh namespace for this run, so run 3 really starts from an empty store.
@@ -188,7 +157,8 @@ def run_prefix_bench(args) -> int:
                                  warm, max_model_len, kv_connector=kv))
             finally:
                 if server is not None:
-                    server.close()
+                    server.stop()
+                    shutil.rmtree(workdir, ignore_errors=True)
     return _report(args, model_path, runs, redis_note)
 
 
