@@ -104,7 +104,11 @@ PREEMPT_CONFIGS = {
 @pytest.mark.parametrize("config", list(PREEMPT_CONFIGS))
 @pytest.mark.parametrize("name", PARITY_MODELS)
 def test_preemption(tiny_model_factory, name, config):
-    tm = tiny_model_factory(name)
+    check_preemption(tiny_model_factory(name), config)
+
+
+def check_preemption(tm, config: str) -> None:
+    """Greedy tokens equal HF's under a KV pool that forces preemption."""
     prompts = tm.prompts
     llm = make_llm(tm.path, **PREEMPT_CONFIGS[config])
     got = run_greedy(llm, prompts)

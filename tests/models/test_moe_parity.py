@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import NUM_NEW, TinyModel, build_checkpoint, hf_greedy, make_llm, scheduler_of
-from test_hf_parity import PREEMPT_CONFIGS, assert_same_tokens, record_schedules, run_greedy
+from test_hf_parity import (PREEMPT_CONFIGS, assert_same_tokens, check_preemption,
+                            record_schedules, run_greedy)
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -155,14 +156,7 @@ def test_chunked_prefill(moe_model, name, budget, block_size):
 @pytest.mark.parametrize("config", list(PREEMPT_CONFIGS))
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_preemption(moe_model, name, config):
-    tm = moe_model(name)
-    prompts = tm.prompts
-    llm = make_llm(tm.path, **PREEMPT_CONFIGS[config])
-    got = run_greedy(llm, prompts)
-    sched = scheduler_of(llm)
-    assert sched.num_preemptions > 0, "the config was meant to force preemption"
-    assert_same_tokens(tm, prompts, got)
-    assert sched.kv_cache_manager.num_used_blocks == 0
+    check_preemption(moe_model(name), config)
 
 
 def test_some_experts_get_no_tokens(moe_model):
