@@ -13,7 +13,8 @@ import platform
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_gemv.cpp", "cpu_norm.cpp")
+SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
+           "cpu_fused.cpp")
 
 
 def _cpu_fingerprint() -> str:
@@ -38,7 +39,7 @@ def cpu_ops():
         # (and keep rebuilding) one build folder.
         digest = hashlib.sha1(b"".join(open(p, "rb").read() for p in sources)).hexdigest()[:8]
         return load(name=f"tokenmill_cpu_ops_{_cpu_fingerprint()}_{digest}", sources=sources,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags...
         logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", e)
         return None

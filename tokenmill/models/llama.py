@@ -51,10 +51,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+        self._no_norm = torch.empty(0)
 
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if meta.native_ops is not None:
+            # One native op for q/k norm + rotary (k rotated inside qkv) instead of ~25.
+            norm = self.q_norm is not None
+            q = meta.native_ops.qk_norm_rope(
+                qkv, self.q_norm.weight if norm else self._no_norm,
+                self.k_norm.weight if norm else self._no_norm, cos, sin, self.num_heads,
+                self.num_kv_heads, self.head_dim, rotary.rotary_dim,
+                self.q_norm.eps if norm else 0.0)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
+            return self.o_proj(self.attn(q, k, v, meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

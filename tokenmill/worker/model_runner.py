@@ -230,12 +230,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_decodes=nd,
             slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
-            slot_offset=torch.from_numpy(slot_offset).to(dev))
+            slot_offset=torch.from_numpy(slot_offset).to(dev),
+            native_ops=self.native_ops)
         if nd:
             nb = -(-int(seq_lens[:nd].max()) // bs)
             meta.decode_block_table = torch.from_numpy(table.block_table[:nd, :nb].copy()).to(dev)
             meta.decode_seq_lens = torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev)
-            meta.native_ops = self.native_ops
         for r in range(nd, n):
             nb = -(-int(seq_lens[r]) // bs)
             meta.prefills.append(PrefillChunk(

@@ -78,10 +78,16 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         cache = self.kv_cache
-        cache[meta.slot_block, 0, meta.slot_offset] = k
-        cache[meta.slot_block, 1, meta.slot_offset] = v
-        out = torch.empty_like(q)
+        ops = meta.native_ops
+        if ops is not None and k.dtype == cache.dtype:
+            ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset)
+        else:
+            cache[meta.slot_block, 0, meta.slot_offset] = k
+            cache[meta.slot_block, 1, meta.slot_offset] = v
         nd = meta.num_decodes
+        if not meta.prefills:  # decode-only step: one call, no output copy
+            return self._decode(q, cache, meta).view(q.shape[0], -1)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta)
         for p in meta.prefills:

@@ -7,10 +7,11 @@ oneDNN's bf16 GEMM accumulates in fp32 too: computing in fp32 and rounding the
 result to bf16 is the same math (up to summation order), about 4x faster, at
 the cost of fp32 weight memory.
 
-At a few rows (decode of one to a few sequences) the layer is bound by reading
-its weights instead, and fp32 weights double the bytes: then the native
-`gemv_bf16` kernel reads the original bf16 weights (kept beside the fp32 copy)
-and accumulates in fp32, the same math again.
+Up to a few dozen rows (decode steps) the layer is bound by reading its
+weights, or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights
+double the bytes: there the native `linear_bf16` kernel reads the original bf16
+weights (packed once at load, kept beside the fp32 copy) and widens them in
+registers - the same math again, fp32 products and sums.
 """
 from __future__ import annotations
 
@@ -21,16 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# Up to this many rows take the bf16 GEMV kernel (TOKENMILL_GEMV_MAX_ROWS). Off by
-# default: on the 2-core bench machine it did not beat the fp32 GEMM at batch 1
-# (66 vs 67 tok/s single stream) and lost at throughput (336 vs 374 tok/s).
-GEMV_MAX_ROWS = int(os.environ.get("TOKENMILL_GEMV_MAX_ROWS", "0"))
+# Up to this many rows take the packed bf16 kernel (TOKENMILL_LINEAR_BF16_MAX_ROWS;
+# 0 turns it off). Measured on the 2-vCPU bench machine, all 33 GEMMs of the bench
+# model: 10 vs 18 ms at 1 row, 15 vs 49 at 8, 41 vs 51 at 32, about even at 64
+# (`docs/benchmarks.md`); oneDNN's fp32 GEMM wins above that.
+BF16_MAX_ROWS = int(os.environ.get("TOKENMILL_LINEAR_BF16_MAX_ROWS", "48"))
 
 
 class Linear(nn.Linear):
     compute_dtype: torch.dtype | None = None
-    gemv_weight: torch.Tensor | None = None  # the bf16 weights, for gemv_bf16
-    _gemv = None
+    packed_bf16: torch.Tensor | None = None  # the bf16 weights in linear_bf16's layout
+    _linear_bf16 = None
 
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
         """Keep the weights in `dtype` and run the GEMM there; False if they already were."""
@@ -41,21 +43,22 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         self.compute_dtype = dtype
-        if old.dtype == torch.bfloat16 and old.device.type == "cpu":
+        if old.dtype == torch.bfloat16 and old.device.type == "cpu" and dtype == torch.float32:
             from tokenmill.kernels import cpu_ops
             ops = cpu_ops()
             if ops is not None:
-                self.gemv_weight = old.contiguous()
-                self._gemv = ops.gemv_bf16
+                self.packed_bf16 = ops.pack_bf16_weight(old.contiguous())
+                self._linear_bf16 = ops.linear_bf16
                 self._no_bias = torch.empty(0)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
-        if self._gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            return self._gemv(x, self.gemv_weight,
-                              self.bias if self.bias is not None else self._no_bias)
+        if (self._linear_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_MAX_ROWS
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            return self._linear_bf16(x, self.packed_bf16, self.out_features,
+                                     self.bias if self.bias is not None else self._no_bias)
         return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
 
 

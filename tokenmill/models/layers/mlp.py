@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import cpu_ops
 from tokenmill.models.layers.linear import Linear
 
 
@@ -17,5 +18,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.device.type == "cpu" and gate_up.dim() == 2:
+            ops = cpu_ops()
+            if ops is not None:  # one op instead of split + silu + mul
+                return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

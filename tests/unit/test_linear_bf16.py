@@ -1,4 +1,4 @@
-"""The bf16 GEMV kernel behind small-batch Linear layers (tokenmill/kernels/cpu_gemv.cpp)."""
+"""The packed bf16 linear kernel behind small-batch Linear layers (tokenmill/kernels/cpu_linear.cpp)."""
 from __future__ import annotations
 
 import pytest
@@ -12,43 +12,56 @@ ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no compiler)")
 
 
+# Row counts cover the one-row kernel, every remainder of the 8-row micro-kernel,
+# the pre-widened path (24+ rows) and more than one 128-row cache block; column
+# counts cover partial 32-column blocks; K covers odd sizes.
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
-                                   (5, 33, 100), (8, 256, 512), (1, 3, 1)])
+                                   (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
+                                   (13, 300, 64), (24, 65, 40), (31, 96, 33), (130, 47, 24),
+                                   (300, 100, 8)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_bf16_matches_fp32_matmul(m, n, k, bias):
+def test_linear_bf16_matches_fp32_matmul(m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else torch.empty(0)
+    packed = ops.pack_bf16_weight(w)
+    assert packed.shape == ((n + 31) // 32, k, 32) and packed.dtype == torch.bfloat16
     ref = x @ w.float().t() + (b if bias else 0)
-    out = ops.gemv_bf16(x, w, b)
+    out = ops.linear_bf16(x, packed, n, b)
     assert out.dtype == torch.float32 and out.shape == (m, n)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # bf16 activations: the same fp32 math, rounded once at the end.
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # summation order only
+    # bf16 activations: the same fp32 math, rounded once at the end (nearest even).
     xb = x.bfloat16()
-    outb = ops.gemv_bf16(xb, w, b)
-    assert outb.dtype == torch.bfloat16
+    outb = ops.linear_bf16(xb, packed, n, b)
+    assert outb.dtype == torch.bfloat16 and outb.shape == (m, n)
     refb = (xb.float() @ w.float().t() + (b if bias else 0)).bfloat16()
     torch.testing.assert_close(outb.float(), refb.float(), rtol=1e-2, atol=1e-2)
+    assert (outb == refb).float().mean() > 0.98
 
 
-def test_widened_linear_uses_gemv_for_few_rows_and_matches_the_gemm(monkeypatch):
-    monkeypatch.setattr(linear_mod, "GEMV_MAX_ROWS", 8)  # off by default (measured)
+def test_linear_bf16_rejects_unpacked_weights():
+    with pytest.raises(RuntimeError, match="pack_bf16_weight"):
+        ops.linear_bf16(torch.randn(2, 16), torch.randn(8, 16).bfloat16(), 8, torch.empty(0))
+
+
+def test_widened_linear_uses_the_packed_kernel_for_few_rows(monkeypatch):
+    monkeypatch.setattr(linear_mod, "BF16_MAX_ROWS", 8)
     torch.manual_seed(0)
     lin = Linear(96, 200, bias=True).bfloat16()
     ref_w, ref_b = lin.weight.detach().float(), lin.bias.detach().float()
     assert lin.set_compute_dtype(torch.float32)
-    assert lin.gemv_weight is not None and lin.gemv_weight.dtype == torch.bfloat16
+    assert lin.packed_bf16 is not None and lin.packed_bf16.dtype == torch.bfloat16
     calls = []
-    real = lin._gemv
-    lin._gemv = lambda *a: calls.append(1) or real(*a)
-    for rows in (1, 3, linear_mod.GEMV_MAX_ROWS, linear_mod.GEMV_MAX_ROWS + 1, 40):
+    real = lin._linear_bf16
+    lin._linear_bf16 = lambda *a: calls.append(1) or real(*a)
+    for rows in (1, 3, linear_mod.BF16_MAX_ROWS, linear_mod.BF16_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96).bfloat16()
         before = len(calls)
         out = lin(x)
         assert out.dtype == torch.bfloat16
         used = len(calls) > before
-        assert used == (rows <= linear_mod.GEMV_MAX_ROWS)
+        assert used == (rows <= linear_mod.BF16_MAX_ROWS)
         ref = (x.float() @ ref_w.t() + ref_b).bfloat16()
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
