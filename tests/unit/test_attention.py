@@ -93,3 +93,26 @@ def test_widened_gemm_matches_a_bf16_gemm():
     # Both round the same fp32-accumulated sum to bf16.
     torch.testing.assert_close(wide.float(), ref, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(wide.float(), native.float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (6, 2)])
+@pytest.mark.parametrize("num_rows", [2, 11])
+def test_native_decode_head_dim_64_paths(dtype, tol, hq, hkv, num_rows):
+    """head_dim 64 has register-resident kernels (1, 2 or 4 query heads per kv head;
+    one job per (row, head) for few rows, one per row with block prefetch for many);
+    other group sizes take the generic loop. All must equal the dense reference,
+    and slots past each row's length must not leak in."""
+    native = cpu_ops()
+    if native is None:
+        pytest.skip("native kernels unavailable")
+    seq_lens = [1, 15, 16, 17, 40, 33, 2, 64, 5, 31, 48][:num_rows]
+    cache, table, q = _setup(dtype, seq_lens, block_size=16, hkv=hkv, hq=hq, d=64,
+                             num_blocks=48, seed=num_rows)
+    ref = _dense(cache, table, q, seq_lens, 0.125)
+    poisoned = cache.clone()
+    poisoned[table[0, 0].long(), :, 1:] = 1e4  # row 0 has 1 token: the rest is garbage
+    layer = PagedAttention(hq, hkv, 64, 0.125)
+    got = _decode(layer, poisoned, table, q, seq_lens, native)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

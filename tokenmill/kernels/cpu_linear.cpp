@@ -31,10 +31,11 @@ constexpr int64_t MC = 128;  // rows per cache block: x rows stay in L2 across c
 #if defined(__AVX512F__)
 // W is either the packed bf16 block (widened per k) or, when many row groups
 // reuse the block, a copy already widened to fp32 [K, 32] (plain loads, no ALU
-// work between the FMAs).
+// work between the FMAs). `accumulate`: add to y instead of overwriting it (the
+// second and later K chunks); `bias` (or null) is added by the last chunk.
 template <int R, bool WIDE>
 inline void micro(const float* x, int64_t ldx, const void* wblock, int64_t K, const float* bias,
-                  float* y, int64_t ldy, int64_t ncols) {
+                  float* y, int64_t ldy, int64_t ncols, bool accumulate = false) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
@@ -56,17 +57,23 @@ inline void micro(const float* x, int64_t ldx, const void* wblock, int64_t K, co
       hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
     }
   }
-  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
   const __mmask16 m_lo = ncols >= 16 ? 0xffff : static_cast<__mmask16>((1u << ncols) - 1);
   const __mmask16 m_hi = ncols >= 32 ? 0xffff
                          : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
   if (bias != nullptr) {
     b_lo = _mm512_maskz_loadu_ps(m_lo, bias);
     b_hi = _mm512_maskz_loadu_ps(m_hi, bias + 16);
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m_lo, _mm512_add_ps(lo[r], b_lo));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m_hi, _mm512_add_ps(hi[r], b_hi));
+    float* yr = y + r * ldy;
+    __m512 a_lo = _mm512_add_ps(lo[r], b_lo), a_hi = _mm512_add_ps(hi[r], b_hi);
+    if (accumulate) {
+      a_lo = _mm512_add_ps(a_lo, _mm512_maskz_loadu_ps(m_lo, yr));
+      a_hi = _mm512_add_ps(a_hi, _mm512_maskz_loadu_ps(m_hi, yr + 16));
+    }
+    _mm512_mask_storeu_ps(yr, m_lo, a_lo);
+    _mm512_mask_storeu_ps(yr + 16, m_hi, a_hi);
   }
 }
 
@@ -112,22 +119,26 @@ inline void widen_block(const uint16_t* wp, int64_t K, float* wf) {
 
 // Rows from this many up widen the block once instead of per row group.
 constexpr int64_t WIDEN_MIN_ROWS = 24;
+// K chunk of the widened path: 256 x 32 fp32 weights (32 KB) stay in L1 while
+// every row group of the cache block passes over them.
+constexpr int64_t KC = 256;
 
 template <bool WIDE>
-inline void rows_of(const float* x, int64_t K, const void* w, const float* bias, float* y,
-                    int64_t N, int64_t rows, int64_t ncols) {
+inline void rows_of(const float* x, int64_t ldx, int64_t K, const void* w, const float* bias,
+                    float* y, int64_t N, int64_t rows, int64_t ncols, bool accumulate) {
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) micro<MR, WIDE>(x + m * K, K, w, K, bias, y + m * N, N, ncols);
-  const float* xr = x + m * K;
+  for (; m + MR <= rows; m += MR)
+    micro<MR, WIDE>(x + m * ldx, ldx, w, K, bias, y + m * N, N, ncols, accumulate);
+  const float* xr = x + m * ldx;
   float* yr = y + m * N;
   switch (rows - m) {
-    case 7: micro<7, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 6: micro<6, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 5: micro<5, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 4: micro<4, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 3: micro<3, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 2: micro<2, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
-    case 1: micro<1, WIDE>(xr, K, w, K, bias, yr, N, ncols); break;
+    case 7: micro<7, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 6: micro<6, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 5: micro<5, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 4: micro<4, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 3: micro<3, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 2: micro<2, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 1: micro<1, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
     default: break;
   }
 }
@@ -135,10 +146,14 @@ inline void rows_of(const float* x, int64_t K, const void* w, const float* bias,
 inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const float* bias, float* y,
                        int64_t N, int64_t rows, int64_t ncols, std::vector<float>& scratch) {
   if (rows == 1) return micro_row(x, wp, K, bias, y, ncols);
-  if (rows < WIDEN_MIN_ROWS) return rows_of<false>(x, K, wp, bias, y, N, rows, ncols);
+  if (rows < WIDEN_MIN_ROWS) return rows_of<false>(x, K, K, wp, bias, y, N, rows, ncols, false);
   scratch.resize(K * NB);
   widen_block(wp, K, scratch.data());
-  rows_of<true>(x, K, scratch.data(), bias, y, N, rows, ncols);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    rows_of<true>(x + k0, K, kc, scratch.data() + k0 * NB, k0 + kc == K ? bias : nullptr, y, N,
+                  rows, ncols, k0 > 0);
+  }
 }
 #endif
 

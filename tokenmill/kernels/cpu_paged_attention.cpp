@@ -169,10 +169,140 @@ static void softmax_rows(float* s, int64_t rows, int64_t len) {
   }
 }
 
+#if defined(__AVX512F__)
+// head_dim 64 and G query heads per kv head: q and the output accumulators
+// live in registers (G x 4 vectors each), so a token costs its K/V loads, the
+// FMAs and one horizontal sum per query head - no round trips through memory.
+template <int G, typename T>
+static void decode_row_head_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t h,
+                                int64_t len, float* scores, float* out) {
+  __m512 qv[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + j * 64 + x * 16);
+  c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
+    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+    for (int j = 0; j < G; ++j) {
+      __m512 acc = _mm512_mul_ps(qv[j][0], k0);
+      acc = _mm512_fmadd_ps(qv[j][1], k1, acc);
+      acc = _mm512_fmadd_ps(qv[j][2], k2, acc);
+      acc = _mm512_fmadd_ps(qv[j][3], k3, acc);
+      scores[j * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  });
+  softmax_rows(scores, G, len);
+  __m512 acc[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < 4; ++x) acc[j][x] = _mm512_setzero_ps();
+  c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * len + t]);
+      acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+      acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+      acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(out + j * 64 + x * 16, acc[j][x]);
+}
+#endif
+
+#if defined(__AVX512F__)
+// Ask for the next cache block's K (or V) half while this one is computed:
+// blocks are scattered, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+static inline void prefetch_block(const T* p, int64_t elems) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(b + off, _MM_HINT_T0);
+}
+
+// A whole row (all kv heads) per job, walking each cache block once: every
+// head's K (then V) of the block is consumed while the block's lines are hot,
+// instead of one strided pass over the row's blocks per head.
+template <int G, typename T>
+static void decode_row_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t hkv,
+                           int64_t len, float* scores, float* out) {
+  const int32_t* row = c.block_table + r * c.max_nb;
+  for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
+    const T* kb = c.data + row[b] * c.s_block;
+    const int64_t n = std::min(c.bs, len - start);
+    if (start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block, c.s_kv);
+    for (int64_t h = 0; h < hkv; ++h) {
+      __m512 qv[G][4];
+      for (int j = 0; j < G; ++j)
+        for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + (h * G + j) * 64 + x * 16);
+      const T* k = kb + h * c.s_head;
+      for (int64_t o = 0; o < n; ++o, k += c.s_tok) {
+        const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+        for (int j = 0; j < G; ++j) {
+          __m512 acc = _mm512_mul_ps(qv[j][0], k0);
+          acc = _mm512_fmadd_ps(qv[j][1], k1, acc);
+          acc = _mm512_fmadd_ps(qv[j][2], k2, acc);
+          acc = _mm512_fmadd_ps(qv[j][3], k3, acc);
+          scores[(h * G + j) * len + start + o] = _mm512_reduce_add_ps(acc);
+        }
+      }
+    }
+  }
+  softmax_rows(scores, hkv * G, len);
+  std::fill(out, out + hkv * G * 64, 0.f);
+  for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
+    const T* vb = c.data + row[b] * c.s_block + c.s_kv;
+    const int64_t n = std::min(c.bs, len - start);
+    if (start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block + c.s_kv, c.s_kv);
+    for (int64_t h = 0; h < hkv; ++h) {
+      __m512 acc[G][4];
+      float* oh = out + h * G * 64;
+      for (int j = 0; j < G; ++j)
+        for (int x = 0; x < 4; ++x) acc[j][x] = _mm512_loadu_ps(oh + j * 64 + x * 16);
+      const T* v = vb + h * c.s_head;
+      for (int64_t o = 0; o < n; ++o, v += c.s_tok) {
+        const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+        for (int j = 0; j < G; ++j) {
+          const __m512 p = _mm512_set1_ps(scores[(h * G + j) * len + start + o]);
+          acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+          acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+          acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+          acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        for (int x = 0; x < 4; ++x) _mm512_storeu_ps(oh + j * 64 + x * 16, acc[j][x]);
+    }
+  }
+}
+
+template <int G, typename T>
+static void decode_rows_d64(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out,
+                            int64_t nd, int64_t hq, int64_t hkv, float scale) {
+  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hq * 64), acc(hq * 64), scores;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = seq_lens[r];
+      scores.resize(hq * len);
+      for (int64_t i = 0; i < hq * 64; ++i) qf[i] = static_cast<float>(q[r * hq * 64 + i]) * scale;
+      decode_row_d64<G>(qf.data(), c, r, hkv, len, scores.data(), acc.data());
+      for (int64_t i = 0; i < hq * 64; ++i) out[r * hq * 64 + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+#endif
+
 template <typename T>
 static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
                    int64_t hq, int64_t hkv, int64_t d, float scale) {
   const int64_t g = hq / hkv;
+#if defined(__AVX512F__)
+  // Enough rows to keep every thread busy: one job per row (see decode_row_d64).
+  if (d == 64 && nd >= 4 * at::get_num_threads() && (g == 1 || g == 2 || g == 4)) {
+    if (g == 1) decode_rows_d64<1>(q, c, seq_lens, out, nd, hq, hkv, scale);
+    if (g == 2) decode_rows_d64<2>(q, c, seq_lens, out, nd, hq, hkv, scale);
+    if (g == 4) decode_rows_d64<4>(q, c, seq_lens, out, nd, hq, hkv, scale);
+    return;
+  }
+#endif
   at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), scores;
     for (int64_t job = begin; job < end; ++job) {
@@ -181,9 +311,18 @@ static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* ou
       const int64_t q_off = (r * hq + h * g) * d;
       scores.resize(g * len);
       for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[q_off + i]) * scale;
-      qk(qf.data(), c, r, h, len, g, d, scores.data());
-      softmax_rows(scores.data(), g, len);
-      pv(scores.data(), c, r, h, len, g, d, acc.data());
+#if defined(__AVX512F__)
+      if (d == 64 && (g == 1 || g == 2 || g == 4)) {
+        if (g == 1) decode_row_head_d64<1>(qf.data(), c, r, h, len, scores.data(), acc.data());
+        if (g == 2) decode_row_head_d64<2>(qf.data(), c, r, h, len, scores.data(), acc.data());
+        if (g == 4) decode_row_head_d64<4>(qf.data(), c, r, h, len, scores.data(), acc.data());
+      } else
+#endif
+      {
+        qk(qf.data(), c, r, h, len, g, d, scores.data());
+        softmax_rows(scores.data(), g, len);
+        pv(scores.data(), c, r, h, len, g, d, acc.data());
+      }
       for (int64_t i = 0; i < g * d; ++i) out[q_off + i] = static_cast<T>(acc[i]);
     }
   });
