@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
            "cpu_fused.cpp")
+HEADERS = ("cpu_vec.h",)
 
 
 def _cpu_fingerprint() -> str:
@@ -37,7 +38,8 @@ def cpu_ops():
         sources = [os.path.join(here, f) for f in SOURCES]
         # Keyed on the sources too: two checkouts with different kernels never share
         # (and keep rebuilding) one build folder.
-        digest = hashlib.sha1(b"".join(open(p, "rb").read() for p in sources)).hexdigest()[:8]
+        hashed = sources + [os.path.join(here, f) for f in HEADERS]
+        digest = hashlib.sha1(b"".join(open(p, "rb").read() for p in hashed)).hexdigest()[:8]
         return load(name=f"tokenmill_cpu_ops_{_cpu_fingerprint()}_{digest}", sources=sources,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags...

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 template <typename T>
@@ -47,12 +49,58 @@ inline void rope(const float* x, const T* cos, const T* sin, T* out, int64_t d, 
 template <typename T>
 void silu_mul_row(const T* g, T* y, int64_t I) {
   const T* u = g + I;
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {  // fp64 takes the scalar loop
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      store16(y + i, _mm512_mul_ps(round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, e))),
+                                   load16(u + i)));
+    }
+  }
+#endif
+  for (; i < I; ++i) {
     const float x = f(g[i]);
     y[i] = static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * f(u[i]));
   }
 }
+
+#if defined(__AVX512F__)
+// head_norm + rope for a head of d % 16 == 0 features whose rotary half is a
+// multiple of 16: the same roundings, 16 lanes at a time.
+template <typename T>
+inline void norm_rope_vec(const T* x, const T* w, const T* cos, const T* sin, T* out, int64_t d,
+                          int64_t rd, float eps) {
+  float tmp[512];
+  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(tmp + i, load16(x + i));
+  if (w != nullptr) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = _mm512_loadu_ps(tmp + i);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(
+        1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(tmp + i), inv));
+      _mm512_storeu_ps(tmp + i, round16<T>(_mm512_mul_ps(normed, load16(w + i))));
+    }
+  }
+  const int64_t half = rd / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 lo = _mm512_loadu_ps(tmp + i), hi = _mm512_loadu_ps(tmp + half + i);
+    // out_lo = lo * cos - hi * sin, out_hi = hi * cos + lo * sin, each product rounded.
+    store16(out + i, _mm512_sub_ps(round16<T>(_mm512_mul_ps(lo, load16(cos + i))),
+                                   round16<T>(_mm512_mul_ps(hi, load16(sin + i)))));
+    store16(out + half + i,
+            _mm512_add_ps(round16<T>(_mm512_mul_ps(hi, load16(cos + half + i))),
+                          round16<T>(_mm512_mul_ps(lo, load16(sin + half + i)))));
+  }
+  for (int64_t i = rd; i < d; i += 16) store16(out + i, _mm512_loadu_ps(tmp + i));
+}
+#endif
 
 }  // namespace
 
@@ -76,6 +124,7 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
               "qk_norm_rope: cos / sin must be in qkv's dtype");
   const int64_t T = qkv.size(0), ld = qkv.stride(0);
   auto q = torch::empty({T, hq, d}, qkv.options());
+  const bool vec = d % 16 == 0 && d <= 512 && (rd / 2) % 16 == 0 && (d - rd) % 16 == 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qk_norm_rope", [&] {
     using T_ = scalar_t;
     T_* base = qkv.data_ptr<T_>();
@@ -84,13 +133,23 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
     const T_* kw = norm ? k_weight.data_ptr<T_>() : nullptr;
     const T_* cp = cos.data_ptr<T_>();
     const T_* sp = sin.data_ptr<T_>();
-    at::parallel_for(0, T * (hq + hkv), 64, [&](int64_t j0, int64_t j1) {
+    // A large grain: waking the second thread costs more than a decode step's heads.
+    at::parallel_for(0, T * (hq + hkv), 1024, [&](int64_t j0, int64_t j1) {
       std::vector<float> tmp(d);
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t t = j / (hq + hkv), h = j % (hq + hkv);
         const bool is_q = h < hq;
         T_* src = base + t * ld + h * d;  // k heads follow the q heads in a row
         T_* dst = is_q ? qo + (t * hq + h) * d : src;
+#if defined(__AVX512F__)
+        if constexpr (!std::is_same_v<T_, double>) {
+          if (vec) {
+            norm_rope_vec<T_>(src, norm ? (is_q ? qw : kw) : nullptr, cp + t * rd, sp + t * rd,
+                              dst, d, rd, static_cast<float>(eps));
+            continue;
+          }
+        }
+#endif
         if (norm) {
           head_norm<T_>(src, is_q ? qw : kw, tmp.data(), d, static_cast<float>(eps));
         } else {
