@@ -82,3 +82,18 @@ def test_native_rms_norm_matches_hf_formula(dtype, shape):
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     # Nearly every element bit-identical (summation order can move one rounding).
     assert (out == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (70, 512), (3, 40)])
+def test_native_add_rms_norm_matches_add_then_norm(dtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    residual = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    summed = residual + x
+    ref = ops.rms_norm(summed, w, 1e-6)
+    out = ops.add_rms_norm_(residual, x, w, 1e-6)
+    assert torch.equal(residual, summed)  # the stream was updated in place, same rounding
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert (out == ref).float().mean() > 0.99

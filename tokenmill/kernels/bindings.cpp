@@ -12,6 +12,8 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                     torch::Tensor slot_block, torch::Tensor slot_offset);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
+                            double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
@@ -21,4 +23,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_cache_write", &kv_cache_write, "write new K/V rows into the paged cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");
 }

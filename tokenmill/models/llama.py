@@ -86,8 +86,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, cos, sin, rotary, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is this step's own residual stream: updated in place (no autograd here).
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
+        return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
 class LlamaForCausalLM(nn.Module):

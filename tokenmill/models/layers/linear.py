@@ -26,7 +26,7 @@ from torch import nn
 # 0 turns it off). Measured on the 2-vCPU bench machine, all 33 GEMMs of the bench
 # model: 10 vs 18 ms at 1 row, 15 vs 49 at 8, 41 vs 51 at 32, about even at 64
 # (`docs/benchmarks.md`); oneDNN's fp32 GEMM wins above that.
-BF16_MAX_ROWS = int(os.environ.get("TOKENMILL_LINEAR_BF16_MAX_ROWS", "48"))
+BF16_MAX_ROWS = int(os.environ.get("TOKENMILL_LINEAR_BF16_MAX_ROWS", "128"))
 
 
 class Linear(nn.Linear):

@@ -23,3 +23,12 @@ class RMSNorm(nn.Module):
             if ops is not None and self.weight.dtype == x.dtype:
                 return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place: the residual stream), then the norm of it, in one pass."""
+        if (residual.dtype != torch.float32 and residual.device.type == "cpu"
+                and residual.is_contiguous() and x.is_contiguous() and x.dtype == residual.dtype):
+            ops = cpu_ops()
+            if ops is not None and self.weight.dtype == x.dtype:
+                return ops.add_rms_norm_(residual, x, self.weight, self.eps)
+        return self.forward(residual.add_(x))
