@@ -47,6 +47,8 @@ inline void micro(const float* x, int64_t ldx, const void* wblock, int64_t K, co
       w_lo = _mm512_loadu_ps(wf + k * NB);
       w_hi = _mm512_loadu_ps(wf + k * NB + 16);
     } else {
+      // Few rows: still bound by streaming the weights (see micro_row).
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(wp + k * NB);
       w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
       w_hi = _mm512_castsi512_ps(_mm512_and_si512(w, mask_hi));
@@ -86,6 +88,11 @@ inline void micro_row(const float* x, const uint16_t* wp, int64_t K, const float
   const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
+    // A lone row is bound by memory: keep requests for lines ~8 KB ahead in flight.
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 129) * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 130) * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 131) * NB), _MM_HINT_T0);
     for (int i = 0; i < 4; ++i) {
       const __m512i w = _mm512_loadu_si512(wp + (k + i) * NB);
       const __m512 xv = _mm512_set1_ps(x[k + i]);
@@ -185,8 +192,19 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
   const auto out_dtype = x.scalar_type();
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "linear_bf16: x must be fp32 or bf16");
-  torch::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
-  const int64_t M = xf.size(0), K = xf.size(1), nblocks = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
+  // bf16 rows are widened here, without an ATen op (a decode step has 33 of these).
+  torch::Tensor xc = x.contiguous();
+  std::vector<float> xbuf;
+  const float* xp;
+  if (out_dtype == at::kFloat) {
+    xp = xc.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    const c10::BFloat16* src = xc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
+    xp = xbuf.data();
+  }
   const float* bp = nullptr;
   torch::Tensor bf;
   if (bias.defined() && bias.numel() > 0) {
@@ -197,7 +215,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
   torch::Tensor out = torch::empty({M, N}, x.options());
   // fp32 results go straight to `out`; bf16 ones through a per-block fp32 tile.
   float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
 #if defined(__AVX512F__)
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
@@ -221,7 +238,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
 #else
   // Portable path: unpack and use the library GEMM.
   auto w = packed.view({nblocks, K, 16, 2}).permute({0, 3, 2, 1}).reshape({nblocks * NB, K}).narrow(0, 0, N).to(at::kFloat);
-  auto res = torch::matmul(xf, w.t());
+  auto res = torch::matmul(x.to(at::kFloat), w.t());
   if (bp != nullptr) res.add_(bf);
   out.copy_(res);
 #endif
