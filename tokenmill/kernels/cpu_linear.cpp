@@ -118,6 +118,7 @@ inline void micro_row(const float* x, const uint16_t* wp, int64_t K, const float
 inline void widen_block(const uint16_t* wp, int64_t K, float* wf) {
   const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
     const __m512i w = _mm512_loadu_si512(wp + k * NB);
     _mm512_storeu_si512(wf + k * NB, _mm512_slli_epi32(w, 16));
     _mm512_storeu_si512(wf + k * NB + 16, _mm512_and_si512(w, mask_hi));
