@@ -12,13 +12,13 @@ ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no compiler)")
 
 
-# Row counts cover the one-row kernel, every remainder of the 8-row micro-kernel,
-# the pre-widened path (24+ rows) and more than one 128-row cache block; column
-# counts cover partial 32-column blocks; K covers odd sizes.
+# Row counts cover the one-row kernel, the remainders of the 12-row micro-kernel,
+# the pre-widened path (24+ rows, K over one 256 chunk) and more than one 128-row
+# cache block; column counts cover partial 32-column blocks; K covers odd sizes.
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
                                    (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
-                                   (13, 300, 64), (24, 65, 40), (31, 96, 33), (130, 47, 24),
-                                   (300, 100, 8)])
+                                   (9, 70, 20), (11, 40, 16), (13, 300, 64), (24, 65, 40),
+                                   (31, 96, 33), (35, 64, 300), (130, 47, 24), (300, 100, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_matches_fp32_matmul(m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)

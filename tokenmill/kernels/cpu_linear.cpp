@@ -25,7 +25,7 @@
 namespace {
 
 constexpr int64_t NB = 32;   // output columns per packed block
-constexpr int64_t MR = 8;    // rows per micro-kernel call (16 accumulators)
+constexpr int64_t MR = 12;   // rows per micro-kernel call (24 accumulators)
 constexpr int64_t MC = 128;  // rows per cache block: x rows stay in L2 across column blocks
 
 #if defined(__AVX512F__)
@@ -140,6 +140,10 @@ inline void rows_of(const float* x, int64_t ldx, int64_t K, const void* w, const
   const float* xr = x + m * ldx;
   float* yr = y + m * N;
   switch (rows - m) {
+    case 11: micro<11, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 10: micro<10, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 9: micro<9, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
+    case 8: micro<8, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
     case 7: micro<7, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
     case 6: micro<6, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
     case 5: micro<5, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
