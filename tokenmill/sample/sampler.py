@@ -35,8 +35,9 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows (never divides by 0)
-    greedy_mask: torch.Tensor  # [N] bool
+    # [N] float32, 1.0 on greedy rows (never divides by 0) / [N] bool; None when all_greedy.
+    temperature: torch.Tensor | None
+    greedy_mask: torch.Tensor | None
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None  # [N] int32, 0 = off; None when no row uses it

@@ -186,17 +186,23 @@ class InputBatch:
         min_p = self.min_p[:n]
         num_logprobs = self.num_logprobs[:n]
         dev = self.device
-        md = SamplingMetadata(
-            temperature=torch.from_numpy(np.where(greedy, 1.0, temp).astype(np.float32)).to(dev),
-            greedy_mask=torch.from_numpy(greedy).to(dev),
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_k=torch.from_numpy(top_k.copy()).to(dev) if (top_k > 0).any() else None,
-            top_p=torch.from_numpy(top_p.copy()).to(dev) if (top_p < 1.0).any() else None,
-            generators=dict(self.generators),
-            min_p=torch.from_numpy(min_p.copy()).to(dev) if (min_p > 0).any() else None,
-            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-        )
+        all_greedy = bool(greedy.all())
+        if all_greedy:  # argmax only: none of the per-row sampling tensors are read
+            md = SamplingMetadata(temperature=None, greedy_mask=None, all_greedy=True,
+                                  all_random=False, top_k=None, top_p=None,
+                                  generators=dict(self.generators), min_p=None)
+        else:
+            md = SamplingMetadata(
+                temperature=torch.from_numpy(np.where(greedy, 1.0, temp).astype(np.float32)).to(dev),
+                greedy_mask=torch.from_numpy(greedy).to(dev),
+                all_greedy=False,
+                all_random=not bool(greedy.any()),
+                top_k=torch.from_numpy(top_k.copy()).to(dev) if (top_k > 0).any() else None,
+                top_p=torch.from_numpy(top_p.copy()).to(dev) if (top_p < 1.0).any() else None,
+                generators=dict(self.generators),
+                min_p=torch.from_numpy(min_p.copy()).to(dev) if (min_p > 0).any() else None,
+            )
+        md.max_num_logprobs = int(num_logprobs.max()) if (num_logprobs >= 0).any() else None
         rows = np.nonzero(self.needs_processors[:n])[0]
         if rows.size:
             self._add_processors(md, rows)
