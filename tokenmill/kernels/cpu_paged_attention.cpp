@@ -1,7 +1,8 @@
 // Paged decode attention for CPU: reads K/V straight from the cache blocks
 // through the block table (no gather copy), fp32 accumulation, one job per
-// (row, kv head) spread over the intra-op threads. With AVX-512 the head
-// dimension is processed 16 lanes at a time; otherwise a plain loop.
+// (row, kv head) spread over the intra-op threads - or one per row when there
+// are enough rows. With AVX-512 the head dimension is processed 16 lanes at a
+// time (head_dim 64 has its own register-resident kernel); otherwise a plain loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -141,45 +142,6 @@ static void softmax_rows(float* s, int64_t rows, int64_t len) {
 }
 
 #if defined(__AVX512F__)
-// head_dim 64 and G query heads per kv head: q and the output accumulators
-// live in registers (G x 4 vectors each), so a token costs its K/V loads, the
-// FMAs and one horizontal sum per query head - no round trips through memory.
-template <int G, typename T>
-static void decode_row_head_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t h,
-                                int64_t len, float* scores, float* out) {
-  __m512 qv[G][4];
-  for (int j = 0; j < G; ++j)
-    for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + j * 64 + x * 16);
-  c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
-    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-    for (int j = 0; j < G; ++j) {
-      __m512 acc = _mm512_mul_ps(qv[j][0], k0);
-      acc = _mm512_fmadd_ps(qv[j][1], k1, acc);
-      acc = _mm512_fmadd_ps(qv[j][2], k2, acc);
-      acc = _mm512_fmadd_ps(qv[j][3], k3, acc);
-      scores[j * len + t] = _mm512_reduce_add_ps(acc);
-    }
-  });
-  softmax_rows(scores, G, len);
-  __m512 acc[G][4];
-  for (int j = 0; j < G; ++j)
-    for (int x = 0; x < 4; ++x) acc[j][x] = _mm512_setzero_ps();
-  c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
-    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-    for (int j = 0; j < G; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j * len + t]);
-      acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-      acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-      acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-      acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
-    }
-  });
-  for (int j = 0; j < G; ++j)
-    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(out + j * 64 + x * 16, acc[j][x]);
-}
-#endif
-
-#if defined(__AVX512F__)
 // Ask for the next cache block's K (or V) half while this one is computed:
 // blocks are scattered, so the hardware prefetcher cannot guess the next one.
 template <typename T>
@@ -189,22 +151,28 @@ static inline void prefetch_block(const T* p, int64_t elems) {
     _mm_prefetch(b + off, _MM_HINT_T0);
 }
 
-// A whole row (all kv heads) per job, walking each cache block once: every
-// head's K (then V) of the block is consumed while the block's lines are hot,
-// instead of one strided pass over the row's blocks per head.
+// head_dim 64, G query heads per kv head, kv heads [h0, h1) of row r; qf / out
+// hold those heads' (h1 - h0) * G query / output rows. The query and output
+// accumulators of a head live in registers (G x 4 vectors), so a token costs
+// its K/V loads, the FMAs and one horizontal sum per query head. Blocks are
+// walked once for all the heads: every head's K (then V) of a block is used
+// while its lines are hot. A whole-row job (all heads) also prefetches the
+// next block.
 template <int G, typename T>
-static void decode_row_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t hkv,
-                           int64_t len, float* scores, float* out) {
+static void decode_heads_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t h0,
+                             int64_t h1, int64_t len, float* scores, float* out,
+                             bool prefetch) {
   const int32_t* row = c.block_table + r * c.max_nb;
+  const int64_t nh = h1 - h0;
   for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
     const T* kb = c.data + row[b] * c.s_block;
     const int64_t n = std::min(c.bs, len - start);
-    if (start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block, c.s_kv);
-    for (int64_t h = 0; h < hkv; ++h) {
+    if (prefetch && start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block, c.s_kv);
+    for (int64_t i = 0; i < nh; ++i) {
       __m512 qv[G][4];
       for (int j = 0; j < G; ++j)
-        for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + (h * G + j) * 64 + x * 16);
-      const T* k = kb + h * c.s_head;
+        for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + (i * G + j) * 64 + x * 16);
+      const T* k = kb + (h0 + i) * c.s_head;
       for (int64_t o = 0; o < n; ++o, k += c.s_tok) {
         const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
         for (int j = 0; j < G; ++j) {
@@ -212,27 +180,28 @@ static void decode_row_d64(const float* qf, const Cache<T>& c, int64_t r, int64_
           acc = _mm512_fmadd_ps(qv[j][1], k1, acc);
           acc = _mm512_fmadd_ps(qv[j][2], k2, acc);
           acc = _mm512_fmadd_ps(qv[j][3], k3, acc);
-          scores[(h * G + j) * len + start + o] = _mm512_reduce_add_ps(acc);
+          scores[(i * G + j) * len + start + o] = _mm512_reduce_add_ps(acc);
         }
       }
     }
   }
-  softmax_rows(scores, hkv * G, len);
-  std::fill(out, out + hkv * G * 64, 0.f);
+  softmax_rows(scores, nh * G, len);
+  std::fill(out, out + nh * G * 64, 0.f);
   for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
     const T* vb = c.data + row[b] * c.s_block + c.s_kv;
     const int64_t n = std::min(c.bs, len - start);
-    if (start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block + c.s_kv, c.s_kv);
-    for (int64_t h = 0; h < hkv; ++h) {
+    if (prefetch && start + c.bs < len)
+      prefetch_block(c.data + row[b + 1] * c.s_block + c.s_kv, c.s_kv);
+    for (int64_t i = 0; i < nh; ++i) {
       __m512 acc[G][4];
-      float* oh = out + h * G * 64;
+      float* oh = out + i * G * 64;
       for (int j = 0; j < G; ++j)
         for (int x = 0; x < 4; ++x) acc[j][x] = _mm512_loadu_ps(oh + j * 64 + x * 16);
-      const T* v = vb + h * c.s_head;
+      const T* v = vb + (h0 + i) * c.s_head;
       for (int64_t o = 0; o < n; ++o, v += c.s_tok) {
         const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
         for (int j = 0; j < G; ++j) {
-          const __m512 p = _mm512_set1_ps(scores[(h * G + j) * len + start + o]);
+          const __m512 p = _mm512_set1_ps(scores[(i * G + j) * len + start + o]);
           acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
           acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
           acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
@@ -254,7 +223,7 @@ static void decode_rows_d64(const T* q, const Cache<T>& c, const int32_t* seq_le
       const int64_t len = seq_lens[r];
       scores.resize(hq * len);
       for (int64_t i = 0; i < hq * 64; ++i) qf[i] = static_cast<float>(q[r * hq * 64 + i]) * scale;
-      decode_row_d64<G>(qf.data(), c, r, hkv, len, scores.data(), acc.data());
+      decode_heads_d64<G>(qf.data(), c, r, 0, hkv, len, scores.data(), acc.data(), true);
       for (int64_t i = 0; i < hq * 64; ++i) out[r * hq * 64 + i] = static_cast<T>(acc[i]);
     }
   });
@@ -266,7 +235,7 @@ static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* ou
                    int64_t hq, int64_t hkv, int64_t d, float scale) {
   const int64_t g = hq / hkv;
 #if defined(__AVX512F__)
-  // Enough rows to keep every thread busy: one job per row (see decode_row_d64).
+  // Enough rows to keep every thread busy: one job per row (see decode_heads_d64).
   if (d == 64 && nd >= 4 * at::get_num_threads() && (g == 1 || g == 2 || g == 4)) {
     if (g == 1) decode_rows_d64<1>(q, c, seq_lens, out, nd, hq, hkv, scale);
     if (g == 2) decode_rows_d64<2>(q, c, seq_lens, out, nd, hq, hkv, scale);
@@ -284,9 +253,10 @@ static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* ou
       for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[q_off + i]) * scale;
 #if defined(__AVX512F__)
       if (d == 64 && (g == 1 || g == 2 || g == 4)) {
-        if (g == 1) decode_row_head_d64<1>(qf.data(), c, r, h, len, scores.data(), acc.data());
-        if (g == 2) decode_row_head_d64<2>(qf.data(), c, r, h, len, scores.data(), acc.data());
-        if (g == 4) decode_row_head_d64<4>(qf.data(), c, r, h, len, scores.data(), acc.data());
+        float* sp = scores.data();
+        if (g == 1) decode_heads_d64<1>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
+        if (g == 2) decode_heads_d64<2>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
+        if (g == 4) decode_heads_d64<4>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
       } else
 #endif
       {

@@ -7,9 +7,9 @@ oneDNN's bf16 GEMM accumulates in fp32 too: computing in fp32 and rounding the
 result to bf16 is the same math (up to summation order), about 4x faster, at
 the cost of fp32 weight memory.
 
-Up to a few dozen rows (decode steps) the layer is bound by reading its
-weights, or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights
-double the bytes: there the native `linear_bf16` kernel reads the original bf16
+At decode sizes (up to 128 rows) the layer is bound by reading its weights,
+or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights double
+the bytes: there the native `linear_bf16` kernel reads the original bf16
 weights (packed once at load, kept beside the fp32 copy) and widens them in
 registers - the same math again, fp32 products and sums.
 """
@@ -24,8 +24,9 @@ from torch import nn
 
 # Up to this many rows take the packed bf16 kernel (TOKENMILL_LINEAR_BF16_MAX_ROWS;
 # 0 turns it off). Measured on the 2-vCPU bench machine, all 33 GEMMs of the bench
-# model: 10 vs 18 ms at 1 row, 15 vs 49 at 8, 41 vs 51 at 32, about even at 64
-# (`docs/benchmarks.md`); oneDNN's fp32 GEMM wins above that.
+# model in one run: 10 vs 18 ms at 1 row, 15 vs 49 at 8, and 87-108 vs 80-95
+# GFLOP/s at 32-128 rows; at prefill sizes (512-2048 rows) oneDNN's fp32 GEMM is
+# about 20% ahead (docs/benchmarks.md).
 BF16_MAX_ROWS = int(os.environ.get("TOKENMILL_LINEAR_BF16_MAX_ROWS", "128"))
 
 
