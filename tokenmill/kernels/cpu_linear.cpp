@@ -18,9 +18,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -169,9 +167,20 @@ inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const floa
 }
 #endif
 
-// Round-to-nearest-even fp32 -> bf16, as c10::BFloat16 does.
-inline void store_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+// fp32 <-> bf16 for a run of n values (round to nearest even, as c10::BFloat16).
+inline void to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 }  // namespace
@@ -206,8 +215,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
     xp = xc.data_ptr<float>();
   } else {
     xbuf.resize(M * K);
-    const c10::BFloat16* src = xc.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = static_cast<float>(src[i]);
+    from_bf16(xc.data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
     xp = xbuf.data();
   }
   const float* bp = nullptr;
@@ -235,7 +243,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
         } else {
           block_rows(xp + m0 * K, K, wp + b * K * NB, bias_b, tile.data(), NB, rows, ncols, scratch);
           auto* ob = out.data_ptr<c10::BFloat16>() + m0 * N + n0;
-          for (int64_t r = 0; r < rows; ++r) store_bf16(tile.data() + r * NB, ob + r * N, ncols);
+          for (int64_t r = 0; r < rows; ++r) to_bf16(tile.data() + r * NB, ob + r * N, ncols);
         }
       }
     });
