@@ -14,8 +14,8 @@ import platform
 logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
-           "cpu_fused.cpp")
-HEADERS = ("cpu_vec.h",)
+           "cpu_fused.cpp", "cpu_greedy_head.cpp")
+HEADERS = ("cpu_vec.h", "ops.h")
 
 
 def _cpu_fingerprint() -> str:

@@ -185,6 +185,19 @@ inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
 
 }  // namespace
 
+// One packed column block for `rows` rows, computed exactly as linear_bf16 computes
+// it for a cache block of that many rows (the greedy lm_head recomputes its
+// candidate blocks with this, so its logits are bit-identical). No bias.
+void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
+                       int64_t rows, int64_t ncols) {
+#if defined(__AVX512F__)
+  std::vector<float> scratch;
+  block_rows(x, K, wblock, nullptr, y, ldy, rows, ncols, scratch);
+#else
+  TORCH_CHECK(false, "linear_bf16_block needs AVX-512");
+#endif
+}
+
 // w [N, K] bf16 -> [ceil(N/32), K, 32] bf16 in the kernel's interleaved layout (zero padded).
 torch::Tensor pack_bf16_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16_weight: [N, K] bf16");

@@ -100,6 +100,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: from config.attention_bias
     qk_norm = False
     config_class = DecoderConfig
+    # compute_logits is exactly lm_head(hidden): the runner's greedy head may stand in.
+    plain_lm_head = True
 
     def __init__(self, hf_config: dict):
         super().__init__()

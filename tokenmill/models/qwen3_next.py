@@ -149,6 +149,8 @@ class Qwen3NextForCausalLM(nn.Module):
     # Qwen3.5-MoE always renormalises the top-k weights; Qwen3-Next reads norm_topk_prob.
     force_norm_topk = False
     text_prefixes = ("model.",)
+    # compute_logits is exactly lm_head(hidden): the runner's greedy head may stand in.
+    plain_lm_head = True
 
     def __init__(self, hf_config: dict):
         super().__init__()

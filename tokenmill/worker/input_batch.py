@@ -177,6 +177,12 @@ class InputBatch:
         return int(self.token_ids_cpu[row, col])
 
     # ---- sampling ------------------------------------------------------------
+    def all_plain_greedy(self) -> bool:
+        """Every row takes the argmax of its raw logits: greedy, no logprobs, no processors."""
+        n = self.num_reqs()
+        return bool((self.temperature[:n] < 1e-5).all() and (self.num_logprobs[:n] < 0).all()
+                    and not self.needs_processors[:n].any())
+
     def make_sampling_metadata(self) -> SamplingMetadata:
         n = self.num_reqs()
         temp = self.temperature[:n]

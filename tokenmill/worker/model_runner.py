@@ -8,6 +8,7 @@ the ids back into the batch and returns the ModelRunnerOutput.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,9 @@ from torch import nn
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.kernels import cpu_ops
+from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
+from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.sample.sampler import Sampler, gather_logprobs
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
@@ -25,6 +28,12 @@ from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
+
+# All-greedy steps with up to this many sampling rows take their tokens from the
+# int8-screened lm_head (layers/greedy_head.py; TOKENMILL_GREEDY_HEAD_MAX_ROWS,
+# 0 = off). Measured on the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at
+# 1 row, 1.2 vs 1.9 at 4, slower than the full GEMM from about 8 rows.
+GREEDY_HEAD_MAX_ROWS = int(os.environ.get("TOKENMILL_GREEDY_HEAD_MAX_ROWS", "4"))
 
 
 @dataclass
@@ -93,13 +102,19 @@ class ModelRunner:
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         self.last_attn_meta: AttentionMetadata | None = None
-        self._pending = None  # (logits, discard_mask) between execute_model and sample_tokens
+        # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
+        self._pending = None
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         self.native_ops = cpu_ops() if device.type == "cpu" else None
         # The worker half of a KV connector (tokenmill.kv_connector.worker), or None.
         self.kv_connector = None
+        # Only for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
+        self.greedy_head = None
+        if (self.native_ops is not None and GREEDY_HEAD_MAX_ROWS > 0
+                and getattr(model, "plain_lm_head", False)):
+            self.greedy_head = GreedyHead.build(model.lm_head)
 
     def _arange_upto(self, n: int) -> np.ndarray:
         if n > self._arange.size:
@@ -306,10 +321,21 @@ class ModelRunner:
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
             self.kv_connector.save_kv(kv_meta)
         # Only the rows that sample reach lm_head.
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-        self._pending = (logits, discard)
+        sample_hidden = hidden[torch.from_numpy(logits_indices).to(dev)]
+        if self._greedy_head_applies(so, sample_hidden.shape[0]):
+            self._pending = (None, discard, self.greedy_head(sample_hidden))
+        else:
+            self._pending = (self.model.compute_logits(sample_hidden), discard, None)
         self._compute_prompt_logprobs(hidden, so)
         return None
+
+    def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
+        """Whether argmax of the raw logits is all this step samples, at a size where
+        the screened lm_head pays and gives linear_bf16's logits (layers/linear.py)."""
+        return (self.greedy_head is not None
+                and num_rows <= min(GREEDY_HEAD_MAX_ROWS, linear_mod.BF16_MAX_ROWS)
+                and not so.structured_output_request_ids
+                and self.input_batch.all_plain_greedy())
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, so: SchedulerOutput) -> None:
         """Logprobs of each prompt token given the tokens before it, for the requests
@@ -381,20 +407,24 @@ class ModelRunner:
         if self._pending is None:
             return ModelRunnerOutput(req_ids, req_id_to_index, [[] for _ in range(n)])
         prompt_logprobs, self._prompt_logprobs_ready = self._prompt_logprobs_ready, {}
-        logits, discard = self._pending
+        logits, discard, sampled = self._pending
         self._pending = None
-        md = batch.make_sampling_metadata()
-        md.grammar_bitmask = self._grammar_bitmask_rows()
-        # A row still in its prompt samples nothing, so its seeded generator must not advance.
-        for r in np.nonzero(discard)[0].tolist():
-            md.generators.pop(r, None)
-        sampler_out = self.sampler(logits.float(), md)
-        sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
         logprobs = None
-        if sampler_out.logprobs is not None:
-            lt = sampler_out.logprobs
-            logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
-                                     lt.ranks.cpu().numpy())
+        if sampled is not None:  # the greedy lm_head sampled already
+            self._grammar_so = None
+            sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
+        else:
+            md = batch.make_sampling_metadata()
+            md.grammar_bitmask = self._grammar_bitmask_rows()
+            # A row still in its prompt samples nothing: its seeded generator must not advance.
+            for r in np.nonzero(discard)[0].tolist():
+                md.generators.pop(r, None)
+            sampler_out = self.sampler(logits.float(), md)
+            sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
+            if sampler_out.logprobs is not None:
+                lt = sampler_out.logprobs
+                logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
+                                         lt.ranks.cpu().numpy())
         # Write back into the batch, vectorised over the rows that keep their token.
         rows = np.nonzero(~discard)[0]
         cols = batch.num_tokens_no_spec[rows]

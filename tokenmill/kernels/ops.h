@@ -1,0 +1,29 @@
+// The entry points of tokenmill's native CPU kernels, shared by the Python
+// bindings (bindings.cpp) and the kernels that call each other.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                           torch::Tensor seq_lens, double scale);
+torch::Tensor pack_bf16_weight(torch::Tensor w);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
+// One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias).
+void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
+                       int64_t rows, int64_t ncols);
+std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
+                                                  torch::Tensor q, torch::Tensor scale,
+                                                  torch::Tensor coef, torch::Tensor l1w,
+                                                  int64_t N);
+torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight,
+                           torch::Tensor cos, torch::Tensor sin, int64_t hq, int64_t hkv,
+                           int64_t d, int64_t rd, double eps);
+void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
+                    torch::Tensor slot_block, torch::Tensor slot_offset);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
+                            double eps);
