@@ -14,7 +14,7 @@ import platform
 logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
-           "cpu_fused.cpp", "cpu_greedy_head.cpp")
+           "cpu_fused.cpp", "cpu_greedy_head.cpp", "cpu_decode_layers.cpp")
 HEADERS = ("cpu_vec.h", "ops.h")
 
 

@@ -12,4 +12,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");
+  m.def("decode_layers", &decode_layers,
+        "all decoder layers of a Llama-family model for a decode-only step, in one call");
 }

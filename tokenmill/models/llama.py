@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.decode_layers import DecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
@@ -116,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._decode_layers: DecodeLayers | None = None
 
     def make_mlp(self, c: DecoderConfig, layer_idx: int) -> nn.Module:
         """The MLP of layer `layer_idx` (an MoE model overrides this)."""
@@ -128,8 +130,14 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, self.rotary, meta)
+        if meta.native_ops is not None and self._decode_layers is None:
+            self._decode_layers = DecodeLayers(self)  # after load: it reads packed weights
+        if self._decode_layers is not None and self._decode_layers.applies(x, meta):
+            # The same kernels as the layers below, called from C++ (layers/decode_layers.py).
+            x = self._decode_layers(x, cos, sin, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, self.rotary, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

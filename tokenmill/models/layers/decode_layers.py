@@ -1,0 +1,86 @@
+"""All decoder layers of a Llama-family model in one native call, for decode steps.
+
+At batch 1 a decode step runs about a dozen native kernels per layer; reaching
+each through nn.Module calls costs about as much time as the kernels. Where
+every layer would take the native path anyway (bf16 activations, packed bf16
+linears, native norms, attention and KV writes), `kernels/cpu_decode_layers.cpp`
+makes the same kernel calls in the same order from C++: the output is
+bit-identical to the Python layers, which stay the model's definition (and run
+every other step: prefill, fp32, MoE, or no native kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.models.layers import linear as linear_mod
+from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.models.layers.mlp import GatedMLP
+
+
+class DecodeLayers:
+    """The layer tensors of one LlamaForCausalLM, in cpu_decode_layers.cpp's order."""
+
+    def __init__(self, model):
+        self.model = model
+        self._weights: list[torch.Tensor] | None = None
+        self._caches: list | None = None
+        c = model.config
+        self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
+                     c.hidden_size, c.intermediate_size]
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim ** -0.5
+        self.supported = all(self._layer_supported(layer) for layer in model.layers)
+
+    @staticmethod
+    def _layer_supported(layer) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        return (type(mlp) is GatedMLP
+                and all(lin is not None and lin._linear_bf16 is not None for lin in linears)
+                and all(n.weight.dtype == torch.bfloat16 and n.eps == layer.input_layernorm.eps
+                        for n in norms))
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A decode-only step on CPU where every layer would take its native path."""
+        return (self.supported and meta.native_ops is not None and not meta.prefills
+                and meta.state is None and meta.num_decodes == x.shape[0]
+                and x.dtype == torch.bfloat16 and x.shape[0] <= linear_mod.BF16_MAX_ROWS
+                and hasattr(meta.native_ops, "decode_layers")
+                and all(layer.self_attn.attn.kv_cache is not None
+                        and layer.self_attn.attn.kv_cache.dtype == x.dtype
+                        for layer in self.model.layers))
+
+    def weights(self) -> list[torch.Tensor]:
+        """Gathered once; again if the runner binds new KV caches."""
+        caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
+        if self._weights is None or any(a is not b for a, b in zip(caches, self._caches)):
+            none = torch.empty(0)
+            out = []
+            for layer, cache in zip(self.model.layers, caches):
+                attn, mlp = layer.self_attn, layer.mlp
+                out += [layer.input_layernorm.weight,
+                        attn.qkv_proj.packed_bf16, _bias(attn.qkv_proj, none),
+                        attn.q_norm.weight if attn.q_norm is not None else none,
+                        attn.k_norm.weight if attn.k_norm is not None else none,
+                        cache,
+                        attn.o_proj.packed_bf16, _bias(attn.o_proj, none),
+                        layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.packed_bf16, _bias(mlp.gate_up_proj, none),
+                        mlp.down_proj.packed_bf16, _bias(mlp.down_proj, none)]
+            self._weights, self._caches = out, caches
+        return self._weights
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]: the residual stream, updated in place through every layer."""
+        return meta.native_ops.decode_layers(
+            x, self.weights(), self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
+            meta.slot_offset, meta.decode_block_table, meta.decode_seq_lens)
+
+
+def _bias(linear, none: torch.Tensor) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else none
