@@ -24,6 +24,7 @@ class DecodeLayers:
         self.model = model
         self._weights: list[torch.Tensor] | None = None
         self._caches: list | None = None
+        self._checked_cache, self._cache_dtype = None, None
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
                      c.hidden_size, c.intermediate_size]
@@ -50,9 +51,17 @@ class DecodeLayers:
                 and meta.state is None and meta.num_decodes == x.shape[0]
                 and x.dtype == torch.bfloat16 and x.shape[0] <= linear_mod.BF16_MAX_ROWS
                 and hasattr(meta.native_ops, "decode_layers")
-                and all(layer.self_attn.attn.kv_cache is not None
-                        and layer.self_attn.attn.kv_cache.dtype == x.dtype
-                        for layer in self.model.layers))
+                and self._caches_ok(x.dtype))
+
+    def _caches_ok(self, dtype: torch.dtype) -> bool:
+        """Every layer has a KV cache in the activations' dtype (checked per binding)."""
+        first = self.model.layers[0].self_attn.attn.kv_cache
+        if self._checked_cache is not first:
+            self._checked_cache, self._cache_dtype = first, None
+            caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
+            if all(c is not None for c in caches) and len({c.dtype for c in caches}) == 1:
+                self._cache_dtype = first.dtype
+        return self._cache_dtype == dtype
 
     def weights(self) -> list[torch.Tensor]:
         """Gathered once; again if the runner binds new KV caches."""

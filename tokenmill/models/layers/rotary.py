@@ -101,11 +101,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        self._tables: dict = {}  # (dtype, device) -> [2, max_position, 1, rotary_dim]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """Per-token cos/sin [T, 1, rotary_dim], computed once per step for every layer."""
-        return (self.cos_cache[positions].to(dtype).unsqueeze(1),
-                self.sin_cache[positions].to(dtype).unsqueeze(1))
+        key = (dtype, self.cos_cache.device)
+        table = self._tables.get(key)
+        if table is None:  # cos and sin in `dtype`, side by side: one gather per step
+            table = torch.stack([self.cos_cache, self.sin_cache]).to(dtype).unsqueeze(2)
+            self._tables = {key: table}
+        cos_sin = table[:, positions]
+        return cos_sin[0], cos_sin[1]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, head_dim] -> rotated copy."""
