@@ -10,11 +10,17 @@ every other step: prefill, fp32, MoE, or no native kernels).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.models.layers.mlp import GatedMLP
+
+
+# TOKENMILL_DECODE_LAYERS=0 keeps every step on the Python layers (A/B runs, debugging).
+ENABLED = os.environ.get("TOKENMILL_DECODE_LAYERS", "1") != "0"
 
 
 class DecodeLayers:
@@ -30,7 +36,7 @@ class DecodeLayers:
                      c.hidden_size, c.intermediate_size]
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
-        self.supported = all(self._layer_supported(layer) for layer in model.layers)
+        self.supported = ENABLED and all(self._layer_supported(layer) for layer in model.layers)
 
     @staticmethod
     def _layer_supported(layer) -> bool:
