@@ -66,3 +66,17 @@ def test_row_limit(tiny_model_factory, monkeypatch):
     on, calls = _generate(tm.path, prompts, params, 2, monkeypatch)
     assert on == off
     assert calls and max(calls) == 2
+
+
+def test_async_scheduling_with_the_screen(tiny_model_factory, monkeypatch):
+    """Async scheduling runs execute_model / sample_tokens on its worker thread: the
+    greedy head there gives the synchronous, unscreened tokens."""
+    tm = tiny_model_factory("qwen3_headdim")
+    prompts = [{"prompt_token_ids": p} for p in tm.prompts[:5]]
+    params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True)
+              for i in range(5)]
+    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, async_scheduling=False)
+    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, async_scheduling=True,
+                          max_num_seqs=4)
+    assert on == off
+    assert calls and max(calls) <= 4
