@@ -24,9 +24,10 @@ def pack_int8_screen(weight: torch.Tensor):
     scale [Npad] = max|w|/127, pairs of k side by side for the int16 dot
     products. coef [Npad] bounds |approx - exact| / ||x||_1 for that column:
     the quantisation error max|s q - w| (exact in float64) plus the fp32
-    rounding of the approximate and of the exact dot product (each at most
-    (K + 2) 2^-24 sum|w||x|, doubled for slack), rounded up to an fp32. l1
-    [Npad] = sum|w| (rounded up), for the error of the int16 activations.
+    rounding of the approximate and of the exact dot product (each within
+    (K + 8) 2^-24 max|w| ||x||_1; both terms taken twice for slack), rounded up
+    to an fp32. l1 [Npad] = sum|w| (rounded up), for the error of the int16
+    activations.
     """
     n, k = weight.shape
     nq, kp = -(-n // QB), k + k % 2
@@ -65,7 +66,8 @@ class GreedyHead:
     def __init__(self, lm_head, ops):
         self.lm_head = lm_head
         self.ops = ops
-        self.q, self.scale, self.coef, self.l1 = pack_int8_screen(lm_head.weight.detach().to(torch.bfloat16))
+        weight = lm_head.weight.detach().to(torch.bfloat16)
+        self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 
     @classmethod
