@@ -29,7 +29,6 @@ class DecodeLayers:
     def __init__(self, model):
         self.model = model
         self._weights: list[torch.Tensor] | None = None
-        self._caches: list | None = None
         self._checked_cache, self._cache_dtype = None, None
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
@@ -64,29 +63,29 @@ class DecodeLayers:
         first = self.model.layers[0].self_attn.attn.kv_cache
         if self._checked_cache is not first:
             self._checked_cache, self._cache_dtype = first, None
+            self._weights = None  # new caches: gather the layer tensors again
             caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
             if all(c is not None for c in caches) and len({c.dtype for c in caches}) == 1:
                 self._cache_dtype = first.dtype
         return self._cache_dtype == dtype
 
     def weights(self) -> list[torch.Tensor]:
-        """Gathered once; again if the runner binds new KV caches."""
-        caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
-        if self._weights is None or any(a is not b for a, b in zip(caches, self._caches)):
+        """Gathered once; again after the runner binds new KV caches (see _caches_ok)."""
+        if self._weights is None:
             none = torch.empty(0)
             out = []
-            for layer, cache in zip(self.model.layers, caches):
+            for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 out += [layer.input_layernorm.weight,
                         attn.qkv_proj.packed_bf16, _bias(attn.qkv_proj, none),
                         attn.q_norm.weight if attn.q_norm is not None else none,
                         attn.k_norm.weight if attn.k_norm is not None else none,
-                        cache,
+                        attn.attn.kv_cache,
                         attn.o_proj.packed_bf16, _bias(attn.o_proj, none),
                         layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.packed_bf16, _bias(mlp.gate_up_proj, none),
                         mlp.down_proj.packed_bf16, _bias(mlp.down_proj, none)]
-            self._weights, self._caches = out, caches
+            self._weights = out
         return self._weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
