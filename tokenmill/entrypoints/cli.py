@@ -36,6 +36,10 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                         "or redis://HOST:PORT/DB (repeat for several)")
     p.add_argument("--kv-cpu-bytes", type=int, default=None,
                    help="LRU byte budget of the cpu KV store (default 1 GiB)")
+    p.add_argument("--kv-disk-bytes", type=int, default=None,
+                   help="LRU byte budget of each disk:PATH KV store, per model and KV "
+                        "geometry (default 10 GiB): least recently used entries are "
+                        "deleted first")
     p.add_argument("--kv-model-id", default=None,
                    help="the model identity in external KV keys (default: a fingerprint "
                         "of the checkpoint files)")
@@ -47,6 +51,8 @@ def kv_cache_kwargs(args: argparse.Namespace) -> dict:
         connector = {"stores": args.kv_store}
         if args.kv_cpu_bytes is not None:
             connector["cpu_bytes"] = args.kv_cpu_bytes
+        if args.kv_disk_bytes is not None:
+            connector["disk_bytes"] = args.kv_disk_bytes
         if args.kv_model_id is not None:
             connector["model_id"] = args.kv_model_id
     return dict(enable_prefix_caching=getattr(args, "enable_prefix_caching", None),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, dtype_size
 
 DEFAULT_CPU_BYTES = 1 << 30
+DEFAULT_DISK_BYTES = 10 << 30
 
 
 def parse_store_spec(spec: str) -> tuple[str, str]:
@@ -37,6 +38,8 @@ class KVConnectorConfig:
 
     stores: list[str] = field(default_factory=lambda: ["cpu"])
     cpu_bytes: int = DEFAULT_CPU_BYTES  # LRU byte budget of the in-process store
+    # LRU byte budget of each disk store, per namespace (model + KV geometry) directory
+    disk_bytes: int = DEFAULT_DISK_BYTES
     model_id: str | None = None
     redis_timeout_s: float = 2.0  # connect and socket timeout
     redis_retry_s: float = 5.0  # after a Redis error, how long to recompute before retrying
@@ -71,10 +74,10 @@ class KVConnectorConfig:
         kinds = [parse_store_spec(s)[0] for s in self.stores]
         if kinds.count("cpu") > 1:
             raise ValueError("kv_connector: 'cpu' store given twice")
-        if not isinstance(self.cpu_bytes, int) or isinstance(self.cpu_bytes, bool) \
-                or self.cpu_bytes <= 0:
-            raise ValueError(f"kv_connector: cpu_bytes must be a positive int, "
-                             f"got {self.cpu_bytes!r}")
+        for name in ("cpu_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"kv_connector: {name} must be a positive int, got {v!r}")
         if self.model_id is not None and (not isinstance(self.model_id, str) or not
                                           self.model_id.replace("-", "").replace("_", "")
                                           .replace(".", "").isalnum()):

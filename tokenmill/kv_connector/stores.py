@@ -24,6 +24,8 @@ import time
 import zlib
 from collections import OrderedDict
 
+from tokenmill.kv_connector.config import DEFAULT_DISK_BYTES
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TMKV"
@@ -155,18 +157,99 @@ class CPUStore(KVStore):
 class DiskStore(KVStore):
     """One file per block under DIR/<namespace>/<hash[:2]>/<hash>.kvb, written to a
     temporary file in the same folder and renamed over the name (atomic: a reader
-    sees the old entry, the new one or none, never half of one)."""
+    sees the old entry, the new one or none, never half of one).
+
+    Bounded: the .kvb files of the namespace stay within `max_bytes`, least recently
+    read or written evicted first. The index (key -> size, in access order) is built
+    at start from the files present, ordered by the later of atime and mtime (many
+    filesystems mount noatime, so a read also sets both with os.utime: a restart
+    keeps the order). Files another process writes into a shared directory are
+    counted once this one reads them; one that vanished is dropped from the index."""
 
     kind = "disk"
+    STALE_TMP_S = 60.0  # younger temp files may be another process' write in progress
 
-    def __init__(self, namespace: str, root: str):
+    def __init__(self, namespace: str, root: str, max_bytes: int = DEFAULT_DISK_BYTES):
         super().__init__(namespace)
         self.root = root
         self.dir = os.path.join(root, namespace)
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_evictions = 0
+        self.num_too_big = 0  # entries refused: larger than the whole budget
+        self._index: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
         os.makedirs(self.dir, exist_ok=True)
+        self._scan()
+
+    def __len__(self) -> int:
+        return len(self._index)
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key[:2], key + ".kvb")
+
+    def _scan(self) -> None:
+        """Index the entries present; remove temp files left by a crashed write."""
+        found = []  # (access time, key, size)
+        stale_before = time.time() - self.STALE_TMP_S
+        with os.scandir(self.dir) as top:
+            subdirs = [e.path for e in top if e.is_dir(follow_symlinks=False)]
+        for sub in subdirs:
+            with os.scandir(sub) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                        if e.name.endswith(".kvb"):
+                            found.append((max(st.st_atime, st.st_mtime), e.name[:-4],
+                                          st.st_size))
+                        elif e.name.endswith(".tmp") and st.st_mtime < stale_before:
+                            os.unlink(e.path)
+                    except FileNotFoundError:
+                        pass  # another process evicted or renamed it meanwhile
+                    except OSError as err:
+                        logger.warning("KV disk store: skipping %s: %s", e.path, err)
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self.num_bytes += size
+            self._evict_to_fit(0)  # the budget may have been lowered since
+        if found:
+            logger.info("KV disk store %s: %d entries, %d bytes (budget %d)", self.dir,
+                        len(self._index), self.num_bytes, self.max_bytes)
+
+    def _evict_to_fit(self, size: int) -> None:
+        """Under the lock: unlink least recently used entries until `size` more fits."""
+        while self._index and self.num_bytes + size > self.max_bytes:
+            key, old = self._index.popitem(last=False)
+            self.num_bytes -= old
+            self.num_evictions += 1
+            try:
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("KV disk store: cannot evict %s: %s", self.path(key), e)
+
+    def _touch(self, key: str, size: int) -> None:
+        """Under the lock: `key` was just read whole; make it the most recent."""
+        if key in self._index:
+            self._index.move_to_end(key)
+            return
+        # Written by another process: count it (checking it is still there, since a
+        # thread may have evicted it since we read it).
+        try:
+            size = os.stat(self.path(key)).st_size
+        except OSError:
+            return
+        self._evict_to_fit(size)
+        self._index[key] = size
+        self.num_bytes += size
+
+    def _forget(self, key: str) -> None:
+        """Under the lock: the file was missing; drop it unless a put just wrote it."""
+        if key in self._index and not os.path.exists(self.path(key)):
+            self.num_bytes -= self._index.pop(key)
 
     def contains_many(self, keys):
         return [os.path.exists(self.path(k)) for k in keys]
@@ -182,19 +265,46 @@ class DiskStore(KVStore):
             except OSError as e:
                 logger.warning("KV disk store: cannot read %s: %s", self.path(k), e)
                 out.append(None)
+        # Refresh from the last block to the first: a chain's head is evicted last.
+        hits = [(k, len(v)) for k, v in zip(reversed(keys), reversed(out)) if v is not None]
+        with self._lock:
+            for k, v in zip(keys, out):
+                if v is None:
+                    self._forget(k)
+            for k, size in hits:
+                self._touch(k, size)
+        for k, _ in hits:
+            try:
+                os.utime(self.path(k))  # keeps the order across a restart
+            except OSError:
+                pass  # evicted meanwhile
         return out
 
     def put_many(self, items):
+        too_big = 0
         for key, value in items:
+            size = len(value)
+            if size > self.max_bytes:
+                too_big, big_size = too_big + 1, size
+                continue
             final = self.path(key)
             folder = os.path.dirname(final)
             try:
                 os.makedirs(folder, exist_ok=True)
+                # Write outside the lock (the slow part), then make room and rename
+                # under it, so the .kvb files never exceed the budget.
                 fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=folder)
                 try:
                     with os.fdopen(fd, "wb") as f:
                         f.write(value)
-                    os.replace(tmp, final)
+                    with self._lock:
+                        old = self._index.pop(key, None)
+                        if old is not None:
+                            self.num_bytes -= old
+                        self._evict_to_fit(size)
+                        os.replace(tmp, final)
+                        self._index[key] = size
+                        self.num_bytes += size
                 except BaseException:
                     try:
                         os.unlink(tmp)
@@ -203,6 +313,18 @@ class DiskStore(KVStore):
                     raise
             except OSError as e:
                 raise StoreUnavailable(f"disk store {self.dir}: {e}") from e
+        if too_big:
+            # All entries of a namespace have one size, so this is a budget below one
+            # block: say so once, and count them as failed writes.
+            with self._lock:
+                first = self.num_too_big == 0
+                self.num_too_big += too_big
+            if first:
+                logger.warning("KV disk store %s: an entry of %d bytes exceeds the whole "
+                               "budget of %d bytes; such entries are not stored", self.dir,
+                               big_size, self.max_bytes)
+            raise StoreUnavailable(f"disk store {self.dir}: {too_big} entries larger than "
+                                   f"the budget of {self.max_bytes} bytes")
 
 
 class RedisStore(KVStore):
@@ -293,6 +415,6 @@ def make_store(spec: str, namespace: str, config) -> KVStore:
     if kind == "cpu":
         return CPUStore(namespace, config.cpu_bytes)
     if kind == "disk":
-        return DiskStore(namespace, arg)
+        return DiskStore(namespace, arg, config.disk_bytes)
     return RedisStore(namespace, arg, config.redis_timeout_s, config.redis_retry_s,
                       config.redis_ttl_s)
