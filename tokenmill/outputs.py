@@ -52,3 +52,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Set when a completion finished with finish_reason "error": what went wrong (the
+    # engine failed this request alone: NaN logits, a fault in its sampling, ...).
+    error: str | None = None

@@ -1,14 +1,19 @@
 """Sampling parameters, with vLLM's names and meanings.
 
-Every check here raises ValueError naming the offending field, at
-construction, before a request reaches the engine. Checks that need the model
-(token ids inside the vocabulary, the logprobs cap) run in LLMEngine.add_request.
+Every check here raises ParamError (a ValueError) naming the offending field,
+at construction, before a request reaches the engine: types, ranges, and that
+every number fits what the engine stores it in (int32 / int64 / finite
+float32). Checks that need the model (token ids inside the vocabulary, the
+logprobs cap) and the engine's caps (`check_limits`) run in LLMEngine.add_request.
 """
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import MISSING, dataclass, field, fields
 
+from tokenmill.errors import ParamError
+from tokenmill.limits import FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, UINT64_MAX, RequestLimits
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 
@@ -52,8 +57,8 @@ class SamplingParams:
         known = {f.name: f for f in fields(self)}
         for name in kwargs:
             if name not in known:
-                raise ValueError(f"SamplingParams got an unknown field {name!r}; "
-                                 f"known fields: {', '.join(known)}")
+                raise ParamError(name, f"SamplingParams got an unknown field {name!r}; "
+                                       f"known fields: {', '.join(known)}")
         for name, f in known.items():
             if name in kwargs:
                 value = kwargs[name]
@@ -65,50 +70,74 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
+        def fail(name, message):
+            raise ParamError(name, message)
+
         def number(name, kinds=(int, float)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, kinds):
                 kind = "an int" if kinds is int else "a number"
-                raise ValueError(f"{name} must be {kind}, got {v!r}")
+                fail(name, f"{name} must be {kind}, got {v!r}")
+            # NaN passes every `<` check and inf overflows the float32 tensors the
+            # sampler keeps: refuse both here, once.
+            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                fail(name, f"{name} must be a finite number, got {v!r}")
+            return v
+
+        def int_in(name, lo, hi):
+            v = number(name, int)
+            if not lo <= v <= hi:
+                fail(name, f"{name} must be in [{lo}, {hi}], got {v}")
             return v
 
         def int_list(name, v):
             if not isinstance(v, (list, tuple, set, frozenset)) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in v):
-                raise ValueError(f"{name} must be a list of ints, got {v!r}")
-            return list(v)
+                fail(name, f"{name} must be a list of ints, got {_short(v)}")
+            return list(v)  # inside the vocabulary: checked by the engine, which knows it
 
         if number("n", int) < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+            fail("n", f"n must be at least 1, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                fail(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            fail("repetition_penalty",
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if number("temperature") < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            fail("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < number("top_p") <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if number("top_k", int) < -1:
-            raise ValueError(f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
+            fail("top_k", f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
+        int_in("top_k", -1, INT32_MAX)
         if not 0 <= number("min_p") <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and number("max_tokens", int) < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None:
+            if number("max_tokens", int) < 1:
+                fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+            # Past the context it is clamped to it when the request is added; past the
+            # integer type it is an error.
+            int_in("max_tokens", 1, INT64_MAX)
         if number("min_tokens", int) < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            fail("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        int_in("min_tokens", 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
-                             f"({self.max_tokens})")
+            fail("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                               f"({self.max_tokens})")
         if self.seed is not None:
+            # torch generators take seeds in [-2^63, 2^64); completion i of n uses seed + i.
             number("seed", int)
+            if not INT64_MIN <= self.seed <= UINT64_MAX - (self.n - 1):
+                fail("seed", f"seed must be in [{INT64_MIN}, {UINT64_MAX - (self.n - 1)}], "
+                             f"got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and number(name, int) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                fail(name, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                fail(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids)
 
         stop = self.stop
@@ -117,44 +146,52 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            fail("stop", f"stop must be a string or a list of strings, got {_short(self.stop)}")
         if any(s == "" for s in stop):
-            raise ValueError("stop must not contain an empty string")
+            fail("stop", "stop must not contain an empty string")
         self.stop = list(stop)
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True")
+            fail("stop", "stop strings need detokenize=True")
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a dict of token id -> bias, "
-                                 f"got {self.logit_bias!r}")
+                fail("logit_bias", f"logit_bias must be a dict of token id -> bias, "
+                                   f"got {_short(self.logit_bias)}")
             bias = {}
             for k, v in self.logit_bias.items():
                 try:
                     tok = int(k)  # JSON keys arrive as strings
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias: key {k!r} is not a token id") from None
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ValueError(f"logit_bias: bias of token {k} must be a number, got {v!r}")
+                except (TypeError, ValueError, OverflowError):
+                    fail("logit_bias", f"logit_bias: key {_short(k)} is not a token id")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+                        isinstance(v, float) and not math.isfinite(v)):
+                    fail("logit_bias", f"logit_bias: bias of token {tok} must be a finite "
+                                       f"number, got {_short(v)}")
                 bias[tok] = max(-100.0, min(100.0, float(v)))  # OpenAI's range
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = int_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty")
+                fail("allowed_token_ids", "allowed_token_ids must not be empty")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
-                raise ValueError(f"bad_words must be a list of non-empty strings, "
-                                 f"got {self.bad_words!r}")
+                fail("bad_words", f"bad_words must be a list of non-empty strings, "
+                                  f"got {_short(self.bad_words)}")
             self.bad_words = list(self.bad_words)
         if self.structured_outputs is not None:
-            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_dict(
+                    self.structured_outputs)
+            except ParamError:
+                raise
+            except ValueError as e:
+                fail("structured_outputs", str(e))
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
-            raise ValueError(f"output_kind must be a RequestOutputKind, "
-                             f"got {self.output_kind!r}") from None
+            fail("output_kind", f"output_kind must be a RequestOutputKind, "
+                                f"got {_short(self.output_kind)}")
 
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
@@ -165,13 +202,38 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.n > 1 and self.greedy:
-            raise ValueError(f"n={self.n} with greedy sampling (temperature=0) would give "
-                             f"{self.n} identical completions; set temperature > 0")
+            fail("n", f"n={self.n} with greedy sampling (temperature=0) would give "
+                      f"{self.n} identical completions; set temperature > 0")
         self.stop_token_ids_set = frozenset(self.stop_token_ids)
         # Text held back while streaming: it may yet turn out to start a stop string.
         self.output_text_buffer_length = (max(len(s) for s in self.stop) - 1
                                           if self.stop and not self.include_stop_str_in_output
                                           else 0)
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """The engine's caps (RequestLimits): ParamError naming the field past one."""
+        def cap(name, count, limit, what="entries"):
+            if count > limit:
+                raise ParamError(name, f"{name}: {count} {what}, more than this server's "
+                                       f"limit of {limit}")
+
+        cap("n", self.n, limits.max_n, "completions")
+        cap("stop", len(self.stop), limits.max_stop_strings, "stop strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        cap("stop", longest, limits.max_stop_string_length, "characters in a stop string")
+        cap("stop_token_ids", len(self.stop_token_ids), limits.max_stop_token_ids)
+        if self.bad_words:
+            cap("bad_words", len(self.bad_words), limits.max_bad_words, "words")
+            cap("bad_words", max(len(w) for w in self.bad_words), limits.max_bad_word_length,
+                "characters in a word")
+        if self.allowed_token_ids:
+            cap("allowed_token_ids", len(self.allowed_token_ids), limits.max_allowed_token_ids)
+        if self.logit_bias:
+            cap("logit_bias", len(self.logit_bias), limits.max_logit_bias)
+        if self.structured_outputs is not None:
+            sop = self.structured_outputs
+            cap(sop.field_name(), len(sop.cache_key()[1].encode()), limits.max_grammar_bytes,
+                "bytes of grammar")
 
     @property
     def greedy(self) -> bool:
@@ -186,3 +248,9 @@ class SamplingParams:
         kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
+
+
+def _short(value, limit: int = 80) -> str:
+    """A value for an error message, cut short: a client may send a huge one."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

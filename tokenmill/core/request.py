@@ -16,11 +16,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The engine failed this one request (NaN logits, a fault in its sampling, its
+    # grammar, its detokenization); the rest of the batch goes on.
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:

@@ -97,3 +97,7 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     # Prompt logprobs of requests whose prompt finished this step (all positions but the first).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Requests the runner could not sample for (NaN logits, an id outside the
+    # vocabulary): request id -> (reason, message). They produced no token; the
+    # scheduler finishes them with an error.
+    errored: dict[str, tuple[str, str]] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from tokenmill import faults
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
@@ -37,6 +38,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: LogprobsLists | None = None  # one row per new token
     prompt_logprobs: LogprobsLists | None = None  # once, when the prompt is done
+    error: str | None = None  # finish_reason "error": what went wrong, for the client
 
     @property
     def finished(self) -> bool:
@@ -59,6 +61,16 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
         self.num_shared_prompt_blocks = 0
+        # Requests failed outside update_from_output (their grammar, a fault in a step):
+        # their final outputs, handed out with the next step's.
+        self._failed_outputs: list[EngineCoreOutput] = []
+        self.num_errors: dict[str, int] = {}  # requests failed, by reason
+        self.num_aborted = 0
+        # After a step failed: admit only the requests it put back (a retry), no new ones.
+        # The engine core clears it once a step has run.
+        self.admit_only_preempted = False
+        # Known to the runner, but to be sent again as new (its batch was reset).
+        self._resend_as_new: set[str] = set()
         self._has_state = kv_cache_config.state_group_id is not None
 
     # ---- requests in and out -------------------------------------------------
@@ -69,7 +81,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids) -> list[str]:
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        aborted = self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted += len(aborted)
+        return aborted
 
     def finish_requests(self, request_ids, status: RequestStatus,
                         stop_reason: int | str | None = None) -> list[str]:
@@ -85,6 +99,43 @@ class Scheduler:
             finished.append(rid)
         return finished
 
+    def fail_requests(self, failures: dict[str, tuple[str, str]], emit: bool = True) -> list[str]:
+        """Finish live requests with an error: request id -> (reason, message). Their
+        blocks are freed now; with `emit`, each gets a final output with finish_reason
+        "error" (take_failed_outputs)."""
+        failed = []
+        for rid, (reason, message) in failures.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._remove_from_queues(req)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self.num_errors[reason] = self.num_errors.get(reason, 0) + 1
+            if emit:
+                self._failed_outputs.append(EngineCoreOutput(rid, [], "error", error=message))
+            failed.append(rid)
+        return failed
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        outs, self._failed_outputs = self._failed_outputs, []
+        return outs
+
+    def requeue_all_for_retry(self, new_req_ids) -> list[str]:
+        """After a step failed and its culprits were failed: every running request goes
+        back to the front of the queue to be recomputed (preemption by recompute: the
+        runner's state for them may be half-updated, a fresh start is always right).
+        They are sent to the runner as new requests again (with their tokens so far), as
+        are `new_req_ids`, which the failed step(s) may not have taken in. Tokens in
+        flight are void."""
+        requeued = [r.request_id for r in self.running]
+        while self.running:
+            self._preempt(self.running.pop())
+        for req in self.requests.values():
+            req.num_output_placeholders = 0
+        self._resend_as_new.update(r for r in requeued + list(new_req_ids) if r in self.requests)
+        self.admit_only_preempted = True
+        return requeued
+
     def _remove_from_queues(self, req: Request) -> None:
         # Async scheduling: a request preempted while its last step was in flight
         # can finish from the waiting queue.
@@ -98,6 +149,7 @@ class Scheduler:
         req.structured_output = None  # frees its grammar matcher
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
+        self._resend_as_new.discard(req.request_id)
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
             self._finished_req_ids.add(req.request_id)
@@ -226,6 +278,14 @@ class Scheduler:
             if req.num_output_placeholders:  # preempted while its last step is in flight
                 w += 1
                 continue
+            if self.admit_only_preempted and req.status != RequestStatus.PREEMPTED:
+                w += 1
+                continue
+            if req.structured_output is not None and req.structured_output.ready() and \
+                    req.structured_output.failed:  # never run it unconstrained
+                self.fail_requests({req.request_id: ("grammar",
+                                                     req.structured_output.failed)})
+                continue
             donor = self._prompt_donor(req)
             if donor is _WAIT or not self._grammar_ready(req):
                 w += 1
@@ -253,7 +313,8 @@ class Scheduler:
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req.request_id in self._known_to_runner:
+            if req.request_id in self._known_to_runner and \
+                    req.request_id not in self._resend_as_new:
                 cached.req_ids.append(req.request_id)
                 cached.resumed_from_preemption.append(resumed)
                 cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req.request_id))
@@ -266,6 +327,7 @@ class Scheduler:
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids)))
                 self._known_to_runner.add(req.request_id)
+                self._resend_as_new.discard(req.request_id)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
@@ -289,7 +351,9 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = []
+        if runner_output.errored:
+            self.fail_requests(runner_output.errored)
+        outputs = []  # (the failed ones: take_failed_outputs, by the engine core)
         max_len = self.config.max_model_len
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
@@ -302,11 +366,19 @@ class Scheduler:
             sp = req.sampling_params
             status = None
             appended = []
+            grammar_error = None
             for tok in new_ids:
                 req.output_token_ids.append(tok)
                 appended.append(tok)
-                if req.structured_output is not None and req.structured_output.advance(tok):
-                    status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                if req.structured_output is not None:
+                    try:
+                        if faults.ARMED and faults.fires("grammar", rid, req.prompt_token_ids):
+                            raise faults.InjectedFault(f"grammar matcher of {rid}")
+                        if req.structured_output.advance(tok):
+                            status = RequestStatus.FINISHED_STOPPED  # its grammar is complete
+                    except Exception as e:  # noqa: BLE001 - this request's matcher only
+                        grammar_error = f"its grammar matcher failed ({type(e).__name__})"
+                        break
                 num_out = len(req.output_token_ids)
                 if num_out >= sp.min_tokens:  # before min_tokens nothing but length stops
                     if not sp.ignore_eos and tok in req.eos_token_ids:
@@ -318,6 +390,9 @@ class Scheduler:
                     status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break
+            if grammar_error is not None:
+                self.fail_requests({rid: ("grammar", grammar_error)})
+                continue
             if status is not None:
                 self._remove_from_queues(req)
                 self._finish(req, status)

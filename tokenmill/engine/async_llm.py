@@ -6,9 +6,18 @@ before every step; it sleeps on a condition variable while there is nothing
 to do. Each request's outputs go back to the caller's event loop with
 `loop.call_soon_threadsafe` into that request's `asyncio.Queue`.
 
-`generate()` raises the engine's ValueError (bad prompt, bad parameters,
-duplicate id) before anything runs; a consumer that stops iterating (closed,
-cancelled, client gone) aborts its request, so its KV blocks are freed.
+`add_request()` does the slow part of adding a request (tokenizing, checking
+the parameters, compiling a grammar, with a time limit) on a small thread
+pool, off the event loop and off the engine thread; it raises the engine's
+ParamError (bad prompt, bad parameters, duplicate id) before anything runs, and
+EngineOverloadedError when `max_num_waiting` requests already wait. A consumer
+that stops iterating (closed, cancelled, client gone) aborts its request, so
+its KV blocks are freed.
+
+Engine death is loud: every open stream raises EngineDeadError, new requests
+are refused, `is_healthy()` turns False and the death callbacks run (the server
+exits). A step that makes no progress for `step_timeout` seconds counts as
+death (a watchdog thread checks).
 """
 from __future__ import annotations
 
@@ -21,15 +30,18 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
+from tokenmill import faults
+from tokenmill.engine.llm_engine import EngineArgs, LLMEngine, PreparedRequest
+from tokenmill.errors import EngineDeadError, EngineOverloadedError, ParamError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStats"]
 
-class EngineDeadError(RuntimeError):
-    """The engine thread failed or was shut down; the request cannot complete."""
+# Threads that tokenize prompts, render chat templates and check parameters.
+PREPARE_WORKERS = 2
 
 
 @dataclass
@@ -51,6 +63,10 @@ class EngineStats:
     # Per external store name: hit_blocks, hit_tokens, bytes_loaded, blocks_stored,
     # bytes_stored, load_failures, store_failures (cumulative).
     external_kv: dict = field(default_factory=dict)
+    # Requests the engine failed (finish_reason "error"), by reason: nan_logits,
+    # token_out_of_vocab, fault, step_fault, grammar, output.
+    requests_errored_total: dict = field(default_factory=dict)
+    requests_aborted_total: int = 0
 
 
 @dataclass
@@ -69,23 +85,37 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 5.0,
-                 observer=None):
+                 observer=None, *, max_num_waiting: int | None = None,
+                 step_timeout: float | None = None):
         """`observer`, if given, is called on the engine thread with
         (kind, seconds) for kind in "ttft", "itl" (one per new token after the
-        first; a step that adds k tokens gives k equal intervals) and "e2e"."""
+        first; a step that adds k tokens gives k equal intervals) and "e2e".
+        `max_num_waiting`: requests (completions) allowed to wait for the engine
+        before add_request refuses more (None: no limit). `step_timeout`: seconds
+        one engine step may take before the engine counts as dead (None: no limit)."""
         self.observer = observer
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.log_stats_interval = log_stats_interval
+        self.max_num_waiting = max_num_waiting
+        self.step_timeout = step_timeout
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._pending: list[tuple] = []
         self._stopped = False
         self._dead: BaseException | None = None
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._death_callbacks: list = []
+        self._streams: dict[str, _Stream] = {}  # engine thread (and _die) only
+        self._num_admitting = 0  # accepted by add_request, not yet in the scheduler
+        self._step_started: float | None = None  # monotonic time of the step in progress
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(
+            PREPARE_WORKERS, thread_name_prefix="tokenmill-prepare")
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
+        if step_timeout:
+            threading.Thread(target=self._watchdog, name="tokenmill-watchdog",
+                             daemon=True).start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
@@ -99,19 +129,66 @@ class AsyncLLM:
             self._pending.append(cmd)
             self._cond.notify()
 
+    async def run_blocking(self, fn, *args, **kwargs):
+        """Run slow host work (tokenizing, rendering a chat template) on the prepare
+        pool: off the event loop and off the engine thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prepare_pool,
+                                          lambda: fn(*args, **kwargs))
+
+    def _admit(self, params: SamplingParams | None) -> int:
+        """Admission control: refuse (503 + Retry-After) when too many requests wait."""
+        if self._stopped or self._dead is not None:
+            raise EngineDeadError("the engine is not running")
+        n = params.n if isinstance(params, SamplingParams) else 1
+        limit = self.max_num_waiting
+        # The scheduler's queue length, read live (an int read is safe from any thread).
+        waiting = self.engine.engine_core.scheduler.num_waiting
+        if limit is not None and self._num_admitting + waiting + n > limit:
+            raise EngineOverloadedError(f"the server is overloaded: {limit} requests are "
+                                        f"already waiting; retry later", retry_after=1.0)
+        self._num_admitting += n
+        return n
+
+    async def _prepare(self, prompt, params) -> PreparedRequest:
+        """Tokenize and check on the pool; wait for a grammar to compile, up to the
+        limit (a grammar that does not compile in time is a bad request: it is never
+        run unconstrained)."""
+        engine = self.engine
+        prepared = await self.run_blocking(engine.prepare_request, prompt, params)
+        sop = prepared.params.structured_outputs
+        if sop is not None:
+            timeout = engine.limits.grammar_compile_timeout
+            fut = engine.engine_core.structured_output.grammar_future(sop)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
+            except asyncio.TimeoutError:
+                raise ParamError(sop.field_name(), f"{sop.field_name()}: the grammar did not "
+                                                   f"compile within {timeout:g} s") from None
+            except Exception as e:  # noqa: BLE001 - the compiler refused it
+                raise ParamError(sop.field_name(), f"{sop.field_name()}: the grammar failed "
+                                                   f"to compile ({type(e).__name__})") from None
+        return prepared
+
     async def add_request(self, prompt, sampling_params: SamplingParams | None,
                           request_id: str | None = None) -> tuple[str, asyncio.Queue]:
-        """Validate and enqueue on the engine thread; ValueError is raised here."""
+        """Validate and enqueue on the engine thread. Raises ParamError (a ValueError)
+        for bad input, EngineOverloadedError when the queue is full, EngineDeadError."""
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(loop, asyncio.Queue())
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", request_id, prompt, sampling_params, stream, fut))
+        n = self._admit(sampling_params)
+        stream = _Stream(loop, asyncio.Queue())  # its arrival time: TTFT includes tokenizing
         try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add: frees it if it went in
-            raise
+            prepared = await self._prepare(prompt, sampling_params)
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._submit(("add", request_id, prepared, stream, fut))
+            try:
+                await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                self.abort(request_id)  # queued after the add: frees it if it went in
+                raise
+        finally:
+            self._num_admitting -= n
         return request_id, stream.queue
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
@@ -122,7 +199,8 @@ class AsyncLLM:
             yield out
 
     async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """The outputs of a request added with add_request(); leaving early aborts it."""
+        """The outputs of a request added with add_request(); leaving early aborts it.
+        Raises EngineDeadError if the engine dies meanwhile."""
         finished = False
         try:
             while True:
@@ -147,12 +225,53 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._dead is None and not self._stopped and self._thread.is_alive()
 
+    def add_death_callback(self, fn) -> None:
+        """fn(exc) is called once, on some engine-side thread, if the engine dies (a
+        failed or stuck step; not a clean shutdown)."""
+        self._death_callbacks.append(fn)
+        if self._dead is not None:
+            fn(self._dead)
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- death -----------------------------------------------------------------
+    def _die(self, err: EngineDeadError) -> None:
+        """Mark the engine dead (once): fail every open stream and pending add, run
+        the death callbacks. Called by the engine thread or the watchdog."""
+        with self._cond:
+            if self._dead is not None:
+                return
+            self._dead = err
+            cmds, self._pending = self._pending, []
+        for cmd in cmds:
+            if cmd[0] == "add" and not cmd[4].done():
+                cmd[4].set_exception(err)
+        for stream in list(self._streams.values()):
+            stream.put(err)
+        for fn in list(self._death_callbacks):
+            try:
+                fn(err)
+            except Exception:  # noqa: BLE001 - one callback must not stop the others
+                logger.exception("engine death callback failed")
+
+    def _watchdog(self) -> None:
+        """A step that makes no progress for step_timeout seconds is a dead engine."""
+        timeout = self.step_timeout
+        while self._dead is None and not self._stopped:
+            time.sleep(min(1.0, timeout / 4))
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("an engine step made no progress for %g s: the engine is dead",
+                             timeout)
+                self._die(EngineDeadError(f"the engine stalled: a step made no progress "
+                                          f"for {timeout:g} s"))
+                return
 
     # ---- engine thread -------------------------------------------------------
     def _run(self) -> None:
@@ -173,11 +292,17 @@ class AsyncLLM:
                     cmds, self._pending = self._pending, []
                     stopped = self._stopped
                 self._handle(cmds)
-                if stopped:
+                if stopped or self._dead is not None:
                     break
                 if not engine.has_unfinished_requests():
                     continue
+                if faults.ARMED:
+                    self._inject_step_loop_fault()
+                self._step_started = time.monotonic()
                 outputs = engine.step()
+                self._step_started = None
+                if self._dead is not None:  # the watchdog gave up on this step
+                    break
                 self.stats.steps_total += 1
                 new_tokens = engine.step_num_new_tokens
                 self.stats.generation_tokens_total += sum(new_tokens.values())
@@ -191,7 +316,8 @@ class AsyncLLM:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
-                        self.stats.requests_finished_total += 1
+                        if out.error is None:
+                            self.stats.requests_finished_total += 1
                     if stream is not None:
                         stream.put(out)
                 self._refresh_stats()
@@ -206,40 +332,41 @@ class AsyncLLM:
                         (s.prompt_tokens_total - last_counts[0]) / dt,
                         (s.generation_tokens_total - last_counts[1]) / dt)
                     last_log, last_counts = now, (s.prompt_tokens_total, s.generation_tokens_total)
-        except BaseException as e:  # noqa: BLE001 - report to every waiter, then stop
+        except BaseException:  # noqa: BLE001 - report to every waiter, then stop
             logger.exception("engine thread failed")
-            self._dead = e
-            err = EngineDeadError(f"engine failed: {e!r}")
-            for stream in self._streams.values():
-                stream.put(err)
-            self._streams.clear()
+            # The message goes to clients: no repr of the exception (the log has it).
+            self._die(EngineDeadError("the engine failed; see the server log"))
         finally:
             with self._cond:
                 cmds, self._pending = self._pending, []
             err = EngineDeadError("the engine was shut down")
             for cmd in cmds:
-                if cmd[0] == "add" and not cmd[5].done():
-                    cmd[5].set_exception(err)
+                if cmd[0] == "add" and not cmd[4].done():
+                    cmd[4].set_exception(err)
             for stream in self._streams.values():
-                stream.put(err)
+                stream.put(self._dead or err)
             self._streams.clear()
-            if self._stopped and self.engine.has_unfinished_requests():
+            if self._stopped and self._dead is None and self.engine.has_unfinished_requests():
                 self.engine.abort_request(self.engine.unfinished_request_ids())
+
+    def _inject_step_loop_fault(self) -> None:
+        for rid, state in self.engine.output_processor.requests.items():
+            if faults.fires("step_loop", rid, state.prompt_token_ids):
+                raise faults.InjectedFault(f"the step loop, with {rid}")
 
     def _handle(self, cmds: list[tuple]) -> None:
         for cmd in cmds:
             if cmd[0] == "add":
-                _, rid, prompt, params, stream, fut = cmd
+                _, rid, prepared, stream, fut = cmd
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    processed = self.engine.process_prompt(prompt)
-                    self.engine.add_request(rid, prompt, params, processed=processed)
+                    self.engine.add_request(rid, None, prepared=prepared)
                 except Exception as e:  # noqa: BLE001 - the caller re-raises it
                     fut.set_exception(e)
                     continue
                 self._streams[rid] = stream
-                self.stats.prompt_tokens_total += len(processed[1])
+                self.stats.prompt_tokens_total += len(prepared.prompt_token_ids)
                 fut.set_result(rid)
             elif cmd[0] == "abort":
                 rid = cmd[1]
@@ -277,6 +404,8 @@ class AsyncLLM:
         s.prefix_cache_queries_total = kv.prefix_cache_stats.queries
         s.prefix_cache_hits_total = kv.prefix_cache_stats.hits
         s.num_cached_blocks = kv.pool.num_cached_blocks
+        s.requests_errored_total = dict(sched.num_errors)
+        s.requests_aborted_total = sched.num_aborted
         connector = getattr(self.engine.engine_core, "kv_connector", None)
         if connector is not None:
             s.external_kv = connector.stats.snapshot()["stores"]

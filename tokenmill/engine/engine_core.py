@@ -15,12 +15,17 @@ from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCac
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.errors import EngineDeadError, RequestFault
 from tokenmill.kv_connector.setup import attach_kv_connector, kv_cache_stats, resolve_prefix_caching
 from tokenmill.models.loader import load_model
 from tokenmill.worker.kv_cache import available_memory_bytes
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class EngineStepError(EngineDeadError):
+    """A step failed in a way no request can be blamed for: the engine is dead."""
 
 
 def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
@@ -104,6 +109,13 @@ class EngineCore:
         self._flush_finished_if_idle()
         return finished
 
+    def fail_requests(self, failures: dict[str, tuple[str, str]], emit: bool = True) -> list[str]:
+        """Finish requests with an error (request id -> (reason, message)); with emit,
+        their final outputs come with the next step's."""
+        failed = self.scheduler.fail_requests(failures, emit)
+        self._flush_finished_if_idle()
+        return failed
+
     def _flush_finished_if_idle(self) -> None:
         # Finished ids normally ride on the next SchedulerOutput; when there is
         # no next step, hand them to the runner now so it holds no stale rows.
@@ -112,7 +124,11 @@ class EngineCore:
         if self._in_flight is not None:
             # Every request is finished: the step in flight only computes tokens that
             # will be dropped. Let it end (the worker owns the runner until then).
-            self._in_flight[1].result()
+            try:
+                self._in_flight[1].result()
+            except Exception:  # noqa: BLE001 - nobody is left to blame: start clean
+                logger.exception("a step failed after its requests finished")
+                self.runner.reset_batch()
             self._in_flight = None
         self.runner.remove_requests(self.scheduler.take_finished_req_ids())
 
@@ -125,13 +141,23 @@ class EngineCore:
         return self.runner.sample_tokens()
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step; the outputs include requests that failed (finish_reason "error")."""
         if self.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
-        runner_output = self._execute(so)
+        try:
+            runner_output = self._execute(so)
+        except Exception as e:  # noqa: BLE001 - blame requests, or die (EngineStepError)
+            self._recover([so], e)
+            return self._finish_step([])
+        self.scheduler.admit_only_preempted = False  # a step ran: any retry is over
         outputs = []
         if so.total_num_scheduled_tokens:
             outputs = self.scheduler.update_from_output(so, runner_output)
+        return self._finish_step(outputs)
+
+    def _finish_step(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        outputs += self.scheduler.take_failed_outputs()
         self._flush_finished_if_idle()
         return outputs
 
@@ -156,13 +182,59 @@ class EngineCore:
         if self._in_flight is not None:
             prev_so, future = self._in_flight
             self._in_flight = None
-            runner_output = future.result()
+            try:
+                runner_output = future.result()
+            except Exception as e:  # noqa: BLE001 - step N failed: N+1 is void too
+                failed = [prev_so]
+                if launched is not None:
+                    failed.append(launched[0])
+                    self._drain(launched)
+                self._recover(failed, e)
+                return self._finish_step([])
+            self.scheduler.admit_only_preempted = False
             if prev_so.total_num_scheduled_tokens:
                 outputs = self.scheduler.update_from_output(prev_so, runner_output)
         self._grammar_bitmask_after_update(launched)
         self._in_flight = launched
-        self._flush_finished_if_idle()
-        return outputs
+        return self._finish_step(outputs)
+
+    def _drain(self, launched) -> None:
+        """Let a launched step end and drop whatever it computed."""
+        so, future = launched
+        som = self.structured_output
+        if som is not None and som.is_expected(so):
+            som.bitmask_ready(so)  # its sampling waits for a bitmask nobody will fill
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001 - its results are void either way
+            pass
+
+    # ---- fault isolation -------------------------------------------------------------
+    def _recover(self, failed: list[SchedulerOutput], exc: BaseException) -> None:
+        """A step raised. A RequestFault names its requests; any other exception is
+        blamed on the requests that entered the batch in the failed step(s). Those are
+        failed (finish_reason "error", blocks freed); every other running request is
+        recomputed from a clean batch, and the retry step admits nothing new. With
+        nobody to blame, or when the retry fails too, the engine is dead."""
+        sched = self.scheduler
+        if isinstance(exc, RequestFault):
+            culprits = [r for r in exc.request_ids if r in sched.requests]
+            reason = "fault"
+        else:
+            culprits = [r for so in failed for r in _entrants(so) if r in sched.requests]
+            reason = "step_fault"
+        if not culprits or (sched.admit_only_preempted and reason == "step_fault"):
+            logger.error("engine step failed and no request can be blamed", exc_info=exc)
+            raise EngineStepError("the engine failed") from exc
+        logger.error("engine step failed; failing requests %s and retrying the rest",
+                     ", ".join(culprits), exc_info=exc)
+        message = ("this request failed inside the engine" if reason == "fault" else
+                   "the engine step that took this request in failed")
+        sched.fail_requests({rid: (reason, message) for rid in culprits})
+        new_ids = [n.req_id for so in failed for n in so.scheduled_new_reqs]
+        sched.requeue_all_for_retry(new_ids)
+        self.runner.reset_batch()
+        self.runner.remove_requests(sched.take_finished_req_ids())
 
     def shutdown(self) -> None:
         if self._in_flight is not None:
@@ -233,3 +305,11 @@ class EngineCore:
                 self._fill_grammar_bitmask(so)
             finally:
                 som.bitmask_ready(so)
+
+
+def _entrants(so: SchedulerOutput) -> list[str]:
+    """The requests that entered the runner's batch in this step."""
+    cached = so.scheduled_cached_reqs
+    return ([n.req_id for n in so.scheduled_new_reqs]
+            + [rid for rid, resumed in zip(cached.req_ids, cached.resumed_from_preemption)
+               if resumed])

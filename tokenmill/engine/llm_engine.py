@@ -13,12 +13,23 @@ from tokenmill.core.scheduler import SchedulerConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import CompletionState, OutputProcessor, RequestState
+from tokenmill.errors import ParamError
+from tokenmill.limits import RequestLimits
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class PreparedRequest:
+    """A request that passed every check, ready for add_request (LLMEngine.prepare_request)."""
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # resolved: the engine's own copy, with derived fields
+    cache_salt: str | None
 
 
 @dataclass
@@ -43,6 +54,9 @@ class EngineArgs:
     kv_connector: object = None
     # Schedule step N+1 while step N runs (None: on where it pays, see resolve_async).
     async_scheduling: bool | None = None
+    # Caps on what one request may ask for (tokenmill.limits.RequestLimits or a dict of
+    # its fields; None: the defaults).
+    limits: object = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -60,6 +74,7 @@ class EngineArgs:
                              f"got {self.enable_prefix_caching!r}")
         from tokenmill.kv_connector.config import KVConnectorConfig
         self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
+        self.limits = RequestLimits.from_any(self.limits)
         for name in ("block_size", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -88,6 +103,7 @@ class LLMEngine:
         import torch  # noqa: local so `tokenmill --help` stays fast
         torch.manual_seed(args.seed)
         self.args = args
+        self.limits: RequestLimits = args.limits
         self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
                                                         args.max_model_len)
         self.tokenizer = self._load_tokenizer(args.tokenizer or self.model_config.path)
@@ -128,48 +144,67 @@ class LLMEngine:
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A str, {"prompt": str} or {"prompt_token_ids": [...]} -> (text, token ids), validated."""
         text = None
+        max_len = self.model_config.max_model_len
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
+            if not isinstance(ids, (list, tuple)):
+                raise ParamError("prompt", "prompt_token_ids must be a list of ints")
+            if len(ids) >= max_len:  # before looking at a million entries one by one
+                raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no "
+                                           f"room for output within max_model_len={max_len}")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ParamError("prompt", "prompt_token_ids must be a list of ints")
             ids = list(ids)
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             text = prompt["prompt"]
         else:
-            raise ValueError(f"prompt must be a str, {{'prompt': str}} or "
-                             f"{{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}")
+            raise ParamError("prompt", f"prompt must be a str, {{'prompt': str}} or "
+                                       f"{{'prompt_token_ids': list[int]}}, "
+                                       f"got {type(prompt).__name__}")
         if text is not None:
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+                raise ParamError("prompt",
+                                 "prompt: this model has no tokenizer; pass prompt_token_ids")
             ids = self.tokenizer.encode(text)
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ParamError("prompt", "prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab})")
-        max_len = self.model_config.max_model_len
+            raise ParamError("prompt", f"prompt_token_ids: token id {bad[0]} is outside the "
+                                       f"vocabulary [0, {vocab})")
         if len(ids) >= max_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, which leaves no room for output "
-                             f"within max_model_len={max_len}")
+            raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no room "
+                                       f"for output within max_model_len={max_len}")
         return text, ids
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    *, processed: tuple | None = None) -> str:
-        """Validate and enqueue. Raises ValueError (and changes nothing) on bad input."""
+    def prepare_request(self, prompt, params: SamplingParams | None = None, *,
+                        processed: tuple | None = None) -> PreparedRequest:
+        """Every check and all the slow work of adding a request (tokenizing, the params'
+        model checks, parsing the grammar and starting its compilation), touching no
+        engine state: safe on any thread. ParamError (a ValueError) on bad input."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ParamError(None, f"sampling_params must be a SamplingParams, "
+                                   f"got {type(params).__name__}")
         text, ids = processed if processed is not None else self.process_prompt(prompt)
+        cache_salt = self._cache_salt(prompt)
+        params = self._resolve_params(params, len(ids))
+        return PreparedRequest(text, ids, params, cache_salt)
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    *, processed: tuple | None = None,
+                    prepared: PreparedRequest | None = None) -> str:
+        """Validate and enqueue. Raises ValueError (and changes nothing) on bad input."""
+        if prepared is None:
+            prepared = self.prepare_request(prompt, params, processed=processed)
+        text, ids, params, cache_salt = (prepared.text, prepared.prompt_token_ids,
+                                         prepared.params, prepared.cache_salt)
         request_id = request_id if request_id is not None else self.next_request_id()
         if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        params = self._resolve_params(params, len(ids))
-        cache_salt = self._cache_salt(prompt)
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         processor = self.output_processor
         completions = []
         for i in range(params.n):
@@ -198,7 +233,7 @@ class LLMEngine:
                 cache_salt=cache_salt))
         for r in core_requests:
             if r.request_id in self.engine_core.scheduler.requests:
-                raise ValueError(f"request_id {r.request_id!r} is already in use")
+                raise ParamError("request_id", f"request_id {r.request_id!r} is already in use")
         processor.add_request(req_state)
         for r in core_requests:
             self.engine_core.add_request(r)
@@ -210,35 +245,39 @@ class LLMEngine:
         requests of the same salt (vLLM's field)."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError("cache_salt must be a non-empty string")
+            raise ParamError("cache_salt", "cache_salt must be a non-empty string")
         return salt
 
     def _resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """Checks that need the model, and the request's own copy with derived fields."""
-        if params.structured_outputs is not None:  # parses the grammar, starts compiling it
-            self.engine_core.structured_output.validate(params.structured_outputs)
+        """Checks that need the model or the engine's caps, and the request's own copy
+        with derived fields."""
+        params.check_limits(self.limits)
         vocab = self.model_config.vocab_size
         max_lp = self.args.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > max_lp:
-                raise ValueError(f"{name}: {v} requested, but at most max_logprobs={max_lp} "
-                                 f"are allowed")
+                raise ParamError(name, f"{name}: {v} requested, but at most "
+                                       f"max_logprobs={max_lp} are allowed")
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("logit_bias", list(params.logit_bias or ()))):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise ParamError(name, f"{name}: token id {bad[0]} is outside the vocabulary "
+                                       f"[0, {vocab})")
         if (params.stop or params.bad_words) and self.tokenizer is None:
             field = "stop" if params.stop else "bad_words"
-            raise ValueError(f"{field}: this model has no tokenizer")
+            raise ParamError(field, f"{field}: this model has no tokenizer")
         if params.stop and not params.detokenize:
-            raise ValueError("stop strings need detokenize=True")
-        changes = {}
-        if params.max_tokens is None:
-            changes["max_tokens"] = self.model_config.max_model_len - num_prompt_tokens
-        resolved = params.clone(**changes)
+            raise ParamError("stop", "stop strings need detokenize=True")
+        if params.structured_outputs is not None:  # parses the grammar, starts compiling it
+            self.engine_core.structured_output.validate(params.structured_outputs)
+        # max_tokens past the context is clamped to it (as vLLM); min_tokens with it.
+        room = self.model_config.max_model_len - num_prompt_tokens
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        resolved = params.clone(max_tokens=max_tokens,
+                                min_tokens=min(params.min_tokens, max_tokens))
         resolved.all_stop_token_ids = params.stop_token_ids_set | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.bad_words:
@@ -297,6 +336,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
         outputs, stopped = self.output_processor.process(core_outputs, time.monotonic())
+        if self.output_processor.failed:  # their outputs say "error" already
+            self.engine_core.fail_requests(self.output_processor.failed, emit=False)
         for core_id, stop in stopped:  # a stop string showed up in the text
             self.engine_core.finish_requests([core_id], RequestStatus.FINISHED_STOPPED, stop)
         return outputs

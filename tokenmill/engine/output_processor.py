@@ -9,13 +9,17 @@ string are reported back so the engine finishes them in the core.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from tokenmill import faults
 from tokenmill.core.sched_output import LogprobsLists
 from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
@@ -59,6 +63,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    error: str | None = None  # why a completion finished with "error"
 
     @property
     def finished(self) -> bool:
@@ -73,6 +78,9 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}  # decoded text of single tokens, for logprobs
         # New tokens per request in the last process() call (for serving metrics).
         self.num_new_tokens: dict[str, int] = {}
+        # Completions whose processing failed in the last process() call: core id ->
+        # (reason, message); the engine fails them in the core.
+        self.failed: dict[str, tuple[str, str]] = {}
 
     def add_request(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -102,6 +110,7 @@ class OutputProcessor:
         touched: dict[str, tuple[RequestState, list[CompletionState]]] = {}
         stopped: list[tuple[str, str]] = []
         self.num_new_tokens = {}
+        self.failed = {}
         for out in core_outputs:
             entry = self.core_to_request.get(out.request_id)
             if entry is None:
@@ -109,53 +118,87 @@ class OutputProcessor:
             state, comp = entry
             if comp.finished:
                 continue
-            if state.metrics.first_token_time is None and out.new_token_ids:
-                state.metrics.first_token_time = now
-            self.num_new_tokens[state.request_id] = (
-                self.num_new_tokens.get(state.request_id, 0) + len(out.new_token_ids))
-            comp.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None and comp.logprobs is not None:
-                self._append_logprobs(comp, state.params.logprobs, out.new_logprobs,
-                                      state.params.detokenize)
-            if out.prompt_logprobs is not None and comp.index == 0:
-                state.prompt_logprobs = self._prompt_logprobs(state.params.prompt_logprobs,
-                                                              out.prompt_logprobs,
-                                                              state.params.detokenize)
-            if out.finished:
-                comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
-            if comp.detokenizer is not None:
-                text_ids = out.new_token_ids
-                if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
-                    # Ended by EOS or a stop token id: like vLLM, that token stays in
-                    # token_ids but its text is not part of the output.
-                    text_ids = text_ids[:-1]
-                new_text = comp.detokenizer.update(text_ids)
-                if comp.finished:
-                    new_text += comp.detokenizer.finish()
-                comp.text += new_text
-                # As vLLM: no stop string counts before min_tokens tokens (like EOS).
-                if state.params.stop and new_text and \
-                        len(comp.token_ids) > state.params.min_tokens:
-                    hit = find_stop_string(comp.text, len(new_text), state.params.stop)
-                    if hit is not None:
-                        start, stop = hit
-                        end = start + len(stop) if state.params.include_stop_str_in_output \
-                            else start
-                        comp.text = comp.text[:end]
-                        if not comp.finished:
-                            stopped.append((comp.core_id, stop))
-                        comp.finish_reason, comp.stop_reason = "stop", stop
+            try:
+                self._process_one(state, comp, out, now, stopped)
+            except Exception as e:  # noqa: BLE001 - this completion fails, the rest go on
+                logger.exception("request %s: processing its output failed", comp.core_id)
+                comp.finish_reason, comp.stop_reason = "error", None
+                state.error = f"processing this request's output failed ({type(e).__name__})"
+                self.failed[comp.core_id] = ("output", state.error)
             touched.setdefault(state.request_id, (state, []))[1].append(comp)
 
         outputs = []
         for state, comps in touched.values():
+            try:
+                out = self._make_output(state, comps)
+            except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
+                logger.exception("request %s: building its output failed", state.request_id)
+                out = self._error_output(state, f"building this request's output failed "
+                                                f"({type(e).__name__})")
             if state.finished:
                 state.metrics.finished_time = now
                 self.remove_request(state.request_id)
-            out = self._make_output(state, comps)
             if out is not None:
                 outputs.append(out)
         return outputs, stopped
+
+    def _error_output(self, state: RequestState, message: str) -> RequestOutput:
+        """A final output for a request whose output could not be built: every
+        completion still running fails (and is failed in the core)."""
+        state.error = message
+        for c in state.completions:
+            if not c.finished:
+                c.finish_reason = "error"
+                self.failed[c.core_id] = ("output", message)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             [CompletionOutput(c.index, "", [], None, None, c.finish_reason,
+                                               c.stop_reason) for c in state.completions],
+                             True, metrics=state.metrics, error=message)
+
+    def _process_one(self, state: RequestState, comp: CompletionState, out: EngineCoreOutput,
+                     now: float, stopped: list) -> None:
+        """One completion's new tokens: text, stop strings, logprobs."""
+        if state.metrics.first_token_time is None and out.new_token_ids:
+            state.metrics.first_token_time = now
+        self.num_new_tokens[state.request_id] = (
+            self.num_new_tokens.get(state.request_id, 0) + len(out.new_token_ids))
+        comp.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and comp.logprobs is not None:
+            self._append_logprobs(comp, state.params.logprobs, out.new_logprobs,
+                                  state.params.detokenize)
+        if out.prompt_logprobs is not None and comp.index == 0:
+            state.prompt_logprobs = self._prompt_logprobs(state.params.prompt_logprobs,
+                                                          out.prompt_logprobs,
+                                                          state.params.detokenize)
+        if out.finished:
+            comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+            if out.error is not None:
+                state.error = out.error
+        if comp.detokenizer is not None:
+            if faults.ARMED and faults.fires("detokenizer", state.request_id,
+                                             state.prompt_token_ids):
+                raise faults.InjectedFault(f"detokenizer of {state.request_id}")
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                # Ended by EOS or a stop token id: like vLLM, that token stays in
+                # token_ids but its text is not part of the output.
+                text_ids = text_ids[:-1]
+            new_text = comp.detokenizer.update(text_ids)
+            if comp.finished:
+                new_text += comp.detokenizer.finish()
+            comp.text += new_text
+            # As vLLM: no stop string counts before min_tokens tokens (like EOS).
+            if state.params.stop and new_text and \
+                    len(comp.token_ids) > state.params.min_tokens:
+                hit = find_stop_string(comp.text, len(new_text), state.params.stop)
+                if hit is not None:
+                    start, stop = hit
+                    end = start + len(stop) if state.params.include_stop_str_in_output \
+                        else start
+                    comp.text = comp.text[:end]
+                    if not comp.finished:
+                        stopped.append((comp.core_id, stop))
+                    comp.finish_reason, comp.stop_reason = "stop", stop
 
     # ---- logprobs ------------------------------------------------------------
     def _token_texts(self, ids) -> list[str | None]:
@@ -213,7 +256,8 @@ class OutputProcessor:
             completions = [self._cumulative(c, hold) for c in state.completions]
             prompt_logprobs = state.prompt_logprobs
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, prompt_logprobs=prompt_logprobs, metrics=state.metrics)
+                             finished, prompt_logprobs=prompt_logprobs, metrics=state.metrics,
+                             error=state.error)
 
     @staticmethod
     def _visible(c: CompletionState, hold: int) -> str:

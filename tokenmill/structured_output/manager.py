@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from tokenmill.errors import ParamError
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,12 @@ class StructuredOutputRequest:
         self._future = future
         self._backend = backend
         self.matcher = None
-        self.failed = False
+        # Why the grammar cannot be used (compile error or time limit); the scheduler
+        # then fails the request: it never runs unconstrained.
+        self.failed: str | None = None
 
     def ready(self) -> bool:
-        """True once the grammar is compiled (the request may then be scheduled)."""
+        """True once the grammar is compiled or has failed (then the request is failed)."""
         if self.matcher is not None or self.failed:
             return True
         if not self._future.done():
@@ -57,8 +60,8 @@ class StructuredOutputRequest:
         try:
             self.matcher = self._backend.new_matcher(self._future.result())
         except Exception:  # noqa: BLE001 - a bug or a resource error, not bad input
-            logger.exception("request %s: compiling its grammar failed; it stops", self.request_id)
-            self.failed = True
+            logger.exception("request %s: compiling its grammar failed", self.request_id)
+            self.failed = "its grammar failed to compile"
         self._future = None
         return True
 
@@ -93,9 +96,12 @@ class StructuredOutputManager:
 
     @property
     def backend(self):
-        if self._backend is None:
-            from tokenmill.structured_output.backend import XgrammarBackend
-            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        if self._backend is None:  # requests are prepared on several threads
+            with self._lock:
+                if self._backend is None:
+                    from tokenmill.structured_output.backend import XgrammarBackend
+                    self._backend = XgrammarBackend(self.tokenizer, self.vocab_size,
+                                                    self.stop_token_ids)
         return self._backend
 
     @property
@@ -106,11 +112,17 @@ class StructuredOutputManager:
     def validate(self, sop: StructuredOutputsParams) -> None:
         """Parse the grammar (ValueError naming the field) and start compiling it."""
         if self.tokenizer is None:
-            raise ValueError(f"{sop.field_name()}: this model has no tokenizer, which "
-                             f"structured output needs")
-        self._grammar_future(sop)
+            raise ParamError(sop.field_name(), f"{sop.field_name()}: this model has no "
+                                               f"tokenizer, which structured output needs")
+        try:
+            self.grammar_future(sop)
+        except ParamError:
+            raise
+        except ValueError as e:
+            raise ParamError(sop.field_name(), str(e)) from None
 
-    def _grammar_future(self, sop: StructuredOutputsParams) -> concurrent.futures.Future:
+    def grammar_future(self, sop: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compilation of `sop`'s grammar (started now, or shared from the cache)."""
         key = sop.cache_key()
         with self._lock:
             fut = self._grammars.get(key)
@@ -118,10 +130,10 @@ class StructuredOutputManager:
                 self._grammars.move_to_end(key)
                 return fut
         grammar = self.backend.parse(sop)  # raises ValueError: nothing cached
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.compile_workers, thread_name_prefix="tokenmill-grammar")
         with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.compile_workers, thread_name_prefix="tokenmill-grammar")
             fut = self._grammars.get(key)
             if fut is None:
                 fut = self._pool.submit(self.backend.compile, grammar)
@@ -132,7 +144,7 @@ class StructuredOutputManager:
             return fut
 
     def new_request(self, request_id: str, sop: StructuredOutputsParams) -> StructuredOutputRequest:
-        return StructuredOutputRequest(request_id, self._grammar_future(sop), self.backend)
+        return StructuredOutputRequest(request_id, self.grammar_future(sop), self.backend)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to `timeout` s for a compilation in flight (nothing else to run)."""

@@ -8,6 +8,7 @@ the ids back into the batch and returns the ModelRunnerOutput.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,8 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill import faults
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tokenmill.errors import RequestFault
 from tokenmill.kernels import cpu_ops
 from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
@@ -25,6 +28,8 @@ from tokenmill.sample.sampler import Sampler, gather_logprobs
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
+
+logger = logging.getLogger(__name__)
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
@@ -104,6 +109,7 @@ class ModelRunner:
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None
+        self._pending_nonfinite_hidden: torch.Tensor | None = None  # greedy-head steps
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
@@ -178,11 +184,18 @@ class ModelRunner:
             if rid not in so.num_scheduled_tokens:
                 batch.remove_request(rid)
         for new in so.scheduled_new_reqs:
+            if faults.ARMED and faults.fires("input", new.req_id, new.prompt_token_ids):
+                raise faults.InjectedFault(f"input preparation of {new.req_id}")
             sp = new.sampling_params
-            gen = None
-            if sp.seed is not None and not sp.greedy:
+            old = self.requests.get(new.req_id)
+            if old is not None and old.generator is not None:
+                # Sent again after a failed step (reset_batch): its seeded stream goes on.
+                gen = old.generator
+            elif sp.seed is not None and not sp.greedy:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(sp.seed)
+            else:
+                gen = None
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
                                        [list(b) for b in new.block_ids],
                                        new.num_computed_tokens, list(new.output_token_ids))
@@ -292,6 +305,21 @@ class ModelRunner:
                                   int(slots[r])))
         return meta
 
+    def reset_batch(self) -> None:
+        """After a failed step: empty the persistent batch (its rows may be half-updated).
+        The scheduler sends every live request again as new (Scheduler.
+        requeue_all_for_retry); the per-request states stay only for their generators."""
+        batch = self.input_batch
+        for rid in list(batch.req_id_to_index):
+            batch.remove_request(rid)
+        batch.condense()
+        if self.state_slots is not None:
+            for rid in list(self.requests):
+                self.state_slots.release(rid)
+        self._pending = None
+        self._prompt_logprobs_ready = {}
+        self._grammar_so = None
+
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
         for rid in req_ids:
@@ -323,6 +351,8 @@ class ModelRunner:
         # Only the rows that sample reach lm_head.
         sample_hidden = hidden[torch.from_numpy(logits_indices).to(dev)]
         if self._greedy_head_applies(so, sample_hidden.shape[0]):
+            # No logits to look at: a non-finite hidden row is what makes NaN logits.
+            self._pending_nonfinite_hidden = ~torch.isfinite(sample_hidden).all(dim=1)
             self._pending = (None, discard, self.greedy_head(sample_hidden))
         else:
             self._pending = (self.model.compute_logits(sample_hidden), discard, None)
@@ -409,11 +439,21 @@ class ModelRunner:
         prompt_logprobs, self._prompt_logprobs_ready = self._prompt_logprobs_ready, {}
         logits, discard, sampled = self._pending
         self._pending = None
+        if faults.ARMED:
+            for rid in req_ids:
+                if faults.fires("sampler", rid, self.requests[rid].prompt_token_ids):
+                    raise RequestFault([rid], faults.InjectedFault(f"sampler of {rid}"))
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
             self._grammar_so = None
+            nan_rows = self._pending_nonfinite_hidden
+            vocab = self.greedy_head.lm_head.out_features
             sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
         else:
+            # A row whose logits hold NaN (an overflow in this request's activations)
+            # samples garbage: that request is failed, never given token 0.
+            nan_rows = torch.isnan(logits).any(dim=1)
+            vocab = logits.shape[1]
             md = batch.make_sampling_metadata()
             md.grammar_bitmask = self._grammar_bitmask_rows()
             # A row still in its prompt samples nothing: its seeded generator must not advance.
@@ -425,8 +465,12 @@ class ModelRunner:
                 lt = sampler_out.logprobs
                 logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
                                          lt.ranks.cpu().numpy())
+        errored = self._check_sampled(req_ids, discard, nan_rows, sampled_np, vocab)
+        keep = ~discard
+        if errored:
+            keep &= ~np.isin(np.arange(n), [req_id_to_index[rid] for rid in errored])
         # Write back into the batch, vectorised over the rows that keep their token.
-        rows = np.nonzero(~discard)[0]
+        rows = np.nonzero(keep)[0]
         cols = batch.num_tokens_no_spec[rows]
         batch.token_ids_cpu[rows, cols] = sampled_np[rows]
         batch.num_tokens_no_spec[rows] += 1
@@ -435,4 +479,25 @@ class ModelRunner:
             tok = int(sampled_np[r])
             out[r] = [tok]
             self.requests[req_ids[r]].output_token_ids.append(tok)
-        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
+                                 errored)
+
+    def _check_sampled(self, req_ids, discard: np.ndarray, nan_rows: torch.Tensor | None,
+                       sampled: np.ndarray, vocab: int) -> dict[str, tuple[str, str]]:
+        """The rows that must not emit their token: NaN logits, or an id outside the
+        vocabulary (the reference's clamp-and-terminate). request id -> (reason, message)."""
+        errored = {}
+        if nan_rows is not None:
+            nan_np = nan_rows.to("cpu").numpy() & ~discard
+            for r in np.nonzero(nan_np)[0].tolist():
+                errored[req_ids[r]] = ("nan_logits", "the model produced NaN logits for this "
+                                                     "request")
+        outside = ((sampled < 0) | (sampled >= vocab)) & ~discard
+        for r in np.nonzero(outside)[0].tolist():
+            errored.setdefault(req_ids[r], ("token_out_of_vocab",
+                                            f"sampled token id {int(sampled[r])} is outside "
+                                            f"the vocabulary"))
+        for rid, (reason, _) in errored.items():
+            logger.error("request %s failed: %s", rid, reason)
+        return errored
+
