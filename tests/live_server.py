@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -23,14 +24,18 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(model_path: str, log_path, *args: str, timeout: float = 120):
-    """Start the server with `args` (after the model, host and port), wait until
-    /health answers, yield a LiveServer, kill it on exit."""
+def live_server(model_path: str, log_path, *args: str, timeout: float = 120,
+                extra_env: dict | None = None):
+    """Start the server with `args` (after the model, host and port) and `extra_env`,
+    wait until /health answers, yield a LiveServer, kill it on exit."""
     port = free_port()
     log = open(log_path, "w+")
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", model_path,
            "--host", "127.0.0.1", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # A key exported in the developer's shell must not turn on auth for every test.
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
+    env.update(extra_env or {})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:

@@ -49,7 +49,7 @@ def llm(demo_path):
 
 def metrics(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=5).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -78,7 +78,7 @@ def assert_serving(client):
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/version", headers=AUTH).json()["version"]
 
 
 def test_completion(client, llm):
@@ -182,7 +182,8 @@ def test_concurrent_greedy_equals_offline(client, llm):
 
 
 def test_stats_log_line_while_busy(server, client):
-    client.completions.create(model=MODEL, prompt="keep busy", max_tokens=60,
+    # Long enough to span several stats intervals on a fast machine too.
+    client.completions.create(model=MODEL, prompt="keep busy", max_tokens=200,
                               extra_body={"ignore_eos": True})
     server.log.flush()
     with open(server.log.name) as f:
@@ -192,9 +193,10 @@ def test_stats_log_line_while_busy(server, client):
 
 def test_tokenize_detokenize(server, llm):
     tok = llm.get_tokenizer()
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    r = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": "Hello world"}).json()
     assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
-    r = httpx.post(f"{server.url}/detokenize", json={"tokens": tok.encode("Hello world")}).json()
+    r = httpx.post(f"{server.url}/detokenize", headers=AUTH,
+                   json={"tokens": tok.encode("Hello world")}).json()
     assert r["prompt"] == "Hello world"
 
 
@@ -260,12 +262,13 @@ def test_malformed_json_and_wrong_types_are_400(server, client, body):
     assert_serving(client)
 
 
-def test_api_key_is_required_on_v1(server, client):
+def test_api_key_is_required(server, client):
     r = httpx.get(f"{server.url}/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
-    assert httpx.get(f"{server.url}/health").status_code == 200  # not under /v1
+    assert httpx.get(f"{server.url}/tokenize").status_code == 401  # every route but /health
+    assert httpx.get(f"{server.url}/health").status_code == 200
     assert_serving(client)
 
 

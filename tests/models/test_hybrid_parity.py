@@ -312,3 +312,39 @@ def test_vl_checkpoint_loads_text_model_only(hybrid_model, caplog, name, arch):
     assert torch.equal(model.embed_tokens.weight, lm.embed_tokens.weight)
     assert torch.equal(model.lm_head.weight, tm.hf.lm_head.weight)
     assert torch.equal(model.layers[0].linear_attn.A_log, lm.layers[0].linear_attn.A_log)
+
+
+# ---- fault isolation: a failed step resets the batch; every state is recomputed ----------
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_a_fault_fails_only_its_request(hybrid_model, name):
+    """A request whose sampling faults fails alone; the others are requeued from a clean
+    batch with fresh state slots, and still give HF's tokens."""
+    from tokenmill import faults
+    tm = hybrid_model(name)
+    prompts = tm.prompts[:4]
+    llm = hybrid_llm(tm)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, greedy)
+    finals = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    step()
+    step()
+    faults.arm("sampler", "rid:victim")
+    try:
+        engine.add_request("victim", {"prompt_token_ids": prompts[3]}, greedy)
+        while engine.has_unfinished_requests():
+            step()
+    finally:
+        faults.disarm_all()
+    assert finals["victim"].outputs[0].finish_reason == "error"
+    got = [finals[f"r{i}"].outputs[0].token_ids for i in range(3)]
+    assert_same_tokens(tm, prompts[:3], got)
+    assert_idle(llm)

@@ -141,6 +141,9 @@ class AsyncLLM:
         if self._stopped or self._dead is not None:
             raise EngineDeadError("the engine is not running")
         n = params.n if isinstance(params, SamplingParams) else 1
+        # An n past the engine's cap is a bad request (prepare_request's 400 naming n), not
+        # a full queue: count at most the cap, or n=10**9 would be a 503 "retry later".
+        n = min(n, self.engine.limits.max_n)
         limit = self.max_num_waiting
         # The scheduler's queue length, read live (an int read is safe from any thread).
         waiting = self.engine.engine_core.scheduler.num_waiting

@@ -25,6 +25,30 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
     add_kv_cache_args(p)
+    add_limit_args(p)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per field of RequestLimits (`--max-n`, ...): caps on what one request
+    may ask for. Unset: the RequestLimits default."""
+    from dataclasses import fields
+
+    from tokenmill.limits import RequestLimits
+    g = p.add_argument_group("request limits")
+    for f in fields(RequestLimits):
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None,
+                       metavar="SECONDS" if isinstance(f.default, float) else "N",
+                       help=f"default {f.default}")
+
+
+def limit_kwargs(args: argparse.Namespace) -> dict:
+    """{"limits": {the caps given}} for EngineArgs, or {} when none was."""
+    from dataclasses import fields
+
+    from tokenmill.limits import RequestLimits
+    given = {f.name: getattr(args, f.name) for f in fields(RequestLimits)
+             if getattr(args, f.name, None) is not None}
+    return {"limits": given} if given else {}
 
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
-                **kv_cache_kwargs(args))
+                **kv_cache_kwargs(args), **limit_kwargs(args))
 
 
 def resolve_model(name: str | None) -> str:
@@ -178,7 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: MODEL as given)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(or TOKENMILL_API_KEY)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key")
+    s.add_argument("--log-prompts", action="store_true",
+                   help="show the prompts in the per-request log lines")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (rendered in jinja2's sandbox)")
+    s.add_argument("--max-num-waiting", type=int, default=1024,
+                   help="requests that may wait for the engine; past it: 503 + Retry-After")
+    s.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a step making no progress this long means a hung engine: it is "
+                        "declared dead and the server exits 1 (0: no watchdog)")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     s.add_argument("--log-stats-interval", type=float, default=5.0,

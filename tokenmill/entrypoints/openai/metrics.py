@@ -1,13 +1,16 @@
 """/metrics in the Prometheus text format, from AsyncLLM's stats and latency observations."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_llm import AsyncLLM
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Why the server turned a request away: 400, 401, 404, 413, 503 (queue full), 503 (engine dead).
+REJECT_REASONS = ("invalid", "unauthorized", "not_found", "too_large", "overloaded",
+                  "engine_dead")
 
 
 class _StatsCollector:
@@ -40,6 +43,18 @@ class _StatsCollector:
             c = CounterMetricFamily(name, help_, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), value)
             yield c
+        # Requests the engine failed alone (finish_reason "error"), by reason, and aborts.
+        labels = list(self.labels) + ["reason"]
+        c = CounterMetricFamily("tokenmill:request_errors",
+                                "Requests the engine finished with an error.", labels=labels)
+        for reason, count in sorted((getattr(s, "requests_errored_total", None) or {}).items()):
+            c.add_metric(list(self.labels.values()) + [str(reason)], count)
+        yield c
+        c = CounterMetricFamily("tokenmill:requests_aborted",
+                                "Requests aborted (client gone, stream closed, shutdown).",
+                                labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), getattr(s, "requests_aborted_total", 0))
+        yield c
         g = GaugeMetricFamily("tokenmill:prefix_cache_blocks",
                               "KV blocks holding a cached prefix (in use or evictable).",
                               labels=list(self.labels))
@@ -79,7 +94,17 @@ class ServerMetrics:
             "e2e": Histogram("tokenmill:e2e_request_latency_seconds",
                              "Arrival to last token.", **kw).labels(model_name),
         }
+        self._rejected = Counter("tokenmill:requests_rejected",
+                                 "Requests the server turned away, by reason.",
+                                 labelnames=["model_name", "reason"], registry=self.registry)
+        for reason in REJECT_REASONS:  # every series from the start, at 0
+            self._rejected.labels(model_name, reason)
+        self.model_name = model_name
         async_llm.observer = self.observe
+
+    def rejected(self, reason: str) -> None:
+        """Count a request the server turned away (REJECT_REASONS)."""
+        self._rejected.labels(self.model_name, reason).inc()
 
     def observe(self, kind: str, seconds: float) -> None:
         self._hist[kind].observe(seconds)

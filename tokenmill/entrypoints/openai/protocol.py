@@ -1,17 +1,50 @@
 """Request bodies of the OpenAI API (the fields tokenmill honours; unknown ones are ignored)."""
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 
+# A JSON string may carry a lone surrogate (an escaped "\ud800", or CESU-8 bytes: json.loads
+# decodes bytes with surrogatepass) that no tokenizer, grammar compiler or UTF-8 response can
+# take: it reached them as a 500 (issue 14's hostile-input table). Refused at the edge.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NUMBERS = {int, float, bool, type(None)}
+
+
+def _check_unicode(value):
+    """`value` (any JSON value), unless some string in it holds a lone surrogate."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                raise ValueError("text must be valid Unicode (no lone surrogate code point)")
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            kinds = set(map(type, v))  # lists of token ids (or of such lists): C speed
+            if kinds == {list}:
+                kinds = set(map(type, itertools.chain.from_iterable(v)))
+            if not kinds <= _NUMBERS:
+                stack.extend(v)
+    return value
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI ignores unknown fields
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value):  # a 400 naming the field
+        return _check_unicode(value)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -150,7 +183,10 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[list[list[int]], list[int], list[str], str]
+    # fail_fast: a member that does not match stops at its first bad item, else a million
+    # token ids spent a second and a half of the event loop on list[list[int]]'s errors
+    prompt: Union[Annotated[list[list[int]], Field(fail_fast=True)],
+                  Annotated[list[int], Field(fail_fast=True)], list[str], str]
     echo: bool | None = False
     logprobs: int | None = None  # top-N per token (OpenAI's completions shape)
 
@@ -197,6 +233,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

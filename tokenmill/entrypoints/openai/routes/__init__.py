@@ -1,0 +1,1 @@
+"""The server's routes, one router per group."""
