@@ -43,13 +43,21 @@ def test_engine_death_fails_every_stream_and_runs_the_callbacks():
     faults.arm("step_loop", f"token:{POISON}")
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
+    async def healthy():
+        gen = a.generate({"prompt_token_ids": [5, 6, 7]}, long)
+        await gen.__anext__()  # it is running: now the poisoned request comes in
+        started.set()
+        async for _ in gen:
+            pass
+
     async def main():
-        healthy = asyncio.create_task(_collect(a, {"prompt_token_ids": [5, 6, 7]}, long))
-        await asyncio.sleep(0.3)
+        first = asyncio.create_task(healthy())
+        await started.wait()
         poisoned = asyncio.create_task(
             _collect(a, {"prompt_token_ids": [5, POISON]}, long))
-        results = await asyncio.gather(healthy, poisoned, return_exceptions=True)
-        return results
+        return await asyncio.gather(first, poisoned, return_exceptions=True)
+
+    started = asyncio.Event()
 
     t0 = time.monotonic()
     results = asyncio.run(main())
