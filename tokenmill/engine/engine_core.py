@@ -223,7 +223,10 @@ class EngineCore:
         else:
             culprits = [r for so in failed for r in _entrants(so) if r in sched.requests]
             reason = "step_fault"
-        if not culprits or (sched.admit_only_preempted and reason == "step_fault"):
+        retrying = sched.admit_only_preempted  # this was the retry of a failed step
+        # A RequestFault whose requests finished meanwhile blames nobody alive: retry once.
+        if (not culprits and (reason == "step_fault" or retrying)) or \
+                (reason == "step_fault" and retrying):
             logger.error("engine step failed and no request can be blamed", exc_info=exc)
             raise EngineStepError("the engine failed") from exc
         logger.error("engine step failed; failing requests %s and retrying the rest",
