@@ -222,3 +222,24 @@ def test_check_sampled_flags_nan_rows_and_ids_outside_the_vocabulary(llm):
     errored = runner._check_sampled(["r0", "r1", "r2", "r3"], discard, nan_rows, sampled, 1000)
     assert {k: v[0] for k, v in errored.items()} == {"r1": "nan_logits",
                                                       "r2": "token_out_of_vocab"}
+
+
+def test_async_engine_admits_new_requests_after_a_step_with_no_survivors():
+    """The victim is the only request: after it fails nothing is left to retry, and the
+    next request (not a preempted one) must still be admitted."""
+    llm = make_llm(async_scheduling=True)
+    faults.arm("sampler", "rid:victim")
+    engine = llm.llm_engine
+    engine.add_request("victim", {"prompt_token_ids": PROMPTS["victim"]}, params_of("victim"))
+    finals = {}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["victim"].outputs[0].finish_reason == "error"
+    faults.disarm_all()
+    out = llm.generate([{"prompt_token_ids": PROMPTS["b"]}], params_of("b"), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
+    assert_clean(llm)

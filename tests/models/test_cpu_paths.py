@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -77,12 +78,11 @@ def check_logprobs_close(ref_tokens, ref_tops, got_tokens, got_tops, what: str) 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim"])
 def test_bf16_fast_path_is_logprobs_close_to_hf_bf16(tiny_model_factory, name):
     tm = tiny_model_factory(name)
-    hf = tm.hf.to(torch.bfloat16)
-    try:
-        prompts = tm.prompts[:4]
-        refs = [hf_greedy_with_logprobs(hf, p, NUM_NEW) for p in prompts]
-    finally:
-        tm.hf.float()  # the fixture's model is shared with the fp32 tests
+    # A copy: the fixture's fp32 model is shared with the other tests (a round trip
+    # through bf16 would leave its weights rounded).
+    hf = copy.deepcopy(tm.hf).to(torch.bfloat16)
+    prompts = tm.prompts[:4]
+    refs = [hf_greedy_with_logprobs(hf, p, NUM_NEW) for p in prompts]
     # No prefix caching: the second run must compute its prompts the way the first did.
     llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False)
     batch = [{"prompt_token_ids": p} for p in prompts]

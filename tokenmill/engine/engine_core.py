@@ -178,6 +178,10 @@ class EngineCore:
             if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 self._expect_grammar_bitmask(so)
                 launched = (so, self._worker.submit(self._execute, so))
+            elif self._in_flight is None:
+                # Nothing to run and nothing in flight: a retry after a failed step has
+                # nothing left to retry (the synchronous path clears it on its empty step).
+                self.scheduler.admit_only_preempted = False
         outputs = []
         if self._in_flight is not None:
             prev_so, future = self._in_flight
