@@ -1,45 +1,59 @@
 """All-greedy steps take their tokens from the int8-screened lm_head
-(layers/greedy_head.py); the tokens must be those of the full lm_head + argmax."""
+(layers/greedy_head.py); the tokens must be those of the full lm_head + argmax.
+
+Every test runs at each capability level this CPU runs, with the GEMMs widened as
+on a CPU without native bf16 (the screen needs the packed bf16 lm_head). The screen
+exists from AVX-512 up; below it the runner has none and takes the full lm_head,
+with the same tokens."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
+from tokenmill import config as config_mod
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
+from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.worker import model_runner as runner_mod
 
 
-def _generate(path, prompts, params, screen_rows, monkeypatch, **kw):
+@pytest.fixture(autouse=True)
+def widened(monkeypatch):
+    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: False)
+
+
+def _generate(path, prompts, params, screen_rows, monkeypatch, ops, **kw):
     """-> (token ids per request, rows of each greedy-head call)."""
     monkeypatch.setattr(runner_mod, "GREEDY_HEAD_MAX_ROWS", screen_rows)
     llm = make_llm(path, dtype="bfloat16", **kw)
     runner = runner_of(llm)
     calls = []
-    if screen_rows:
-        if runner.greedy_head is None:
-            pytest.skip("this CPU runs bf16 GEMMs natively: no packed bf16 lm_head to screen")
-        head = runner.greedy_head
-        runner.greedy_head = lambda x: calls.append(x.shape[0]) or head(x)
+    if screen_rows and ops.has_greedy_lm_head:
+        assert runner.greedy_head is not None
+        real = GreedyHead.__call__
+        monkeypatch.setattr(GreedyHead, "__call__",
+                            lambda self, x: calls.append(x.shape[0]) or real(self, x))
     else:
-        assert runner.greedy_head is None
+        assert runner.greedy_head is None  # off, or below AVX-512: the full lm_head
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [[c.token_ids for c in o.outputs] for o in outs], calls
 
 
 @pytest.mark.parametrize("name", ["qwen3_headdim", "llama_gqa_tied"])
-def test_greedy_tokens_equal_with_and_without_screen(tiny_model_factory, monkeypatch, name):
+def test_greedy_tokens_equal_with_and_without_screen(tiny_model_factory, monkeypatch, ops,
+                                                     name):
     tm = tiny_model_factory(name)
     prompts = [{"prompt_token_ids": p} for p in tm.prompts]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # max_num_seqs 3: every decode step has at most 3 rows, under the screen's limit.
-    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, max_num_seqs=3)
-    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, max_num_seqs=3)
+    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, ops, max_num_seqs=3)
+    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, ops, max_num_seqs=3)
     assert on == off
     # Every step is all greedy: every token came through the screen.
-    assert sum(calls) >= len(prompts) * 24 and max(calls) <= 3
+    assert not ops.has_greedy_lm_head or (sum(calls) >= len(prompts) * 24 and max(calls) <= 3)
 
 
-def test_screen_stays_out_of_steps_that_need_logits(tiny_model_factory, monkeypatch):
+def test_screen_stays_out_of_steps_that_need_logits(tiny_model_factory, monkeypatch, ops):
     """Sampled rows, logprobs and logits processors need the full logits: those steps
     take the sampler, and the greedy rows' tokens do not change either way."""
     tm = tiny_model_factory("qwen3_headdim")
@@ -50,33 +64,41 @@ def test_screen_stays_out_of_steps_that_need_logits(tiny_model_factory, monkeypa
               SamplingParams(max_tokens=10, temperature=0.0, presence_penalty=1.5,
                              ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
-    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch)
-    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch)
+    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, ops)
+    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, ops)
     assert on == off
     # Only once the three requests that need logits are done: 2 rows, 20 steps.
-    assert calls == [2] * 20
+    assert calls == ([2] * 20 if ops.has_greedy_lm_head else [])
 
 
-def test_row_limit(tiny_model_factory, monkeypatch):
+def test_row_limit(tiny_model_factory, monkeypatch, ops):
     tm = tiny_model_factory("qwen3_headdim")
     prompts = [{"prompt_token_ids": p} for p in tm.prompts[:6]]
     params = [SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True)
               for i in range(6)]
-    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch)
-    on, calls = _generate(tm.path, prompts, params, 2, monkeypatch)
+    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, ops)
+    on, calls = _generate(tm.path, prompts, params, 2, monkeypatch, ops)
     assert on == off
-    assert calls and max(calls) == 2
+    assert not ops.has_greedy_lm_head or (calls and max(calls) == 2)
 
 
-def test_async_scheduling_with_the_screen(tiny_model_factory, monkeypatch):
+def test_async_scheduling_with_the_screen(tiny_model_factory, monkeypatch, ops):
     """Async scheduling runs execute_model / sample_tokens on its worker thread: the
     greedy head there gives the synchronous, unscreened tokens."""
     tm = tiny_model_factory("qwen3_headdim")
     prompts = [{"prompt_token_ids": p} for p in tm.prompts[:5]]
     params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True)
               for i in range(5)]
-    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, async_scheduling=False)
-    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, async_scheduling=True,
+    off, _ = _generate(tm.path, prompts, params, 0, monkeypatch, ops, async_scheduling=False)
+    on, calls = _generate(tm.path, prompts, params, 4, monkeypatch, ops, async_scheduling=True,
                           max_num_seqs=4)
     assert on == off
-    assert calls and max(calls) <= 4
+    assert not ops.has_greedy_lm_head or (calls and max(calls) <= 4)
+
+
+def test_no_screen_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
+    """A CPU with AVX512-BF16 / AMX keeps the bf16 lm_head (nothing packed to screen)."""
+    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(runner_mod, "GREEDY_HEAD_MAX_ROWS", 4)
+    tm = tiny_model_factory("qwen3_headdim")
+    assert runner_of(make_llm(tm.path, dtype="bfloat16")).greedy_head is None

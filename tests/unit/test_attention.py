@@ -1,4 +1,6 @@
-"""The paged attention backend: native decode kernel vs the PyTorch path vs a dense reference."""
+"""The paged attention backend: native decode kernel (at every capability level this CPU
+runs) vs the PyTorch path vs a dense reference."""
+import os
 import shutil
 
 import pytest
@@ -6,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_ops
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 
 
@@ -42,30 +45,41 @@ def _decode(layer, cache, table, q, seq_lens, native):
     return layer._decode(q, cache, meta)
 
 
-def test_native_kernels_build_where_a_compiler_exists():
+def test_native_kernels_build_where_a_compiler_exists(kernel_level):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
-    assert cpu_ops() is not None
+    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
+        pytest.skip("native kernels turned off (TOKENMILL_NO_NATIVE=1)")
+    ops = cpu_ops(kernel_level)
+    assert ops is not None and ops.capability == kernel_level
+    assert cpu_ops() is ops  # the engine's cpu_ops() runs the forced level
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("use_native", [False, True])
-def test_decode_matches_dense_reference(dtype, tol, use_native):
-    native = cpu_ops() if use_native else None
-    if use_native and native is None:
-        pytest.skip("native kernels unavailable")
+def test_decode_matches_dense_reference(dtype, tol):
+    """The PyTorch path."""
     seq_lens = [1, 4, 5, 17, 30, 2]
     cache, table, q = _setup(dtype, seq_lens)
     layer = PagedAttention(6, 2, 16, 16 ** -0.5)
-    got = _decode(layer, cache, table, q, seq_lens, native)
+    got = _decode(layer, cache, table, q, seq_lens, None)
     ref = _dense(cache, table, q, seq_lens, 16 ** -0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-def test_decode_ignores_garbage_past_each_rows_length():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_matches_dense_reference(ops, dtype, tol):
+    seq_lens = [1, 4, 5, 17, 30, 2]
+    cache, table, q = _setup(dtype, seq_lens)
+    layer = PagedAttention(6, 2, 16, 16 ** -0.5)
+    got = _decode(layer, cache, table, q, seq_lens, ops)
+    ref = _dense(cache, table, q, seq_lens, 16 ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_ignores_garbage_past_each_rows_length(ops):
     """Slots past seq_len (stale or NaN) must not leak into the result."""
-    native = cpu_ops()
     seq_lens = [3, 6]
     cache, table, q = _setup(torch.float32, seq_lens)
     layer = PagedAttention(6, 2, 16, 16 ** -0.5)
@@ -73,12 +87,12 @@ def test_decode_ignores_garbage_past_each_rows_length():
     poisoned = cache.clone()
     # Row 0 uses positions 0..2 of its first block; poison position 3 of that block.
     poisoned[table[0, 0].long(), :, 3] = 1e4
-    for ops in (None, native):
-        got = _decode(layer, poisoned, table, q, seq_lens, ops)
+    for native in (None, ops):
+        got = _decode(layer, poisoned, table, q, seq_lens, native)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_widened_gemm_matches_a_bf16_gemm():
+def test_widened_gemm_matches_a_bf16_gemm(kernel_level):
     """fp32 GEMM over upcast bf16 weights == bf16 GEMM with fp32 accumulation, up to rounding."""
     from tokenmill.models.layers.linear import Linear, widen_gemms
     torch.manual_seed(0)
@@ -98,14 +112,11 @@ def test_widened_gemm_matches_a_bf16_gemm():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (6, 2)])
 @pytest.mark.parametrize("num_rows", [2, 11])
-def test_native_decode_head_dim_64_paths(dtype, tol, hq, hkv, num_rows):
+def test_native_decode_head_dim_64_paths(ops, dtype, tol, hq, hkv, num_rows):
     """head_dim 64 has register-resident kernels (1, 2 or 4 query heads per kv head;
     one job per (row, head) for few rows, one per row with block prefetch for many);
     other group sizes take the generic loop. All must equal the dense reference,
     and slots past each row's length must not leak in."""
-    native = cpu_ops()
-    if native is None:
-        pytest.skip("native kernels unavailable")
     seq_lens = [1, 15, 16, 17, 40, 33, 2, 64, 5, 31, 48][:num_rows]
     cache, table, q = _setup(dtype, seq_lens, block_size=16, hkv=hkv, hq=hq, d=64,
                              num_blocks=48, seed=num_rows)
@@ -113,6 +124,6 @@ def test_native_decode_head_dim_64_paths(dtype, tol, hq, hkv, num_rows):
     poisoned = cache.clone()
     poisoned[table[0, 0].long(), :, 1:] = 1e4  # row 0 has 1 token: the rest is garbage
     layer = PagedAttention(hq, hkv, 64, 0.125)
-    got = _decode(layer, poisoned, table, q, seq_lens, native)
+    got = _decode(layer, poisoned, table, q, seq_lens, ops)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

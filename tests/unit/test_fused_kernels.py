@@ -1,16 +1,13 @@
 """Fused decoder-layer kernels (tokenmill/kernels/cpu_fused.cpp) against the PyTorch chains
-they replace, and the layers that use them against the plain path."""
+they replace, at every capability level this CPU runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.rotary import RotaryEmbedding
-
-ops = cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no compiler)")
 
 
 def hf_head_norm(x, w, eps):
@@ -22,7 +19,7 @@ def hf_head_norm(x, w, eps):
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("rotary_dim", [64, 16])
 @pytest.mark.parametrize("t", [1, 5, 37])
-def test_qk_norm_rope_matches_the_torch_chain(dtype, qk_norm, rotary_dim, t):
+def test_qk_norm_rope_matches_the_torch_chain(ops, dtype, qk_norm, rotary_dim, t):
     hq, hkv, d, eps = 8, 2, 64, 1e-6
     g = torch.Generator().manual_seed(t * 10 + rotary_dim)
     rot = RotaryEmbedding(d, rotary_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
@@ -54,7 +51,7 @@ def test_qk_norm_rope_matches_the_torch_chain(dtype, qk_norm, rotary_dim, t):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_silu_mul_matches_the_torch_chain(dtype):
+def test_silu_mul_matches_the_torch_chain(ops, dtype):
     g = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(9, 2 * 100, generator=g) * 4).to(dtype)
     gate, up = gate_up.split(100, dim=-1)
@@ -68,7 +65,7 @@ def test_silu_mul_matches_the_torch_chain(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_cache_write_matches_index_put(dtype):
+def test_kv_cache_write_matches_index_put(ops, dtype):
     g = torch.Generator().manual_seed(2)
     nb, bs, hkv, d, t = 6, 4, 2, 8, 7
     cache = torch.randn(nb, 2, bs, hkv, d, generator=g).to(dtype)

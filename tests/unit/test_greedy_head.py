@@ -2,26 +2,33 @@
 
 Its token must be exactly argmax(linear_bf16(x)) as torch computes it: the
 lowest index among equal (bf16-rounded) logits, the first NaN if there is one.
+The kernel is AVX-512 code: it is tested at those levels, and the levels below
+are tested for what they do instead (no screen: the runner's full lm_head).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels import all_levels
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
 from tokenmill.models.layers.linear import Linear
 
-ops = cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no compiler)")
 NO_BIAS = torch.empty(0)
+# The levels whose build has the screen (x86 names: skipped, named, where the CPU
+# cannot run them), and those without it.
+SCREEN_LEVELS = ["avx512", "avx512_vnni"]
+screen_levels = pytest.mark.parametrize("kernel_level", SCREEN_LEVELS, indirect=True)
+no_screen_levels = pytest.mark.parametrize(
+    "kernel_level", [lv for lv in all_levels() if lv not in SCREEN_LEVELS], indirect=True)
 
 
-def reference(x, packed, n):
+def reference(ops, x, packed, n):
     return ops.linear_bf16(x, packed, n, NO_BIAS).float().argmax(dim=-1)
 
 
-def screened(x, w):
+def screened(ops, x, w):
     """-> (token ids, exact blocks recomputed) for weights w [N, K] bf16."""
     q, scale, coef, l1 = pack_int8_screen(w)
     return ops.greedy_lm_head(x, ops.pack_bf16_weight(w), q, scale, coef, l1, w.shape[0])
@@ -38,28 +45,31 @@ def normalised(m, k, g):
 @pytest.mark.parametrize("m,n,k", [(1, 1000, 64), (2, 1001, 95), (3, 2048, 128), (5, 70, 33),
                                    (8, 333, 1100), (13, 4000, 48), (1, 5, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matches_argmax_of_linear_bf16(m, n, k, dtype):
+@screen_levels
+def test_matches_argmax_of_linear_bf16(ops, m, n, k, dtype):
     g = torch.Generator().manual_seed(m * 7 + n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     x = normalised(m, k, g).to(dtype)
-    ids, blocks = screened(x, w)
+    ids, blocks = screened(ops, x, w)
     assert ids.dtype == torch.int64 and ids.shape == (m,)
-    assert ids.tolist() == reference(x, ops.pack_bf16_weight(w), n).tolist()
+    assert ids.tolist() == reference(ops, x, ops.pack_bf16_weight(w), n).tolist()
     assert 1 <= blocks <= (n + 31) // 32
 
 
-def test_screen_recomputes_few_blocks():
+@screen_levels
+def test_screen_recomputes_few_blocks(ops):
     # The point of the screen: a bench-sized head (32000 x 512) recomputes a few of
     # its 1000 column blocks, not all of them.
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(32000, 512, generator=g) * 0.02).bfloat16()
     x = normalised(1, 512, g).bfloat16()
-    ids, blocks = screened(x, w)
-    assert ids.tolist() == reference(x, ops.pack_bf16_weight(w), 32000).tolist()
+    ids, blocks = screened(ops, x, w)
+    assert ids.tolist() == reference(ops, x, ops.pack_bf16_weight(w), 32000).tolist()
     assert blocks <= 50
 
 
-def test_exact_ties_pick_the_lowest_index():
+@screen_levels
+def test_exact_ties_pick_the_lowest_index(ops):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(3000, 64, generator=g) * 0.05).bfloat16()
     x = normalised(1, 64, g)
@@ -67,11 +77,12 @@ def test_exact_ties_pick_the_lowest_index():
     for col in (2999, 2100, 1700, 65):  # in other blocks of both layouts; 65 is lowest
         w[col] = top
     for dtype in (torch.bfloat16, torch.float32):
-        ids, _ = screened(x.to(dtype), w)
+        ids, _ = screened(ops, x.to(dtype), w)
         assert ids.tolist() == [65]
 
 
-def test_bf16_rounding_ties_follow_the_rounded_logits():
+@screen_levels
+def test_bf16_rounding_ties_follow_the_rounded_logits(ops):
     # Columns whose fp32 logits differ by less than a bf16 ulp round to the same
     # logit; torch's argmax then takes the lowest index, so must the screen.
     g = torch.Generator().manual_seed(2)
@@ -88,11 +99,12 @@ def test_bf16_rounding_ties_follow_the_rounded_logits():
     exact = ops.linear_bf16(x.float(), packed, 2000, NO_BIAS)[0]
     assert exact[1500] > exact[40]  # the later column is larger in fp32 ...
     assert exact[40].bfloat16() == exact[1500].bfloat16()  # ... but equal once rounded
-    ids, _ = screened(x, w)
-    assert ids.tolist() == reference(x, packed, 2000).tolist() == [40]
+    ids, _ = screened(ops, x, w)
+    assert ids.tolist() == reference(ops, x, packed, 2000).tolist() == [40]
 
 
-def test_degenerate_inputs_match_torch():
+@screen_levels
+def test_degenerate_inputs_match_torch(ops):
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(500, 32, generator=g) * 0.05).bfloat16()
     w[100:200] = 0  # zero rows: a zero scale
@@ -110,11 +122,12 @@ def test_degenerate_inputs_match_torch():
     x = torch.stack(rows)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        ids, _ = screened(xd, w)
-        assert ids.tolist() == reference(xd, packed, 500).tolist()
+        ids, _ = screened(ops, xd, w)
+        assert ids.tolist() == reference(ops, xd, packed, 500).tolist()
 
 
-def test_rejects_bad_layouts():
+def test_rejects_bad_layouts(ops):
+    # Every level checks its arguments, with or without the screen.
     w = torch.randn(100, 16).bfloat16()
     q, scale, coef, l1 = pack_int8_screen(w)
     packed = ops.pack_bf16_weight(w)
@@ -140,7 +153,8 @@ def test_pack_bounds_the_quantisation_error():
     assert (scale[130:] == 0).all() and (coef[130:] == 0).all()
 
 
-def test_greedy_head_for_a_linear_layer():
+@screen_levels
+def test_greedy_head_for_a_linear_layer(ops):
     torch.manual_seed(5)
     lin = Linear(48, 700, bias=False).bfloat16()
     lin.set_compute_dtype(torch.float32)
@@ -154,3 +168,22 @@ def test_greedy_head_for_a_linear_layer():
     assert GreedyHead.build(biased) is None  # the screen has no bias term
     plain = Linear(48, 70, bias=False)  # fp32 weights: no packed bf16 copy
     assert GreedyHead.build(plain) is None
+
+
+@no_screen_levels
+def test_no_screen_below_avx512(ops):
+    """Below AVX-512 the build has no screen: the kernel says so, a widened Linear keeps
+    its fp32 GEMM (nothing packed to screen) and GreedyHead.build gives None, so the
+    runner takes the full lm_head (tests/test_greedy_head_engine.py: same tokens)."""
+    assert not ops.has_greedy_lm_head
+    w = (torch.randn(100, 16) * 0.05).bfloat16()
+    q, scale, coef, l1 = pack_int8_screen(w)
+    with pytest.raises(RuntimeError, match=f"needs AVX-512: this is the {ops.capability} build"):
+        ops.greedy_lm_head(torch.randn(1, 16), ops.pack_bf16_weight(w), q, scale, coef, l1, 100)
+    lin = Linear(48, 700, bias=False).bfloat16()
+    lin.set_compute_dtype(torch.float32)
+    assert lin.packed_bf16 is None
+    assert GreedyHead.build(lin) is None
+    # Even a lm_head packed by hand: the level decides.
+    lin.packed_bf16, lin._linear_bf16 = ops.pack_bf16_weight(w), ops.linear_bf16
+    assert GreedyHead.build(lin) is None

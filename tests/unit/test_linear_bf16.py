@@ -1,15 +1,14 @@
-"""The packed bf16 linear kernel behind small-batch Linear layers (tokenmill/kernels/cpu_linear.cpp)."""
+"""The packed bf16 linear kernel behind small-batch Linear layers
+(tokenmill/kernels/cpu_linear.cpp) and the native RMSNorm, at every capability
+level this CPU runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.linear import Linear
-
-ops = cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no compiler)")
 
 
 # Row counts cover the one-row kernel, the remainders of the 12-row micro-kernel,
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason="no native CPU kernels (no c
                                    (9, 70, 20), (11, 40, 16), (13, 300, 64), (24, 65, 40),
                                    (31, 96, 33), (35, 64, 300), (130, 47, 24), (300, 100, 8)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_matches_fp32_matmul(m, n, k, bias):
+def test_linear_bf16_matches_fp32_matmul(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g)
@@ -40,35 +39,43 @@ def test_linear_bf16_matches_fp32_matmul(m, n, k, bias):
     assert (outb == refb).float().mean() > 0.98
 
 
-def test_linear_bf16_rejects_unpacked_weights():
+def test_linear_bf16_rejects_unpacked_weights(ops):
     with pytest.raises(RuntimeError, match="pack_bf16_weight"):
         ops.linear_bf16(torch.randn(2, 16), torch.randn(8, 16).bfloat16(), 8, torch.empty(0))
 
 
-def test_widened_linear_uses_the_packed_kernel_for_few_rows(monkeypatch):
+def test_widened_linear_uses_the_packed_kernel_for_few_rows(ops, monkeypatch):
+    """Where the level has the vector kernel (AVX-512) a widened Linear packs its bf16
+    weights and takes linear_bf16 up to BF16_MAX_ROWS rows; below it, it keeps the
+    fp32 GEMM (linear_bf16 there unpacks the weights per call). Same results either way."""
     monkeypatch.setattr(linear_mod, "BF16_MAX_ROWS", 8)
     torch.manual_seed(0)
     lin = Linear(96, 200, bias=True).bfloat16()
     ref_w, ref_b = lin.weight.detach().float(), lin.bias.detach().float()
     assert lin.set_compute_dtype(torch.float32)
-    assert lin.packed_bf16 is not None and lin.packed_bf16.dtype == torch.bfloat16
+    packs = ops.has_fast_linear_bf16
+    assert packs == (ops.capability in ("avx512", "avx512_vnni"))
     calls = []
-    real = lin._linear_bf16
-    lin._linear_bf16 = lambda *a: calls.append(1) or real(*a)
+    if packs:
+        assert lin.packed_bf16 is not None and lin.packed_bf16.dtype == torch.bfloat16
+        real = lin._linear_bf16
+        lin._linear_bf16 = lambda *a: calls.append(1) or real(*a)
+    else:
+        assert lin.packed_bf16 is None and lin._linear_bf16 is None
     for rows in (1, 3, linear_mod.BF16_MAX_ROWS, linear_mod.BF16_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96).bfloat16()
         before = len(calls)
         out = lin(x)
         assert out.dtype == torch.bfloat16
         used = len(calls) > before
-        assert used == (rows <= linear_mod.BF16_MAX_ROWS)
+        assert used == (packs and rows <= linear_mod.BF16_MAX_ROWS)
         ref = (x.float() @ ref_w.t() + ref_b).bfloat16()
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 3, 32), (33, 130)])
-def test_native_rms_norm_matches_hf_formula(dtype, shape):
+def test_native_rms_norm_matches_hf_formula(ops, dtype, shape):
     """HF's Llama/Qwen RMSNorm: fp32 statistics, the normalised value rounded to the
     input dtype, then times the weight (in the input dtype)."""
     g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
@@ -86,7 +93,7 @@ def test_native_rms_norm_matches_hf_formula(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 64), (70, 512), (3, 40)])
-def test_native_add_rms_norm_matches_add_then_norm(dtype, shape):
+def test_native_add_rms_norm_matches_add_then_norm(ops, dtype, shape):
     g = torch.Generator().manual_seed(shape[0])
     residual = (torch.randn(*shape, generator=g) * 3).to(dtype)
     x = torch.randn(*shape, generator=g).to(dtype)

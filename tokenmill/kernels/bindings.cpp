@@ -1,4 +1,8 @@
-// The Python bindings of tokenmill's native CPU kernels (one extension module).
+// The Python bindings of tokenmill's native CPU kernels: one extension module per
+// capability level (tokenmill/kernels/__init__.py builds the same sources with
+// that level's flags and names it in TOKENMILL_CPU_LEVEL).
+#include <torch/python.h>  // pybind11 and its Tensor casters, without the C++ frontend
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,4 +18,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");
   m.def("decode_layers", &decode_layers,
         "all decoder layers of a Llama-family model for a decode-only step, in one call");
+  // The capability level this module was built for, and what it can do well. Below
+  // AVX-512, linear_bf16 is a fallback that unpacks the weights on every call (correct,
+  // for tests; Linear layers keep their fp32 GEMM instead) and greedy_lm_head raises.
+  m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
+#if defined(__AVX512F__)
+  m.attr("has_fast_linear_bf16") = true;
+  m.attr("has_greedy_lm_head") = true;
+#else
+  m.attr("has_fast_linear_bf16") = false;
+  m.attr("has_greedy_lm_head") = false;
+#endif
 }

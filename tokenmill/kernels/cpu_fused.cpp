@@ -6,7 +6,7 @@
 // two index_put cache writes. Each kernel below rounds where the PyTorch
 // chain (and HF's modeling code) rounds, so bf16 results match bit for bit
 // up to the summation order of the norm's mean; fp32 is computed in fp32.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -21,7 +21,6 @@
 // value by at most 2^-8 of it, so a column whose bf16 logit ties the maximum's
 // has an exact logit above L - |L| 2^-6: a column whose upper bound is below
 // that cannot be the argmax.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"
@@ -264,7 +263,8 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
   }
   return {ids, nc};
 #else
-  TORCH_CHECK(false, "greedy_lm_head needs AVX-512");
+  TORCH_CHECK(false, "greedy_lm_head needs AVX-512: this is the ", TOKENMILL_CPU_LEVEL_NAME,
+              " build of the kernels (tokenmill.kernels.cpu_ops)");
   return {ids, 0};
 #endif
 }

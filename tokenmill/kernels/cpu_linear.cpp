@@ -12,7 +12,7 @@
 // is columns 0..15 in fp32 and `dword & 0xffff0000` is columns 16..31. That is
 // two cheap ALU ops per 32 weights and no horizontal sums: the micro-kernel
 // broadcasts x[m, k] and does outer-product FMAs into MR x 32 accumulators.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -194,7 +194,8 @@ void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float*
   std::vector<float> scratch;
   block_rows(x, K, wblock, nullptr, y, ldy, rows, ncols, scratch);
 #else
-  TORCH_CHECK(false, "linear_bf16_block needs AVX-512");
+  TORCH_CHECK(false, "linear_bf16_block needs AVX-512: this is the ", TOKENMILL_CPU_LEVEL_NAME,
+              " build of the kernels");
 #endif
 }
 

@@ -5,7 +5,7 @@
 // mul, cast, mul); at decode batch sizes their dispatch costs more than the
 // math. The rounding follows HF's Llama/Qwen RMSNorm: the normalised value is
 // rounded to the input dtype before the weight multiplies it.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -3,7 +3,7 @@
 // (row, kv head) spread over the intra-op threads - or one per row when there
 // are enough rows. With AVX-512 the head dimension is processed 16 lanes at a
 // time (head_dim 64 has its own register-resident kernel); otherwise a plain loop.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

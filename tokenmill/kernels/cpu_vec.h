@@ -2,7 +2,7 @@
 // bf16 / fp16 to fp32, stores that round back the way a c10 cast rounds, exp.
 #pragma once
 
-#include <torch/extension.h>
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -1,11 +1,28 @@
 // The entry points of tokenmill's native CPU kernels, shared by the Python
 // bindings (bindings.cpp) and the kernels that call each other.
+//
+// The kernels include ATen, not <torch/extension.h>: that header (pybind11 and the
+// whole C++ frontend) costs ~25 s of compile per file, and every capability level
+// compiles them all. Only bindings.cpp includes pybind11 (<torch/python.h>).
+// torch:: names resolve to ATen's, as <torch/types.h> makes them.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 #include <vector>
+
+namespace torch {
+using namespace at;  // NOLINT: as torch/types.h
+}  // namespace torch
+
+// The capability level this build is for (-DTOKENMILL_CPU_LEVEL=avx2 ...), as a string.
+#ifndef TOKENMILL_CPU_LEVEL
+#define TOKENMILL_CPU_LEVEL unknown
+#endif
+#define TOKENMILL_STR2(x) #x
+#define TOKENMILL_STR(x) TOKENMILL_STR2(x)
+#define TOKENMILL_CPU_LEVEL_NAME TOKENMILL_STR(TOKENMILL_CPU_LEVEL)
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale);

@@ -11,7 +11,8 @@ At decode sizes (up to 128 rows) the layer is bound by reading its weights,
 or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights double
 the bytes: there the native `linear_bf16` kernel reads the original bf16
 weights (packed once at load, kept beside the fp32 copy) and widens them in
-registers - the same math again, fp32 products and sums.
+registers - the same math again, fp32 products and sums. The kernel is AVX-512
+code: at a lower capability level (tokenmill.kernels) the fp32 GEMM stays.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class Linear(nn.Linear):
         if old.dtype == torch.bfloat16 and old.device.type == "cpu" and dtype == torch.float32:
             from tokenmill.kernels import cpu_ops
             ops = cpu_ops()
-            if ops is not None:
+            # Only where the kernel is vectorised at this capability level (AVX-512):
+            # below it, linear_bf16 would unpack the weights on every call.
+            if ops is not None and getattr(ops, "has_fast_linear_bf16", False):
                 self.packed_bf16 = ops.pack_bf16_weight(old.contiguous())
                 self._linear_bf16 = ops.linear_bf16
                 self._no_bias = torch.empty(0)

@@ -1,0 +1,136 @@
+"""How tokenmill.kernels picks the capability level its native kernels are built for."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill import kernels
+
+AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2"})
+x86_only = pytest.mark.skipif(kernels.all_levels() == ["default"],
+                              reason="the x86-64 levels (this is not an x86-64 CPU)")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A clean environment and a fresh choice; the real one again afterwards."""
+    for var in ("TOKENMILL_CPU_CAPABILITY", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)
+    kernels._forget_choice()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels._forget_choice()
+
+
+def test_levels_are_ordered_and_the_best_runnable_is_chosen(fresh):
+    names, runnable = kernels.all_levels(), kernels.runnable_levels()
+    assert names[0] == "default" and runnable[0] == "default"
+    assert runnable == names[:len(runnable)]  # each level includes the ones below it
+    assert kernels.cpu_capability() == runnable[-1]
+    for name in names:
+        lv = kernels.LEVELS[name]
+        assert all(f.startswith("-m") for f in lv.flags) and "-march=native" not in lv.flags
+
+
+@x86_only
+def test_x86_levels_and_their_flags():
+    levels = kernels.LEVELS
+    assert list(levels) == ["default", "avx2", "avx512", "avx512_vnni"]
+    assert levels["default"].flags == ()
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(levels["avx2"].flags)
+    assert not any(f.startswith("-mavx512") for f in levels["avx2"].flags)
+    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"} <= set(levels["avx512"].flags)
+    assert "-mavx512vnni" not in levels["avx512"].flags
+    assert "-mavx512vnni" in levels["avx512_vnni"].flags
+    assert not any("bf16" in f for lv in levels.values() for f in lv.flags)
+
+
+@x86_only
+def test_an_avx2_cpu_runs_up_to_avx2(fresh):
+    fresh.setattr(kernels, "_cpu_flags", lambda: AVX2_CPU)
+    assert kernels.runnable_levels() == ["default", "avx2"]
+    assert kernels.cpu_capability() == "avx2"
+    with pytest.raises(RuntimeError, match=r"cannot run the avx512 kernels \(missing avx512bw, "
+                                           r"avx512dq, avx512f, avx512vl\); it runs default, avx2"):
+        kernels.cpu_ops("avx512")
+
+
+@x86_only
+def test_tokenmill_cpu_capability_forces_a_level(fresh):
+    fresh.setattr(kernels, "_cpu_flags", lambda: AVX2_CPU)
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "default")
+    assert kernels.cpu_capability() == "default"
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "AVX512")
+    with pytest.raises(RuntimeError, match="TOKENMILL_CPU_CAPABILITY='avx512': this CPU cannot"):
+        kernels.cpu_capability()
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "sse9")
+    with pytest.raises(ValueError, match="'sse9' is not a CPU capability level .* default, avx2"):
+        kernels.cpu_ops()
+
+
+@x86_only
+def test_aten_cpu_capability_caps_the_level(fresh):
+    fresh.setattr(kernels, "_cpu_flags", lambda: AVX2_CPU | kernels.LEVELS["avx512_vnni"].cpu_flags)
+    fresh.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert kernels.cpu_capability() == "avx2"
+    kernels._forget_choice()
+    fresh.setenv("ATEN_CPU_CAPABILITY", "avx512")  # torch's avx512: no VNNI level above it
+    assert kernels.cpu_capability() == "avx512"
+    kernels._forget_choice()
+    fresh.setenv("ATEN_CPU_CAPABILITY", "zvector")  # not a level here: ignored
+    assert kernels.cpu_capability() == "avx512_vnni"
+    kernels._forget_choice()
+    fresh.setattr(kernels, "_cpu_flags", lambda: AVX2_CPU)
+    fresh.setenv("ATEN_CPU_CAPABILITY", "avx512")  # more than the CPU has: as torch, no error
+    assert kernels.cpu_capability() == "avx2"
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "default")  # ours wins
+    assert kernels.cpu_capability() == "default"
+
+
+def test_capability_override_and_restore(fresh):
+    chosen = kernels.cpu_capability()
+    with kernels.capability_override("default") as level:
+        assert level == "default" == kernels.cpu_capability()
+    assert kernels.cpu_capability() == chosen
+    with pytest.raises(ValueError):
+        with kernels.capability_override("no_such_level"):
+            pass
+
+
+def test_no_native_gives_none_at_every_level():
+    code = ("import json; from tokenmill import kernels\n"
+            "print(json.dumps([kernels.cpu_ops() is None, kernels.cpu_capability()]"
+            " + [kernels.cpu_ops(lv) is None for lv in kernels.runnable_levels()]))\n")
+    env = dict(os.environ, TOKENMILL_NO_NATIVE="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out[0] is True and out[1] == kernels.cpu_capability() and all(out[2:])
+
+
+@x86_only
+def test_the_env_override_reaches_the_engine_in_a_fresh_process():
+    """TOKENMILL_CPU_CAPABILITY=avx2: cpu_ops() is the avx2 build, logged once."""
+    if "avx2" not in kernels.runnable_levels():
+        pytest.skip("this CPU cannot run the avx2 kernels")
+    if kernels.cpu_ops("avx2") is None:  # built here (once) so the child only loads it
+        pytest.skip("no native CPU kernels (no compiler)")
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from tokenmill.kernels import cpu_ops, cpu_capability\n"
+            "ops = cpu_ops(); assert cpu_ops() is ops\n"
+            "print(cpu_capability(), ops.capability, ops.has_greedy_lm_head)\n")
+    env = dict(os.environ, TOKENMILL_CPU_CAPABILITY="avx2")
+    env.pop("TOKENMILL_NO_NATIVE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["avx2", "avx2", "False"]
+    assert done.stderr.count("native CPU kernels: avx2 level") == 1
