@@ -30,6 +30,12 @@ def cpu_has_native_bf16() -> bool:
     Without it, oneDNN emulates bf16 and a bf16 GEMM runs several times slower
     than fp32 (measured: 3.4x on an AVX-512 Xeon without BF16).
     """
+    from tokenmill.kernels import all_levels, cpu_capability
+    levels = all_levels()
+    if "avx512" in levels and levels.index(cpu_capability()) < levels.index("avx512"):
+        # A level forced below AVX-512 (TOKENMILL_CPU_CAPABILITY / ATEN_CPU_CAPABILITY)
+        # takes the path such a CPU takes end to end: fp32 GEMMs, as it has no bf16.
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

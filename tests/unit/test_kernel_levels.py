@@ -134,3 +134,29 @@ def test_the_env_override_reaches_the_engine_in_a_fresh_process():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["avx2", "avx2", "False"]
     assert done.stderr.count("native CPU kernels: avx2 level") == 1
+
+
+@x86_only
+def test_a_level_forced_below_avx512_takes_the_fp32_gemm_path(fresh):
+    """Forcing avx2 on a CPU with AVX512-BF16 must behave like an AVX2 CPU end to end:
+    no native bf16 GEMMs (config.cpu_has_native_bf16), whatever /proc/cpuinfo says."""
+    from tokenmill import config
+    cpu = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    fresh.setattr(kernels, "_cpu_flags", lambda: cpu)
+    fresh.setattr("builtins.open", _cpuinfo_with(" ".join(sorted(cpu))))
+    assert kernels.cpu_capability() == "avx512" and config.cpu_has_native_bf16()
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "avx2")
+    assert not config.cpu_has_native_bf16()
+
+
+def _cpuinfo_with(flags: str):
+    import builtins
+    import io
+    real_open = builtins.open
+
+    def fake(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            return io.StringIO(f"flags\t\t: {flags}\n")
+        return real_open(path, *args, **kwargs)
+    return fake
