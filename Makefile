@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenmill-installed
 
-.PHONY: install run test bench clean redis-server
+.PHONY: install run test bench clean redis-server cross-tools
 
 install: $(STAMP)
 
@@ -23,13 +23,20 @@ run: install
 
 # The external-KV tests run a real redis-server (Debian's package), installed here
 # when missing; the tests start their own on a free port and stop it.
-test: install redis-server
+test: install redis-server cross-tools
 	$(PY) -m pytest -q tests
 
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+# The kernels' aarch64 checks (tests/unit/test_vec_header.py) cross-compile with
+# Debian's g++-aarch64-linux-gnu and run NEON code under qemu-user.
+cross-tools:
+	@{ [ "$$(uname -m)" != x86_64 ] || { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null 2>&1; } || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++-aarch64-linux-gnu qemu-user; }
 
 bench: install
 	$(VENV)/bin/tokenmill bench throughput

@@ -4,6 +4,7 @@
 #include <torch/python.h>  // pybind11 and its Tensor casters, without the C++ frontend
 
 #include "ops.h"
+#include "vec.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
@@ -19,14 +20,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "all decoder layers of a Llama-family model for a decode-only step, in one call");
   // The capability level this module was built for, and what it can do well. Below
-  // AVX-512, linear_bf16 is a fallback that unpacks the weights on every call (correct,
-  // for tests; Linear layers keep their fp32 GEMM instead) and greedy_lm_head raises.
+  // AVX-512, greedy_lm_head raises (for now).
   m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
-#if defined(__AVX512F__)
+  m.attr("vector_lanes") = tmvec::Vec::W;  // fp32 lanes of the kernels' vectors
+#if defined(TM_VEC_GENERIC)
+  m.attr("has_fast_linear_bf16") = false;  // plain arrays: slower than the library GEMM
+#else
   m.attr("has_fast_linear_bf16") = true;
+#endif
+#if defined(__AVX512F__)
   m.attr("has_greedy_lm_head") = true;
 #else
-  m.attr("has_fast_linear_bf16") = false;
   m.attr("has_greedy_lm_head") = false;
 #endif
 }

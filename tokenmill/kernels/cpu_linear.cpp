@@ -12,21 +12,48 @@
 // is columns 0..15 in fp32 and `dword & 0xffff0000` is columns 16..31. That is
 // two cheap ALU ops per 32 weights and no horizontal sums: the micro-kernel
 // broadcasts x[m, k] and does outer-product FMAs into MR x 32 accumulators.
+// The layout is the same at every capability level: a W-lane vector of dwords
+// (W = 16, 8 or 4) yields W columns from its low halves and the W columns 16
+// further on from its high halves (vec.h's load_bf16_pairs).
 #include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
-constexpr int64_t NB = 32;   // output columns per packed block
-constexpr int64_t MR = 12;   // rows per micro-kernel call (24 accumulators)
+using tmvec::Vec;
+
+constexpr int64_t NB = 32;            // output columns per packed block
+constexpr int C = NB / Vec::W;        // vectors per block row (2 at AVX-512, 4 at AVX2)
+constexpr int H = C / 2;              // packed dword vectors per k (each gives a lo and a hi)
+// Rows per micro-kernel call: as many MR x C accumulators as the registers hold
+// with room for the weights and the broadcast (AVX-512: 12 x 2; AVX2: 3 x 4; NEON 3 x 8).
+constexpr int MR = Vec::kRegs == 32 ? (C == 2 ? 12 : 3) : (C >= 4 ? 3 : 6);
 constexpr int64_t MC = 128;  // rows per cache block: x rows stay in L2 across column blocks
 
-#if defined(__AVX512F__)
+// How many of vector c's W columns are real when the block has ncols columns.
+inline int lanes(int64_t ncols, int c) {
+  return static_cast<int>(std::clamp<int64_t>(ncols - c * Vec::W, 0, Vec::W));
+}
+
+// The C vectors of weights at k: vector c holds columns c*W .. c*W+W-1. In the
+// packed layout dword i of a k line is (col i, col 16+i), so packed dword vector j
+// gives vector j (its low halves) and vector j + H (its high halves).
+template <bool WIDE>
+inline void weights_at(const void* wblock, int64_t k, Vec* w) {
+  if constexpr (WIDE) {
+    const auto* wf = static_cast<const float*>(wblock) + k * NB;
+    for (int c = 0; c < C; ++c) w[c] = Vec::load(wf + c * Vec::W);
+  } else {
+    const auto* wp = static_cast<const uint16_t*>(wblock) + k * NB;
+    for (int j = 0; j < H; ++j) tmvec::load_bf16_pairs(wp + 2 * j * Vec::W, w[j], w[j + H]);
+  }
+}
+
 // W is either the packed bf16 block (widened per k) or, when many row groups
 // reuse the block, a copy already widened to fp32 [K, 32] (plain loads, no ALU
 // work between the FMAs). `accumulate`: add to y instead of overwriting it (the
@@ -34,92 +61,74 @@ constexpr int64_t MC = 128;  // rows per cache block: x rows stay in L2 across c
 template <int R, bool WIDE>
 inline void micro(const float* x, int64_t ldx, const void* wblock, int64_t K, const float* bias,
                   float* y, int64_t ldy, int64_t ncols, bool accumulate = false) {
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  const auto* wp = static_cast<const uint16_t*>(wblock);
-  const auto* wf = static_cast<const float*>(wblock);
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 w_lo, w_hi;
-    if constexpr (WIDE) {
-      w_lo = _mm512_loadu_ps(wf + k * NB);
-      w_hi = _mm512_loadu_ps(wf + k * NB + 16);
-    } else {
-      // Few rows: still bound by streaming the weights (see micro_row).
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
-      const __m512i w = _mm512_loadu_si512(wp + k * NB);
-      w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      w_hi = _mm512_castsi512_ps(_mm512_and_si512(w, mask_hi));
-    }
+    // Few rows: still bound by streaming the weights (see micro_row).
+    if constexpr (!WIDE) tmvec::prefetch(static_cast<const uint16_t*>(wblock) + (k + 128) * NB);
+    Vec w[C];
+    weights_at<WIDE>(wblock, k, w);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      lo[r] = _mm512_fmadd_ps(xv, w_lo, lo[r]);
-      hi[r] = _mm512_fmadd_ps(xv, w_hi, hi[r]);
+      const Vec xv = Vec::set1(x[r * ldx + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = tmvec::fma(xv, w[c], acc[r][c]);
     }
   }
-  const __mmask16 m_lo = ncols >= 16 ? 0xffff : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m_hi = ncols >= 32 ? 0xffff
-                         : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b_lo = _mm512_maskz_loadu_ps(m_lo, bias);
-    b_hi = _mm512_maskz_loadu_ps(m_hi, bias + 16);
-  }
-  for (int r = 0; r < R; ++r) {
-    float* yr = y + r * ldy;
-    __m512 a_lo = _mm512_add_ps(lo[r], b_lo), a_hi = _mm512_add_ps(hi[r], b_hi);
-    if (accumulate) {
-      a_lo = _mm512_add_ps(a_lo, _mm512_maskz_loadu_ps(m_lo, yr));
-      a_hi = _mm512_add_ps(a_hi, _mm512_maskz_loadu_ps(m_hi, yr + 16));
+  for (int c = 0; c < C; ++c) {
+    const int n = lanes(ncols, c);
+    if (n == 0) continue;
+    const Vec b = bias != nullptr ? Vec::load_n(bias + c * Vec::W, n) : Vec::zero();
+    for (int r = 0; r < R; ++r) {
+      float* yr = y + r * ldy + c * Vec::W;
+      Vec a = acc[r][c] + b;
+      if (accumulate) a = a + Vec::load_n(yr, n);
+      if (n == Vec::W) a.store(yr); else a.store_n(yr, n);
     }
-    _mm512_mask_storeu_ps(yr, m_lo, a_lo);
-    _mm512_mask_storeu_ps(yr + 16, m_hi, a_hi);
   }
 }
 
-// One row of x against one column block, with four independent accumulator
-// pairs so a lone decode row is not serialised on FMA latency.
+// One row of x against one column block, with U independent accumulator sets over
+// k (8 vectors in all) so a lone decode row is not serialised on FMA latency.
 inline void micro_row(const float* x, const uint16_t* wp, int64_t K, const float* bias, float* y,
                       int64_t ncols) {
-  __m512 lo[4], hi[4];
-  for (int i = 0; i < 4; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  constexpr int U = C >= 8 ? 1 : 8 / C;
+  Vec acc[U][C];
+  for (int u = 0; u < U; ++u)
+    for (int c = 0; c < C; ++c) acc[u][c] = Vec::zero();
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     // A lone row is bound by memory: keep requests for lines ~8 KB ahead in flight.
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 129) * NB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 130) * NB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 131) * NB), _MM_HINT_T0);
+    for (int i = 0; i < 4; ++i) tmvec::prefetch(wp + (k + 128 + i) * NB);
     for (int i = 0; i < 4; ++i) {
-      const __m512i w = _mm512_loadu_si512(wp + (k + i) * NB);
-      const __m512 xv = _mm512_set1_ps(x[k + i]);
-      lo[i] = _mm512_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), lo[i]);
-      hi[i] = _mm512_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_and_si512(w, mask_hi)), hi[i]);
+      Vec w[C];
+      weights_at<false>(wp, k + i, w);
+      const Vec xv = Vec::set1(x[k + i]);
+      for (int c = 0; c < C; ++c) acc[i % U][c] = tmvec::fma(xv, w[c], acc[i % U][c]);
     }
   }
   for (; k < K; ++k) {
-    const __m512i w = _mm512_loadu_si512(wp + k * NB);
-    const __m512 xv = _mm512_set1_ps(x[k]);
-    lo[0] = _mm512_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), lo[0]);
-    hi[0] = _mm512_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_and_si512(w, mask_hi)), hi[0]);
+    Vec w[C];
+    weights_at<false>(wp, k, w);
+    const Vec xv = Vec::set1(x[k]);
+    for (int c = 0; c < C; ++c) acc[0][c] = tmvec::fma(xv, w[c], acc[0][c]);
   }
-  const __m512 sum_lo = _mm512_add_ps(_mm512_add_ps(lo[0], lo[1]), _mm512_add_ps(lo[2], lo[3]));
-  const __m512 sum_hi = _mm512_add_ps(_mm512_add_ps(hi[0], hi[1]), _mm512_add_ps(hi[2], hi[3]));
-  float tmp[NB];
-  _mm512_storeu_ps(tmp, sum_lo);
-  _mm512_storeu_ps(tmp + 16, sum_hi);
-  for (int64_t c = 0; c < ncols; ++c) y[c] = tmp[c] + (bias != nullptr ? bias[c] : 0.f);
+  for (int c = 0; c < C; ++c) {
+    const int n = lanes(ncols, c);
+    if (n == 0) continue;
+    Vec sum = acc[0][c];
+    for (int u = 1; u < U; ++u) sum = sum + acc[u][c];
+    if (bias != nullptr) sum = sum + Vec::load_n(bias + c * Vec::W, n);
+    if (n == Vec::W) sum.store(y + c * Vec::W); else sum.store_n(y + c * Vec::W, n);
+  }
 }
 
-// Widen a packed [K, 32] bf16 block into fp32 [K, 32] (columns 0..15, then 16..31).
+// Widen a packed [K, 32] bf16 block into fp32 [K, 32] (columns in order).
 inline void widen_block(const uint16_t* wp, int64_t K, float* wf) {
-  const __m512i mask_hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 128) * NB), _MM_HINT_T0);
-    const __m512i w = _mm512_loadu_si512(wp + k * NB);
-    _mm512_storeu_si512(wf + k * NB, _mm512_slli_epi32(w, 16));
-    _mm512_storeu_si512(wf + k * NB + 16, _mm512_and_si512(w, mask_hi));
+    tmvec::prefetch(wp + (k + 128) * NB);
+    Vec w[C];
+    weights_at<false>(wp, k, w);
+    for (int c = 0; c < C; ++c) w[c].store(wf + k * NB + c * Vec::W);
   }
 }
 
@@ -129,28 +138,24 @@ constexpr int64_t WIDEN_MIN_ROWS = 24;
 // every row group of the cache block passes over them.
 constexpr int64_t KC = 256;
 
+template <bool WIDE, int R>
+inline void rows_tail(const float* x, int64_t ldx, int64_t K, const void* w, const float* bias,
+                      float* y, int64_t N, int64_t rows, int64_t ncols, bool accumulate) {
+  // rows < R here: dispatch to the micro-kernel of exactly that many rows.
+  if constexpr (R > 1) {
+    if (rows == R - 1) return micro<R - 1, WIDE>(x, ldx, w, K, bias, y, N, ncols, accumulate);
+    return rows_tail<WIDE, R - 1>(x, ldx, K, w, bias, y, N, rows, ncols, accumulate);
+  }
+}
+
 template <bool WIDE>
 inline void rows_of(const float* x, int64_t ldx, int64_t K, const void* w, const float* bias,
                     float* y, int64_t N, int64_t rows, int64_t ncols, bool accumulate) {
   int64_t m = 0;
   for (; m + MR <= rows; m += MR)
     micro<MR, WIDE>(x + m * ldx, ldx, w, K, bias, y + m * N, N, ncols, accumulate);
-  const float* xr = x + m * ldx;
-  float* yr = y + m * N;
-  switch (rows - m) {
-    case 11: micro<11, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 10: micro<10, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 9: micro<9, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 8: micro<8, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 7: micro<7, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 6: micro<6, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 5: micro<5, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 4: micro<4, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 3: micro<3, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 2: micro<2, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    case 1: micro<1, WIDE>(xr, ldx, w, K, bias, yr, N, ncols, accumulate); break;
-    default: break;
-  }
+  if (m < rows)
+    rows_tail<WIDE, MR>(x + m * ldx, ldx, K, w, bias, y + m * N, N, rows - m, ncols, accumulate);
 }
 
 inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const float* bias, float* y,
@@ -165,21 +170,16 @@ inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const floa
                   rows, ncols, k0 > 0);
   }
 }
-#endif
 
 // fp32 <-> bf16 for a run of n values (round to nearest even, as c10::BFloat16).
 inline void to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
-#endif
+  for (; i + Vec::W <= n; i += Vec::W) Vec::load(src + i).store(dst + i);
   for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-#endif
+  for (; i + Vec::W <= n; i += Vec::W) Vec::load(src + i).store(dst + i);
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -190,13 +190,8 @@ inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
 // candidate blocks with this, so its logits are bit-identical). No bias.
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
                        int64_t rows, int64_t ncols) {
-#if defined(__AVX512F__)
   std::vector<float> scratch;
   block_rows(x, K, wblock, nullptr, y, ldy, rows, ncols, scratch);
-#else
-  TORCH_CHECK(false, "linear_bf16_block needs AVX-512: this is the ", TOKENMILL_CPU_LEVEL_NAME,
-              " build of the kernels");
-#endif
 }
 
 // w [N, K] bf16 -> [ceil(N/32), K, 32] bf16 in the kernel's interleaved layout (zero padded).
@@ -243,7 +238,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
   // fp32 results go straight to `out`; bf16 ones through a per-block fp32 tile.
   float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-#if defined(__AVX512F__)
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
     at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -262,12 +256,5 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
       }
     });
   }
-#else
-  // Portable path: unpack and use the library GEMM.
-  auto w = packed.view({nblocks, K, 16, 2}).permute({0, 3, 2, 1}).reshape({nblocks * NB, K}).narrow(0, 0, N).to(at::kFloat);
-  auto res = torch::matmul(x.to(at::kFloat), w.t());
-  if (bp != nullptr) res.add_(bf);
-  out.copy_(res);
-#endif
   return out;
 }
