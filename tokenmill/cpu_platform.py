@@ -191,7 +191,7 @@ class CpuPlatform:
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
             torch_capability=str(torch.backends.cpu.get_cpu_capability()),
             cpu_bf16=cpu_bf16, cpu_kernels=cpu_kernels,
-            capability_forced=bool(level and runnable and level != runnable[-1]),
+            capability_forced=bool(on_cpu and level and runnable and level != runnable[-1]),
             capability=level if on_cpu else None, kernels=native,
             model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
             linear="packed_bf16" if packed else "torch",
