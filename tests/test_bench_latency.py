@@ -38,8 +38,27 @@ def test_bench_latency_against_hf(llama_tiny, tmp_path, capsys):
     assert set(roof["systems"]) == {"tokenmill", "HF generate"}
     assert roof["systems"]["tokenmill"]["model_flops"]["lm_head"] == 2 * 64 * 384 * 6
     assert all(s["achieved_gflops"] > 0 for s in roof["systems"].values())
+    platform = r["platform"]
+    assert platform["model_dtype"] == platform["gemm_dtype"] == w["tokenmill_gemm_dtype"]
+    assert platform["capability"] in platform["runnable_levels"]
     text = capsys.readouterr().out
     assert "TTFT ms" in text and "tokenmill speedup" in text
+    assert f"platform: {platform['description']}" in text
+
+
+def test_bench_latency_bf16_and_cpu_flags(llama_tiny, tmp_path, capsys):
+    """bf16 as well as fp32; the CPU kernel flags reach the engine's platform."""
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS[:-2], "--dtype",
+                 "bfloat16", "--num-warmup", "0", "--skip-hf", "--skip-roofline",
+                 "--linear-bf16-max-rows", "0", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    p = r["platform"]
+    assert r["workload"]["dtype"] == p["model_dtype"] == "bfloat16"
+    assert r["workload"]["tokenmill_gemm_dtype"] == p["gemm_dtype"]
+    # No packed linears: nothing that needs them either.
+    assert (p["linear"], p["lm_head"], p["decode_layers"]) == ("torch", "full", False)
+    assert p["description"] in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag, expected", [("--no-async-scheduling", False),

@@ -8,7 +8,9 @@ from tokenmill.bench import profile_step
 
 
 @pytest.mark.parametrize("argv", [["--steps", "2", "--warmup-steps", "1"],
-                                  ["--phase", "prefill", "--no-async-scheduling"]])
+                                  ["--phase", "prefill", "--no-async-scheduling"],
+                                  ["--steps", "2", "--warmup-steps", "1", "--cpu-kernels",
+                                   "torch", "--greedy-head-max-rows", "0"]])
 def test_profile_step_table(llama_tiny, tmp_path, capsys, argv):
     trace = tmp_path / "trace.json"
     assert profile_step.main(["--model", llama_tiny.path, "--dtype", "float32",
@@ -19,4 +21,6 @@ def test_profile_step_table(llama_tiny, tmp_path, capsys, argv):
                  "stage::Scheduler.schedule", "module::Linear", "aten::"):
         assert name in text, name
     assert "ms per step under the profiler" in text
+    assert "platform: " in text  # which kernels ran
+    assert ("kernels PyTorch (cpu_kernels=torch)" in text) == ("torch" in argv)
     assert trace.stat().st_size > 0

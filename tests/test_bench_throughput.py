@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenmill.bench.roofline import count_model_flops
 from tokenmill.bench.throughput import make_workload
 from tokenmill.entrypoints.cli import main
@@ -40,8 +42,16 @@ def test_bench_throughput_all_systems(llama_tiny, tmp_path, capsys):
         assert abs(s["achieved_gflops"] - flops["total"] / s["seconds"] / 1e9) < 1e-9
     assert roof["systems"]["tokenmill"]["seconds"] == r["tokenmill_seconds"]
 
+    # Which kernels ran: the engine's CPU platform, in the JSON and in the text.
+    platform = r["platform"]
+    assert platform["model_dtype"] == platform["gemm_dtype"] == "float32"
+    assert platform["capability"] in platform["runnable_levels"]
+    assert platform["linear"] == "torch" and platform["lm_head"] == "full"  # fp32: no packing
+    assert roof["tokenmill_gemm_dtype"] == "float32"
+
     text = capsys.readouterr().out
     assert "HF continuous batching" in text and "roofline" in text and "float32 peak" in text
+    assert f"platform: {platform['description']}" in text and platform["capability"] in text
 
 
 def test_bench_throughput_skip_flags(llama_tiny, tmp_path, capsys):
@@ -54,6 +64,34 @@ def test_bench_throughput_skip_flags(llama_tiny, tmp_path, capsys):
         assert r[key] is None, key
     text = capsys.readouterr().out
     assert "skipped" in text and "roofline" not in text
+
+
+def test_bench_throughput_bf16_with_cpu_kernel_flags(llama_tiny, tmp_path, capsys):
+    """bf16 as well as fp32; the CPU kernel flags reach the engine's platform, which the
+    JSON and the text report."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS[:-2],
+                 "--dtype", "bfloat16", "--skip-hf", "--skip-hf-cb", "--skip-roofline",
+                 "--cpu-kernels", "torch", "--greedy-head-max-rows", "0", "--no-decode-layers",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokenmill_tok_s"] > 0 and r["workload"]["dtype"] == "bfloat16"
+    p = r["platform"]
+    assert p["cpu_kernels"] == "torch" and p["kernels"] == "torch"
+    assert p["model_dtype"] == "bfloat16" and p["gemm_dtype"] in ("bfloat16", "float32")
+    assert (p["attention"], p["norm"], p["activation"], p["linear"], p["lm_head"],
+            p["decode_layers"]) == ("torch", "torch", "torch", "torch", "full", False)
+    assert f"platform: {p['description']}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value, arg", [
+    ("--linear-bf16-max-rows", "-1", "linear_bf16_max_rows"),
+    ("--greedy-head-max-rows", "129", "greedy_head_max_rows"),
+    ("--cpu-capability", "sse9", "cpu_capability")])
+def test_bench_throughput_bad_cpu_flag(llama_tiny, capsys, flag, value, arg):
+    assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
+                 "--skip-hf-cb", "--skip-roofline", flag, value]) == 2
+    assert arg in capsys.readouterr().err
 
 
 def test_bench_throughput_bad_cb_prompts(llama_tiny, capsys):

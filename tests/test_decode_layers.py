@@ -3,9 +3,11 @@
 Python layers, and only where every layer would take its native path.
 
 Every test runs at each capability level this CPU runs (the layers' packed bf16
-linears, and so this path, exist from AVX-512 up; below it the Python layers run),
-with the GEMMs widened as on a CPU without native bf16 (`widened`), so the packed
-path is tested whatever CPU the suite lands on."""
+linears, and so this path, exist where the level's `has_fast_linear_bf16` says so;
+elsewhere the Python layers run), with the GEMMs widened as on a CPU without native
+bf16 (`widened`), so the packed path is tested whatever CPU the suite lands on. The
+CPU platform (tokenmill/cpu_platform.py) decides whether a model gets the loop; the
+engine argument decode_layers=False turns it off."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
-from tokenmill import config as config_mod
+from tokenmill import cpu_platform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.decode_layers import DecodeLayers
 
@@ -21,7 +23,7 @@ from tokenmill.models.layers.decode_layers import DecodeLayers
 @pytest.fixture
 def widened(monkeypatch):
     """bf16 models keep fp32 GEMMs plus packed bf16 weights, as where bf16 is emulated."""
-    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
 
 
 def _spy(monkeypatch, compare: bool):
@@ -56,8 +58,9 @@ def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch,
     tm = tiny_model_factory(name)
     rows = _spy(monkeypatch, compare=True)
     llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
-    supported = DecodeLayers(runner_of(llm).model).supported
-    assert supported == ops.has_fast_linear_bf16  # no packed linears below AVX-512
+    supported = runner_of(llm).model.decode_layers is not None
+    assert supported == ops.has_fast_linear_bf16  # no packed linears without the fast kernel
+    assert llm.llm_engine.platform.decode_layers == supported
     prompts = [{"prompt_token_ids": p} for p in tm.prompts[:6]]
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
               for i in range(6)]
@@ -77,10 +80,13 @@ def test_tokens_equal_with_python_layers(tiny_model_factory, monkeypatch, widene
     with_native = [o.outputs[0].token_ids for o in native.generate(prompts, params,
                                                                      use_tqdm=False)]
     assert bool(rows) == ops.has_fast_linear_bf16
-    monkeypatch.setattr(DecodeLayers, "applies", lambda self, x, meta: False)
-    python = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3)
+    del rows[:]
+    python = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3, decode_layers=False)
+    assert runner_of(python).model.decode_layers is None
+    assert not python.llm_engine.platform.decode_layers
     assert with_native == [o.outputs[0].token_ids for o in python.generate(prompts, params,
                                                                              use_tqdm=False)]
+    assert rows == []  # decode_layers=False: the C++ loop never ran
 
 
 def test_not_used_where_a_layer_would_not_go_native(tiny_model_factory, monkeypatch, widened,
@@ -100,16 +106,21 @@ def test_not_used_where_a_layer_would_not_go_native(tiny_model_factory, monkeypa
 
 def test_not_used_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
     """A CPU with AVX512-BF16 / AMX keeps bf16 GEMMs: no packed linears, no native layers."""
-    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
     tm = tiny_model_factory("qwen3_headdim")
     llm = make_llm(tm.path, dtype="bfloat16")
-    assert not DecodeLayers(runner_of(llm).model).supported
+    assert runner_of(llm).model.decode_layers is None
+    assert not llm.llm_engine.platform.decode_layers
 
 
-def test_moe_layers_are_not_supported(tmp_path):
+def test_moe_layers_are_not_supported(tmp_path, widened, ops):
     from conftest import build_checkpoint
     build_checkpoint(str(tmp_path), "qwen3_moe", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         decoder_sparse_step=1, mlp_only_layers=[]))
     llm = make_llm(str(tmp_path), dtype="bfloat16")
-    assert not DecodeLayers(runner_of(llm).model).supported
+    # The platform would run the loop (a dense model would get it); the MoE model cannot.
+    assert llm.llm_engine.platform.decode_layers == ops.has_fast_linear_bf16
+    model = runner_of(llm).model
+    assert model.decode_layers is None
+    assert not DecodeLayers(model, ops, 128).supported

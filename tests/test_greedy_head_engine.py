@@ -3,33 +3,33 @@
 
 Every test runs at each capability level this CPU runs, with the GEMMs widened as
 on a CPU without native bf16 (the screen needs the packed bf16 lm_head). The screen
-exists from AVX-512 up; below it the runner has none and takes the full lm_head,
-with the same tokens."""
+exists where the level's `has_greedy_lm_head` says so; elsewhere the runner has none
+and takes the full lm_head, with the same tokens. The engine argument
+greedy_head_max_rows sets the row limit (0: off)."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
-from tokenmill import config as config_mod
+from tokenmill import cpu_platform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead
-from tokenmill.worker import model_runner as runner_mod
 
 
 @pytest.fixture(autouse=True)
 def widened(monkeypatch):
-    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
 
 
 def _generate(path, prompts, params, screen_rows, monkeypatch, ops, **kw):
     """-> (token ids per request, rows of each greedy-head call)."""
-    monkeypatch.setattr(runner_mod, "GREEDY_HEAD_MAX_ROWS", screen_rows)
-    llm = make_llm(path, dtype="bfloat16", **kw)
+    llm = make_llm(path, dtype="bfloat16", greedy_head_max_rows=screen_rows, **kw)
     runner = runner_of(llm)
     calls = []
     if screen_rows and ops.has_greedy_lm_head:
         assert runner.greedy_head is not None
+        assert runner.greedy_head_max_rows == screen_rows
         real = GreedyHead.__call__
         monkeypatch.setattr(GreedyHead, "__call__",
                             lambda self, x: calls.append(x.shape[0]) or real(self, x))
@@ -98,7 +98,8 @@ def test_async_scheduling_with_the_screen(tiny_model_factory, monkeypatch, ops):
 
 def test_no_screen_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
     """A CPU with AVX512-BF16 / AMX keeps the bf16 lm_head (nothing packed to screen)."""
-    monkeypatch.setattr(config_mod, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(runner_mod, "GREEDY_HEAD_MAX_ROWS", 4)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
     tm = tiny_model_factory("qwen3_headdim")
-    assert runner_of(make_llm(tm.path, dtype="bfloat16")).greedy_head is None
+    llm = make_llm(tm.path, dtype="bfloat16", greedy_head_max_rows=4)
+    assert runner_of(llm).greedy_head is None
+    assert llm.llm_engine.platform.lm_head == "full"

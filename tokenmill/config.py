@@ -24,26 +24,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX).
-
-    Without it, oneDNN emulates bf16 and a bf16 GEMM runs several times slower
-    than fp32 (measured: 3.4x on an AVX-512 Xeon without BF16).
-    """
-    from tokenmill.kernels import all_levels, cpu_capability
-    levels = all_levels()
-    if "avx512" in levels and levels.index(cpu_capability()) < levels.index("avx512"):
-        # A level forced below AVX-512 (TOKENMILL_CPU_CAPABILITY / ATEN_CPU_CAPABILITY)
-        # takes the path such a CPU takes end to end: fp32 GEMMs, as it has no bf16.
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -98,14 +78,6 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     generation_config: dict = field(default_factory=dict)
-
-    @property
-    def gemm_dtype(self) -> torch.dtype | None:
-        """fp32 GEMMs for half-precision models on CPUs that only emulate bf16 (4x faster there)."""
-        if (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                and not cpu_has_native_bf16()):
-            return torch.float32
-        return None
 
     @property
     def vocab_size(self) -> int:

@@ -10,6 +10,7 @@ hand from the same tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -263,12 +264,15 @@ def test_expert_index_out_of_range(moe_model, tmp_path):
         make_llm(str(tmp_path))
 
 
-def test_bf16_model_widens_expert_gemms(moe_model):
+def test_bf16_model_widens_expert_gemms(moe_model, monkeypatch):
     """A bf16 MoE model with fp32 GEMMs (the policy on CPUs without native bf16)."""
+    from tokenmill import cpu_platform
     from tokenmill.models.loader import load_model
     tm = moe_model("qwen3_moe_norm")
-    model = load_model(tm.path, tm.hf_config, torch.bfloat16, torch.device("cpu"),
-                       gemm_dtype=torch.float32)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+    widened = cpu_platform.CpuPlatform.create("cpu", torch.bfloat16, cpu_kernels="torch")
+    assert widened.gemm_dtype == "float32"
+    model = load_model(tm.path, tm.hf_config, torch.bfloat16, torch.device("cpu"), widened)
     moe = model.layers[1].mlp
     assert moe.gate.weight.dtype == torch.float32
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float32
@@ -278,7 +282,9 @@ def test_bf16_model_widens_expert_gemms(moe_model):
     assert torch.equal(moe.experts.gate_up_proj, ref)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     x = torch.randn(7, tm.hf_config["hidden_size"]).to(torch.bfloat16)
-    native = load_model(tm.path, tm.hf_config, torch.bfloat16, torch.device("cpu"))
+    # As on a CPU with native bf16 GEMMs.
+    native = load_model(tm.path, tm.hf_config, torch.bfloat16, torch.device("cpu"),
+                        dataclasses.replace(widened, gemm_dtype="bfloat16"))
     assert native.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     with torch.no_grad():
         wide, narrow = moe(x), native.layers[1].mlp(x)

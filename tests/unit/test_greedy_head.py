@@ -3,13 +3,16 @@
 Its token must be exactly argmax(linear_bf16(x)) as torch computes it: the
 lowest index among equal (bf16-rounded) logits, the first NaN if there is one.
 The kernel is AVX-512 code: it is tested at those levels, and the levels below
-are tested for what they do instead (no screen: the runner's full lm_head).
+are tested for what they do instead (no screen: the CPU platform gives the runner
+the full lm_head).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tokenmill import cpu_platform
+from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.kernels import all_levels
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
@@ -157,33 +160,42 @@ def test_pack_bounds_the_quantisation_error():
 def test_greedy_head_for_a_linear_layer(ops):
     torch.manual_seed(5)
     lin = Linear(48, 700, bias=False).bfloat16()
+    lin.pack_bf16(ops, 128)
     lin.set_compute_dtype(torch.float32)
-    head = GreedyHead.build(lin)
+    head = GreedyHead.build(lin, ops)
     assert head is not None
     x = torch.randn(3, 48).bfloat16()
     assert head(x).tolist() == lin(x).float().argmax(dim=-1).tolist()
     assert head.blocks_recomputed >= 1
     biased = Linear(48, 70, bias=True).bfloat16()
+    biased.pack_bf16(ops, 128)
     biased.set_compute_dtype(torch.float32)
-    assert GreedyHead.build(biased) is None  # the screen has no bias term
+    assert GreedyHead.build(biased, ops) is None  # the screen has no bias term
     plain = Linear(48, 70, bias=False)  # fp32 weights: no packed bf16 copy
-    assert GreedyHead.build(plain) is None
+    assert GreedyHead.build(plain, ops) is None
+    assert GreedyHead.build(lin, None) is None  # no kernels (the PyTorch path)
 
 
 @no_screen_levels
-def test_no_screen_below_avx512(ops):
-    """Below AVX-512 the build has no screen: the kernel says so, a widened Linear keeps
-    its fp32 GEMM (nothing packed to screen) and GreedyHead.build gives None, so the
-    runner takes the full lm_head (tests/test_greedy_head_engine.py: same tokens)."""
+def test_no_screen_below_avx512(ops, monkeypatch):
+    """Below AVX-512 the build has no screen: the kernel says so, the CPU platform keeps
+    a widened Linear on its fp32 GEMM (nothing packed to screen) and gives the runner
+    the full lm_head (tests/test_greedy_head_engine.py: same tokens), and
+    GreedyHead.build gives None even for a lm_head packed by hand."""
     assert not ops.has_greedy_lm_head
     w = (torch.randn(100, 16) * 0.05).bfloat16()
     q, scale, coef, l1 = pack_int8_screen(w)
     with pytest.raises(RuntimeError, match=f"needs AVX-512: this is the {ops.capability} build"):
         ops.greedy_lm_head(torch.randn(1, 16), ops.pack_bf16_weight(w), q, scale, coef, l1, 100)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+    platform = CpuPlatform.create("cpu", torch.bfloat16)
+    assert platform.lm_head == "full" and platform.greedy_head_max_rows == 0
     lin = Linear(48, 700, bias=False).bfloat16()
-    lin.set_compute_dtype(torch.float32)
-    assert lin.packed_bf16 is None
-    assert GreedyHead.build(lin) is None
-    # Even a lm_head packed by hand: the level decides.
-    lin.packed_bf16, lin._linear_bf16 = ops.pack_bf16_weight(w), ops.linear_bf16
-    assert GreedyHead.build(lin) is None
+    platform.prepare_model(lin)
+    assert lin.weight.dtype == torch.float32
+    assert (lin.packed_bf16 is not None) == ops.has_fast_linear_bf16
+    # Even a lm_head packed by hand: the kernel refuses, build gives None.
+    by_hand = Linear(48, 700, bias=False).bfloat16()
+    by_hand.pack_bf16(ops, 128)
+    by_hand.set_compute_dtype(torch.float32)
+    assert GreedyHead.build(by_hand, ops) is None

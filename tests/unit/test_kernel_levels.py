@@ -139,15 +139,24 @@ def test_the_env_override_reaches_the_engine_in_a_fresh_process():
 @x86_only
 def test_a_level_forced_below_avx512_takes_the_fp32_gemm_path(fresh):
     """Forcing avx2 on a CPU with AVX512-BF16 must behave like an AVX2 CPU end to end:
-    no native bf16 GEMMs (config.cpu_has_native_bf16), whatever /proc/cpuinfo says."""
-    from tokenmill import config
+    no native bf16 GEMMs (the CPU platform's GEMM dtype rule), whatever /proc/cpuinfo
+    says; by the environment or by the engine argument cpu_capability."""
+    import torch
+
+    from tokenmill.cpu_platform import CpuPlatform, cpu_has_native_bf16
     cpu = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
     fresh.setattr(kernels, "_cpu_flags", lambda: cpu)
     fresh.setattr("builtins.open", _cpuinfo_with(" ".join(sorted(cpu))))
-    assert kernels.cpu_capability() == "avx512" and config.cpu_has_native_bf16()
+    assert cpu_has_native_bf16()
+
+    def gemm(**kw):  # the PyTorch kernels: the rule without building any kernels
+        return CpuPlatform.create("cpu", torch.bfloat16, cpu_kernels="torch", **kw).gemm_dtype
+
+    assert kernels.cpu_capability() == "avx512" and gemm() == "bfloat16"
+    assert gemm(cpu_capability="avx2") == "float32"
     kernels._forget_choice()
     fresh.setenv("TOKENMILL_CPU_CAPABILITY", "avx2")
-    assert not config.cpu_has_native_bf16()
+    assert gemm() == "float32"
 
 
 def _cpuinfo_with(flags: str):

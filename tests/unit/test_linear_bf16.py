@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill import cpu_platform
+from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
-from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.linear import Linear
 
 
@@ -45,29 +46,35 @@ def test_linear_bf16_rejects_unpacked_weights(ops):
 
 
 def test_widened_linear_uses_the_packed_kernel_for_few_rows(ops, monkeypatch):
-    """At every capability level a widened Linear packs its bf16 weights and takes
-    linear_bf16 up to BF16_MAX_ROWS rows, the fp32 GEMM above. Same results either way."""
-    monkeypatch.setattr(linear_mod, "BF16_MAX_ROWS", 8)
+    """Where the level has the vector kernel (`has_fast_linear_bf16`) the CPU platform
+    packs a widened Linear's bf16 weights and it takes linear_bf16 up to
+    linear_bf16_max_rows rows; elsewhere it keeps the fp32 GEMM (linear_bf16 there
+    unpacks the weights per call). Same results either way."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+    platform = CpuPlatform.create("cpu", torch.bfloat16, linear_bf16_max_rows=8)
+    packs = ops.has_fast_linear_bf16
+    assert platform.ops is ops and platform.gemm_dtype == "float32"
+    assert platform.linear == ("packed_bf16" if packs else "torch")
     torch.manual_seed(0)
     lin = Linear(96, 200, bias=True).bfloat16()
     ref_w, ref_b = lin.weight.detach().float(), lin.bias.detach().float()
-    assert lin.set_compute_dtype(torch.float32)
-    packs = ops.has_fast_linear_bf16
-    assert packs
+    platform.prepare_model(lin)
+    assert lin.weight.dtype == torch.float32 and lin.compute_dtype == torch.float32
     calls = []
     if packs:
         assert lin.packed_bf16 is not None and lin.packed_bf16.dtype == torch.bfloat16
+        assert lin.bf16_max_rows == 8
         real = lin._linear_bf16
         lin._linear_bf16 = lambda *a: calls.append(1) or real(*a)
     else:
         assert lin.packed_bf16 is None and lin._linear_bf16 is None
-    for rows in (1, 3, linear_mod.BF16_MAX_ROWS, linear_mod.BF16_MAX_ROWS + 1, 40):
+    for rows in (1, 3, 8, 9, 40):
         x = torch.randn(rows, 96).bfloat16()
         before = len(calls)
         out = lin(x)
         assert out.dtype == torch.bfloat16
         used = len(calls) > before
-        assert used == (packs and rows <= linear_mod.BF16_MAX_ROWS)
+        assert used == (packs and rows <= 8)
         ref = (x.float() @ ref_w.t() + ref_b).bfloat16()
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 

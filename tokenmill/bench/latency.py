@@ -25,8 +25,9 @@ import statistics
 import time
 
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
-                                        _hf_generate_batch, ensure_bench_model, greedy_agreement,
-                                        positive_int, read_model_config)
+                                        _hf_generate_batch, ensure_bench_model, format_platform,
+                                        greedy_agreement, platform_kwargs, positive_int,
+                                        read_model_config)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-roofline", action="store_true",
                    help="skip the peak GEMM measurement and the roofline ratios")
     p.add_argument("--output-json", default=None, metavar="PATH")
+    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    add_cpu_platform_args(p)
 
 
 def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -98,7 +101,7 @@ def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len:
     """-> (per-repetition TTFT s, e2e s, token ids of each repetition, engine facts)."""
     from tokenmill import LLM
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, **platform_kwargs(args))
     engine = llm.llm_engine
     for p in warmup_prompts:
         tokenmill_one(engine, p, args.output_len)
@@ -108,9 +111,9 @@ def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len:
         ttft.append(t)
         e2e.append(e)
         ids.append(out)
-    mc = engine.model_config
-    facts = {"device": mc.device,
-             "gemm_dtype": str(mc.gemm_dtype or mc.dtype).replace("torch.", ""),
+    platform = engine.platform.as_dict()
+    facts = {"device": engine.model_config.device, "gemm_dtype": platform["gemm_dtype"],
+             "platform": platform,
              "async_scheduling": getattr(engine.engine_core, "async_scheduling", None)}
     del llm, engine
     gc.collect()
@@ -213,6 +216,7 @@ def run_latency_bench(args: argparse.Namespace) -> int:
             runs["HF generate"] = ([args.input_len], [args.output_len], hf["e2e_s"]["median"])
         roof = rl.roofline(rl.count_model_flops(model_path), peaks, runs, facts["gemm_dtype"])
 
+    print(format_platform(facts["platform"]))
     print(format_table(args, tm, hf))
     if roof is not None:
         from tokenmill.bench.roofline import format_roofline
@@ -225,6 +229,7 @@ def run_latency_bench(args: argparse.Namespace) -> int:
             "ratio": ratios(tm, hf) if hf else None,
             "tokenmill": tm, "hf_generate": hf, "greedy_agreement": agreement,
             "roofline": roof,
+            "platform": facts["platform"],
             "workload": {
                 "model": model_path, "dtype": args.dtype, "device": str(device),
                 "seed": args.seed, "input_len": args.input_len, "output_len": args.output_len,

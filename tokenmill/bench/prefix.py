@@ -108,6 +108,7 @@ def _run(name: str, model_path: str, args, prompts, warm, max_model_len: int, **
             if ext_a else 0
         res["external_bytes_stored"] = (ext_a["bytes_stored"] - ext_b["bytes_stored"]) \
             if ext_a else 0
+        res["platform"] = engine.platform.as_dict()  # which kernels ran
     finally:
         shutdown = getattr(engine.engine_core, "shutdown", None)
         if shutdown is not None:
@@ -170,6 +171,7 @@ def _report(args, model_path: str, runs: list[dict], redis_note: str | None) -> 
           f"budget {args.max_num_batched_tokens} tokens/step")
     head = (f"{'run':44s} {'mean TTFT':>10s} {'p50 TTFT':>10s} {'wall':>8s} {'req/s':>7s} "
             f"{'out tok/s':>10s} {'cache hits':>11s} {'ext hits':>9s} {'same out':>9s}")
+    print(f"platform: {runs[0]['platform']['description']}")
     print(head)
     print("-" * len(head))
     for r in runs:

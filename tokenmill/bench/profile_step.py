@@ -22,7 +22,8 @@ import sys
 import time
 
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
-                                        ensure_bench_model, positive_int, read_model_config)
+                                        ensure_bench_model, platform_kwargs, positive_int,
+                                        read_model_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-shapes", action="store_true",
                    help="group the table by input shapes too")
     p.add_argument("--trace", default=None, metavar="PATH", help="also write a Chrome trace")
+    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    add_cpu_platform_args(p)
     return p
 
 
@@ -101,8 +104,9 @@ def main(argv=None) -> int:
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed,
               max_model_len=args.input_len + decode_steps, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, **platform_kwargs(args))
     engine = llm.llm_engine
+    print(f"platform: {engine.platform.describe()}")
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)

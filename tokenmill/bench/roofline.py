@@ -21,7 +21,7 @@ computes padding rows; they do not count). The peak is the best `torch.mm` FLOP/
 over GEMMs shaped like the model's (M tokens x hidden -> hidden, hidden ->
 2 x intermediate, intermediate -> hidden), best of a few repetitions, in bf16 and
 in fp32: a CPU without native bf16 (no AVX512-BF16 / AMX) emulates bf16 GEMMs,
-and tokenmill then computes its GEMMs in fp32 (ModelConfig.gemm_dtype), so both
+and tokenmill then computes its GEMMs in fp32 (its CPU platform's gemm_dtype), so both
 ratios are printed.
 """
 from __future__ import annotations

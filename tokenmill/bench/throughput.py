@@ -118,6 +118,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="also run the same workload with every request's output constrained "
                         "to a JSON schema (structured output) and print structured / "
                         "unstructured. A model without a tokenizer borrows the demo model's")
+    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    add_cpu_platform_args(p)
 
 
 # ---- the benchmark model -------------------------------------------------------
@@ -211,7 +213,7 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
     from tokenmill import LLM
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              **engine_kwargs)
+              **platform_kwargs(args), **engine_kwargs)
     if getattr(args, "structured", None):  # the structured run's workload, minus the grammar
         return run_timed(llm, workload, warmup, {"detokenize": False})
     _tokenmill_generate(llm, warmup)  # first-call costs (allocator, kernels) stay untimed
@@ -220,6 +222,19 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
     seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return llm, sum(len(t) for t in token_ids) / seconds, seconds, token_ids
+
+
+def platform_kwargs(args) -> dict:
+    """The CPU kernel engine arguments of a bench command (defaults where it has none)."""
+    if not hasattr(args, "cpu_kernels"):
+        return {}
+    from tokenmill.entrypoints.cli import cpu_platform_kwargs
+    return cpu_platform_kwargs(args)
+
+
+def format_platform(platform: dict) -> str:
+    """The text output's line on the kernels that ran (platform: CpuPlatform.as_dict())."""
+    return f"platform: {platform['description']}"
 
 
 def run_timed(llm, workload: Workload, warmup: Workload, structured: dict):
@@ -329,9 +344,10 @@ def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 # ---- HF continuous batching and the roofline -----------------------------------
 def run_extra_baselines(args, model_path: str, workload: Workload, warmup: Workload, device,
                         tm_ids: list[list[int]], tm_seconds: float, hf: tuple | None,
-                        hf_n: int) -> dict:
+                        hf_n: int, gemm_dtype: str | None = None) -> dict:
     """HF continuous batching (unless --skip-hf-cb) and the roofline (unless
-    --skip-roofline). -> the extra --output-json fields (keys hf_cb_*, roofline)."""
+    --skip-roofline). -> the extra --output-json fields (keys hf_cb_*, roofline).
+    `gemm_dtype`: what tokenmill's GEMMs ran in (its platform's; None: --dtype)."""
     extra: dict = {"bench": "throughput", "hf_cb_tok_s": None, "ratio_hf_cb": None,
                    "hf_cb_seconds": None, "hf_cb_greedy_agreement": None,
                    "hf_cb_num_prompts": None, "hf_cb_error": None, "roofline": None}
@@ -359,8 +375,6 @@ def run_extra_baselines(args, model_path: str, workload: Workload, warmup: Workl
                          hf_cb_greedy_agreement=agreement)
     if not args.skip_roofline:
         from tokenmill.bench import roofline as rl
-        from tokenmill.config import ModelConfig
-        gemm = ModelConfig.from_pretrained(model_path, args.dtype, device).gemm_dtype
         peaks = rl.measure_peaks(model_path, device, rl.PEAK_DTYPES + (args.dtype,))
         runs = {"tokenmill": (workload, tm_seconds)}
         if hf is not None:
@@ -370,7 +384,7 @@ def run_extra_baselines(args, model_path: str, workload: Workload, warmup: Workl
                                               extra["hf_cb_seconds"])
         runs = {k: ([len(p) for p in w.prompts], w.output_lens, s) for k, (w, s) in runs.items()}
         extra["roofline"] = rl.roofline(rl.count_model_flops(model_path), peaks, runs,
-                                        str(gemm or args.dtype).replace("torch.", ""))
+                                        gemm_dtype or args.dtype)
     return extra
 
 
@@ -467,6 +481,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     llm, tm_tok_s, tm_seconds, tm_ids = run_tokenmill(model_path, workload, warmup, args,
                                                       max_model_len, **extra)
     device = llm.llm_engine.model_config.device
+    platform = llm.llm_engine.platform.as_dict()
     error = check_lengths(tm_ids, workload)
     if error:
         logger.error(error)
@@ -503,8 +518,9 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                     hf_generated, hf_work.total_output_tokens, 100 * agreement)
         hf = (hf_tok_s, hf_seconds, hf_generated, agreement)
     more = run_extra_baselines(args, model_path, workload, warmup, device, tm_ids, tm_seconds,
-                               hf, hf_n)
+                               hf, hf_n, platform["gemm_dtype"])
 
+    print(format_platform(platform))
     print(format_table(tm_tok_s, hf[0] if hf else None, more["hf_cb_tok_s"]))
     if more["roofline"] is not None:
         from tokenmill.bench.roofline import format_roofline
@@ -515,6 +531,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
         result = build_result(args, model_path, device, max_model_len, workload,
                               (tm_tok_s, tm_seconds), hf, hf_n)
         result.update(more)
+        result["platform"] = platform
         if structured is not None:
             result["structured"] = {
                 "kind": args.structured, "schema": BENCH_JSON_SCHEMA,

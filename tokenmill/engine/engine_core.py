@@ -15,6 +15,7 @@ from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCac
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
+from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.errors import EngineDeadError, RequestFault
 from tokenmill.kv_connector.setup import attach_kv_connector, kv_cache_stats, resolve_prefix_caching
 from tokenmill.models.loader import load_model
@@ -67,20 +68,23 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
-                 kv_connector_config=None):
+                 kv_connector_config=None, platform: CpuPlatform | None = None):
         self.model_config = model_config
+        # Which kernels run (tokenmill/cpu_platform.py): the engine's, or this device's defaults.
+        self.platform = platform or CpuPlatform.create(model_config.device, model_config.dtype)
         self.async_scheduling = async_scheduling
         # One worker thread runs the steps in order when scheduling is async.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         if model is None:
             model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
-                               model_config.device, model_config.gemm_dtype)
+                               model_config.device, self.platform)
         self.runner = ModelRunner(
             model, dtype=model_config.dtype, device=model_config.device,
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=model_config.max_model_len,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            platform=self.platform)
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device)
@@ -90,7 +94,8 @@ class EngineCore:
             scheduler_config.enable_prefix_caching, self.kv_cache_config)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_config)
         self.kv_connector = attach_kv_connector(kv_connector_config, model_config,
-                                                self.kv_cache_config, self.scheduler, self.runner)
+                                                self.kv_cache_config, self.scheduler, self.runner,
+                                                gemm_dtype=self.platform.widen_to)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.kv_cache_config.num_blocks,
                     cache_config.block_size,
                     self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerConfig
+from tokenmill.cpu_platform import (DEFAULT_GREEDY_HEAD_MAX_ROWS, DEFAULT_LINEAR_BF16_MAX_ROWS,
+                                    CpuPlatform, check_cpu_args)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import CompletionState, OutputProcessor, RequestState
@@ -57,6 +59,19 @@ class EngineArgs:
     # Caps on what one request may ask for (tokenmill.limits.RequestLimits or a dict of
     # its fields; None: the defaults).
     limits: object = None
+    # Which CPU kernels run (tokenmill/cpu_platform.py decides from these and the CPU):
+    # "auto" (native where they build, else PyTorch), "native" (or an error), "torch".
+    cpu_kernels: str = "auto"
+    # A kernel capability level below the CPU's best (None: the best, or the
+    # TOKENMILL_CPU_CAPABILITY environment variable); below avx512, bf16 GEMMs run in
+    # fp32 as on such a CPU.
+    cpu_capability: str | None = None
+    # Rows up to which a widened bf16 Linear takes the packed bf16 kernel (0: never).
+    linear_bf16_max_rows: int = DEFAULT_LINEAR_BF16_MAX_ROWS
+    # Rows up to which an all-greedy step takes the int8-screened lm_head (0: never).
+    greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS
+    # The native loop over every decoder layer of a decode step (False: Python layers).
+    decode_layers: bool = True
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -75,6 +90,9 @@ class EngineArgs:
         from tokenmill.kv_connector.config import KVConnectorConfig
         self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
         self.limits = RequestLimits.from_any(self.limits)
+        self.cpu_capability = check_cpu_args(self.cpu_kernels, self.cpu_capability,
+                                             self.linear_bf16_max_rows,
+                                             self.greedy_head_max_rows, self.decode_layers)
         for name in ("block_size", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -119,10 +137,15 @@ class LLMEngine:
                                                 args.enable_chunked_prefill,
                                                 args.enable_prefix_caching)
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
+        # Which kernels run: decided here, once, for the whole engine.
+        self.platform = CpuPlatform.from_engine_args(args, self.model_config.device,
+                                                     self.model_config.dtype)
+        logger.info("platform: %s", self.platform.describe())
         self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
                                       async_scheduling=resolve_async(args.async_scheduling,
                                                                      self.model_config.device),
-                                      kv_connector_config=args.kv_connector)
+                                      kv_connector_config=args.kv_connector,
+                                      platform=self.platform)
         self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
         self._init_structured_output()
         self.output_processor = OutputProcessor(self.tokenizer)

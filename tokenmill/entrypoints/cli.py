@@ -25,7 +25,43 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
     add_kv_cache_args(p)
+    add_cpu_platform_args(p)
     add_limit_args(p)
+
+
+def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
+    """The engine arguments that choose the CPU kernels (tokenmill/cpu_platform.py)."""
+    from tokenmill import cpu_platform as cp
+    from tokenmill.kernels import all_levels
+    g = p.add_argument_group("CPU kernels")
+    g.add_argument("--cpu-kernels", choices=cp.CPU_KERNELS, default="auto",
+                   help="auto: the native C++ kernels where they build, else PyTorch; native: "
+                        "the native kernels or an error; torch: the plain PyTorch path "
+                        "everywhere (default: auto)")
+    g.add_argument("--cpu-capability", default=None, metavar="LEVEL",
+                   help=f"run the native kernels built for LEVEL ({', '.join(all_levels())}), "
+                        f"at most what this CPU runs; below avx512 a bf16 model's GEMMs run "
+                        f"in fp32 as on such a CPU (default: the best level this CPU runs)")
+    g.add_argument("--linear-bf16-max-rows", type=int,
+                   default=cp.DEFAULT_LINEAR_BF16_MAX_ROWS, metavar="N",
+                   help="where a bf16 model's GEMMs are widened to fp32, inputs of up to N "
+                        "rows take the packed bf16 kernel (0: never; default "
+                        f"{cp.DEFAULT_LINEAR_BF16_MAX_ROWS})")
+    g.add_argument("--greedy-head-max-rows", type=int,
+                   default=cp.DEFAULT_GREEDY_HEAD_MAX_ROWS, metavar="N",
+                   help="all-greedy steps of up to N rows take their tokens from the "
+                        "int8-screened lm_head, same tokens as the full one (0: never; at most "
+                        f"{cp.GREEDY_HEAD_KERNEL_ROWS}; default {cp.DEFAULT_GREEDY_HEAD_MAX_ROWS})")
+    g.add_argument("--decode-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode steps run every decoder layer in one native call where each "
+                        "layer would go native anyway (--no-decode-layers: the Python layers; "
+                        "default: on)")
+
+
+def cpu_platform_kwargs(args: argparse.Namespace) -> dict:
+    return dict(cpu_kernels=args.cpu_kernels, cpu_capability=args.cpu_capability,
+                linear_bf16_max_rows=args.linear_bf16_max_rows,
+                greedy_head_max_rows=args.greedy_head_max_rows, decode_layers=args.decode_layers)
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
-                **kv_cache_kwargs(args), **limit_kwargs(args))
+                **kv_cache_kwargs(args), **cpu_platform_kwargs(args), **limit_kwargs(args))
 
 
 def resolve_model(name: str | None) -> str:

@@ -32,9 +32,10 @@ def resolve_prefix_caching(flag: bool | None, kv_cache_config: KVCacheConfig) ->
 
 
 def attach_kv_connector(config: KVConnectorConfig | None, model_config,
-                        kv_cache_config: KVCacheConfig, scheduler, runner):
+                        kv_cache_config: KVCacheConfig, scheduler, runner, gemm_dtype=None):
     """Build the connector (the stores), give the scheduler its scheduler half and the
-    runner its worker half. Returns the shared KVConnector, or None."""
+    runner its worker half. Returns the shared KVConnector, or None. `gemm_dtype`: the
+    dtype the GEMMs were widened to (None: the model's), part of the model identity."""
     if config is None:
         return None
     if kv_cache_config.state_group_id is not None:
@@ -49,9 +50,8 @@ def attach_kv_connector(config: KVConnectorConfig | None, model_config,
     geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
     model_id = config.model_id
     if model_id is None:
-        gemm = getattr(model_config, "gemm_dtype", None)
         model_id = model_fingerprint(model_config.path,
-                                     f"dtype={model_config.dtype};gemm={gemm}")
+                                     f"dtype={model_config.dtype};gemm={gemm_dtype}")
     connector = KVConnector(config, model_id, geometry)
     group_id = kv_cache_config.attention_group_id
     worker = KVConnectorWorker(connector, runner.kv_caches,

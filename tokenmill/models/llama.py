@@ -117,7 +117,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._decode_layers: DecodeLayers | None = None
+        # The native loop over every layer of a decode step (set_decode_layers), or None.
+        self.decode_layers: DecodeLayers | None = None
+
+    def set_decode_layers(self, ops, max_rows: int) -> None:
+        """The CPU platform's decision, at load (after the Linear layers were packed):
+        `ops` with `decode_layers` turns the native loop on where every layer would take
+        its native path; None turns it off."""
+        loop = DecodeLayers(self, ops, max_rows) if ops is not None else None
+        self.decode_layers = loop if loop is not None and loop.supported else None
 
     def make_mlp(self, c: DecoderConfig, layer_idx: int) -> nn.Module:
         """The MLP of layer `layer_idx` (an MoE model overrides this)."""
@@ -130,11 +138,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if meta.native_ops is not None and self._decode_layers is None:
-            self._decode_layers = DecodeLayers(self)  # after load: it reads packed weights
-        if self._decode_layers is not None and self._decode_layers.applies(x, meta):
+        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
             # The same kernels as the layers below, called from C++ (layers/decode_layers.py).
-            x = self._decode_layers(x, cos, sin, meta)
+            x = self.decode_layers(x, cos, sin, meta)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, self.rotary, meta)

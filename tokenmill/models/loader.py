@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tokenmill.models.layers.linear import widen_gemms
+from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -163,8 +163,10 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device, gemm_dtype: torch.dtype | None = None) -> nn.Module:
-    """Build and fill the model; `gemm_dtype` widens its GEMM layers (see layers/linear.py)."""
+               device: torch.device, platform=None) -> nn.Module:
+    """Build and fill the model, then let `platform` (a tokenmill.cpu_platform.CpuPlatform;
+    None: this device's defaults) hand its kernel decisions to the layers: packed bf16
+    weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels."""
     cls = resolve_model_class(hf_config)
     torch_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -174,9 +176,6 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(torch_default)
     load_weights(model, model_dir)
-    if gemm_dtype is not None and gemm_dtype != dtype:
-        n = widen_gemms(model, gemm_dtype)
-        logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
-                    n, gemm_dtype, dtype)
+    (platform or CpuPlatform.create(device, dtype)).prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

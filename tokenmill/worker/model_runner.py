@@ -9,7 +9,6 @@ the ids back into the batch and returns the ModelRunnerOutput.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +19,7 @@ from tokenmill import faults
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from tokenmill.errors import RequestFault
-from tokenmill.kernels import cpu_ops
-from tokenmill.models.layers import linear as linear_mod
+from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.sample.sampler import Sampler, gather_logprobs
@@ -33,12 +31,6 @@ logger = logging.getLogger(__name__)
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
-
-# All-greedy steps with up to this many sampling rows take their tokens from the
-# int8-screened lm_head (layers/greedy_head.py; TOKENMILL_GREEDY_HEAD_MAX_ROWS,
-# 0 = off). Measured on the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at
-# 1 row, 1.2 vs 1.9 at 4, slower than the full GEMM from about 8 rows.
-GREEDY_HEAD_MAX_ROWS = int(os.environ.get("TOKENMILL_GREEDY_HEAD_MAX_ROWS", "4"))
 
 
 @dataclass
@@ -89,8 +81,12 @@ def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
-                 max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int):
+                 max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 platform: CpuPlatform | None = None):
+        """`platform`: the engine's kernel decisions (tokenmill/cpu_platform.py; the
+        model was prepared with it at load); None: the defaults for this device."""
         self.model = model
+        self.platform = platform or CpuPlatform.create(device, dtype)
         self.dtype = dtype
         self.device = device
         self.max_num_reqs = max_num_reqs
@@ -113,14 +109,19 @@ class ModelRunner:
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
-        self.native_ops = cpu_ops() if device.type == "cpu" else None
+        # Native attention (and q/k norm + rope) kernels for every step, or None.
+        self.native_ops = self.platform.ops if self.platform.attention == "native" else None
         # The worker half of a KV connector (tokenmill.kv_connector.worker), or None.
         self.kv_connector = None
-        # Only for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
+        # All-greedy steps of up to greedy_head_max_rows sampling rows take their tokens
+        # from the int8-screened lm_head (layers/greedy_head.py), where the platform says
+        # so, for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
         self.greedy_head = None
-        if (self.native_ops is not None and GREEDY_HEAD_MAX_ROWS > 0
-                and getattr(model, "plain_lm_head", False)):
-            self.greedy_head = GreedyHead.build(model.lm_head)
+        self.greedy_head_max_rows = 0
+        if self.platform.lm_head == "greedy_int8" and getattr(model, "plain_lm_head", False):
+            self.greedy_head = GreedyHead.build(model.lm_head, self.platform.ops)
+            if self.greedy_head is not None:
+                self.greedy_head_max_rows = self.platform.greedy_head_max_rows
 
     def _arange_upto(self, n: int) -> np.ndarray:
         if n > self._arange.size:
@@ -363,7 +364,7 @@ class ModelRunner:
         """Whether argmax of the raw logits is all this step samples, at a size where
         the screened lm_head pays and gives linear_bf16's logits (layers/linear.py)."""
         return (self.greedy_head is not None
-                and num_rows <= min(GREEDY_HEAD_MAX_ROWS, linear_mod.BF16_MAX_ROWS)
+                and num_rows <= self.greedy_head_max_rows
                 and not so.structured_output_request_ids
                 and self.input_batch.all_plain_greedy())
 

@@ -7,27 +7,27 @@ linears, native norms, attention and KV writes), `kernels/cpu_decode_layers.cpp`
 makes the same kernel calls in the same order from C++: the output is
 bit-identical to the Python layers, which stay the model's definition (and run
 every other step: prefill, fp32, MoE, or no native kernels).
+
+Whether a model gets one is the CPU platform's decision (tokenmill/cpu_platform.py,
+engine argument `decode_layers`): it builds it at load, after packing the weights.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tokenmill.models.layers import linear as linear_mod
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.models.layers.mlp import GatedMLP
-
-
-# TOKENMILL_DECODE_LAYERS=0 keeps every step on the Python layers (A/B runs, debugging).
-ENABLED = os.environ.get("TOKENMILL_DECODE_LAYERS", "1") != "0"
 
 
 class DecodeLayers:
     """The layer tensors of one LlamaForCausalLM, in cpu_decode_layers.cpp's order."""
 
-    def __init__(self, model):
+    def __init__(self, model, ops, max_rows: int):
+        """`ops`: the kernels module with `decode_layers`; steps of up to `max_rows` rows
+        (the packed linears' limit) take it."""
         self.model = model
+        self.ops = ops
+        self.max_rows = max_rows
         self._weights: list[torch.Tensor] | None = None
         self._checked_cache, self._cache_dtype = None, None
         c = model.config
@@ -35,7 +35,7 @@ class DecodeLayers:
                      c.hidden_size, c.intermediate_size]
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
-        self.supported = ENABLED and all(self._layer_supported(layer) for layer in model.layers)
+        self.supported = all(self._layer_supported(layer) for layer in model.layers)
 
     @staticmethod
     def _layer_supported(layer) -> bool:
@@ -52,10 +52,9 @@ class DecodeLayers:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU where every layer would take its native path."""
-        return (self.supported and meta.native_ops is not None and not meta.prefills
+        return (meta.native_ops is not None and not meta.prefills
                 and meta.state is None and meta.num_decodes == x.shape[0]
-                and x.dtype == torch.bfloat16 and x.shape[0] <= linear_mod.BF16_MAX_ROWS
-                and hasattr(meta.native_ops, "decode_layers")
+                and x.dtype == torch.bfloat16 and x.shape[0] <= self.max_rows
                 and self._caches_ok(x.dtype))
 
     def _caches_ok(self, dtype: torch.dtype) -> bool:
@@ -91,7 +90,7 @@ class DecodeLayers:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]: the residual stream, updated in place through every layer."""
-        return meta.native_ops.decode_layers(
+        return self.ops.decode_layers(
             x, self.weights(), self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
             meta.slot_offset, meta.decode_block_table, meta.decode_seq_lens)
 

@@ -71,12 +71,12 @@ class GreedyHead:
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 
     @classmethod
-    def build(cls, lm_head) -> GreedyHead | None:
-        """The screen for `lm_head`, or None where it cannot give linear_bf16's answer
-        (no packed bf16 weights, a bias, or a kernel level below AVX-512: the runner
-        then takes the full lm_head)."""
-        ops = getattr(lm_head, "_linear_bf16", None) and _ops()
-        if (ops is None or not getattr(ops, "has_greedy_lm_head", False)
+    def build(cls, lm_head, ops) -> GreedyHead | None:
+        """The screen of `lm_head` with the kernels module `ops`, or None where it cannot
+        give linear_bf16's answer (no packed bf16 weights, a bias, or a kernel that
+        refuses): the runner then takes the full lm_head. Whether to build one at all
+        is the CPU platform's decision (tokenmill/cpu_platform.py)."""
+        if (ops is None or getattr(lm_head, "_linear_bf16", None) is None
                 or lm_head.packed_bf16 is None or lm_head.bias is not None):
             return None
         head = cls(lm_head, ops)
@@ -94,7 +94,3 @@ class GreedyHead:
             self.lm_head.out_features)
         return ids
 
-
-def _ops():
-    from tokenmill.kernels import cpu_ops
-    return cpu_ops()

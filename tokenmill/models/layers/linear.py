@@ -11,30 +11,30 @@ At decode sizes (up to 128 rows) the layer is bound by reading its weights,
 or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights double
 the bytes: there the native `linear_bf16` kernel reads the original bf16
 weights (packed once at load, kept beside the fp32 copy) and widens them in
-registers - the same math again, fp32 products and sums. The kernel is AVX-512
-code: at a lower capability level (tokenmill.kernels) the fp32 GEMM stays.
+registers - the same math again, fp32 products and sums. Which layers do so, and
+up to how many rows, is the CPU platform's decision (tokenmill/cpu_platform.py:
+where the level's kernel is vectorised); it calls `pack_bf16` once at load.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-# Up to this many rows take the packed bf16 kernel (TOKENMILL_LINEAR_BF16_MAX_ROWS;
-# 0 turns it off). Measured on the 2-vCPU bench machine, all 33 GEMMs of the bench
-# model in one run: 10 vs 18 ms at 1 row, 15 vs 49 at 8, and 87-108 vs 80-95
-# GFLOP/s at 32-128 rows; at prefill sizes (512-2048 rows) oneDNN's fp32 GEMM is
-# about 20% ahead (docs/benchmarks.md).
-BF16_MAX_ROWS = int(os.environ.get("TOKENMILL_LINEAR_BF16_MAX_ROWS", "128"))
-
-
 class Linear(nn.Linear):
     compute_dtype: torch.dtype | None = None
     packed_bf16: torch.Tensor | None = None  # the bf16 weights in linear_bf16's layout
+    bf16_max_rows = 0  # inputs of up to this many rows take linear_bf16
     _linear_bf16 = None
+
+    def pack_bf16(self, ops, max_rows: int) -> None:
+        """Keep a packed copy of the (bf16) weights for `ops.linear_bf16`, which then runs
+        inputs of up to `max_rows` rows once the GEMM is widened (set_compute_dtype)."""
+        self.packed_bf16 = ops.pack_bf16_weight(self.weight.detach().contiguous())
+        self._linear_bf16 = ops.linear_bf16
+        self._no_bias = torch.empty(0)
+        self.bf16_max_rows = max_rows
 
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
         """Keep the weights in `dtype` and run the GEMM there; False if they already were."""
@@ -45,21 +45,12 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         self.compute_dtype = dtype
-        if old.dtype == torch.bfloat16 and old.device.type == "cpu" and dtype == torch.float32:
-            from tokenmill.kernels import cpu_ops
-            ops = cpu_ops()
-            # Only where the kernel is vectorised at this capability level (AVX-512):
-            # below it, linear_bf16 would unpack the weights on every call.
-            if ops is not None and getattr(ops, "has_fast_linear_bf16", False):
-                self.packed_bf16 = ops.pack_bf16_weight(old.contiguous())
-                self._linear_bf16 = ops.linear_bf16
-                self._no_bias = torch.empty(0)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
-        if (self._linear_bf16 is not None and x.dim() == 2 and x.shape[0] <= BF16_MAX_ROWS
+        if (self._linear_bf16 is not None and x.dim() == 2 and x.shape[0] <= self.bf16_max_rows
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self._linear_bf16(x, self.packed_bf16, self.out_features,
                                      self.bias if self.bias is not None else self._no_bias)

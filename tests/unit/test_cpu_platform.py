@@ -1,0 +1,319 @@
+"""The CPU platform (tokenmill/cpu_platform.py): the one place that decides which
+kernels run, from the CPU's capabilities and the engine arguments, and hands the
+decisions to the layers at load.
+
+The choices are checked at every capability level this CPU runs (`kernel_level`
+forces each with kernels.capability_override; a level it cannot run is skipped
+with its name), on a CPU without native bf16 (`widened`: the packed path) and
+with it, and with the plain PyTorch kernels. The kernels' own abilities
+(`has_fast_linear_bf16`, `has_greedy_lm_head`) are read from the level's module,
+so the expectations hold whichever levels have which kernels.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import make_llm, runner_of
+from tokenmill import SamplingParams, cpu_platform, kernels
+from tokenmill.cpu_platform import CpuPlatform, check_cpu_args
+from tokenmill.engine.llm_engine import EngineArgs
+from tokenmill.entrypoints.cli import main
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
+from tokenmill.models.layers.decode_layers import DecodeLayers
+from tokenmill.models.layers.greedy_head import GreedyHead
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.mlp import GatedMLP
+from tokenmill.models.layers.norm import RMSNorm
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def below_avx512(level: str) -> bool:
+    levels = kernels.all_levels()
+    return "avx512" in levels and levels.index(level) < levels.index("avx512")
+
+
+@pytest.fixture
+def widened(monkeypatch):
+    """A CPU without native bf16 GEMMs (as the bench machine's Xeon)."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """A CPU with AVX512-BF16 / AMX."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+
+
+@pytest.fixture
+def no_cpu_ops(monkeypatch):
+    """Any call of kernels.cpu_ops fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("cpu_ops() was called")
+    monkeypatch.setattr(kernels, "cpu_ops", refuse)
+
+
+# ---- the choices, per capability level ---------------------------------------------
+def test_bf16_model_without_native_bf16(ops, kernel_level, widened):
+    p = CpuPlatform.create("cpu", BF16)
+    fast, screen = ops.has_fast_linear_bf16, ops.has_greedy_lm_head
+    assert p.capability == kernel_level and p.ops is ops and p.kernels == "native"
+    assert p.model_dtype == "bfloat16" and p.gemm_dtype == "float32" and p.widen_to == FP32
+    assert p.linear == ("packed_bf16" if fast else "torch")
+    assert p.linear_bf16_max_rows == (128 if fast else 0)
+    assert p.lm_head == ("greedy_int8" if fast and screen else "full")
+    assert p.greedy_head_max_rows == (4 if fast and screen else 0)
+    assert p.decode_layers == fast
+    assert (p.attention, p.norm, p.activation) == ("native",) * 3
+    assert p.capability_forced == (kernel_level != kernels.runnable_levels()[-1])
+
+
+def test_bf16_model_with_native_bf16(ops, kernel_level, native_bf16):
+    """bf16 GEMMs stay bf16 (nothing to pack) unless the level is forced below avx512,
+    which takes an AVX2 CPU's path: fp32 GEMMs and, where the level has it, packing."""
+    p = CpuPlatform.create("cpu", BF16)
+    if below_avx512(kernel_level):
+        assert p.gemm_dtype == "float32"
+        assert p.linear == ("packed_bf16" if ops.has_fast_linear_bf16 else "torch")
+    else:
+        assert p.gemm_dtype == "bfloat16" and p.widen_to is None
+        assert (p.linear, p.lm_head, p.decode_layers) == ("torch", "full", False)
+    assert (p.attention, p.norm, p.activation) == ("native",) * 3
+
+
+def test_fp32_model(ops, kernel_level, widened):
+    p = CpuPlatform.create("cpu", FP32)
+    assert p.gemm_dtype == "float32" and p.widen_to is None
+    # fp32 activations: the GEMMs stay PyTorch's, RMSNorm too; the rest is native.
+    assert (p.linear, p.lm_head, p.decode_layers, p.norm) == ("torch", "full", False, "torch")
+    assert (p.attention, p.activation) == ("native", "native")
+
+
+def test_cpu_capability_argument_picks_the_level(kernel_level, widened):
+    best = kernels.runnable_levels()[-1]
+    p = CpuPlatform.create("cpu", BF16, cpu_capability=kernel_level.upper())
+    assert p.capability == kernel_level
+    assert p.capability_forced == (kernel_level != best)
+    ops = kernels.cpu_ops(kernel_level)
+    assert p.ops is ops
+    if ops is not None:
+        assert ops.capability == kernel_level
+        assert ("forced" in p.describe()) == (kernel_level != best)
+
+
+def test_cpu_kernels_torch_never_touches_the_native_kernels(kernel_level, widened, no_cpu_ops):
+    p = CpuPlatform.create("cpu", BF16, cpu_kernels="torch")
+    assert p.ops is None and p.kernels == "torch"
+    assert (p.linear, p.attention, p.norm, p.activation, p.lm_head, p.decode_layers) == (
+        "torch", "torch", "torch", "torch", "full", False)
+    # The GEMM dtype rule does not depend on the kernels: the CPU has no native bf16.
+    assert p.gemm_dtype == "float32" and p.capability == kernel_level
+
+
+def test_cpu_kernels_native_needs_the_kernels(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_ops", lambda level=None: None)  # no compiler
+    assert CpuPlatform.create("cpu", BF16).kernels == "torch"  # auto: PyTorch then
+    with pytest.raises(ValueError, match="cpu_kernels='native'.*not available"):
+        CpuPlatform.create("cpu", BF16, cpu_kernels="native")
+
+
+def test_arguments_that_turn_kernels_off(ops, kernel_level, widened):
+    if not ops.has_fast_linear_bf16:
+        pytest.skip(f"the {kernel_level} kernels have no fast packed linear")
+    no_linear = CpuPlatform.create("cpu", BF16, linear_bf16_max_rows=0)
+    # Nothing packed: no screen and no decode loop either (both need the packed weights).
+    assert (no_linear.linear, no_linear.lm_head, no_linear.decode_layers) == (
+        "torch", "full", False)
+    few = CpuPlatform.create("cpu", BF16, linear_bf16_max_rows=2, greedy_head_max_rows=4)
+    assert few.linear_bf16_max_rows == 2
+    assert few.greedy_head_max_rows == (2 if ops.has_greedy_lm_head else 0)
+    off = CpuPlatform.create("cpu", BF16, greedy_head_max_rows=0, decode_layers=False)
+    assert off.linear == "packed_bf16"
+    assert (off.lm_head, off.greedy_head_max_rows, off.decode_layers) == ("full", 0, False)
+
+
+def test_not_a_cpu_device(no_cpu_ops):
+    p = CpuPlatform.create("cuda", BF16)
+    assert p.capability is None and p.ops is None and p.gemm_dtype == "bfloat16"
+    assert (p.linear, p.attention, p.lm_head, p.decode_layers) == ("torch", "torch", "full",
+                                                                   False)
+    assert "not a CPU device" in p.describe()
+
+
+def test_native_bf16_detection_without_proc_cpuinfo(monkeypatch):
+    import builtins
+    real_open = builtins.open
+
+    def no_cpuinfo(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", no_cpuinfo)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not cpu_platform.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert cpu_platform.cpu_has_native_bf16()
+
+
+def test_as_dict_and_describe(ops, widened):
+    p = CpuPlatform.create("cpu", BF16)
+    d = json.loads(json.dumps(p.as_dict()))  # JSON-ready
+    assert "ops" not in d and d["description"] == p.describe()
+    for key in ("capability", "runnable_levels", "cpu_bf16", "gemm_dtype", "linear",
+                "attention", "norm", "activation", "lm_head", "decode_layers", "cpu_kernels"):
+        assert key in d, key
+    assert d["capability"] == ops.capability and d["runnable_levels"] == kernels.runnable_levels()
+    text = p.describe()
+    assert "\n" not in text and ops.capability in text and f"GEMMs in {p.gemm_dtype}" in text
+    assert f"linear {p.linear}" in text and "lm_head" in text and "decode layers" in text
+
+
+# ---- bad argument values --------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(cpu_kernels="fast"), "cpu_kernels"),
+    (dict(cpu_kernels=None), "cpu_kernels"),
+    (dict(cpu_capability="sse9"), "cpu_capability"),
+    (dict(cpu_capability=2), "cpu_capability"),
+    (dict(linear_bf16_max_rows=-1), "linear_bf16_max_rows"),
+    (dict(linear_bf16_max_rows=1.5), "linear_bf16_max_rows"),
+    (dict(linear_bf16_max_rows=True), "linear_bf16_max_rows"),
+    (dict(greedy_head_max_rows=-1), "greedy_head_max_rows"),
+    (dict(greedy_head_max_rows=129), "greedy_head_max_rows"),  # the kernel's limit is 128
+    (dict(greedy_head_max_rows="4"), "greedy_head_max_rows"),
+    (dict(decode_layers="no"), "decode_layers"),
+])
+def test_bad_values_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        check_cpu_args(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        EngineArgs(model="unused", **kwargs).validate()
+    with pytest.raises(ValueError, match=name):
+        CpuPlatform.create("cpu", BF16, **kwargs)
+
+
+def test_a_level_the_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "runnable_levels", lambda: ["default"])
+    top = kernels.all_levels()[-1]
+    if top == "default":
+        pytest.skip("this architecture has one level only")
+    with pytest.raises(ValueError, match=f"cpu_capability='{top}': this CPU cannot run"):
+        check_cpu_args(cpu_capability=top)
+    assert check_cpu_args(cpu_capability=" Default ") == "default"
+
+
+def test_bad_values_on_the_command_line(llama_tiny, capsys):
+    assert main(["generate", "--model", llama_tiny.path, "--prompt", "x",
+                 "--linear-bf16-max-rows", "-3"]) == 2
+    assert "linear_bf16_max_rows must be an int >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", llama_tiny.path, "--prompt", "x", "--cpu-kernels", "fast"])
+    assert "--cpu-kernels: invalid choice: 'fast'" in capsys.readouterr().err
+
+
+# ---- the engine arguments reach the platform and the layers -------------------------
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _generate(llm, tm, n=3):
+    outs = llm.generate([{"prompt_token_ids": p} for p in tm.prompts[:n]], GREEDY,
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, widened,
+                                         monkeypatch):
+    tm = tiny_model_factory("qwen3_headdim")
+    llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=16)
+    platform = llm.llm_engine.platform
+    runner = runner_of(llm)
+    assert platform is llm.llm_engine.engine_core.platform is runner.platform
+    assert platform.ops is ops and runner.native_ops is ops
+    model = runner.model
+    packed = platform.linear == "packed_bf16"
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, GatedMLP)):
+            assert m.native_ops is ops
+        if isinstance(m, Linear):
+            assert m.weight.dtype == FP32
+            assert (m.packed_bf16 is not None) == packed
+            assert m.bf16_max_rows == (16 if packed else 0)
+    assert (model.decode_layers is not None) == platform.decode_layers
+    reference = _generate(llm, tm)
+    # Decided once: the hot path never asks tokenmill.kernels again.
+    monkeypatch.setattr(kernels, "cpu_ops", lambda *a, **k: pytest.fail("cpu_ops() per call"))
+    assert _generate(llm, tm) == reference
+
+
+def test_decode_layers_argument(tiny_model_factory, ops, kernel_level, widened, monkeypatch):
+    if not ops.has_fast_linear_bf16:
+        pytest.skip(f"the {kernel_level} kernels have no fast packed linear (no decode loop)")
+    tm = tiny_model_factory("qwen3_headdim")
+    calls = []
+    real = DecodeLayers.__call__
+    monkeypatch.setattr(DecodeLayers, "__call__",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    on = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
+    tokens = _generate(on, tm)
+    assert on.llm_engine.platform.decode_layers and calls  # the C++ loop ran
+    calls.clear()
+    off = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, decode_layers=False)
+    assert not off.llm_engine.platform.decode_layers
+    assert runner_of(off).model.decode_layers is None
+    assert _generate(off, tm) == tokens
+    assert calls == []  # never called
+
+
+def test_greedy_head_max_rows_argument(tiny_model_factory, ops, kernel_level, widened,
+                                       monkeypatch):
+    if not (ops.has_fast_linear_bf16 and ops.has_greedy_lm_head):
+        pytest.skip(f"the {kernel_level} kernels have no greedy lm_head screen")
+    tm = tiny_model_factory("qwen3_headdim")
+    on = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, greedy_head_max_rows=3)
+    assert runner_of(on).greedy_head is not None and runner_of(on).greedy_head_max_rows == 3
+    tokens = _generate(on, tm)
+    monkeypatch.setattr(GreedyHead, "build",
+                        classmethod(lambda cls, *a: pytest.fail("GreedyHead.build called")))
+    off = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, greedy_head_max_rows=0)
+    assert off.llm_engine.platform.lm_head == "full"
+    assert runner_of(off).greedy_head is None and runner_of(off).greedy_head_max_rows == 0
+    assert _generate(off, tm) == tokens
+
+
+def test_cpu_capability_argument_reaches_the_layers(tiny_model_factory, widened):
+    tm = tiny_model_factory("llama_gqa_tied")
+    level = kernels.runnable_levels()[0]
+    llm = make_llm(tm.path, dtype="bfloat16", cpu_capability=level)
+    platform = llm.llm_engine.platform
+    assert platform.capability == level
+    if platform.ops is None:
+        pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
+    norms = [m for m in runner_of(llm).model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.native_ops.capability == level for m in norms)
+    assert runner_of(llm).native_ops.capability == level
+
+
+def test_cpu_kernels_torch_end_to_end(tiny_model_factory, no_cpu_ops):
+    """The plain PyTorch path everywhere, tokenmill.kernels never asked: HF's tokens."""
+    tm = tiny_model_factory("llama_gqa_tied")
+    llm = make_llm(tm.path, dtype="float32", cpu_kernels="torch", max_num_seqs=4)
+    runner = runner_of(llm)
+    assert runner.native_ops is None and runner.greedy_head is None
+    assert all(m.native_ops is None for m in runner.model.modules()
+               if isinstance(m, (RMSNorm, GatedMLP)))
+    outs = llm.generate([{"prompt_token_ids": p} for p in tm.prompts[:3]],
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    for p, out in zip(tm.prompts[:3], outs):
+        assert out.outputs[0].token_ids == tm.reference(p, 20)
+
+
+def test_the_platform_is_logged_at_engine_start(llama_tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
+        llm = make_llm(llama_tiny.path, cpu_kernels="torch")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("platform: ")]
+    assert lines == [f"platform: {llm.llm_engine.platform.describe()}"]

@@ -1,0 +1,281 @@
+"""The CPU platform: which kernels the engine runs, decided in one place, once.
+
+`CpuPlatform.create` is called at engine start with the device, the model dtype
+and the engine arguments (`cpu_kernels`, `cpu_capability`, `linear_bf16_max_rows`,
+`greedy_head_max_rows`, `decode_layers`). It reads what this CPU can do (the
+kernel levels it runs, tokenmill.kernels; whether it has native bf16 GEMMs) and
+fixes, for the whole run:
+
+- the kernel capability level and its module of native kernels (`ops`, or None
+  for the plain PyTorch path);
+- the GEMM dtype: a bf16 / fp16 model computes its GEMMs in fp32 where the CPU
+  has no native bf16 (no AVX512-BF16 / AMX: oneDNN emulates bf16, ~3-4x slower
+  than fp32) or where a level below avx512 is forced (the run then takes an AVX2
+  CPU's path end to end); elsewhere in the model dtype;
+- the linear kernel: `packed_bf16` (the bf16 weights packed once, widened in the
+  kernel, up to `linear_bf16_max_rows` rows; where the level's `linear_bf16` is
+  vectorised and the GEMMs were widened) or `torch`;
+- the attention, norm and activation kernels (`native` or `torch`);
+- the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
+  to `greedy_head_max_rows` rows; needs the packed lm_head) or `full`;
+- the decode-layer path: the native C++ loop over every layer of a decode step,
+  on or off.
+
+`prepare_model` hands those decisions to the layers once, after the weights are
+loaded (packed weights, widened GEMMs, each layer's kernels module, the decode
+loop); the model runner takes the rest (attention metadata, the greedy head). No
+layer looks anything up per call. `describe()` is the line logged at start-up,
+`as_dict()` what the benchmarks write into their JSON.
+"""
+from __future__ import annotations
+
+import logging
+import platform as _host
+from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger(__name__)
+
+CPU_KERNELS = ("auto", "native", "torch")
+# Up to this many rows a widened bf16 Linear takes the packed bf16 kernel. Measured on
+# the 2-vCPU bench machine, all 33 GEMMs of the bench model in one run: 10 vs 18 ms at 1
+# row, 15 vs 49 at 8, and 87-108 vs 80-95 GFLOP/s at 32-128 rows; at prefill sizes
+# (512-2048 rows) oneDNN's fp32 GEMM is about 20% ahead (docs/benchmarks.md).
+DEFAULT_LINEAR_BF16_MAX_ROWS = 128
+# All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
+# the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
+# slower than the full GEMM from about 8 rows.
+DEFAULT_GREEDY_HEAD_MAX_ROWS = 4
+GREEDY_HEAD_KERNEL_ROWS = 128  # greedy_lm_head takes 1 to 128 rows
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 GEMMs natively (AVX512-BF16 or AMX), from
+    /proc/cpuinfo; without it (macOS, Windows), from torch's own CPU probe.
+
+    Without native bf16, oneDNN emulates bf16 and a bf16 GEMM runs several times
+    slower than fp32 (measured: 3.4x on an AVX-512 Xeon without BF16).
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        import torch
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+    return any(flag in info for flag in _BF16_CPU_FLAGS)
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_cpu_args(cpu_kernels="auto", cpu_capability=None,
+                   linear_bf16_max_rows=DEFAULT_LINEAR_BF16_MAX_ROWS,
+                   greedy_head_max_rows=DEFAULT_GREEDY_HEAD_MAX_ROWS,
+                   decode_layers=True) -> str | None:
+    """ValueError naming the argument for a bad value; -> cpu_capability normalised."""
+    from tokenmill import kernels
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, "
+                         f"got {cpu_kernels!r}")
+    if cpu_capability is not None:
+        if not isinstance(cpu_capability, str):
+            raise ValueError(f"cpu_capability must be a level name or None, "
+                             f"got {cpu_capability!r}")
+        level = cpu_capability.strip().lower()
+        levels, runnable = kernels.all_levels(), kernels.runnable_levels()
+        if level not in levels:
+            raise ValueError(f"cpu_capability={cpu_capability!r} is not a CPU capability level "
+                             f"of {_host.machine()}; the levels are {', '.join(levels)}")
+        if level not in runnable:
+            missing = sorted(kernels.LEVELS[level].cpu_flags - _cpu_flags())
+            raise ValueError(f"cpu_capability={level!r}: this CPU cannot run the {level} kernels"
+                             f" (missing {', '.join(missing) or 'support'}); it runs "
+                             f"{', '.join(runnable)}")
+        cpu_capability = level
+    if not _is_int(linear_bf16_max_rows) or linear_bf16_max_rows < 0:
+        raise ValueError(f"linear_bf16_max_rows must be an int >= 0 (0: off), "
+                         f"got {linear_bf16_max_rows!r}")
+    if (not _is_int(greedy_head_max_rows)
+            or not 0 <= greedy_head_max_rows <= GREEDY_HEAD_KERNEL_ROWS):
+        raise ValueError(f"greedy_head_max_rows must be an int from 0 (off) to "
+                         f"{GREEDY_HEAD_KERNEL_ROWS}, got {greedy_head_max_rows!r}")
+    if not isinstance(decode_layers, bool):
+        raise ValueError(f"decode_layers must be True or False, got {decode_layers!r}")
+    return cpu_capability
+
+
+@dataclass(frozen=True)
+class CpuPlatform:
+    # What the machine is.
+    device: str
+    arch: str                       # platform.machine()
+    runnable_levels: tuple[str, ...]  # kernel levels this CPU executes, lowest first
+    torch_capability: str           # torch.backends.cpu.get_cpu_capability()
+    cpu_bf16: bool                  # the CPU has native bf16 GEMMs (AVX512-BF16 / AMX)
+    # What was asked.
+    cpu_kernels: str                # auto / native / torch
+    capability_forced: bool         # a level below the CPU's best (argument or env)
+    # What runs.
+    capability: str | None          # the kernel level (None: not a CPU device)
+    kernels: str                    # "native" (ops below) or "torch"
+    model_dtype: str
+    gemm_dtype: str                 # what GEMMs compute in
+    linear: str                     # "packed_bf16" or "torch"
+    linear_bf16_max_rows: int       # rows that take packed_bf16 (0: linear is torch)
+    attention: str                  # "native" or "torch": paged decode, KV writes, q/k norm + rope
+    norm: str                       # "native" or "torch": RMSNorm (half-precision activations)
+    activation: str                 # "native" or "torch": silu_mul
+    lm_head: str                    # "greedy_int8" or "full"
+    greedy_head_max_rows: int       # rows that take greedy_int8 (0: lm_head is full)
+    decode_layers: bool             # the native decode-layer loop
+    # The native kernels module of `capability`, or None (the PyTorch path).
+    ops: object = field(default=None, compare=False, repr=False)
+
+    # ---- construction ---------------------------------------------------------------
+    @classmethod
+    def create(cls, device="cpu", model_dtype=None, *, cpu_kernels: str = "auto",
+               cpu_capability: str | None = None,
+               linear_bf16_max_rows: int = DEFAULT_LINEAR_BF16_MAX_ROWS,
+               greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS,
+               decode_layers: bool = True) -> CpuPlatform:
+        """The platform for a model of `model_dtype` (default fp32) on `device`."""
+        import torch
+
+        from tokenmill import kernels
+        device = torch.device(device)
+        model_dtype = model_dtype or torch.float32
+        level = check_cpu_args(cpu_kernels, cpu_capability, linear_bf16_max_rows,
+                               greedy_head_max_rows, decode_layers)
+        runnable = tuple(kernels.runnable_levels())
+        on_cpu = device.type == "cpu"
+        forced_by_arg = level is not None
+        if on_cpu and level is None:
+            # The detected best, or what TOKENMILL_CPU_CAPABILITY / ATEN_CPU_CAPABILITY /
+            # kernels.capability_override (tests) say.
+            level = kernels.cpu_capability()
+        levels = kernels.all_levels()
+        below_avx512 = (level is not None and "avx512" in levels
+                        and levels.index(level) < levels.index("avx512"))
+        cpu_bf16 = cpu_has_native_bf16()
+        ops = None
+        if on_cpu and cpu_kernels != "torch":
+            ops = kernels.cpu_ops(level) if forced_by_arg else kernels.cpu_ops()
+            if ops is None and cpu_kernels == "native":
+                raise ValueError("cpu_kernels='native': the native CPU kernels are not "
+                                 "available here (no C++ compiler, or TOKENMILL_NO_NATIVE=1); "
+                                 "use cpu_kernels='auto' or 'torch'")
+        half = model_dtype in (torch.bfloat16, torch.float16)
+        # The GEMM dtype rule: fp32 for half-precision models where bf16 is emulated; a
+        # level forced below avx512 takes that path as an AVX2 CPU would.
+        widen = on_cpu and half and (not cpu_bf16 or below_avx512)
+        gemm = torch.float32 if widen else model_dtype
+        packed = (ops is not None and model_dtype == torch.bfloat16 and gemm == torch.float32
+                  and linear_bf16_max_rows > 0 and getattr(ops, "has_fast_linear_bf16", False))
+        greedy = (packed and greedy_head_max_rows > 0
+                  and getattr(ops, "has_greedy_lm_head", False))
+        native = "native" if ops is not None else "torch"
+        return cls(
+            device=str(device), arch=_host.machine(), runnable_levels=runnable,
+            torch_capability=str(torch.backends.cpu.get_cpu_capability()),
+            cpu_bf16=cpu_bf16, cpu_kernels=cpu_kernels,
+            capability_forced=bool(on_cpu and level and runnable and level != runnable[-1]),
+            capability=level if on_cpu else None, kernels=native,
+            model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
+            linear="packed_bf16" if packed else "torch",
+            linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
+            attention=native, norm=native if ops is not None and half else "torch",
+            activation=native,
+            lm_head="greedy_int8" if greedy else "full",
+            greedy_head_max_rows=min(greedy_head_max_rows, linear_bf16_max_rows) if greedy else 0,
+            decode_layers=bool(packed and decode_layers and hasattr(ops, "decode_layers")),
+            ops=ops)
+
+    @classmethod
+    def from_engine_args(cls, args, device, model_dtype) -> CpuPlatform:
+        return cls.create(device, model_dtype, cpu_kernels=args.cpu_kernels,
+                          cpu_capability=args.cpu_capability,
+                          linear_bf16_max_rows=args.linear_bf16_max_rows,
+                          greedy_head_max_rows=args.greedy_head_max_rows,
+                          decode_layers=args.decode_layers)
+
+    # ---- what it decided ---------------------------------------------------------------
+    @property
+    def widen_to(self):
+        """The torch dtype the GEMM layers are widened to, or None (they keep the model's)."""
+        import torch
+        return None if self.gemm_dtype == self.model_dtype else getattr(torch, self.gemm_dtype)
+
+    def as_dict(self) -> dict:
+        """Every decision and what it was made from (JSON-ready; no kernels module)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ops"}
+        out["runnable_levels"] = list(self.runnable_levels)
+        out["description"] = self.describe()
+        return out
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.capability is None:
+            return (f"{self.device}: not a CPU device; PyTorch kernels, "
+                    f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}")
+        best = self.runnable_levels[-1] if self.runnable_levels else "?"
+        level = (f"level {self.capability} (forced; the CPU runs up to {best})"
+                 if self.capability_forced else f"level {self.capability}")
+        kernels = ("native" if self.kernels == "native"
+                   else f"PyTorch (cpu_kernels={self.cpu_kernels})")
+        bf16 = "yes" if self.cpu_bf16 else "no"
+        if self.cpu_bf16 and self.model_dtype in ("bfloat16", "float16") and (
+                self.gemm_dtype == "float32"):
+            bf16 += ", unused below avx512"
+        linear = (f"packed_bf16 up to {self.linear_bf16_max_rows} rows"
+                  if self.linear == "packed_bf16" else "torch")
+        head = (f"greedy_int8 up to {self.greedy_head_max_rows} rows"
+                if self.lm_head == "greedy_int8" else "full")
+        return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
+                f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, "
+                f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
+                f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}")
+
+    # ---- handing the decisions to the layers ------------------------------------------
+    def prepare_model(self, model) -> None:
+        """After the weights are loaded: pack the bf16 weights of the Linear layers that
+        take packed_bf16, widen the GEMM layers, give each layer that has native kernels
+        its module (`set_native_ops`) and the model its decode-layer loop
+        (`set_decode_layers`). Nothing is decided per forward call afterwards."""
+        import torch
+
+        from tokenmill.models.layers.linear import Linear, widen_gemms
+        if self.linear == "packed_bf16":
+            for module in model.modules():
+                if (isinstance(module, Linear) and module.weight.dtype == torch.bfloat16
+                        and module.weight.device.type == "cpu"):
+                    module.pack_bf16(self.ops, self.linear_bf16_max_rows)
+        widen = self.widen_to
+        if widen is not None:
+            n = widen_gemms(model, widen)
+            if n:
+                logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
+                            n, self.gemm_dtype, self.model_dtype)
+        for module in model.modules():
+            set_ops = getattr(module, "set_native_ops", None)
+            if set_ops is not None:
+                set_ops(self.ops)
+        set_decode_layers = getattr(model, "set_decode_layers", None)
+        if set_decode_layers is not None:
+            set_decode_layers(self.ops if self.decode_layers else None, self.linear_bf16_max_rows)
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
