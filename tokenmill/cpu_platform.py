@@ -12,9 +12,13 @@ fixes, for the whole run:
   has no native bf16 (no AVX512-BF16 / AMX: oneDNN emulates bf16, ~3-4x slower
   than fp32) or where a level below avx512 is forced (the run then takes an AVX2
   CPU's path end to end); elsewhere in the model dtype;
-- the linear kernel: `packed_bf16` (the bf16 weights packed once, widened in the
-  kernel, up to `linear_bf16_max_rows` rows; where the level's `linear_bf16` is
-  vectorised and the GEMMs were widened) or `torch`;
+- the linear kernel of a bf16 model: `packed_bf16` (the bf16 weights packed once,
+  widened to fp32 in the kernel; where the level's `linear_bf16` is vectorised) or
+  `torch`. Without native bf16 it takes every input and the packed weights are
+  the only copy (half the bytes of an fp32 copy, and a batch-1 step is bound by
+  reading them); with native bf16 it takes the small inputs (decode) and oneDNN's
+  bf16 GEMM the rest. `linear_bf16_max_rows` (an engine argument) sets the row
+  limit instead: then an fp32 copy serves the larger inputs where bf16 is emulated;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head) or `full`;
@@ -36,11 +40,19 @@ from dataclasses import dataclass, field, fields
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS = ("auto", "native", "torch")
-# Up to this many rows a widened bf16 Linear takes the packed bf16 kernel. Measured on
-# the 2-vCPU bench machine, all 33 GEMMs of the bench model in one run: 10 vs 18 ms at 1
-# row, 15 vs 49 at 8, and 87-108 vs 80-95 GFLOP/s at 32-128 rows; at prefill sizes
-# (512-2048 rows) oneDNN's fp32 GEMM is about 20% ahead (docs/benchmarks.md).
-DEFAULT_LINEAR_BF16_MAX_ROWS = 128
+# Without native bf16 the packed kernel takes every input: measured on the 2-vCPU bench
+# machine (AVX-512, no BF16), all 33 GEMMs of the bench model in one run, 10 vs 18 ms
+# for oneDNN's fp32 GEMM at 1 row, 15 vs 49 at 8, 87-108 vs 80-95 GFLOP/s at 32-128
+# rows; at prefill sizes (512-2048 rows) the fp32 GEMM is about 20% ahead
+# (docs/benchmarks.md), not worth a second, fp32, copy of every weight.
+# With native bf16 (AMX / AVX512-BF16) oneDNN's bf16 GEMM overtakes the packed kernel
+# between 8 and 16 rows; below, the packed kernel reads the weights faster. Measured on
+# a Xeon with AMX, 3072 x 512: 0.11 vs 0.26 ms at 1 row, 0.47 vs 0.37 ms at 16 rows,
+# and on the 32000 x 512 lm_head 3.1 vs 9.4 ms at 1 row.
+DEFAULT_NATIVE_BF16_PACKED_ROWS = 8
+# linear_bf16_max_rows of a packed layer that takes every input (no other copy of the
+# weights is kept): layers/linear.py's ALL_ROWS.
+from tokenmill.models.layers.linear import ALL_ROWS  # noqa: E402
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.
@@ -82,7 +94,7 @@ def _is_int(v) -> bool:
 
 
 def check_cpu_args(cpu_kernels="auto", cpu_capability=None,
-                   linear_bf16_max_rows=DEFAULT_LINEAR_BF16_MAX_ROWS,
+                   linear_bf16_max_rows=None,
                    greedy_head_max_rows=DEFAULT_GREEDY_HEAD_MAX_ROWS,
                    decode_layers=True) -> str | None:
     """ValueError naming the argument for a bad value; -> cpu_capability normalised."""
@@ -105,8 +117,9 @@ def check_cpu_args(cpu_kernels="auto", cpu_capability=None,
                              f" (missing {', '.join(missing) or 'support'}); it runs "
                              f"{', '.join(runnable)}")
         cpu_capability = level
-    if not _is_int(linear_bf16_max_rows) or linear_bf16_max_rows < 0:
-        raise ValueError(f"linear_bf16_max_rows must be an int >= 0 (0: off), "
+    if linear_bf16_max_rows is not None and (not _is_int(linear_bf16_max_rows)
+                                             or linear_bf16_max_rows < 0):
+        raise ValueError(f"linear_bf16_max_rows must be None (auto) or an int >= 0 (0: off), "
                          f"got {linear_bf16_max_rows!r}")
     if (not _is_int(greedy_head_max_rows)
             or not 0 <= greedy_head_max_rows <= GREEDY_HEAD_KERNEL_ROWS):
@@ -134,7 +147,9 @@ class CpuPlatform:
     model_dtype: str
     gemm_dtype: str                 # what GEMMs compute in
     linear: str                     # "packed_bf16" or "torch"
-    linear_bf16_max_rows: int       # rows that take packed_bf16 (0: linear is torch)
+    linear_bf16_max_rows: int       # rows that take packed_bf16 (0: linear is torch;
+                                    # ALL_ROWS: every input)
+    weights: str                    # what the Linear layers keep in memory
     attention: str                  # "native" or "torch": paged decode, KV writes, q/k norm + rope
     norm: str                       # "native" or "torch": RMSNorm (half-precision activations)
     activation: str                 # "native" or "torch": silu_mul
@@ -148,7 +163,7 @@ class CpuPlatform:
     @classmethod
     def create(cls, device="cpu", model_dtype=None, *, cpu_kernels: str = "auto",
                cpu_capability: str | None = None,
-               linear_bf16_max_rows: int = DEFAULT_LINEAR_BF16_MAX_ROWS,
+               linear_bf16_max_rows: int | None = None,
                greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS,
                decode_layers: bool = True) -> CpuPlatform:
         """The platform for a model of `model_dtype` (default fp32) on `device`."""
@@ -182,8 +197,16 @@ class CpuPlatform:
         # level forced below avx512 takes that path as an AVX2 CPU would.
         widen = on_cpu and half and (not cpu_bf16 or below_avx512)
         gemm = torch.float32 if widen else model_dtype
-        packed = (ops is not None and model_dtype == torch.bfloat16 and gemm == torch.float32
+        if linear_bf16_max_rows is None:  # auto: see the module docstring
+            linear_bf16_max_rows = ALL_ROWS if widen else DEFAULT_NATIVE_BF16_PACKED_ROWS
+        packed = (ops is not None and model_dtype == torch.bfloat16
                   and linear_bf16_max_rows > 0 and getattr(ops, "has_fast_linear_bf16", False))
+        if not packed:
+            weights = f"{_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy"
+        elif linear_bf16_max_rows >= ALL_ROWS:
+            weights = "packed bf16 only"
+        else:
+            weights = "packed bf16 + " + ("fp32 copy" if widen else "bf16 (oneDNN)")
         greedy = (packed and greedy_head_max_rows > 0
                   and getattr(ops, "has_greedy_lm_head", False))
         native = "native" if ops is not None else "torch"
@@ -195,7 +218,7 @@ class CpuPlatform:
             capability=level if on_cpu else None, kernels=native,
             model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
             linear="packed_bf16" if packed else "torch",
-            linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
+            linear_bf16_max_rows=linear_bf16_max_rows if packed else 0, weights=weights,
             attention=native, norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
@@ -239,19 +262,21 @@ class CpuPlatform:
         if self.cpu_bf16 and self.model_dtype in ("bfloat16", "float16") and (
                 self.gemm_dtype == "float32"):
             bf16 += ", unused below avx512"
-        linear = (f"packed_bf16 up to {self.linear_bf16_max_rows} rows"
-                  if self.linear == "packed_bf16" else "torch")
+        rows = ("every input" if self.linear_bf16_max_rows >= ALL_ROWS
+                else f"up to {self.linear_bf16_max_rows} rows")
+        linear = f"packed_bf16 {rows}" if self.linear == "packed_bf16" else "torch"
         head = (f"greedy_int8 up to {self.greedy_head_max_rows} rows"
                 if self.lm_head == "greedy_int8" else "full")
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
-                f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, "
+                f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
                 f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}")
 
     # ---- handing the decisions to the layers ------------------------------------------
     def prepare_model(self, model) -> None:
         """After the weights are loaded: pack the bf16 weights of the Linear layers that
-        take packed_bf16, widen the GEMM layers, give each layer that has native kernels
+        take packed_bf16 (a layer that takes every input keeps no other copy), widen the
+        remaining GEMM layers, give each layer that has native kernels
         its module (`set_native_ops`) and the model its decode-layer loop
         (`set_decode_layers`). Nothing is decided per forward call afterwards."""
         import torch
@@ -264,7 +289,7 @@ class CpuPlatform:
                     module.pack_bf16(self.ops, self.linear_bf16_max_rows)
         widen = self.widen_to
         if widen is not None:
-            n = widen_gemms(model, widen)
+            n = widen_gemms(model, widen)  # packed-only layers keep their bf16 weights
             if n:
                 logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
                             n, self.gemm_dtype, self.model_dtype)

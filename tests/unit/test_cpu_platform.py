@@ -25,7 +25,7 @@ from tokenmill.entrypoints.cli import main
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.decode_layers import DecodeLayers
 from tokenmill.models.layers.greedy_head import GreedyHead
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import ALL_ROWS, Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 
@@ -64,7 +64,9 @@ def test_bf16_model_without_native_bf16(ops, kernel_level, widened):
     assert p.capability == kernel_level and p.ops is ops and p.kernels == "native"
     assert p.model_dtype == "bfloat16" and p.gemm_dtype == "float32" and p.widen_to == FP32
     assert p.linear == ("packed_bf16" if fast else "torch")
-    assert p.linear_bf16_max_rows == (128 if fast else 0)
+    # Packed, the kernel takes every input and the packed bf16 weights are the only copy.
+    assert p.linear_bf16_max_rows == (ALL_ROWS if fast else 0)
+    assert p.weights == ("packed bf16 only" if fast else "fp32 copy")
     assert p.lm_head == ("greedy_int8" if fast and screen else "full")
     assert p.greedy_head_max_rows == (4 if fast and screen else 0)
     assert p.decode_layers == fast
@@ -73,15 +75,21 @@ def test_bf16_model_without_native_bf16(ops, kernel_level, widened):
 
 
 def test_bf16_model_with_native_bf16(ops, kernel_level, native_bf16):
-    """bf16 GEMMs stay bf16 (nothing to pack) unless the level is forced below avx512,
-    which takes an AVX2 CPU's path: fp32 GEMMs and, where the level has it, packing."""
+    """bf16 GEMMs stay bf16 (oneDNN's, native), the packed kernel takes the decode-sized
+    inputs, unless the level is forced below avx512, which takes an AVX2 CPU's path:
+    fp32 math and, where the level has it, packed weights only."""
     p = CpuPlatform.create("cpu", BF16)
+    fast = ops.has_fast_linear_bf16
+    assert p.linear == ("packed_bf16" if fast else "torch")
     if below_avx512(kernel_level):
         assert p.gemm_dtype == "float32"
-        assert p.linear == ("packed_bf16" if ops.has_fast_linear_bf16 else "torch")
+        assert p.linear_bf16_max_rows == (ALL_ROWS if fast else 0)
     else:
         assert p.gemm_dtype == "bfloat16" and p.widen_to is None
-        assert (p.linear, p.lm_head, p.decode_layers) == ("torch", "full", False)
+        assert p.linear_bf16_max_rows == (cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS
+                                          if fast else 0)
+        assert p.weights == ("packed bf16 + bf16 (oneDNN)" if fast else "bfloat16 (the model's)")
+        assert p.decode_layers == fast
     assert (p.attention, p.norm, p.activation) == ("native",) * 3
 
 
@@ -129,7 +137,7 @@ def test_arguments_that_turn_kernels_off(ops, kernel_level, widened):
     assert (no_linear.linear, no_linear.lm_head, no_linear.decode_layers) == (
         "torch", "full", False)
     few = CpuPlatform.create("cpu", BF16, linear_bf16_max_rows=2, greedy_head_max_rows=4)
-    assert few.linear_bf16_max_rows == 2
+    assert few.linear_bf16_max_rows == 2 and few.weights == "packed bf16 + fp32 copy"
     assert few.greedy_head_max_rows == (2 if ops.has_greedy_lm_head else 0)
     off = CpuPlatform.create("cpu", BF16, greedy_head_max_rows=0, decode_layers=False)
     assert off.linear == "packed_bf16"
@@ -209,7 +217,7 @@ def test_a_level_the_cpu_cannot_run_is_refused(monkeypatch):
 def test_bad_values_on_the_command_line(llama_tiny, capsys):
     assert main(["generate", "--model", llama_tiny.path, "--prompt", "x",
                  "--linear-bf16-max-rows", "-3"]) == 2
-    assert "linear_bf16_max_rows must be an int >= 0" in capsys.readouterr().err
+    assert "linear_bf16_max_rows must be None (auto) or an int >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model", llama_tiny.path, "--prompt", "x", "--cpu-kernels", "fast"])
     assert "--cpu-kernels: invalid choice: 'fast'" in capsys.readouterr().err
@@ -239,7 +247,7 @@ def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, 
         if isinstance(m, (RMSNorm, GatedMLP)):
             assert m.native_ops is ops
         if isinstance(m, Linear):
-            assert m.weight.dtype == FP32
+            assert m.weight.dtype == FP32 and not m.weight.is_meta
             assert (m.packed_bf16 is not None) == packed
             assert m.bf16_max_rows == (16 if packed else 0)
     assert (model.decode_layers is not None) == platform.decode_layers
@@ -317,3 +325,29 @@ def test_the_platform_is_logged_at_engine_start(llama_tiny, caplog):
         llm = make_llm(llama_tiny.path, cpu_kernels="torch")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("platform: ")]
     assert lines == [f"platform: {llm.llm_engine.platform.describe()}"]
+
+
+def test_packed_weights_are_the_only_copy_without_native_bf16(tiny_model_factory, ops,
+                                                              kernel_level, widened):
+    """Where bf16 is emulated the bf16 model keeps its Linear weights in bf16, packed, and
+    no fp32 copy (`weight` is left on the meta device); every input, prefill included,
+    takes the packed kernel, and the tokens equal those of a run that keeps fp32 copies
+    for inputs over 2 rows (the same math: fp32 products of bf16 weights)."""
+    if not ops.has_fast_linear_bf16:
+        pytest.skip(f"the {kernel_level} kernels have no fast packed linear")
+    tm = tiny_model_factory("qwen3_headdim")
+    llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
+    assert llm.llm_engine.platform.weights == "packed bf16 only"
+    linears = [m for m in runner_of(llm).model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_only and m.weight.is_meta for m in linears)
+    assert all(m.packed_bf16.dtype == BF16 for m in linears)
+    fp32_bytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters()
+                     if not p.is_meta and p.dtype == FP32 and p.dim() == 2)
+    assert fp32_bytes == 0
+    # The unpacked view of the packed weights is the checkpoint's bf16 weights.
+    lm_head = runner_of(llm).model.lm_head
+    assert isinstance(lm_head, Linear)
+    assert torch.equal(lm_head.bf16_weight(), tm.hf.lm_head.weight.detach().bfloat16())
+    both = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=2)
+    assert both.llm_engine.platform.weights == "packed bf16 + fp32 copy"
+    assert _generate(llm, tm) == _generate(both, tm)

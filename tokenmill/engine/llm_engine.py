@@ -10,8 +10,7 @@ from dataclasses import dataclass, fields
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import SchedulerConfig
-from tokenmill.cpu_platform import (DEFAULT_GREEDY_HEAD_MAX_ROWS, DEFAULT_LINEAR_BF16_MAX_ROWS,
-                                    CpuPlatform, check_cpu_args)
+from tokenmill.cpu_platform import DEFAULT_GREEDY_HEAD_MAX_ROWS, CpuPlatform, check_cpu_args
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import CompletionState, OutputProcessor, RequestState
@@ -67,7 +66,7 @@ class EngineArgs:
     # fp32 as on such a CPU.
     cpu_capability: str | None = None
     # Rows up to which a widened bf16 Linear takes the packed bf16 kernel (0: never).
-    linear_bf16_max_rows: int = DEFAULT_LINEAR_BF16_MAX_ROWS
+    linear_bf16_max_rows: int | None = None  # None: the platform's choice
     # Rows up to which an all-greedy step takes the int8-screened lm_head (0: never).
     greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS
     # The native loop over every decoder layer of a decode step (False: Python layers).

@@ -42,11 +42,12 @@ def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
                    help=f"run the native kernels built for LEVEL ({', '.join(all_levels())}), "
                         f"at most what this CPU runs; below avx512 a bf16 model's GEMMs run "
                         f"in fp32 as on such a CPU (default: the best level this CPU runs)")
-    g.add_argument("--linear-bf16-max-rows", type=int,
-                   default=cp.DEFAULT_LINEAR_BF16_MAX_ROWS, metavar="N",
-                   help="where a bf16 model's GEMMs are widened to fp32, inputs of up to N "
-                        "rows take the packed bf16 kernel (0: never; default "
-                        f"{cp.DEFAULT_LINEAR_BF16_MAX_ROWS})")
+    g.add_argument("--linear-bf16-max-rows", type=int, default=None, metavar="N",
+                   help="a bf16 model's inputs of up to N rows take the packed bf16 kernel, "
+                        "larger ones a GEMM over a second copy of the weights (fp32 where "
+                        "bf16 is emulated) (0: never; default: every input where the CPU "
+                        "has no native bf16, so the packed weights are the only copy; "
+                        f"{cp.DEFAULT_NATIVE_BF16_PACKED_ROWS} rows where it has)")
     g.add_argument("--greedy-head-max-rows", type=int,
                    default=cp.DEFAULT_GREEDY_HEAD_MAX_ROWS, metavar="N",
                    help="all-greedy steps of up to N rows take their tokens from the "

@@ -66,7 +66,7 @@ class GreedyHead:
     def __init__(self, lm_head, ops):
         self.lm_head = lm_head
         self.ops = ops
-        weight = lm_head.weight.detach().to(torch.bfloat16)
+        weight = lm_head.bf16_weight()
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 

@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# bf16_max_rows of a layer that takes every input through the packed kernel.
+ALL_ROWS = 1 << 62
+
+
 class Linear(nn.Linear):
     compute_dtype: torch.dtype | None = None
     packed_bf16: torch.Tensor | None = None  # the bf16 weights in linear_bf16's layout
@@ -29,17 +33,37 @@ class Linear(nn.Linear):
     _linear_bf16 = None
 
     def pack_bf16(self, ops, max_rows: int) -> None:
-        """Keep a packed copy of the (bf16) weights for `ops.linear_bf16`, which then runs
-        inputs of up to `max_rows` rows once the GEMM is widened (set_compute_dtype)."""
+        """Pack the (bf16) weights for `ops.linear_bf16`, which then runs inputs of up to
+        `max_rows` rows (ALL_ROWS: every input; widening the GEMM then keeps no fp32 copy)."""
         self.packed_bf16 = ops.pack_bf16_weight(self.weight.detach().contiguous())
         self._linear_bf16 = ops.linear_bf16
         self._no_bias = torch.empty(0)
         self.bf16_max_rows = max_rows
 
+    @property
+    def packed_only(self) -> bool:
+        """The packed weights serve every input: `weight` holds no data (meta)."""
+        return self._linear_bf16 is not None and self.bf16_max_rows >= ALL_ROWS
+
+    def bf16_weight(self) -> torch.Tensor:
+        """The [N, K] weights in bf16, unpacked from the packed layout if need be."""
+        if not self.weight.is_meta:
+            return self.weight.detach().to(torch.bfloat16)
+        nb, k, nb_cols = self.packed_bf16.shape  # [N/32, K, 32], pairs (col i, col 16+i)
+        w = self.packed_bf16.view(nb, k, nb_cols // 2, 2).permute(0, 3, 2, 1)
+        return w.reshape(nb * nb_cols, k)[:self.out_features]
+
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
-        """Keep the weights in `dtype` and run the GEMM there; False if they already were."""
+        """Keep the weights in `dtype` and run the GEMM there; False if they already were.
+        A packed-only layer computes in fp32 in the kernel and drops its bf16 `weight`
+        (left as a meta tensor of the same shape: any other use of it fails loudly)."""
         if self.weight.dtype == dtype:
             return False
+        if self.packed_only and dtype == torch.float32:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"),
+                                       requires_grad=False)
+            self.compute_dtype = dtype
+            return True
         old = self.weight.detach()
         self.weight = nn.Parameter(old.to(dtype), requires_grad=False)
         if self.bias is not None:
@@ -48,12 +72,15 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._linear_bf16 is not None and x.dtype in (torch.float32, torch.bfloat16):
+            rows = x.numel() // self.in_features
+            if rows <= self.bf16_max_rows:
+                y = self._linear_bf16(x.reshape(rows, self.in_features), self.packed_bf16,
+                                      self.out_features,
+                                      self.bias if self.bias is not None else self._no_bias)
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
-        if (self._linear_bf16 is not None and x.dim() == 2 and x.shape[0] <= self.bf16_max_rows
-                and x.dtype in (torch.float32, torch.bfloat16)):
-            return self._linear_bf16(x, self.packed_bf16, self.out_features,
-                                     self.bias if self.bias is not None else self._no_bias)
         return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
 
 
