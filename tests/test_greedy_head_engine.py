@@ -2,9 +2,9 @@
 (layers/greedy_head.py); the tokens must be those of the full lm_head + argmax.
 
 Every test runs at each capability level this CPU runs, with the GEMMs widened as
-on a CPU without native bf16 (the screen needs the packed bf16 lm_head). The screen
-exists from AVX-512 up; below it the runner has none and takes the full lm_head,
-with the same tokens."""
+on a CPU without native bf16 (the screen needs the packed bf16 lm_head). Every
+level's build has the screen; a build without it (the plain-array fallback) would
+leave the runner none, and the full lm_head gives the same tokens."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +34,7 @@ def _generate(path, prompts, params, screen_rows, monkeypatch, ops, **kw):
         monkeypatch.setattr(GreedyHead, "__call__",
                             lambda self, x: calls.append(x.shape[0]) or real(self, x))
     else:
-        assert runner.greedy_head is None  # off, or below AVX-512: the full lm_head
+        assert runner.greedy_head is None  # off, or no screen in this build: the full lm_head
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [[c.token_ids for c in o.outputs] for o in outs], calls
 

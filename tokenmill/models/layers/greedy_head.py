@@ -73,8 +73,9 @@ class GreedyHead:
     @classmethod
     def build(cls, lm_head) -> GreedyHead | None:
         """The screen for `lm_head`, or None where it cannot give linear_bf16's answer
-        (no packed bf16 weights, a bias, or a kernel level below AVX-512: the runner
-        then takes the full lm_head)."""
+        (no packed bf16 weights, a bias, or a kernels build without a vectorised
+        screen - only the plain-array fallback: the runner then takes the full
+        lm_head)."""
         ops = getattr(lm_head, "_linear_bf16", None) and _ops()
         if (ops is None or not getattr(ops, "has_greedy_lm_head", False)
                 or lm_head.packed_bf16 is None or lm_head.bias is not None):
