@@ -2,29 +2,31 @@
 
 Its token must be exactly argmax(linear_bf16(x)) as torch computes it: the
 lowest index among equal (bf16-rounded) logits, the first NaN if there is one.
-The kernel is AVX-512 code: it is tested at those levels, and the levels below
-are tested for what they do instead (no screen: the CPU platform gives the runner
-the full lm_head).
+Every test runs at every capability level this CPU runs (the `ops` fixture): the
+screen's inner loop is per ISA (AVX-512 VNNI / madd, AVX2, SSE2, NEON), the rest
+is shared. The screen alone is also checked bit for bit against int64 sums at each
+x86 level, on the plain-array fallback and on aarch64 NEON under qemu
+(tests/kernels/greedy_screen_check.cpp).
 """
 from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from tokenmill import cpu_platform
-from tokenmill.cpu_platform import CpuPlatform
-from tokenmill.kernels import all_levels
+from tokenmill import kernels
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
 from tokenmill.models.layers.linear import Linear
 
 NO_BIAS = torch.empty(0)
-# The levels whose build has the screen (x86 names: skipped, named, where the CPU
-# cannot run them), and those without it.
-SCREEN_LEVELS = ["avx512", "avx512_vnni"]
-screen_levels = pytest.mark.parametrize("kernel_level", SCREEN_LEVELS, indirect=True)
-no_screen_levels = pytest.mark.parametrize(
-    "kernel_level", [lv for lv in all_levels() if lv not in SCREEN_LEVELS], indirect=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCREEN_CHECK = os.path.join(ROOT, "tests", "kernels", "greedy_screen_check.cpp")
+TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 
 
 def reference(ops, x, packed, n):
@@ -43,12 +45,14 @@ def normalised(m, k, g):
     return x / x.pow(2).mean(dim=-1, keepdim=True).sqrt()
 
 
-# N not a multiple of 32 or 64, K odd (a padded k pair) and K over one int32 chunk
-# (1024 k): every layout remainder; M from 1 to a row count with a 12-row remainder.
+# N not a multiple of 32 or 64, K odd (a padded k pair) and K over one and two int32
+# chunks (1024 k): every layout remainder; M from 1 to 128, with remainders of every
+# level's row blocks (4 at AVX-512 and NEON, 2 at AVX2 and SSE2) and linear_bf16's
+# (12 at AVX-512, 3 at AVX2, 6 at NEON and SSE2; widened from 24 rows).
 @pytest.mark.parametrize("m,n,k", [(1, 1000, 64), (2, 1001, 95), (3, 2048, 128), (5, 70, 33),
-                                   (8, 333, 1100), (13, 4000, 48), (1, 5, 8)])
+                                   (8, 333, 1100), (13, 4000, 48), (1, 5, 8), (1, 777, 2049),
+                                   (4, 3000, 257), (31, 1500, 63), (128, 1100, 96)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@screen_levels
 def test_matches_argmax_of_linear_bf16(ops, m, n, k, dtype):
     g = torch.Generator().manual_seed(m * 7 + n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
@@ -59,7 +63,6 @@ def test_matches_argmax_of_linear_bf16(ops, m, n, k, dtype):
     assert 1 <= blocks <= (n + 31) // 32
 
 
-@screen_levels
 def test_screen_recomputes_few_blocks(ops):
     # The point of the screen: a bench-sized head (32000 x 512) recomputes a few of
     # its 1000 column blocks, not all of them.
@@ -71,7 +74,6 @@ def test_screen_recomputes_few_blocks(ops):
     assert blocks <= 50
 
 
-@screen_levels
 def test_exact_ties_pick_the_lowest_index(ops):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(3000, 64, generator=g) * 0.05).bfloat16()
@@ -84,7 +86,6 @@ def test_exact_ties_pick_the_lowest_index(ops):
         assert ids.tolist() == [65]
 
 
-@screen_levels
 def test_bf16_rounding_ties_follow_the_rounded_logits(ops):
     # Columns whose fp32 logits differ by less than a bf16 ulp round to the same
     # logit; torch's argmax then takes the lowest index, so must the screen.
@@ -106,7 +107,6 @@ def test_bf16_rounding_ties_follow_the_rounded_logits(ops):
     assert ids.tolist() == reference(ops, x, packed, 2000).tolist() == [40]
 
 
-@screen_levels
 def test_degenerate_inputs_match_torch(ops):
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(500, 32, generator=g) * 0.05).bfloat16()
@@ -156,7 +156,6 @@ def test_pack_bounds_the_quantisation_error():
     assert (scale[130:] == 0).all() and (coef[130:] == 0).all()
 
 
-@screen_levels
 def test_greedy_head_for_a_linear_layer(ops):
     torch.manual_seed(5)
     lin = Linear(48, 700, bias=False).bfloat16()
@@ -176,26 +175,131 @@ def test_greedy_head_for_a_linear_layer(ops):
     assert GreedyHead.build(lin, None) is None  # no kernels (the PyTorch path)
 
 
-@no_screen_levels
-def test_no_screen_below_avx512(ops, monkeypatch):
-    """Below AVX-512 the build has no screen: the kernel says so, the CPU platform keeps
-    a widened Linear on its fp32 GEMM (nothing packed to screen) and gives the runner
-    the full lm_head (tests/test_greedy_head_engine.py: same tokens), and
-    GreedyHead.build gives None even for a lm_head packed by hand."""
-    assert not ops.has_greedy_lm_head
-    w = (torch.randn(100, 16) * 0.05).bfloat16()
-    q, scale, coef, l1 = pack_int8_screen(w)
-    with pytest.raises(RuntimeError, match=f"needs AVX-512: this is the {ops.capability} build"):
-        ops.greedy_lm_head(torch.randn(1, 16), ops.pack_bf16_weight(w), q, scale, coef, l1, 100)
-    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
-    platform = CpuPlatform.create("cpu", torch.bfloat16)
-    assert platform.lm_head == "full" and platform.greedy_head_max_rows == 0
-    lin = Linear(48, 700, bias=False).bfloat16()
+def test_every_level_has_the_screen(ops):
+    """Every level's build vectorises the screen (x86-64's default level is SSE2), and
+    the CPU platform packs a bf16 lm_head there (packed weights only where bf16 is
+    emulated) for it to screen."""
+    assert ops.has_greedy_lm_head and ops.has_fast_linear_bf16
+    from tokenmill import cpu_platform
+    from tokenmill.cpu_platform import CpuPlatform
+    torch.manual_seed(6)
+    lin = Linear(40, 300, bias=False).bfloat16()
+    ref = lin.weight.detach().clone()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+        platform = CpuPlatform.create("cpu", torch.bfloat16)
+    assert platform.lm_head == "greedy_int8"
     platform.prepare_model(lin)
-    assert lin.weight.dtype == torch.float32
-    assert (lin.packed_bf16 is not None) == ops.has_fast_linear_bf16
-    # Even a lm_head packed by hand: the kernel refuses, build gives None.
-    by_hand = Linear(48, 700, bias=False).bfloat16()
-    by_hand.pack_bf16(ops, 128)
-    by_hand.set_compute_dtype(torch.float32)
-    assert GreedyHead.build(by_hand, ops) is None
+    assert lin.packed_bf16 is not None and lin.packed_only
+    assert torch.equal(lin.bf16_weight(), ref)  # the screen is built from the packed copy
+    head = GreedyHead.build(lin, ops)
+    x = torch.randn(5, 40)
+    assert head(x).tolist() == lin(x).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_with_ties_nan_and_partial_blocks(ops, threads):
+    """128 rows at once: exact ties inside a row (lowest index wins), a NaN row, an
+    all-zero row, a tie whose columns straddle the partial last block, K odd."""
+    g = torch.Generator().manual_seed(7)
+    m, n, k = 128, 2017, 75  # 2017 = 31 * 64 + 33: the last 64-block has 33 columns
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = normalised(m, k, g)
+    for r, cols in ((0, (1900, 2010, 1999)), (5, (64, 63, 2000)), (77, (2016, 2015)),
+                    (127, (31, 32, 33))):
+        top = (x[r] * 0.5).bfloat16()
+        for c in cols:
+            w[c] = top
+    x[3, 10] = float("nan")
+    x[9] = 0
+    packed = ops.pack_bf16_weight(w)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)  # pass 1's per-thread lower bounds, merged
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            ids, blocks = screened(ops, xd, w)
+            ref = reference(ops, xd, packed, n)
+            assert ids.tolist() == ref.tolist()
+            assert ids[0] == 1900 and ids[5] == 63 and ids[77] == 2015 and ids[127] == 31
+            assert ids[9] == 0  # all logits 0: the first column
+            assert blocks == (n + 31) // 32  # the NaN row: every block is recomputed
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_nan_and_inf_weights(ops):
+    # A NaN or inf weight makes that column's scale NaN or inf: its bounds are NaN,
+    # so its block must be recomputed, and argmax takes the NaN logit (the first).
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(700, 40, generator=g) * 0.05).bfloat16()
+    w[450, 3] = float("nan")
+    w[600, 7] = float("inf")
+    packed = ops.pack_bf16_weight(w)
+    x = normalised(3, 40, g)
+    for dtype in (torch.float32, torch.bfloat16):
+        ids, _ = screened(ops, x.to(dtype), w)
+        assert ids.tolist() == reference(ops, x.to(dtype), packed, 700).tolist()
+        assert ids.tolist() == [450] * 3  # the first NaN logit
+
+
+def test_same_screen_at_every_level(ops):
+    """The approximation is exact int32 sums converted and added in one order, so
+    every level recomputes the same blocks as the default level."""
+    base = kernels.cpu_ops("default")
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(5000, 130, generator=g) * 0.03).bfloat16()
+    x = normalised(6, 130, g).bfloat16()
+    # A second block near the maximum makes the count depend on the bounds' values.
+    w[4321] = (x[2].float() * 0.4).bfloat16()
+    w[17] = (x[2].float() * 0.3999).bfloat16()
+    assert screened(ops, x, w)[1] == screened(base, x, w)[1]
+    assert screened(ops, x, w)[0].tolist() == screened(base, x, w)[0].tolist()
+
+
+def _screen_check(tmp_path, compiler, flags, runner=()):
+    exe = tmp_path / "greedy_screen_check"
+    build = subprocess.run([compiler, "-std=c++20", "-O2", "-ffp-contract=off",
+                            f"-I{TORCH_INCLUDE}", *flags, SCREEN_CHECK, "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    return run.stdout
+
+
+SCREEN_ISA = {"default": "sse2", "avx2": "avx2", "avx512": "avx512", "avx512_vnni": "avx512"}
+
+
+@pytest.mark.parametrize("level", kernels.all_levels())
+def test_screen_bit_exact_at_each_level(tmp_path, level):
+    if level not in kernels.runnable_levels():
+        pytest.skip(f"this CPU cannot run the {level} build (it runs "
+                    f"{', '.join(kernels.runnable_levels())})")
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    out = _screen_check(tmp_path, compiler, list(kernels.LEVELS[level].flags))
+    isa = SCREEN_ISA[level] if platform.machine().lower() in ("x86_64", "amd64") else "neon"
+    assert f"screen={isa} " in out and ": 0 failures" in out, out
+
+
+def test_screen_bit_exact_on_the_generic_fallback(tmp_path):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    out = _screen_check(tmp_path, compiler, ["-DTM_VEC_FORCE_GENERIC"])
+    assert "screen=generic " in out and ": 0 failures" in out, out
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="the cross-compile checks run on x86-64 hosts")
+def test_screen_bit_exact_on_aarch64_neon_under_qemu(tmp_path):
+    tools = [shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")]
+    if None in tools:
+        msg = "g++-aarch64-linux-gnu or qemu-user is not installed"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{msg}; CI must run the aarch64 checks")
+        pytest.skip(msg)
+    out = _screen_check(tmp_path, tools[0], ["-static"], runner=(tools[1],))
+    assert "screen=neon " in out and ": 0 failures" in out, out

@@ -21,19 +21,21 @@
 // value by at most 2^-8 of it, so a column whose bf16 logit ties the maximum's
 // has an exact logit above L - |L| 2^-6: a column whose upper bound is below
 // that cannot be the argmax.
-#include <ATen/Parallel.h>
-
-#include "ops.h"
+//
+// Every capability level computes the same approximation bit for bit: the int32
+// sums are exact whatever the instruction (AVX-512 VNNI / madd, AVX2 madd, NEON
+// widening multiply-accumulate, SSE2 madd, plain C++), each int32 chunk is
+// converted to fp32 with round-to-nearest and the chunks are added in k order.
+// Only the screen's inner loop is per ISA; the bounds and the selection are
+// plain C++, written once.
+#include "vec.h"  // the level's ISA macros (TM_VEC_*) and intrinsics headers
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 
 namespace {
 
@@ -42,67 +44,272 @@ constexpr int64_t NB = 32;     // linear_bf16's packed column block
 constexpr int64_t PCH = 512;   // k pairs per int32 sum: 1024 * 127 * 16383 < 2^31
 constexpr int32_t XQ_MAX = 16383;
 
-#if defined(__AVX512F__)
-inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
+// Fully unrolled, so the accumulator arrays live in registers: GCC leaves an
+// 8-iteration loop (the write-back of 8 accumulators) rolled and the whole array
+// then goes to the stack, every k pair.
+#define TM_UNROLL _Pragma("GCC unroll 16")
+
+// One ISA's int8 x int16 dot products. A block line (one k pair) is 128 bytes:
+// column j's (q[2p], q[2p+1]) at bytes 2j, 2j+1. Acc holds the int32 sums of I
+// consecutive columns; load() reads those columns' 2I bytes of a line, bcast() an
+// int16 pair (xq[2p], xq[2p+1]) packed in a dword, dot() adds the pair products.
+// kAccRegs: registers the accumulators may take (half the register file: the
+// rest holds the weights, the broadcasts and temporaries); kRegsPerAcc: vector
+// registers per Acc.
+#if defined(TM_VEC_AVX512) && defined(__AVX512BW__)
+#define TM_SCREEN_ISA "avx512"
+// 32 registers: 4 rows x 64 columns (16 accumulators) per pass.
+struct Screen {
+  static constexpr int I = 16, kAccRegs = 16, kRegsPerAcc = 1, kMaxRows = 4;
+  using Acc = __m512i;
+  using Wt = __m512i;
+  using Xb = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Wt load(const int8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static Xb bcast(uint32_t pair) { return _mm512_set1_epi32(static_cast<int>(pair)); }
+  static Acc dot(Acc acc, Wt w, Xb x) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, x);
+    return _mm512_dpwssd_epi32(acc, w, x);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
 #endif
+  }
+  static void add_to(float* out, Acc acc) {
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_cvtepi32_ps(acc)));
+  }
+};
+#elif defined(__AVX2__) && !defined(TM_VEC_GENERIC)
+#define TM_SCREEN_ISA "avx2"
+// 16 registers: rows in pairs over 32 columns (8 accumulators), a lone row over
+// all 64 (measured: 4 rows over 16 columns spill and are slower).
+struct Screen {
+  static constexpr int I = 8, kAccRegs = 8, kRegsPerAcc = 1, kMaxRows = 2;
+  using Acc = __m256i;
+  using Wt = __m256i;
+  using Xb = __m256i;
+  static Acc zero() { return _mm256_setzero_si256(); }
+  static Wt load(const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Xb bcast(uint32_t pair) { return _mm256_set1_epi32(static_cast<int>(pair)); }
+  static Acc dot(Acc acc, Wt w, Xb x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+  static void add_to(float* out, Acc acc) {
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_cvtepi32_ps(acc)));
+  }
+};
+#elif defined(TM_VEC_NEON)
+#define TM_SCREEN_ISA "neon"
+// No pairwise int16 dot product: ld2 splits a line's bytes into the even k and the
+// odd k of 8 columns, widened to int16, and each is multiplied by its lane of the
+// broadcast pair into int32 (smlal / smlal2), exact. 32 registers: 4 rows x 16
+// columns or a lone row x 64 (16 registers of accumulators).
+struct Screen {
+  static constexpr int I = 8, kAccRegs = 16, kRegsPerAcc = 2, kMaxRows = 4;
+  using Acc = int32x4x2_t;
+  struct Wt {
+    int16x8_t even, odd;
+  };
+  using Xb = int16x4_t;  // (xq[2p], xq[2p+1], xq[2p], xq[2p+1])
+  static Acc zero() { return {{vdupq_n_s32(0), vdupq_n_s32(0)}}; }
+  static Wt load(const int8_t* p) {
+    const int8x8x2_t v = vld2_s8(p);
+    return {vmovl_s8(v.val[0]), vmovl_s8(v.val[1])};
+  }
+  static Xb bcast(uint32_t pair) { return vreinterpret_s16_u32(vdup_n_u32(pair)); }
+  static Acc dot(Acc acc, Wt w, Xb x) {
+    int32x4_t lo = vmlal_lane_s16(acc.val[0], vget_low_s16(w.even), x, 0);
+    lo = vmlal_lane_s16(lo, vget_low_s16(w.odd), x, 1);
+    int32x4_t hi = vmlal_high_lane_s16(acc.val[1], w.even, x, 0);
+    hi = vmlal_high_lane_s16(hi, w.odd, x, 1);
+    return {{lo, hi}};
+  }
+  static void add_to(float* out, Acc acc) {
+    vst1q_f32(out, vaddq_f32(vld1q_f32(out), vcvtq_f32_s32(acc.val[0])));
+    vst1q_f32(out + 4, vaddq_f32(vld1q_f32(out + 4), vcvtq_f32_s32(acc.val[1])));
+  }
+};
+#elif defined(TM_VEC_SSE2)
+#define TM_SCREEN_ISA "sse2"
+// SSE2 has pmaddwd but no pmovsx: a byte unpacked against itself then shifted
+// right arithmetically by 8 is its sign extension. 16 registers: rows in pairs
+// over 16 columns, a lone row over 32.
+struct Screen {
+  static constexpr int I = 4, kAccRegs = 8, kRegsPerAcc = 1, kMaxRows = 2;
+  using Acc = __m128i;
+  using Wt = __m128i;
+  using Xb = __m128i;
+  static Acc zero() { return _mm_setzero_si128(); }
+  static Wt load(const int8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_srai_epi16(_mm_unpacklo_epi8(b, b), 8);
+  }
+  static Xb bcast(uint32_t pair) { return _mm_set1_epi32(static_cast<int>(pair)); }
+  static Acc dot(Acc acc, Wt w, Xb x) { return _mm_add_epi32(acc, _mm_madd_epi16(w, x)); }
+  static void add_to(float* out, Acc acc) {
+    _mm_storeu_ps(out, _mm_add_ps(_mm_loadu_ps(out), _mm_cvtepi32_ps(acc)));
+  }
+};
+#else
+#define TM_SCREEN_ISA "generic"
+// Plain C++: exact, not fast (the bindings report has_greedy_lm_head = False).
+struct Screen {
+  static constexpr int I = 4, kAccRegs = 16, kRegsPerAcc = 1, kMaxRows = 1;
+  struct Acc {
+    int32_t v[I];
+  };
+  struct Wt {
+    int16_t v[2 * I];
+  };
+  struct Xb {
+    int16_t lo, hi;
+  };
+  static Acc zero() { return Acc{}; }
+  static Wt load(const int8_t* p) {
+    Wt w;
+    for (int i = 0; i < 2 * I; ++i) w.v[i] = p[i];
+    return w;
+  }
+  static Xb bcast(uint32_t pair) {
+    return {static_cast<int16_t>(pair & 0xffffu), static_cast<int16_t>(pair >> 16)};
+  }
+  static Acc dot(Acc acc, Wt w, Xb x) {
+    for (int i = 0; i < I; ++i) acc.v[i] += w.v[2 * i] * x.lo + w.v[2 * i + 1] * x.hi;
+    return acc;
+  }
+  static void add_to(float* out, Acc acc) {
+    for (int i = 0; i < I; ++i) out[i] += static_cast<float>(acc.v[i]);
+  }
+};
+#endif
+
+// Accumulators (Acc) per row in a call of R rows: as many as the register budget
+// allows, a power of two dividing the QB / I of a line.
+constexpr int cols_per_pass(int R) {
+  int cv = static_cast<int>(QB) / Screen::I;
+  while (cv > 1 && R * cv * Screen::kRegsPerAcc > Screen::kAccRegs) cv /= 2;
+  return cv;
 }
 
-// Approximate dot products of R rows with one int8 block [KP, 64, 2]: out[r][j] =
-// sum_k xq[r, k] q[k, j] (exact within each int32 chunk). xp: R rows of KP int16
-// pairs, ldx pairs apart.
-template <int R>
-inline void screen_block(const uint32_t* xp, int64_t ldx, const int8_t* qb, int64_t KP,
-                         float* out) {
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * QB + 16 * j, _mm512_setzero_ps());
+// Approximate dot products of R rows with columns [c0 I, (c0 + CV) I) of one int8
+// block [KP, 64, 2], added to out (R rows of QB floats): exact int32 sums per chunk
+// of PCH pairs, each converted to fp32 and added in k order. xp: R rows of KP
+// int16 pairs, ldx pairs apart.
+template <int R, int CV>
+inline void screen_cols(const uint32_t* xp, int64_t ldx, const int8_t* qb, int64_t KP, int c0,
+                        float* out) {
+  constexpr int64_t bytes = 2 * CV * Screen::I;  // of each 128-byte line this pass reads
   for (int64_t p0 = 0; p0 < KP; p0 += PCH) {
     const int64_t p1 = std::min(KP, p0 + PCH);
-    __m512i acc[R][4];
+    Screen::Acc acc[R][CV];
+    TM_UNROLL
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+      TM_UNROLL
+      for (int c = 0; c < CV; ++c) acc[r][c] = Screen::zero();
     for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* line = qb + p * 2 * QB;
+      const int8_t* line = qb + p * 2 * QB + 2 * c0 * Screen::I;
       // Bound by memory at few rows: keep lines ~8 KB ahead in flight.
-      _mm_prefetch(reinterpret_cast<const char*>(line + 64 * 2 * QB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(line + 64 * 2 * QB + 64), _MM_HINT_T0);
-      __m512i w[4];
-      for (int j = 0; j < 4; ++j)
-        w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * j)));
-      for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp[r * ldx + p]));
-        for (int j = 0; j < 4; ++j) acc[r][j] = dot_pairs(acc[r][j], w[j], xv);
+      tmvec::prefetch(line + 64 * 2 * QB);
+      if constexpr (bytes > 64) tmvec::prefetch(line + 64 * 2 * QB + 64);
+      Screen::Xb xv[R];
+      TM_UNROLL
+      for (int r = 0; r < R; ++r) xv[r] = Screen::bcast(xp[r * ldx + p]);
+      // Each weight vector used by every row as soon as it is loaded: one live at a
+      // time (GCC keeps the source's order, and 16 registers are few).
+      TM_UNROLL
+      for (int c = 0; c < CV; ++c) {
+        const Screen::Wt w = Screen::load(line + 2 * Screen::I * c);
+        TM_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][c] = Screen::dot(acc[r][c], w, xv[r]);
       }
     }
+    TM_UNROLL
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) {
-        float* o = out + r * QB + 16 * j;
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_cvtepi32_ps(acc[r][j])));
-      }
+      TM_UNROLL
+      for (int c = 0; c < CV; ++c)
+        Screen::add_to(out + r * QB + (c0 + c) * Screen::I, acc[r][c]);
   }
 }
 
-inline void screen_rows(const uint32_t* xp, int64_t KP, const int8_t* qb, int64_t rows,
+template <int R>
+inline void screen_group(const uint32_t* xp, int64_t KP, const int8_t* qb, float* out) {
+  constexpr int CV = cols_per_pass(R);
+  for (int c0 = 0; c0 < QB / Screen::I; c0 += CV) screen_cols<R, CV>(xp, KP, qb, KP, c0, out);
+}
+
+// Rows below R: the call of exactly that many rows.
+template <int R>
+inline void screen_tail(const uint32_t* xp, int64_t KP, const int8_t* qb, int64_t rows,
                         float* out) {
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) screen_block<4>(xp + m * KP, KP, qb, KP, out + m * QB);
-  switch (rows - m) {
-    case 3: screen_block<3>(xp + m * KP, KP, qb, KP, out + m * QB); break;
-    case 2: screen_block<2>(xp + m * KP, KP, qb, KP, out + m * QB); break;
-    case 1: screen_block<1>(xp + m * KP, KP, qb, KP, out + m * QB); break;
-    default: break;
+  if constexpr (R > 1) {
+    if (rows == R - 1) return screen_group<R - 1>(xp, KP, qb, out);
+    return screen_tail<R - 1>(xp, KP, qb, rows, out);
   }
 }
-#endif
+
+// All rows against one int8 block: out [rows, QB] = the approximate dot products.
+inline void screen_rows(const uint32_t* xp, int64_t KP, const int8_t* qb, int64_t rows,
+                        float* out) {
+  std::fill(out, out + rows * QB, 0.f);
+  constexpr int R = Screen::kMaxRows;
+  int64_t m = 0;
+  for (; m + R <= rows; m += R) screen_group<R>(xp + m * KP, KP, qb, out + m * QB);
+  if (m < rows) screen_tail<R>(xp + m * KP, KP, qb, rows - m, out + m * QB);
+}
+
+}  // namespace
+
+#if !defined(TM_GREEDY_SCREEN_ONLY)  // tests/kernels/greedy_screen_check.cpp: the screen alone
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+
+namespace {
 
 // torch.argmax's order: the first NaN wins, else the first of the largest values.
 inline bool better(float v, float best, bool have) {
   if (!have) return true;
   if (std::isnan(best)) return false;
   return std::isnan(v) || v > best;
+}
+
+// Largest of v[0, n) (n a multiple of 8) by 8 partial maxima: lanes the compiler
+// vectorises. `a > b ? a : b` keeps b when a is NaN.
+inline double max8(const double* v, int64_t n, double init) {
+  double part[8];
+  for (int l = 0; l < 8; ++l) part[l] = init;
+  for (int64_t j = 0; j < n; j += 8)
+    for (int l = 0; l < 8; ++l) part[l] = v[j + l] > part[l] ? v[j + l] : part[l];
+  double r = part[0];
+  for (int l = 1; l < 8; ++l) r = part[l] > r ? part[l] : r;
+  return r;
+}
+
+// One row's bounds over columns [0, ncols) of a 64-column block (ncols >= 1): raises
+// *lower_max to the largest lower bound (a NaN one is skipped) and stores the
+// largest upper bound of each 32-column half present (NaN as +inf: that block
+// stays a candidate). Plain loops of fixed length (the padded columns' inputs
+// exist, zero): the compiler vectorises them.
+inline void bound_block(const float* approx, const float* scale, const float* coef,
+                        const float* l1w, double sx, double l1, int64_t ncols, double* lower_max,
+                        double* upper_max) {
+  const double hx = 0.5001 * sx;
+  constexpr double slack = 1.0 + 0x1p-30;  // room for this double arithmetic's own rounding
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  double up[QB], lo[QB];
+  for (int64_t j = 0; j < QB; ++j) {
+    const double a = static_cast<double>(approx[j]) * (sx * static_cast<double>(scale[j]));
+    const double err =
+        (l1 * static_cast<double>(coef[j]) + hx * static_cast<double>(l1w[j])) * slack;
+    const double u = a + err;
+    up[j] = u == u ? u : inf;
+    lo[j] = a - err;
+  }
+  for (int64_t j = ncols; j < QB; ++j) up[j] = lo[j] = -inf;  // past the vocabulary
+  *lower_max = max8(lo, QB, *lower_max);
+  upper_max[0] = max8(up, NB, -inf);
+  if (ncols > NB) upper_max[1] = max8(up + NB, NB, -inf);
 }
 
 }  // namespace
@@ -142,7 +349,6 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
     }
   }
   auto ids = torch::empty({M}, torch::dtype(torch::kLong));
-#if defined(__AVX512F__)
   // Per row: ||x||_1 (in double: its own rounding is far inside the slack), the
   // int16 scale s_x and the pairs (xq[2p], xq[2p + 1]) the dot products read.
   std::vector<double> l1(M), sx(M);
@@ -158,6 +364,7 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
     }
     finite = finite && std::isfinite(sum);
     const double s = static_cast<double>(maxabs / XQ_MAX);
+    // Little-endian (x86-64, aarch64): the dword's low half is xq[2p].
     auto* pairs = reinterpret_cast<uint16_t*>(xpairs.data() + m * KP);
     for (int64_t k = 0; k < K && s > 0 && std::isfinite(s); ++k) {
       const double v = std::nearbyint(static_cast<double>(xr[k]) / s);
@@ -169,8 +376,9 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
   const int64_t nb32 = (N + NB - 1) / NB;
   std::vector<uint8_t> candidate(nb32, finite ? 0 : 1);
   if (finite) {
-    // Pass 1: every column's upper bound; each thread's largest lower bound per row.
-    std::vector<double> upper(M * nq * QB);
+    // Pass 1: per row, the largest upper bound of each 32-column block and each
+    // thread's largest lower bound.
+    std::vector<double> upper_max(M * nb32);
     const int nthreads = at::get_num_threads();
     std::vector<double> lower_max(nthreads * M, -std::numeric_limits<double>::infinity());
     const auto* qp = q.data_ptr<int8_t>();
@@ -178,55 +386,24 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
     const float* cp = coef.data_ptr<float>();
     const float* wp1 = l1w.data_ptr<float>();
     at::parallel_for(0, nq, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> acc(M * QB);
+      std::vector<float> approx(M * QB);
       double* lmax = lower_max.data() + at::get_thread_num() * M;
       for (int64_t b = b0; b < b1; ++b) {
-        screen_rows(xpairs.data(), KP, qp + b * KP * 2 * QB, M, acc.data());
+        screen_rows(xpairs.data(), KP, qp + b * KP * 2 * QB, M, approx.data());
         const int64_t n0 = b * QB, ncols = std::min(QB, N - n0);
-        for (int64_t m = 0; m < M; ++m) {
-          const __m512d sxv = _mm512_set1_pd(sx[m]), l1v = _mm512_set1_pd(l1[m]);
-          const __m512d hx = _mm512_set1_pd(0.5001 * sx[m]);
-          // (1 + 2^-30): room for this double arithmetic's own rounding.
-          const __m512d slack = _mm512_set1_pd(1.0 + 0x1p-30);
-          __m512d lo_max = _mm512_set1_pd(lmax[m]);
-          double* up = upper.data() + m * nq * QB + n0;
-          for (int64_t j = 0; j < ncols; j += 8) {
-            const __mmask8 valid =
-                ncols - j >= 8 ? 0xff : static_cast<__mmask8>((1u << (ncols - j)) - 1);
-            const __m512d a = _mm512_mul_pd(
-                _mm512_cvtps_pd(_mm256_loadu_ps(acc.data() + m * QB + j)),
-                _mm512_mul_pd(sxv, _mm512_cvtps_pd(_mm256_loadu_ps(sp + n0 + j))));
-            const __m512d err = _mm512_mul_pd(
-                _mm512_add_pd(_mm512_mul_pd(l1v, _mm512_cvtps_pd(_mm256_loadu_ps(cp + n0 + j))),
-                              _mm512_mul_pd(hx, _mm512_cvtps_pd(_mm256_loadu_ps(wp1 + n0 + j)))),
-                slack);
-            _mm512_storeu_pd(up + j, _mm512_add_pd(a, err));
-            // max(lo, lo_max) keeps lo_max where lo is NaN.
-            lo_max = _mm512_mask_max_pd(lo_max, valid, _mm512_sub_pd(a, err), lo_max);
-          }
-          lmax[m] = _mm512_reduce_max_pd(lo_max);
-        }
+        for (int64_t m = 0; m < M; ++m)
+          bound_block(approx.data() + m * QB, sp + n0, cp + n0, wp1 + n0, sx[m], l1[m], ncols,
+                      lmax + m, upper_max.data() + m * nb32 + 2 * b);
       }
     });
-    // Pass 2: the 32-column blocks holding a column whose upper bound reaches the
-    // threshold. `not less than`: a NaN bound keeps its block.
+    // Pass 2: the 32-column blocks whose largest upper bound reaches the threshold.
     for (int64_t m = 0; m < M; ++m) {
       double L = -std::numeric_limits<double>::infinity();
       for (int t = 0; t < nthreads; ++t) L = std::max(L, lower_max[t * M + m]);
       const double threshold = std::isfinite(L) ? L - std::fabs(L) * 0x1p-6 - 1e-37
                                                 : -std::numeric_limits<double>::infinity();
-      const __m512d tv = _mm512_set1_pd(threshold);
-      const double* up = upper.data() + m * nq * QB;
-      for (int64_t b = 0; b < nb32; ++b) {
-        const int64_t ncols = std::min(NB, N - b * NB);
-        __mmask8 hit = 0;
-        for (int64_t j = 0; j < ncols; j += 8) {
-          const __mmask8 valid =
-              ncols - j >= 8 ? 0xff : static_cast<__mmask8>((1u << (ncols - j)) - 1);
-          hit |= _mm512_mask_cmp_pd_mask(valid, _mm512_loadu_pd(up + b * NB + j), tv, _CMP_NLT_UQ);
-        }
-        candidate[b] |= static_cast<uint8_t>(hit != 0);
-      }
+      const double* um = upper_max.data() + m * nb32;
+      for (int64_t b = 0; b < nb32; ++b) candidate[b] |= static_cast<uint8_t>(um[b] >= threshold);
     }
   }
   std::vector<int64_t> blocks;
@@ -262,9 +439,5 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
     out[m] = best_n;
   }
   return {ids, nc};
-#else
-  TORCH_CHECK(false, "greedy_lm_head needs AVX-512: this is the ", TOKENMILL_CPU_LEVEL_NAME,
-              " build of the kernels (tokenmill.kernels.cpu_ops)");
-  return {ids, 0};
-#endif
 }
+#endif  // !TM_GREEDY_SCREEN_ONLY
