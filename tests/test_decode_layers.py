@@ -3,9 +3,9 @@
 Python layers, and only where every layer would take its native path.
 
 Every test runs at each capability level this CPU runs (the layers' packed bf16
-linears, and so this path, exist from AVX-512 up; below it the Python layers run),
-with the GEMMs widened as on a CPU without native bf16 (`widened`), so the packed
-path is tested whatever CPU the suite lands on."""
+linears, and so this path, exist wherever the module has_fast_linear_bf16; without
+them the Python layers run), with the GEMMs widened as on a CPU without native bf16
+(`widened`), so the packed path is tested whatever CPU the suite lands on."""
 from __future__ import annotations
 
 import pytest
@@ -57,7 +57,7 @@ def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch,
     rows = _spy(monkeypatch, compare=True)
     llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
     supported = DecodeLayers(runner_of(llm).model).supported
-    assert supported == ops.has_fast_linear_bf16  # no packed linears below AVX-512
+    assert supported == ops.has_fast_linear_bf16  # no packed linears, no native layers
     prompts = [{"prompt_token_ids": p} for p in tm.prompts[:6]]
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
               for i in range(6)]
