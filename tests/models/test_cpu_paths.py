@@ -7,7 +7,8 @@
   layers, or native bf16 GEMMs; the greedy lm_head when nothing asks for logprobs)
   against HF's bf16 run of the same checkpoint, close in vLLM's check_logprobs_close
   sense: up to the first position where the greedy tokens differ they are equal, and
-  there each side's token is among the other's top-5.
+  there each side's token is among the other's top-5. At every capability level this
+  CPU runs (the kernel_level fixture forces the engine's level).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from conftest import NUM_NEW, make_llm
 from tokenmill import SamplingParams
+from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
 
 TOP = 5
 
@@ -76,7 +78,7 @@ def check_logprobs_close(ref_tokens, ref_tops, got_tokens, got_tops, what: str) 
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim"])
-def test_bf16_fast_path_is_logprobs_close_to_hf_bf16(tiny_model_factory, name):
+def test_bf16_fast_path_is_logprobs_close_to_hf_bf16(tiny_model_factory, kernel_level, name):
     tm = tiny_model_factory(name)
     # A copy: the fixture's fp32 model is shared with the other tests (a round trip
     # through bf16 would leave its weights rounded).

@@ -109,21 +109,41 @@ def test_widened_gemm_matches_a_bf16_gemm(kernel_level):
     torch.testing.assert_close(wide.float(), native.float(), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (6, 2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 2e-3)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 4), (8, 2), (6, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("num_rows", [2, 11])
-def test_native_decode_head_dim_64_paths(ops, dtype, tol, hq, hkv, num_rows):
-    """head_dim 64 has register-resident kernels (1, 2 or 4 query heads per kv head;
-    one job per (row, head) for few rows, one per row with block prefetch for many);
-    other group sizes take the generic loop. All must equal the dense reference,
-    and slots past each row's length must not leak in."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_native_decode_fixed_head_dim_paths(ops, dtype, tol, hq, hkv, num_rows, d):
+    """head_dim 64 and 128 have kernels with the head dimension in registers (query
+    heads in groups of 4, 2 and 1: here 1, 2, 3, 4, 7 and 8 per kv head; one job per
+    (row, head) for few rows, one per row for many; the next block prefetched). All
+    must equal the dense reference, and slots past each row's length must not leak in."""
     seq_lens = [1, 15, 16, 17, 40, 33, 2, 64, 5, 31, 48][:num_rows]
-    cache, table, q = _setup(dtype, seq_lens, block_size=16, hkv=hkv, hq=hq, d=64,
+    cache, table, q = _setup(dtype, seq_lens, block_size=16, hkv=hkv, hq=hq, d=d,
                              num_blocks=48, seed=num_rows)
-    ref = _dense(cache, table, q, seq_lens, 0.125)
+    ref = _dense(cache, table, q, seq_lens, d ** -0.5)
     poisoned = cache.clone()
     poisoned[table[0, 0].long(), :, 1:] = 1e4  # row 0 has 1 token: the rest is garbage
-    layer = PagedAttention(hq, hkv, 64, 0.125)
+    layer = PagedAttention(hq, hkv, d, d ** -0.5)
+    got = _decode(layer, poisoned, table, q, seq_lens, ops)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d", [4, 20, 72, 96])
+@pytest.mark.parametrize("num_rows", [2, 11])
+def test_native_decode_any_head_dim(ops, dtype, tol, d, num_rows):
+    """Other head dims take vector chunks and a scalar tail (20, 72: both at 8 and
+    16 lanes; 4: a tail only from 8 lanes up), for both job kinds."""
+    seq_lens = [3, 15, 16, 17, 40, 33, 2, 64, 5, 31, 48][:num_rows]
+    cache, table, q = _setup(dtype, seq_lens, block_size=8, hkv=2, hq=6, d=d,
+                             num_blocks=48, seed=d)
+    ref = _dense(cache, table, q, seq_lens, d ** -0.5)
+    poisoned = cache.clone()
+    poisoned[table[0, 0].long(), :, 3:] = float("nan")  # row 0 has 3 tokens
+    layer = PagedAttention(6, 2, d, d ** -0.5)
     got = _decode(layer, poisoned, table, q, seq_lens, ops)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

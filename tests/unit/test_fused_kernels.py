@@ -17,10 +17,12 @@ def hf_head_norm(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("rotary_dim", [64, 16])
+# Head and rotary sizes that are not multiples of the vector width (40, 24: a
+# vector part and a scalar tail at 8 lanes, a tail only at 16) as well as ones that are.
+@pytest.mark.parametrize("d,rotary_dim", [(64, 64), (64, 16), (40, 24), (40, 40)])
 @pytest.mark.parametrize("t", [1, 5, 37])
-def test_qk_norm_rope_matches_the_torch_chain(ops, dtype, qk_norm, rotary_dim, t):
-    hq, hkv, d, eps = 8, 2, 64, 1e-6
+def test_qk_norm_rope_matches_the_torch_chain(ops, dtype, qk_norm, d, rotary_dim, t):
+    hq, hkv, eps = 8, 2, 1e-6
     g = torch.Generator().manual_seed(t * 10 + rotary_dim)
     rot = RotaryEmbedding(d, rotary_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
     positions = torch.randint(0, 4096, (t,), generator=g)
@@ -62,6 +64,25 @@ def test_silu_mul_matches_the_torch_chain(ops, dtype):
                                atol=1e-5 if dtype == torch.float32 else 1e-2)
     if dtype != torch.float32:
         assert (out == ref).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_extreme_gates_as_aten(ops, dtype):
+    """Gates past fp32 exp's range give ATen's zeros (silu(-100) = -0), and NaN / inf
+    what ATen gives, though the vector exp clamps its argument there."""
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(4, 40, generator=g) * 4
+    gate[0, 3], gate[0, 17] = -100.0, -88.6
+    gate[1, 5], gate[1, 30] = 90.0, -87.0
+    gate[2, 1], gate[2, 2] = float("inf"), float("-inf")
+    gate[3, 9] = float("nan")
+    up = torch.randn(4, 40, generator=g)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    ref = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    out = ops.silu_mul(gate_up)
+    assert torch.equal(out == 0, ref == 0) and torch.equal(out.isnan(), ref.isnan())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
            "cpu_fused.cpp", "cpu_greedy_head.cpp", "cpu_decode_layers.cpp")
-HEADERS = ("cpu_vec.h", "ops.h", "vec.h")
+HEADERS = ("ops.h", "vec.h")
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off",
                 # Several levels load into one process (the tests): each module's own
                 # symbols must bind to its own code, never to another level's.

@@ -13,7 +13,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
@@ -24,83 +24,98 @@ inline float f(T v) { return static_cast<float>(v); }
 template <typename T>
 inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
 
-// HF's Llama/Qwen RMSNorm over one head: fp32 statistics, the normalised value
-// rounded to T, then times the weight in T.
-template <typename T>
-inline void head_norm(const T* x, const T* w, float* out, int64_t d, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < d; ++i) ss += f(x[i]) * f(x[i]);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = r<T>(r<T>(f(x[i]) * inv) * f(w[i]));
-}
+using tmvec::Vec;
+constexpr int W = Vec::W;
 
-// Neox rotary on the first rd features: x * cos + rotate_half(x) * sin, each
-// product and the sum rounded to T as three separate ops would round them.
+// fp64 has no Vec: it runs the scalar loops (the tails) only.
 template <typename T>
-inline void rope(const float* x, const T* cos, const T* sin, T* out, int64_t d, int64_t rd) {
-  const int64_t half = rd / 2;
-  for (int64_t i = 0; i < rd; ++i) {
-    const float rot = i < half ? -x[i + half] : x[i - half];
-    out[i] = static_cast<T>(r<T>(x[i] * f(cos[i])) + r<T>(rot * f(sin[i])));
+constexpr bool kVec = !std::is_same_v<T, double>;
+
+// One head: HF's Llama/Qwen RMSNorm when w is given (fp32 statistics, the
+// normalised value rounded to T, then times the weight in T), then neox rotary on
+// the first rd features: x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to T as three separate ops would round them; features rd.. pass through.
+// W lanes at a time, each scalar tail with the same roundings. tmp: d floats.
+template <typename T>
+inline void norm_rope(const T* x, const T* w, const T* cos, const T* sin, T* out, int64_t d,
+                      int64_t rd, float eps, float* tmp) {
+  int64_t i = 0;
+  if constexpr (kVec<T>)
+    for (; i + W <= d; i += W) Vec::load(x + i).store(tmp + i);
+  for (; i < d; ++i) tmp[i] = f(x[i]);
+  if (w != nullptr) {
+    float ss = 0.f;
+    i = 0;
+    if constexpr (kVec<T>) {
+      Vec vss = Vec::zero();
+      for (; i + W <= d; i += W) {
+        const Vec v = Vec::load(tmp + i);
+        vss = tmvec::fma(v, v, vss);
+      }
+      ss = tmvec::reduce_add(vss);
+    }
+    for (; i < d; ++i) ss += tmp[i] * tmp[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    i = 0;
+    if constexpr (kVec<T>) {
+      const Vec vinv = Vec::set1(inv);
+      for (; i + W <= d; i += W) {
+        const Vec normed = tmvec::round_to<T>(Vec::load(tmp + i) * vinv);
+        tmvec::round_to<T>(normed * Vec::load(w + i)).store(tmp + i);
+      }
+    }
+    for (; i < d; ++i) tmp[i] = r<T>(r<T>(tmp[i] * inv) * f(w[i]));
   }
-  for (int64_t i = rd; i < d; ++i) out[i] = static_cast<T>(x[i]);
+  // out_lo = lo * cos - hi * sin, out_hi = hi * cos + lo * sin: rotate_half negates
+  // hi, and round(-a) = -round(a), so this is the chain's x * cos + rot * sin.
+  const int64_t half = rd / 2;
+  i = 0;
+  if constexpr (kVec<T>) {
+    for (; i + W <= half; i += W) {
+      const Vec lo = Vec::load(tmp + i), hi = Vec::load(tmp + half + i);
+      (tmvec::round_to<T>(lo * Vec::load(cos + i)) - tmvec::round_to<T>(hi * Vec::load(sin + i)))
+          .store(out + i);
+      (tmvec::round_to<T>(hi * Vec::load(cos + half + i)) +
+       tmvec::round_to<T>(lo * Vec::load(sin + half + i)))
+          .store(out + half + i);
+    }
+  }
+  for (; i < half; ++i) {
+    const float lo = tmp[i], hi = tmp[half + i];
+    out[i] = static_cast<T>(r<T>(lo * f(cos[i])) - r<T>(hi * f(sin[i])));
+    out[half + i] = static_cast<T>(r<T>(hi * f(cos[half + i])) + r<T>(lo * f(sin[half + i])));
+  }
+  i = rd;
+  if constexpr (kVec<T>)
+    for (; i + W <= d; i += W) Vec::load(tmp + i).store(out + i);
+  for (; i < d; ++i) out[i] = static_cast<T>(tmp[i]);
 }
 
+// silu(gate) * up for one row, rounded as F.silu(gate) * up: silu in fp32 as
+// ATen computes it, x / (1 + exp(-x)), rounded to T, then times up.
 template <typename T>
 void silu_mul_row(const T* g, T* y, int64_t I) {
   const T* u = g + I;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, double>) {  // fp64 takes the scalar loop
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= I; i += 16) {
-      const __m512 x = load16(g + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      store16(y + i, _mm512_mul_ps(round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, e))),
-                                   load16(u + i)));
+  if constexpr (kVec<T>) {
+    const Vec one = Vec::set1(1.f);
+    Vec largest = Vec::set1(-INFINITY);  // the largest exp argument of the row
+    for (; i + W <= I; i += W) {
+      const Vec x = Vec::load(g + i);
+      const Vec arg = Vec::zero() - x;
+      largest = tmvec::max(arg, largest);
+      (tmvec::round_to<T>(x / (one + tmvec::exp(arg))) * Vec::load(u + i)).store(y + i);
     }
+    // vec.h's exp clamps its argument at 88.3 (fp32 exp overflows from 88.73 on, and
+    // silu is then -0): a row with a gate that negative (or a NaN) is redone with
+    // std::exp, so the result stays ATen's there too.
+    if (!(tmvec::reduce_max(largest) <= 88.3f)) i = 0;
   }
-#endif
   for (; i < I; ++i) {
     const float x = f(g[i]);
     y[i] = static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * f(u[i]));
   }
 }
-
-#if defined(__AVX512F__)
-// head_norm + rope for a head of d % 16 == 0 features whose rotary half is a
-// multiple of 16: the same roundings, 16 lanes at a time.
-template <typename T>
-inline void norm_rope_vec(const T* x, const T* w, const T* cos, const T* sin, T* out, int64_t d,
-                          int64_t rd, float eps) {
-  float tmp[512];
-  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(tmp + i, load16(x + i));
-  if (w != nullptr) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = _mm512_loadu_ps(tmp + i);
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const __m512 inv = _mm512_set1_ps(
-        1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(tmp + i), inv));
-      _mm512_storeu_ps(tmp + i, round16<T>(_mm512_mul_ps(normed, load16(w + i))));
-    }
-  }
-  const int64_t half = rd / 2;
-  for (int64_t i = 0; i < half; i += 16) {
-    const __m512 lo = _mm512_loadu_ps(tmp + i), hi = _mm512_loadu_ps(tmp + half + i);
-    // out_lo = lo * cos - hi * sin, out_hi = hi * cos + lo * sin, each product rounded.
-    store16(out + i, _mm512_sub_ps(round16<T>(_mm512_mul_ps(lo, load16(cos + i))),
-                                   round16<T>(_mm512_mul_ps(hi, load16(sin + i)))));
-    store16(out + half + i,
-            _mm512_add_ps(round16<T>(_mm512_mul_ps(hi, load16(cos + half + i))),
-                          round16<T>(_mm512_mul_ps(lo, load16(sin + half + i)))));
-  }
-  for (int64_t i = rd; i < d; i += 16) store16(out + i, _mm512_loadu_ps(tmp + i));
-}
-#endif
 
 }  // namespace
 
@@ -124,7 +139,6 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
               "qk_norm_rope: cos / sin must be in qkv's dtype");
   const int64_t T = qkv.size(0), ld = qkv.stride(0);
   auto q = torch::empty({T, hq, d}, qkv.options());
-  const bool vec = d % 16 == 0 && d <= 512 && (rd / 2) % 16 == 0 && (d - rd) % 16 == 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qk_norm_rope", [&] {
     using T_ = scalar_t;
     T_* base = qkv.data_ptr<T_>();
@@ -141,21 +155,9 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
         const bool is_q = h < hq;
         T_* src = base + t * ld + h * d;  // k heads follow the q heads in a row
         T_* dst = is_q ? qo + (t * hq + h) * d : src;
-#if defined(__AVX512F__)
-        if constexpr (!std::is_same_v<T_, double>) {
-          if (vec) {
-            norm_rope_vec<T_>(src, norm ? (is_q ? qw : kw) : nullptr, cp + t * rd, sp + t * rd,
-                              dst, d, rd, static_cast<float>(eps));
-            continue;
-          }
-        }
-#endif
-        if (norm) {
-          head_norm<T_>(src, is_q ? qw : kw, tmp.data(), d, static_cast<float>(eps));
-        } else {
-          for (int64_t i = 0; i < d; ++i) tmp[i] = f(src[i]);
-        }
-        rope<T_>(tmp.data(), cp + t * rd, sp + t * rd, dst, d, rd);
+        const T_* w = norm ? (is_q ? qw : kw) : nullptr;
+        norm_rope<T_>(src, w, cp + t * rd, sp + t * rd, dst, d, rd, static_cast<float>(eps),
+                      tmp.data());
       }
     });
   });

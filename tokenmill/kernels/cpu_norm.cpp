@@ -10,48 +10,49 @@
 
 #include <cmath>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 namespace {
 
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
+using tmvec::Vec;
+constexpr int W = Vec::W;
+
 // One row; with `add` (may be null) the row first becomes round(x + add), which
-// is written back to x (the residual stream) before it is normalised.
+// is written back to x (the residual stream) before it is normalised. W lanes at a
+// time (fp64: the scalar loop), the same roundings in the scalar tail.
 template <typename T>
 inline void norm_row(T* x, const T* add, const T* w, T* y, int64_t dim, float eps) {
+  constexpr bool vec = !std::is_same_v<T, double>;
   int64_t i = 0;
   float ss = 0.f;
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, double>) {
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= dim; i += 16) {
-      __m512 v = load16(x + i);
+  if constexpr (vec) {
+    Vec acc = Vec::zero();
+    for (; i + W <= dim; i += W) {
+      Vec v = Vec::load(x + i);
       if (add != nullptr) {
-        v = round16<T>(_mm512_add_ps(v, load16(add + i)));
-        store16(x + i, v);
+        v = tmvec::round_to<T>(v + Vec::load(add + i));
+        v.store(x + i);
       }
-      acc = _mm512_fmadd_ps(v, v, acc);
+      acc = tmvec::fma(v, v, acc);
     }
-    ss = _mm512_reduce_add_ps(acc);
+    ss = tmvec::reduce_add(acc);
   }
-#endif
   for (int64_t j = i; j < dim; ++j) {
     if (add != nullptr) x[j] = static_cast<T>(to_f(x[j]) + to_f(add[j]));
     ss += to_f(x[j]) * to_f(x[j]);
   }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
   i = 0;
-#if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, double>) {
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= dim; i += 16) {
-      const __m512 normed = round16<T>(_mm512_mul_ps(load16(x + i), vinv));
-      store16(y + i, _mm512_mul_ps(normed, load16(w + i)));
+  if constexpr (vec) {
+    const Vec vinv = Vec::set1(inv);
+    for (; i + W <= dim; i += W) {
+      const Vec normed = tmvec::round_to<T>(Vec::load(x + i) * vinv);  // rounded as HF rounds
+      (normed * Vec::load(w + i)).store(y + i);
     }
   }
-#endif
   for (; i < dim; ++i) {
     const T normed = static_cast<T>(to_f(x[i]) * inv);  // rounded as HF rounds
     y[i] = static_cast<T>(to_f(normed) * to_f(w[i]));

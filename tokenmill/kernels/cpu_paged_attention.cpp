@@ -1,273 +1,288 @@
 // Paged decode attention for CPU: reads K/V straight from the cache blocks
 // through the block table (no gather copy), fp32 accumulation, one job per
 // (row, kv head) spread over the intra-op threads - or one per row when there
-// are enough rows. With AVX-512 the head dimension is processed 16 lanes at a
-// time (head_dim 64 has its own register-resident kernel); otherwise a plain loop.
+// are enough rows. Written once against vec.h's W-lane Vec, so every capability
+// level runs it vectorised (AVX-512 16 lanes, AVX2 8, NEON / SSE2 4).
+//
+// head_dim 64 and 128 have kernels whose head dimension is a compile-time number
+// of vectors: the queries of a block of query heads stay in registers (or on the
+// stack where the ISA has too few), and the output accumulators of a tile of the
+// head dimension stay in registers across a cache block's tokens. Any other
+// head_dim takes a loop over W-lane chunks and a scalar tail.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
-#include "cpu_vec.h"
+#include "vec.h"
+
+namespace {
+
+using tmvec::Vec;
+constexpr int W = Vec::W;
 
 template <typename T>
 struct Cache {
   const T* data;
   const int32_t* block_table;  // [rows, max_nb]
   int64_t max_nb, bs, s_block, s_kv, s_tok, s_head;
-  // Calls fn(t, key_ptr, value_ptr) for tokens 0..len-1 of row r, head h,
-  // walking block by block (no division per token).
-  template <typename F>
-  inline void for_each_token(int64_t r, int64_t h, int64_t len, F&& fn) const {
-    const int32_t* row = block_table + r * max_nb;
-    for (int64_t start = 0, b = 0; start < len; start += bs, ++b) {
-      const T* k = data + row[b] * s_block + h * s_head;
-      const int64_t n = std::min(bs, len - start);
-      for (int64_t o = 0; o < n; ++o, k += s_tok) fn(start + o, k, k + s_kv);
-    }
+  // Head h's K (value = false) or V of the block_index-th block of row r.
+  const T* at(int64_t r, int64_t block_index, int64_t h, bool value) const {
+    return data + block_table[r * max_nb + block_index] * s_block + (value ? s_kv : 0) +
+           h * s_head;
   }
 };
 
-// scores[j][t] = q_j . k_t for the g query heads sharing kv head h.
+// ---------------------------------------------------------------- one cache block
+// In each function below: n tokens of one kv head from p (token stride s_tok), the
+// scores / probabilities of query head j at s[j * ld + token].
+
+// Largest number of head-dim vectors (dividing NV) whose G accumulators fit in half
+// the registers: the rest hold the V rows and the broadcast probabilities.
+constexpr int value_tile(int NV, int G) {
+  int xt = NV;
+  while (xt > 1 && (G * xt > Vec::kRegs / 2 || NV % xt != 0)) xt /= 2;
+  return xt;
+}
+
+// head_dim = NV vectors, G query heads (q: G rows of NV * W floats).
+template <int NV, int G, typename T>
+inline void block_scores(const float* q, const T* k, int64_t s_tok, int64_t n, float* s,
+                         int64_t ld) {
+  // Partial sums per query head: shorter dependency chains than one running sum.
+  constexpr int P = NV < 4 ? NV : 4;
+  Vec qv[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < NV; ++x) qv[j][x] = Vec::load(q + (j * NV + x) * W);
+  for (int64_t o = 0; o < n; ++o, k += s_tok) {
+    Vec kv[NV];
+    for (int x = 0; x < NV; ++x) kv[x] = Vec::load(k + x * W);
+    for (int j = 0; j < G; ++j) {
+      Vec acc[P];
+      for (int i = 0; i < P; ++i) acc[i] = qv[j][i] * kv[i];
+      for (int x = P; x < NV; ++x) acc[x % P] = tmvec::fma(qv[j][x], kv[x], acc[x % P]);
+      for (int w = P / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) acc[i] = acc[i] + acc[i + w];
+      s[j * ld + o] = tmvec::reduce_add(acc[0]);
+    }
+  }
+}
+
+// out (G rows of NV * W floats) += sum over the tokens of p[j][token] * v_token.
+template <int NV, int G, typename T>
+inline void block_values(const float* p, int64_t ld, const T* v, int64_t s_tok, int64_t n,
+                         float* out) {
+  constexpr int XT = value_tile(NV, G);
+  for (int x0 = 0; x0 < NV; x0 += XT) {
+    Vec acc[G][XT];
+    for (int j = 0; j < G; ++j)
+      for (int x = 0; x < XT; ++x) acc[j][x] = Vec::load(out + (j * NV + x0 + x) * W);
+    const T* vt = v + x0 * W;
+    for (int64_t o = 0; o < n; ++o, vt += s_tok) {
+      Vec pj[G];
+      for (int j = 0; j < G; ++j) pj[j] = Vec::set1(p[j * ld + o]);
+      for (int x = 0; x < XT; ++x) {
+        const Vec vx = Vec::load(vt + x * W);
+        for (int j = 0; j < G; ++j) acc[j][x] = tmvec::fma(pj[j], vx, acc[j][x]);
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int x = 0; x < XT; ++x) acc[j][x].store(out + (j * NV + x0 + x) * W);
+  }
+}
+
+// Any head_dim d: W-lane chunks, then a scalar tail.
 template <typename T>
-static void qk(const float* qf, const Cache<T>& c, int64_t r, int64_t h, int64_t len, int64_t g,
-               int64_t d, float* scores) {
-#if defined(__AVX512F__)
-  if (d == 64) {
-    c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
-      const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-      for (int64_t j = 0; j < g; ++j) {
-        const float* q = qf + j * d;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, acc);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, acc);
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, acc);
-        scores[j * len + t] = _mm512_reduce_add_ps(acc);
-      }
-    });
-    return;
-  }
-  if (d % 16 == 0) {
-    c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
-      for (int64_t j = 0; j < g; ++j) {
-        const float* q = qf + j * d;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t x = 0; x < d; x += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), load16(k + x), acc);
-        scores[j * len + t] = _mm512_reduce_add_ps(acc);
-      }
-    });
-    return;
-  }
-#endif
-  c.for_each_token(r, h, len, [&](int64_t t, const T* k, const T*) {
+inline void block_scores_any(const float* q, const T* k, int64_t s_tok, int64_t n, int64_t g,
+                             int64_t d, float* s, int64_t ld) {
+  for (int64_t o = 0; o < n; ++o, k += s_tok) {
     for (int64_t j = 0; j < g; ++j) {
-      const float* q = qf + j * d;
-      float s = 0.f;
-      for (int64_t x = 0; x < d; ++x) s += q[x] * static_cast<float>(k[x]);
-      scores[j * len + t] = s;
-    }
-  });
-}
-
-// acc[j] = sum_t p[j][t] v_t
-template <typename T>
-static void pv(const float* probs, const Cache<T>& c, int64_t r, int64_t h, int64_t len, int64_t g,
-               int64_t d, float* acc) {
-  std::fill(acc, acc + g * d, 0.f);
-#if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
-      for (int64_t x = 0; x < d; x += 16) {
-        const __m512 vx = load16(v + x);
-        for (int64_t j = 0; j < g; ++j) {
-          float* a = acc + j * d + x;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[j * len + t]), vx,
-                                              _mm512_loadu_ps(a)));
-        }
-      }
-    });
-    return;
-  }
-#endif
-  c.for_each_token(r, h, len, [&](int64_t t, const T*, const T* v) {
-    for (int64_t j = 0; j < g; ++j) {
-      const float p = probs[j * len + t];
-      float* a = acc + j * d;
-      for (int64_t x = 0; x < d; ++x) a[x] += p * static_cast<float>(v[x]);
-    }
-  });
-}
-
-static void softmax_rows(float* s, int64_t rows, int64_t len) {
-#if defined(__AVX512F__)
-  for (int64_t j = 0; j < rows; ++j, s += len) {
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-    float m = _mm512_reduce_max_ps(vmax);
-    for (; t < len; ++t) m = std::max(m, s[t]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= len; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
-      _mm512_storeu_ps(s + t, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    if (t < len) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv));
-      _mm512_mask_storeu_ps(s + t, tail, e);
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-    for (; t < len; ++t) s[t] *= _mm512_cvtss_f32(inv);
-  }
-  return;
-#endif
-  for (int64_t j = 0; j < rows; ++j, s += len) {
-    float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
-}
-
-#if defined(__AVX512F__)
-// Ask for the next cache block's K (or V) half while this one is computed:
-// blocks are scattered, so the hardware prefetcher cannot guess the next one.
-template <typename T>
-static inline void prefetch_block(const T* p, int64_t elems) {
-  const char* b = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
-    _mm_prefetch(b + off, _MM_HINT_T0);
-}
-
-// head_dim 64, G query heads per kv head, kv heads [h0, h1) of row r; qf / out
-// hold those heads' (h1 - h0) * G query / output rows. The query and output
-// accumulators of a head live in registers (G x 4 vectors), so a token costs
-// its K/V loads, the FMAs and one horizontal sum per query head. Blocks are
-// walked once for all the heads: every head's K (then V) of a block is used
-// while its lines are hot. A whole-row job (all heads) also prefetches the
-// next block.
-template <int G, typename T>
-static void decode_heads_d64(const float* qf, const Cache<T>& c, int64_t r, int64_t h0,
-                             int64_t h1, int64_t len, float* scores, float* out,
-                             bool prefetch) {
-  const int32_t* row = c.block_table + r * c.max_nb;
-  const int64_t nh = h1 - h0;
-  for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
-    const T* kb = c.data + row[b] * c.s_block;
-    const int64_t n = std::min(c.bs, len - start);
-    if (prefetch && start + c.bs < len) prefetch_block(c.data + row[b + 1] * c.s_block, c.s_kv);
-    for (int64_t i = 0; i < nh; ++i) {
-      __m512 qv[G][4];
-      for (int j = 0; j < G; ++j)
-        for (int x = 0; x < 4; ++x) qv[j][x] = _mm512_loadu_ps(qf + (i * G + j) * 64 + x * 16);
-      const T* k = kb + (h0 + i) * c.s_head;
-      for (int64_t o = 0; o < n; ++o, k += c.s_tok) {
-        const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-        for (int j = 0; j < G; ++j) {
-          __m512 acc = _mm512_mul_ps(qv[j][0], k0);
-          acc = _mm512_fmadd_ps(qv[j][1], k1, acc);
-          acc = _mm512_fmadd_ps(qv[j][2], k2, acc);
-          acc = _mm512_fmadd_ps(qv[j][3], k3, acc);
-          scores[(i * G + j) * len + start + o] = _mm512_reduce_add_ps(acc);
-        }
-      }
-    }
-  }
-  softmax_rows(scores, nh * G, len);
-  std::fill(out, out + nh * G * 64, 0.f);
-  for (int64_t start = 0, b = 0; start < len; start += c.bs, ++b) {
-    const T* vb = c.data + row[b] * c.s_block + c.s_kv;
-    const int64_t n = std::min(c.bs, len - start);
-    if (prefetch && start + c.bs < len)
-      prefetch_block(c.data + row[b + 1] * c.s_block + c.s_kv, c.s_kv);
-    for (int64_t i = 0; i < nh; ++i) {
-      __m512 acc[G][4];
-      float* oh = out + i * G * 64;
-      for (int j = 0; j < G; ++j)
-        for (int x = 0; x < 4; ++x) acc[j][x] = _mm512_loadu_ps(oh + j * 64 + x * 16);
-      const T* v = vb + (h0 + i) * c.s_head;
-      for (int64_t o = 0; o < n; ++o, v += c.s_tok) {
-        const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-        for (int j = 0; j < G; ++j) {
-          const __m512 p = _mm512_set1_ps(scores[(i * G + j) * len + start + o]);
-          acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-          acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-          acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-          acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
-        }
-      }
-      for (int j = 0; j < G; ++j)
-        for (int x = 0; x < 4; ++x) _mm512_storeu_ps(oh + j * 64 + x * 16, acc[j][x]);
+      const float* qj = q + j * d;
+      Vec acc = Vec::zero();
+      int64_t x = 0;
+      for (; x + W <= d; x += W) acc = tmvec::fma(Vec::load(qj + x), Vec::load(k + x), acc);
+      float sum = tmvec::reduce_add(acc);
+      for (; x < d; ++x) sum += qj[x] * static_cast<float>(k[x]);
+      s[j * ld + o] = sum;
     }
   }
 }
-
-template <int G, typename T>
-static void decode_rows_d64(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out,
-                            int64_t nd, int64_t hq, int64_t hkv, float scale) {
-  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(hq * 64), acc(hq * 64), scores;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = seq_lens[r];
-      scores.resize(hq * len);
-      for (int64_t i = 0; i < hq * 64; ++i) qf[i] = static_cast<float>(q[r * hq * 64 + i]) * scale;
-      decode_heads_d64<G>(qf.data(), c, r, 0, hkv, len, scores.data(), acc.data(), true);
-      for (int64_t i = 0; i < hq * 64; ++i) out[r * hq * 64 + i] = static_cast<T>(acc[i]);
-    }
-  });
-}
-#endif
 
 template <typename T>
-static void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
-                   int64_t hq, int64_t hkv, int64_t d, float scale) {
+inline void block_values_any(const float* p, int64_t ld, const T* v, int64_t s_tok, int64_t n,
+                             int64_t g, int64_t d, float* out) {
+  for (int64_t o = 0; o < n; ++o, v += s_tok) {
+    int64_t x = 0;
+    for (; x + W <= d; x += W) {
+      const Vec vx = Vec::load(v + x);
+      for (int64_t j = 0; j < g; ++j) {
+        float* a = out + j * d + x;
+        tmvec::fma(Vec::set1(p[j * ld + o]), vx, Vec::load(a)).store(a);
+      }
+    }
+    for (; x < d; ++x)
+      for (int64_t j = 0; j < g; ++j) out[j * d + x] += p[j * ld + o] * static_cast<float>(v[x]);
+  }
+}
+
+// The g query heads of one kv head over one block, in sub-groups of 4, 2 or 1 heads
+// (the compile-time kernels); NV = 0: the any-head_dim loops.
+template <int NV, typename T>
+inline void scores_of_group(const float* q, const T* k, int64_t s_tok, int64_t n, int64_t g,
+                            int64_t d, float* s, int64_t ld) {
+  if constexpr (NV == 0) {
+    block_scores_any(q, k, s_tok, n, g, d, s, ld);
+  } else {
+    int64_t j = 0;
+    for (; j + 4 <= g; j += 4) block_scores<NV, 4>(q + j * d, k, s_tok, n, s + j * ld, ld);
+    if (j + 2 <= g) {
+      block_scores<NV, 2>(q + j * d, k, s_tok, n, s + j * ld, ld);
+      j += 2;
+    }
+    if (j < g) block_scores<NV, 1>(q + j * d, k, s_tok, n, s + j * ld, ld);
+  }
+}
+
+template <int NV, typename T>
+inline void values_of_group(const float* p, int64_t ld, const T* v, int64_t s_tok, int64_t n,
+                            int64_t g, int64_t d, float* out) {
+  if constexpr (NV == 0) {
+    block_values_any(p, ld, v, s_tok, n, g, d, out);
+  } else {
+    int64_t j = 0;
+    for (; j + 4 <= g; j += 4) block_values<NV, 4>(p + j * ld, ld, v, s_tok, n, out + j * d);
+    if (j + 2 <= g) {
+      block_values<NV, 2>(p + j * ld, ld, v, s_tok, n, out + j * d);
+      j += 2;
+    }
+    if (j < g) block_values<NV, 1>(p + j * ld, ld, v, s_tok, n, out + j * d);
+  }
+}
+
+// ---------------------------------------------------------------- softmax
+
+// s[0..len) <- softmax(s), in fp32 (vec.h's exp: ~1e-7 relative error, as expf).
+inline void softmax_row(float* s, int64_t len) {
+  Vec vmax = Vec::set1(-INFINITY);
+  int64_t t = 0;
+  for (; t + W <= len; t += W) vmax = tmvec::max(vmax, Vec::load(s + t));
+  float m = tmvec::reduce_max(vmax);
+  for (; t < len; ++t) m = std::max(m, s[t]);
+  const Vec mv = Vec::set1(m);
+  Vec vsum = Vec::zero();
+  for (t = 0; t + W <= len; t += W) {
+    const Vec e = tmvec::exp(Vec::load(s + t) - mv);
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  if (t < len) {  // the tail: lanes past len are -inf, whose exp adds nothing
+    float tail[W];
+    std::fill(tail, tail + W, -INFINITY);
+    std::memcpy(tail, s + t, sizeof(float) * (len - t));
+    const Vec e = tmvec::exp(Vec::load(tail) - mv);
+    e.store_n(s + t, static_cast<int>(len - t));
+    vsum = vsum + e;
+  }
+  const float inv = 1.f / tmvec::reduce_add(vsum);
+  const Vec iv = Vec::set1(inv);
+  for (t = 0; t + W <= len; t += W) (Vec::load(s + t) * iv).store(s + t);
+  for (; t < len; ++t) s[t] *= inv;
+}
+
+// ---------------------------------------------------------------- heads of one row
+
+// Ask for the lines of heads [h0, h0 + nh) of n tokens from p (the same heads of
+// the next block) while this block is computed: blocks are scattered, so the
+// hardware prefetcher cannot guess the next one.
+template <typename T>
+inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems) {
+  const auto* b = reinterpret_cast<const char*>(p);
+  const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o, b += s_tok * static_cast<int64_t>(sizeof(T)))
+    for (int64_t off = 0; off < bytes; off += 64) tmvec::prefetch(b + off);
+}
+
+// Row r, kv heads [h0, h1), g query heads per kv head, head_dim d (= NV * W when
+// NV > 0): qf / out hold those heads' (h1 - h0) * g query / output rows (qf scaled).
+// Blocks are walked once for all the heads: every head's K (then V) of a block is
+// used while its lines are hot, and the next block's are prefetched.
+template <int NV, typename T>
+void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1, int64_t g,
+            int64_t d, int64_t len, float* scores, float* out) {
+  const int64_t nh = h1 - h0, nb = (len + c.bs - 1) / c.bs;
+  for (int phase = 0; phase < 2; ++phase) {
+    const bool value = phase == 1;
+    if (value) {
+      for (int64_t i = 0; i < nh * g; ++i) softmax_row(scores + i * len, len);
+      std::fill(out, out + nh * g * d, 0.f);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t start = b * c.bs, n = std::min(c.bs, len - start);
+      if (b + 1 < nb)
+        prefetch_tokens(c.at(r, b + 1, h0, value), std::min(c.bs, len - start - c.bs), c.s_tok,
+                        (nh - 1) * c.s_head + d);
+      for (int64_t i = 0; i < nh; ++i) {
+        const T* p = c.at(r, b, h0 + i, value);
+        float* s = scores + i * g * len + start;
+        if (value) {
+          values_of_group<NV>(s, len, p, c.s_tok, n, g, d, out + i * g * d);
+        } else {
+          scores_of_group<NV>(qf + i * g * d, p, c.s_tok, n, g, d, s, len);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend_any_d(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1,
+                  int64_t g, int64_t d, int64_t len, float* scores, float* out) {
+  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, len, scores, out);
+  if (d == 128) return attend<128 / W>(qf, c, r, h0, h1, g, d, len, scores, out);
+  attend<0>(qf, c, r, h0, h1, g, d, len, scores, out);
+}
+
+// dst[i] = src[i] * scale in fp32, and back (rounded as a c10 cast rounds).
+template <typename T>
+inline void widen_scaled(const T* src, float* dst, int64_t n, float scale) {
+  const Vec sv = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (Vec::load(src + i) * sv).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+template <typename T>
+inline void narrow(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) Vec::load(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <typename T>
+void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
+            int64_t hq, int64_t hkv, int64_t d, float scale) {
   const int64_t g = hq / hkv;
-#if defined(__AVX512F__)
-  // Enough rows to keep every thread busy: one job per row (see decode_heads_d64).
-  if (d == 64 && nd >= 4 * at::get_num_threads() && (g == 1 || g == 2 || g == 4)) {
-    if (g == 1) decode_rows_d64<1>(q, c, seq_lens, out, nd, hq, hkv, scale);
-    if (g == 2) decode_rows_d64<2>(q, c, seq_lens, out, nd, hq, hkv, scale);
-    if (g == 4) decode_rows_d64<4>(q, c, seq_lens, out, nd, hq, hkv, scale);
-    return;
-  }
-#endif
-  at::parallel_for(0, nd * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g * d), acc(g * d), scores;
+  // Enough rows to keep every thread busy: one job per row, all its heads (each
+  // block visited once); else one per (row, kv head). The results are the same.
+  const int64_t heads = nd >= 4 * at::get_num_threads() ? hkv : 1;
+  const int64_t jobs_per_row = hkv / heads, width = heads * g * d;
+  at::parallel_for(0, nd * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(width), acc(width), scores;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t r = job / hkv, h = job % hkv;
+      const int64_t r = job / jobs_per_row, h0 = job % jobs_per_row * heads;
       const int64_t len = seq_lens[r];
-      const int64_t q_off = (r * hq + h * g) * d;
-      scores.resize(g * len);
-      for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[q_off + i]) * scale;
-#if defined(__AVX512F__)
-      if (d == 64 && (g == 1 || g == 2 || g == 4)) {
-        float* sp = scores.data();
-        if (g == 1) decode_heads_d64<1>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
-        if (g == 2) decode_heads_d64<2>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
-        if (g == 4) decode_heads_d64<4>(qf.data(), c, r, h, h + 1, len, sp, acc.data(), false);
-      } else
-#endif
-      {
-        qk(qf.data(), c, r, h, len, g, d, scores.data());
-        softmax_rows(scores.data(), g, len);
-        pv(scores.data(), c, r, h, len, g, d, acc.data());
-      }
-      for (int64_t i = 0; i < g * d; ++i) out[q_off + i] = static_cast<T>(acc[i]);
+      const int64_t q_off = (r * hq + h0 * g) * d;
+      scores.resize(heads * g * len);
+      widen_scaled(q + q_off, qf.data(), width, scale);
+      attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, len, scores.data(), acc.data());
+      narrow(acc.data(), out + q_off, width);
     }
   });
 }
+
+}  // namespace
 
 // q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (dim 0 may be padded);
 // block_table [nd, max_nb] int32; seq_lens [nd] int32 -> out [nd, Hq, D].
