@@ -24,6 +24,7 @@ import shlex
 import shutil
 import sys
 import sysconfig
+import warnings
 
 from setuptools import setup
 
@@ -57,6 +58,8 @@ def _why_no_kernels():
 def _kernel_build():
     """The extension modules and the build_ext command that builds them."""
     try:
+        # numpy, a run-time dependency, is not installed yet when pip builds this
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError as e:
@@ -111,8 +114,12 @@ def _kernel_build():
 
         def build_extension(self, ext):
             level = level_of(ext)
-            own = copy.copy(self)  # this level's objects and ninja file, apart from the others'
-            own.build_temp = os.path.join(self.build_temp, f"kernels-{level}")
+            # This level's objects and ninja file, apart from the other levels' (the same
+            # sources), and in the project rather than the build's temporary folder (an
+            # editable install gets a fresh one each time): reinstalling after an edit
+            # recompiles only what the edit touched.
+            own = copy.copy(self)
+            own.build_temp = os.path.join(ROOT, "build", "kernels", level)
             super(BuildKernels, own).build_extension(ext)
             record = levels.make_record(levels.LEVELS[level], torch.__version__,
                                         getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None),
