@@ -13,7 +13,8 @@ install: $(STAMP)
 # isolation (which would fetch a torch of its own). Kernel sources edited since: the
 # next install rebuilds them (ninja: only what changed), and until then the engine
 # compiles the edited ones at run time.
-KERNEL_SOURCES := $(wildcard tokenmill/kernels/*.cpp tokenmill/kernels/*.h) tokenmill/kernels/levels.py
+KERNEL_SOURCES := $(wildcard tokenmill/kernels/*.cpp tokenmill/kernels/*.h tokenmill/kernels/*/*.h) \
+	tokenmill/kernels/levels.py
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -246,6 +246,7 @@ def test_no_prebuilt_module_is_compiled_at_run_time(prebuilt, caplog):
 
 def test_the_digest_covers_every_source_and_header_and_the_flags(tmp_path):
     for f in levels.sources() + levels.headers():
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(Path(levels.KERNELS_DIR) / f, tmp_path / f)
     lv = levels.LEVELS["default"]
     before = levels.source_digest(lv, str(tmp_path))
@@ -253,6 +254,11 @@ def test_the_digest_covers_every_source_and_header_and_the_flags(tmp_path):
     (tmp_path / "vec.h").write_text("// a new header\n")
     with_header = levels.source_digest(lv, str(tmp_path))
     assert with_header != before
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "neon.h").write_text("// a header in a subfolder\n")
+    assert "arch/neon.h" in levels.headers(str(tmp_path))
+    assert levels.source_digest(lv, str(tmp_path)) != with_header
+    with_header = levels.source_digest(lv, str(tmp_path))
     (tmp_path / "new_kernel.cpp").write_text("// a new kernel\n")
     assert "new_kernel.cpp" in levels.sources(str(tmp_path))
     assert levels.source_digest(lv, str(tmp_path)) != with_header

@@ -68,7 +68,8 @@ def sources(folder: str = KERNELS_DIR) -> list[str]:
 
 
 def headers(folder: str = KERNELS_DIR) -> list[str]:
-    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.h")))
+    """Every *.h under `folder`, subfolders too (paths relative to `folder`)."""
+    return sorted(glob.glob("**/*.h", root_dir=folder, recursive=True))
 
 
 def source_digest(level: Level, folder: str = KERNELS_DIR) -> str:
