@@ -17,7 +17,10 @@ compiler, builds no kernels: tokenmill then compiles them at first use, or runs 
 PyTorch path.
 """
 import copy
+import glob
+import hashlib
 import importlib.util
+import json
 import math
 import os
 import shlex
@@ -53,6 +56,42 @@ def _why_no_kernels():
     if not shlex.split(cxx) or shutil.which(shlex.split(cxx)[0]) is None:
         return f"no C++ compiler ({cxx!r} is not on PATH)"
     return None
+
+
+CONTENTS = "sources.json"  # in a level's object folder: what its objects were built from
+
+
+def _contents() -> dict:
+    """sha256 of every kernel source and header, by name."""
+    out = {}
+    for name in levels.sources() + levels.headers():
+        with open(os.path.join(levels.KERNELS_DIR, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _drop_changed_objects(build_temp: str, contents: dict) -> None:
+    """ninja rebuilds what is older than its sources; a source whose bytes changed while
+    its time went back (restored from an archive, cp -p) would keep its old object. So,
+    by content against the last build: a changed .cpp drops its object, a changed header
+    (or no record of the last build) the whole folder."""
+    try:
+        with open(os.path.join(build_temp, CONTENTS)) as f:
+            last = json.load(f)
+    except (OSError, ValueError):
+        last = None
+    if last == contents:
+        return
+    def headers(c):
+        return {k: v for k, v in c.items() if k.endswith(".h")}
+    if not isinstance(last, dict) or headers(last) != headers(contents):
+        shutil.rmtree(build_temp, ignore_errors=True)
+        return
+    for name in levels.sources():
+        if last.get(name) != contents[name]:
+            stem = os.path.splitext(name)[0]
+            for obj in glob.glob(os.path.join(build_temp, "**", stem + ".o"), recursive=True):
+                os.remove(obj)
 
 
 def _kernel_build():
@@ -114,16 +153,22 @@ def _kernel_build():
 
         def build_extension(self, ext):
             level = level_of(ext)
+            # The record describes the sources as they are before the compile: an edit
+            # made during it leaves a record that does not match them (so is not trusted).
+            record = levels.make_record(levels.LEVELS[level], torch.__version__,
+                                        getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None),
+                                        sys.implementation.cache_tag)
+            contents = _contents()
             # This level's objects and ninja file, apart from the other levels' (the same
             # sources), and in the project rather than the build's temporary folder (an
             # editable install gets a fresh one each time): reinstalling after an edit
             # recompiles only what the edit touched.
             own = copy.copy(self)
             own.build_temp = os.path.join(ROOT, "build", "kernels", level)
+            _drop_changed_objects(own.build_temp, contents)
             super(BuildKernels, own).build_extension(ext)
-            record = levels.make_record(levels.LEVELS[level], torch.__version__,
-                                        getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None),
-                                        sys.implementation.cache_tag)
+            with open(os.path.join(own.build_temp, CONTENTS), "w") as f:
+                json.dump(contents, f, indent=1)
             levels.write_record(record_beside(self.get_ext_fullpath(ext.name), level), record)
 
         def copy_extensions_to_source(self):  # editable installs: the records go along
