@@ -240,10 +240,11 @@ def _import_prebuilt(level: str):
     """Import the validated prebuilt module from its own file (never another one on the path)."""
     import importlib.util
     import torch  # noqa: F401 (the module links against torch's libraries)
-    name = f"{__name__}.{_levels.module_name(level)}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _prebuilt_file(level))
+    name, path = f"{__name__}.{_levels.module_name(level)}", _prebuilt_file(level)
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module
