@@ -8,12 +8,19 @@ STAMP := $(VENV)/.tokenmill-installed
 
 install: $(STAMP)
 
-# torch is pinned first: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch is pinned first: an unpinned torch would pull a multi-GB CUDA build. The install
+# compiles the native kernels (setup.py) against that torch, so it runs without build
+# isolation (which would fetch a torch of its own). Kernel sources edited since: the
+# next install rebuilds them (ninja: only what changed), and until then the engine
+# compiles the edited ones at run time.
+KERNEL_SOURCES := $(wildcard tokenmill/kernels/*.cpp tokenmill/kernels/*.h tokenmill/kernels/*/*.h) \
+	tokenmill/kernels/levels.py
+$(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=70.1' ninja
+	@echo "installing tokenmill and compiling its native CPU kernels (every CPU capability level: a few minutes on 2 cores) ..."
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 # The main job: the OpenAI-compatible server on the built-in demo model
@@ -42,4 +49,4 @@ bench: install
 	$(VENV)/bin/tokenmill bench throughput
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build tokenmill/kernels/_C_*

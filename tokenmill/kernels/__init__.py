@@ -1,12 +1,19 @@
-"""Native kernels, compiled on first use with torch's C++ extension builder, once per
-CPU capability level.
+"""Native kernels, built once per CPU capability level with torch's C++ extension
+builder: at install time (setup.py), or at run time when no valid prebuilt module is there.
 
 The same sources are built with each level's explicit flags (never -march=native:
 a build runs on every CPU of its level, whichever machine compiled it). On x86-64
 the levels are `default` (the baseline ISA), `avx2`, `avx512` and `avx512_vnni`
-(LEVELS has their flags); elsewhere (aarch64) there is `default` only. Each level is
-its own extension module, tokenmill_cpu_ops_<level>_<digest>, built lazily the first
-time it is asked for and kept in torch's extension cache.
+(levels.LEVELS has their flags); elsewhere (aarch64) there is `default` only.
+
+Installing tokenmill (`make install`, `pip install --no-build-isolation .`, `pip wheel`)
+compiles every level of the build machine's architecture into `tokenmill.kernels._C_<level>`
+with a build record `_C_<level>.json` beside it (levels.py). A level is loaded from there
+when its record matches this torch (version and C++ ABI) and the current sources (their
+digest), checked before the module is imported. Otherwise (no prebuilt module, stale
+sources in an edited checkout, a module built against another torch: refused, with both
+versions named) the level is compiled now, as tokenmill_cpu_ops_<level>_<digest> in
+torch's extension cache, and one WARNING line says why and how long it takes.
 
 `cpu_ops()` is the module of the chosen level, `cpu_capability()`: the best level
 this CPU runs (`runnable_levels()`), unless TOKENMILL_CPU_CAPABILITY names another
@@ -27,48 +34,20 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
-from dataclasses import dataclass
+
+# The level table and how a level is built live in levels.py (no torch import there:
+# setup.py reads it to build every level at install).
+from . import levels as _levels
+from .levels import COMMON_FLAGS, LEVELS, Level  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("bindings.cpp", "cpu_paged_attention.cpp", "cpu_linear.cpp", "cpu_norm.cpp",
-           "cpu_fused.cpp", "cpu_greedy_head.cpp", "cpu_decode_layers.cpp")
-HEADERS = ("ops.h", "vec.h")
-COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off",
-                # Several levels load into one process (the tests): each module's own
-                # symbols must bind to its own code, never to another level's.
-                "-fvisibility=hidden", "-fvisibility-inlines-hidden")
-
-
-@dataclass(frozen=True)
-class Level:
-    name: str
-    flags: tuple[str, ...]      # compiler flags
-    cpu_flags: frozenset[str]   # /proc/cpuinfo flags a CPU needs to run the build
-
-
-def _x86_levels() -> tuple[Level, ...]:
-    avx2 = ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2")
-    avx2_cpu = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2"})
-    avx512 = avx2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-    avx512_cpu = avx2_cpu | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    return (Level("default", (), frozenset()),
-            Level("avx2", avx2, avx2_cpu),
-            Level("avx512", avx512, avx512_cpu),
-            # int8 x int16 dot products in one instruction (the greedy lm_head's screen)
-            Level("avx512_vnni", avx512 + ("-mavx512vnni",), avx512_cpu | {"avx512_vnni"}))
-
-
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-# This architecture's levels, lowest first. aarch64 (and anything else): the compiler's
-# default target only, for now.
-LEVELS: dict[str, Level] = {lv.name: lv for lv in
-                            (_x86_levels() if _is_x86() else (Level("default", (), frozenset()),))}
+# Where the prebuilt modules and their build records are (tests point it elsewhere);
+# the sources are always levels.KERNELS_DIR's.
+_PREBUILT_DIR = _levels.KERNELS_DIR
 
 _TORCH_CAPABILITY_LEVEL = {"AVX2": "avx2", "AVX512": "avx512"}
 
@@ -181,22 +160,103 @@ def _load_chosen():
     level = cpu_capability()
     ops = _build(level)
     if ops is not None and _override is None:
-        logger.info("native CPU kernels: %s level (this CPU runs %s)", level,
-                    ", ".join(runnable_levels()))
+        logger.info("native CPU kernels: %s level, %s (this CPU runs %s)", level,
+                    _origin.get(level, "?"), ", ".join(runnable_levels()))
     _chosen_ops = ops
     return ops
+
+
+_origin: dict[str, str] = {}  # level -> where its loaded module came from (the log line)
+
+
+def _build(level: str):
+    with _lock:  # the engine thread and the caller may both ask first
+        return _build_locked(level)
+
+
+@functools.cache
+def _build_locked(level: str):
+    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
+        return None
+    problem, refused = _prebuilt_problem(level)
+    if problem is None:
+        try:
+            ops = _import_prebuilt(level)
+        except Exception as e:  # e.g. an undefined symbol despite a matching record
+            problem, refused = f"the prebuilt module failed to load ({e})", True
+        else:
+            if getattr(ops, "capability", None) == level:
+                _origin[level] = "prebuilt at install"
+                return ops
+            problem, refused = (f"the prebuilt module says it is the "
+                                f"{getattr(ops, 'capability', '?')} level"), True
+    ops = _jit(level, problem, refused)
+    if ops is not None:
+        _origin[level] = "compiled at run time"
+    return ops
+
+
+def _prebuilt_file(level: str) -> str | None:
+    """The prebuilt module of `level` for this Python, if there is one."""
+    import importlib.machinery
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(_PREBUILT_DIR, _levels.module_name(level) + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _prebuilt_problem(level: str) -> tuple[str | None, bool]:
+    """Why `level`'s prebuilt module cannot be used, read from its build record without
+    importing it (a module built against another torch can crash on import), and whether
+    that is a refusal worth a warning even when nothing is compiled: (None, False) when
+    it can be used."""
+    import torch
+    path = _prebuilt_file(level)
+    record_path = _levels.record_path(_PREBUILT_DIR, level)
+    if path is None:
+        if os.path.exists(record_path):
+            return (f"no prebuilt module for this Python ({sys.implementation.cache_tag}) "
+                    f"in {_PREBUILT_DIR}"), False
+        return "no prebuilt module (tokenmill was installed without building its kernels)", False
+    try:
+        record = _levels.read_record(record_path)
+    except (OSError, ValueError) as e:
+        return f"the prebuilt module has no readable build record ({e})", True
+    built_torch, built_abi = record.get("torch"), record.get("cxx11_abi")
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
+    if built_torch != torch.__version__ or built_abi != abi:
+        return (f"refusing the prebuilt module: it was built against torch {built_torch} "
+                f"(C++11 ABI {built_abi}), this is torch {torch.__version__} (C++11 ABI "
+                f"{abi}); reinstall tokenmill under this torch to prebuild it again (make "
+                f"install, or pip install --no-build-isolation .)"), True
+    if (record.get("level"), record.get("digest")) != (level, _levels.source_digest(LEVELS[level])):
+        return ("the prebuilt module is stale (the kernel sources or flags changed since it "
+                "was built; make install prebuilds it again)"), False
+    return None, False
+
+
+def _import_prebuilt(level: str):
+    """Import the validated prebuilt module from its own file (never another one on the path)."""
+    import importlib.util
+    import torch  # noqa: F401 (the module links against torch's libraries)
+    name, path = f"{__name__}.{_levels.module_name(level)}", _prebuilt_file(level)
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def _digest(level: Level) -> str:
     """Keyed on the sources, the flags, this checkout and torch: two checkouts (or venvs)
     never share, and keep rebuilding, one build folder."""
     import torch
-    here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha1()
-    for f in SOURCES + HEADERS:
-        with open(os.path.join(here, f), "rb") as fh:
-            h.update(fh.read())
-    h.update(repr((level.name, level.flags, COMMON_FLAGS, here, torch.__version__,
+    h.update(repr((_levels.source_digest(level), _levels.KERNELS_DIR, torch.__version__,
                    os.path.dirname(torch.__file__))).encode())
     return h.hexdigest()[:8]
 
@@ -210,29 +270,25 @@ def _already_built(name: str) -> bool:
         return False
 
 
-def _build(level: str):
-    with _lock:  # the engine thread and the caller may both ask first
-        return _build_locked(level)
-
-
-@functools.cache
-def _build_locked(level: str):
-    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
-        return None
+def _jit(level: str, why: str | None, refused: bool = False):
+    """Today's fallback: compile `level` now with torch's JIT extension builder (kept in
+    torch's extension cache, keyed by _digest), saying so in one line and why."""
     lv = LEVELS[level]
     try:
         from torch.utils.cpp_extension import load
-        here = os.path.dirname(os.path.abspath(__file__))
         name = f"tokenmill_cpu_ops_{level}_{_digest(lv)}"
         fresh = not _already_built(name)
         if fresh:
-            logger.warning("compiling tokenmill's native CPU kernels for the %s level, once per "
-                           "level and kernel version: about %s on this machine's %d cores ...",
-                           level, _estimate(), os.cpu_count() or 1)
+            logger.warning("tokenmill's native CPU kernels, %s level: %s. Compiling them now: "
+                           "about %s on this machine's %d cores (once per level and kernel "
+                           "version) ...", level, why, _estimate(), os.cpu_count() or 1)
+        elif refused:
+            logger.warning("tokenmill's native CPU kernels, %s level: %s. Using the ones "
+                           "compiled at run time earlier.", level, why)
         t0 = time.monotonic()
-        ops = load(name=name, sources=[os.path.join(here, f) for f in SOURCES],
-                   extra_cflags=[*COMMON_FLAGS, f"-DTOKENMILL_CPU_LEVEL={level}", *lv.flags],
-                   verbose=False)
+        sources = [os.path.join(_levels.KERNELS_DIR, f) for f in _levels.sources()]
+        ops = load(name=name, sources=sources,
+                   extra_cflags=_levels.compile_flags(lv), verbose=False)
         if fresh:
             logger.info("compiled the %s kernels in %.0f s", level, time.monotonic() - t0)
         return ops
