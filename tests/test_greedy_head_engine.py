@@ -96,10 +96,22 @@ def test_async_scheduling_with_the_screen(tiny_model_factory, monkeypatch, ops):
     assert not ops.has_greedy_lm_head or (calls and max(calls) <= 4)
 
 
-def test_no_screen_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
-    """A CPU with AVX512-BF16 / AMX keeps the bf16 lm_head (nothing packed to screen)."""
+def test_screen_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
+    """A CPU with AVX512-BF16 / AMX keeps bf16 GEMMs (oneDNN's) for large inputs but
+    packs the lm_head for decode-sized ones, so the screen runs there too, with the
+    tokens of the full lm_head."""
     monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
     tm = tiny_model_factory("qwen3_headdim")
     llm = make_llm(tm.path, dtype="bfloat16", greedy_head_max_rows=4)
-    assert runner_of(llm).greedy_head is None
-    assert llm.llm_engine.platform.lm_head == "full"
+    platform = llm.llm_engine.platform
+    if not platform.ops.has_greedy_lm_head:
+        pytest.skip(f"the {platform.capability} kernels have no screen")
+    assert platform.gemm_dtype == "bfloat16" or platform.capability_forced
+    assert platform.lm_head == "greedy_int8" and runner_of(llm).greedy_head is not None
+    full = make_llm(tm.path, dtype="bfloat16", greedy_head_max_rows=0)
+    assert runner_of(full).greedy_head is None
+    prompts = [{"prompt_token_ids": p} for p in tm.prompts[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in m.generate(prompts, params, use_tqdm=False)]
+              for m in (llm, full)]
+    assert tokens[0] == tokens[1]
