@@ -68,25 +68,13 @@ def cpu_has_native_bf16() -> bool:
     Without native bf16, oneDNN emulates bf16 and a bf16 GEMM runs several times
     slower than fp32 (measured: 3.4x on an AVX-512 Xeon without BF16).
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
+    from tokenmill.kernels import _cpu_flags
+    flags = _cpu_flags()
+    if flags is None:
         import torch
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
         return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
-    return any(flag in info for flag in _BF16_CPU_FLAGS)
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return any(flag in flags for flag in _BF16_CPU_FLAGS)
 
 
 def _is_int(v) -> bool:
@@ -112,7 +100,7 @@ def check_cpu_args(cpu_kernels="auto", cpu_capability=None,
             raise ValueError(f"cpu_capability={cpu_capability!r} is not a CPU capability level "
                              f"of {_host.machine()}; the levels are {', '.join(levels)}")
         if level not in runnable:
-            missing = sorted(kernels.LEVELS[level].cpu_flags - _cpu_flags())
+            missing = sorted(kernels.LEVELS[level].cpu_flags - (kernels._cpu_flags() or frozenset()))
             raise ValueError(f"cpu_capability={level!r}: this CPU cannot run the {level} kernels"
                              f" (missing {', '.join(missing) or 'support'}); it runs "
                              f"{', '.join(runnable)}")

@@ -152,15 +152,14 @@ def test_not_a_cpu_device(no_cpu_ops):
     assert "not a CPU device" in p.describe()
 
 
-def test_native_bf16_detection_without_proc_cpuinfo(monkeypatch):
-    import builtins
-    real_open = builtins.open
-
-    def no_cpuinfo(path, *args, **kwargs):
-        if path == "/proc/cpuinfo":
-            raise FileNotFoundError(path)
-        return real_open(path, *args, **kwargs)
-    monkeypatch.setattr(builtins, "open", no_cpuinfo)
+def test_native_bf16_detection(monkeypatch):
+    """From the CPU flags (tokenmill.kernels reads /proc/cpuinfo once); without that
+    file (macOS, Windows), from torch's own probes."""
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert not cpu_platform.cpu_has_native_bf16()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert cpu_platform.cpu_has_native_bf16()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: None)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not cpu_platform.cpu_has_native_bf16()

@@ -11,22 +11,19 @@ x86 level, on the plain-array fallback and on aarch64 NEON under qemu
 from __future__ import annotations
 
 import os
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
+from tokenmill.kernels.testing import (IS_X86, aarch64_tools, build_and_run, host_compiler,
+                                       kernel_level, ops)  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
 from tokenmill.models.layers.linear import Linear
 
 NO_BIAS = torch.empty(0)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCREEN_CHECK = os.path.join(ROOT, "tests", "kernels", "greedy_screen_check.cpp")
-TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 
 
 def reference(ops, x, packed, n):
@@ -257,17 +254,6 @@ def test_same_screen_at_every_level(ops):
     assert screened(ops, x, w)[0].tolist() == screened(base, x, w)[0].tolist()
 
 
-def _screen_check(tmp_path, compiler, flags, runner=()):
-    exe = tmp_path / "greedy_screen_check"
-    build = subprocess.run([compiler, "-std=c++20", "-O2", "-ffp-contract=off",
-                            f"-I{TORCH_INCLUDE}", *flags, SCREEN_CHECK, "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    return run.stdout
-
-
 SCREEN_ISA = {"default": "sse2", "avx2": "avx2", "avx512": "avx512", "avx512_vnni": "avx512"}
 
 
@@ -276,30 +262,21 @@ def test_screen_bit_exact_at_each_level(tmp_path, level):
     if level not in kernels.runnable_levels():
         pytest.skip(f"this CPU cannot run the {level} build (it runs "
                     f"{', '.join(kernels.runnable_levels())})")
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    out = _screen_check(tmp_path, compiler, list(kernels.LEVELS[level].flags))
-    isa = SCREEN_ISA[level] if platform.machine().lower() in ("x86_64", "amd64") else "neon"
+    out = build_and_run(SCREEN_CHECK, tmp_path / "screen_check", host_compiler(),
+                        kernels.LEVELS[level].flags)
+    isa = SCREEN_ISA[level] if IS_X86 else "neon"
     assert f"screen={isa} " in out and ": 0 failures" in out, out
 
 
 def test_screen_bit_exact_on_the_generic_fallback(tmp_path):
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
-    out = _screen_check(tmp_path, compiler, ["-DTM_VEC_FORCE_GENERIC"])
+    out = build_and_run(SCREEN_CHECK, tmp_path / "screen_check", host_compiler(),
+                        ["-DTM_VEC_FORCE_GENERIC"])
     assert "screen=generic " in out and ": 0 failures" in out, out
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="the cross-compile checks run on x86-64 hosts")
+@pytest.mark.skipif(not IS_X86, reason="the cross-compile checks run on x86-64 hosts")
 def test_screen_bit_exact_on_aarch64_neon_under_qemu(tmp_path):
-    tools = [shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")]
-    if None in tools:
-        msg = "g++-aarch64-linux-gnu or qemu-user is not installed"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{msg}; CI must run the aarch64 checks")
-        pytest.skip(msg)
-    out = _screen_check(tmp_path, tools[0], ["-static"], runner=(tools[1],))
+    gxx, qemu = aarch64_tools()
+    out = build_and_run(SCREEN_CHECK, tmp_path / "screen_check", gxx, ["-static"],
+                        runner=(qemu,))
     assert "screen=neon " in out and ": 0 failures" in out, out

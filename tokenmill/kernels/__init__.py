@@ -23,8 +23,9 @@ the CPU can). When no compiler is at hand (or TOKENMILL_NO_NATIVE=1), they retur
 None and callers use their plain PyTorch path.
 
 What a module can do at its level: `ops.capability` (its level),
-`ops.has_fast_linear_bf16` and `ops.has_greedy_lm_head` (the AVX-512 kernels; below
-that, Linear layers keep their fp32 GEMM and the runner its full lm_head).
+`ops.vector_lanes`, `ops.has_fast_linear_bf16` and `ops.has_greedy_lm_head` (True at
+every level but a plain-array build, which has no SIMD type in kernels/vec.h; the CPU
+platform reads them).
 """
 from __future__ import annotations
 

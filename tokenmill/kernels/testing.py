@@ -10,6 +10,11 @@ module, or a skip when there is no compiler (TOKENMILL_NO_NATIVE=1).
 """
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+
 import pytest
 
 from tokenmill import kernels
@@ -32,3 +37,40 @@ def ops(kernel_level):
         pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
     assert module.capability == kernel_level
     return module
+
+
+# ---- standalone C++ harnesses (tests/kernels/*.cpp) ------------------------------------
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def host_compiler() -> str:
+    """The host's C++ compiler, or a skip."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    return compiler
+
+
+def aarch64_tools() -> tuple[str, str]:
+    """(aarch64-linux-gnu-g++, qemu-aarch64): Debian's g++-aarch64-linux-gnu and
+    qemu-user, which `make test` installs. Missing: a skip, except in CI (CI=true)."""
+    gxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+    if gxx is None or qemu is None:
+        msg = "g++-aarch64-linux-gnu or qemu-user is not installed"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{msg}; CI must run the aarch64 checks")
+        pytest.skip(msg)
+    return gxx, qemu
+
+
+def build_and_run(source: str, exe, compiler: str, flags, runner=()) -> str:
+    """Compile one harness against torch's headers (C++20, as the extension builds) with
+    `flags`, run it (under `runner`, e.g. qemu), assert both succeed; -> its stdout."""
+    import torch
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    build = subprocess.run([compiler, "-std=c++20", "-O2", "-ffp-contract=off", f"-I{include}",
+                            *flags, source, "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    return run.stdout

@@ -4,16 +4,14 @@ On CPUs without native bf16 (no AVX512-BF16 / AMX), oneDNN emulates bf16
 GEMMs at ~26 GFLOP/s while fp32 GEMMs reach ~120 on the same cores. A bf16
 weight upcast to fp32 is exact, bf16 x bf16 products are exact in fp32, and
 oneDNN's bf16 GEMM accumulates in fp32 too: computing in fp32 and rounding the
-result to bf16 is the same math (up to summation order), about 4x faster, at
-the cost of fp32 weight memory.
+result to bf16 is the same math (up to summation order), about 4x faster.
 
-At decode sizes (up to 128 rows) the layer is bound by reading its weights,
-or by oneDNN's poor fp32 kernels for thin matrices, and fp32 weights double
-the bytes: there the native `linear_bf16` kernel reads the original bf16
-weights (packed once at load, kept beside the fp32 copy) and widens them in
-registers - the same math again, fp32 products and sums. Which layers do so, and
-up to how many rows, is the CPU platform's decision (tokenmill/cpu_platform.py:
-where the level's kernel is vectorised); it calls `pack_bf16` once at load.
+Better still for a bf16 model, the native `linear_bf16` kernel reads the bf16
+weights (packed once at load) and widens them in registers - the same math
+again, fp32 products and sums, over half the bytes of fp32 weights (a decode
+step is bound by reading them). Which layers do so, for how many rows, and
+whether an fp32 (or the bf16) copy is kept for larger inputs, is the CPU
+platform's decision (tokenmill/cpu_platform.py); it calls `pack_bf16` once at load.
 """
 from __future__ import annotations
 
