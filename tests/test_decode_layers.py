@@ -104,13 +104,24 @@ def test_not_used_where_a_layer_would_not_go_native(tiny_model_factory, monkeypa
     assert rows == ([1, 1, 1] if ops.has_fast_linear_bf16 else [])
 
 
-def test_not_used_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
-    """A CPU with AVX512-BF16 / AMX keeps bf16 GEMMs: no packed linears, no native layers."""
+def test_used_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
+    """A CPU with AVX512-BF16 / AMX keeps oneDNN's bf16 GEMMs for large inputs, but its
+    decode-sized inputs take the packed kernel, so decode steps take the native loop
+    too, with the Python layers' tokens."""
     monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
     tm = tiny_model_factory("qwen3_headdim")
-    llm = make_llm(tm.path, dtype="bfloat16")
-    assert runner_of(llm).model.decode_layers is None
-    assert not llm.llm_engine.platform.decode_layers
+    llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3)
+    if not llm.llm_engine.platform.ops.has_fast_linear_bf16:
+        pytest.skip("this level's kernels have no packed linear")
+    assert runner_of(llm).model.decode_layers is not None
+    assert llm.llm_engine.platform.decode_layers
+    python = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3, decode_layers=False)
+    assert runner_of(python).model.decode_layers is None
+    prompts = [{"prompt_token_ids": p} for p in tm.prompts[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in m.generate(prompts, params, use_tqdm=False)]
+              for m in (llm, python)]
+    assert tokens[0] == tokens[1]
 
 
 def test_moe_layers_are_not_supported(tmp_path, widened, ops):
