@@ -56,6 +56,8 @@ class Request:
         # (tokenmill.structured_output.StructuredOutputRequest; used here only through
         # ready() and advance(token)). None: unconstrained.
         self.structured_output = None
+        # Speculative decoding: drafts proposed after the last step, verified in the next.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

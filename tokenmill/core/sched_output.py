@@ -62,6 +62,9 @@ class SchedulerOutput:
     # engine core fills them before sampling; the runner maps rows to its batch.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: "np.ndarray | None" = None
+    # Speculative decoding: request id -> the draft tokens scheduled after its last
+    # token this step (they count in num_scheduled_tokens); absent: none.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -91,9 +94,11 @@ class ModelRunnerOutput:
     # Request ids in the runner's batch order, and the index of each.
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    # Per request: the tokens it produced this step (empty while still in its prompt).
+    # Per request: the tokens it produced this step (empty while still in its prompt;
+    # with speculative decoding, its accepted drafts and then one sampled token).
     sampled_token_ids: list[list[int]]
-    # Row i: logprobs of request i's sampled token (None when no request asked).
+    # Logprobs of the produced tokens (None when no request asked), in request order:
+    # request i owns max(1, len(sampled_token_ids[i])) rows (`logprobs_row_starts`).
     logprobs: LogprobsLists | None = None
     # Prompt logprobs of requests whose prompt finished this step (all positions but the first).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
@@ -101,3 +106,15 @@ class ModelRunnerOutput:
     # vocabulary): request id -> (reason, message). They produced no token; the
     # scheduler finishes them with an error.
     errored: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Speculative decoding: per request, the drafts proposed for its next step (None:
+    # no drafter, or nothing proposed).
+    spec_token_ids: list[list[int]] | None = None
+
+
+def logprobs_row_starts(sampled_token_ids: list[list[int]]) -> list[int]:
+    """The first logprobs row of each request (see ModelRunnerOutput.logprobs)."""
+    starts, row = [], 0
+    for ids in sampled_token_ids:
+        starts.append(row)
+        row += max(1, len(ids))
+    return starts

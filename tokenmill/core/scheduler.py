@@ -15,7 +15,8 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
-                                         NewRequestData, SchedulerOutput)
+                                         NewRequestData, SchedulerOutput, logprobs_row_starts)
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -25,6 +26,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    # Speculative decoding: the most drafts a request verifies per step (0: off).
+    num_speculative_tokens: int = 0
 
 
 _WAIT = object()
@@ -72,6 +75,8 @@ class Scheduler:
         # Known to the runner, but to be sent again as new (its batch was reset).
         self._resend_as_new: set[str] = set()
         self._has_state = kv_cache_config.state_group_id is not None
+        self.spec_stats = (SpecDecodingStats(config.num_speculative_tokens)
+                           if config.num_speculative_tokens else None)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -173,6 +178,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -203,6 +209,17 @@ class Scheduler:
         n = req.num_output_placeholders
         return (len(req.output_token_ids) + n >= req.sampling_params.max_tokens
                 or req.num_tokens + n >= self.config.max_model_len)
+
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts this step verifies: only with its one decode
+        token, within the budget, and never so many that an all-accepted run would pass
+        max_tokens or max_model_len (every accepted draft is emitted, plus one token)."""
+        spec = req.spec_token_ids
+        if not spec or num_new != 1 or req.num_output_placeholders:
+            return 0
+        room = min(req.sampling_params.max_tokens - len(req.output_token_ids),
+                   self.config.max_model_len - req.num_tokens)
+        return max(0, min(len(spec), budget - 1, room - 1))
 
     def _lookup_prefix(self, req: Request):
         """Prefix caching and the external KV tier, for a request with nothing computed:
@@ -240,6 +257,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -250,6 +268,8 @@ class Scheduler:
             if num_new <= 0 or self._limit_reached_in_flight(req):
                 i += 1
                 continue
+            num_drafts = self._num_drafts(req, num_new, budget)
+            num_new += num_drafts
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
                 if new_blocks is not None:
@@ -261,6 +281,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if num_drafts:
+                spec_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
+            req.spec_token_ids = []  # verified now, or stale after this step
             cached.req_ids.append(req.request_id)
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
@@ -335,7 +358,8 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted)
+            finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
+            scheduled_spec_decode_tokens=spec_tokens)
         self._finished_req_ids = set()
         # The tokens are now scheduled: count them as computed (vLLM V1 does the same).
         # A request whose chunk reaches its last token samples one: a placeholder until
@@ -356,12 +380,24 @@ class Scheduler:
         outputs = []  # (the failed ones: take_failed_outputs, by the engine core)
         max_len = self.config.max_model_len
         logprobs = runner_output.logprobs
+        row_starts = (logprobs_row_starts(runner_output.sampled_token_ids)
+                      if logprobs is not None else None)
         prompt_logprobs = runner_output.prompt_logprobs
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        next_drafts = runner_output.spec_token_ids
         for rid, idx in runner_output.req_id_to_index.items():
             req = self.requests.get(rid)
             new_ids = runner_output.sampled_token_ids[idx]
             if req is None or req.is_finished or not new_ids:
                 continue
+            drafts = spec_scheduled.get(rid)
+            if drafts:
+                # The rejected drafts' KV slots hold garbage: they are simply written
+                # over later, as computed tokens roll back to the accepted length.
+                num_accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(drafts), num_accepted)
             req.num_output_placeholders = max(0, req.num_output_placeholders - len(new_ids))
             sp = req.sampling_params
             status = None
@@ -396,9 +432,11 @@ class Scheduler:
             if status is not None:
                 self._remove_from_queues(req)
                 self._finish(req, status)
+            elif next_drafts is not None:
+                req.spec_token_ids = next_drafts[idx]
             outputs.append(EngineCoreOutput(
                 rid, appended, req.finish_reason, req.stop_reason,
-                logprobs.slice(idx, idx + len(appended)) if logprobs is not None and
-                sp.logprobs is not None else None,
+                logprobs.slice(row_starts[idx], row_starts[idx] + len(appended))
+                if logprobs is not None and sp.logprobs is not None else None,
                 prompt_logprobs.get(rid)))
         return outputs

@@ -67,6 +67,9 @@ class EngineStats:
     # token_out_of_vocab, fault, step_fault, grammar, output.
     requests_errored_total: dict = field(default_factory=dict)
     requests_aborted_total: int = 0
+    # Speculative decoding (tokenmill.spec_decode.metrics.SpecDecodingStats.as_dict);
+    # empty when off.
+    spec_decoding: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -334,6 +337,12 @@ class AsyncLLM:
                         s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
                         (s.prompt_tokens_total - last_counts[0]) / dt,
                         (s.generation_tokens_total - last_counts[1]) / dt)
+                    if s.spec_decoding:
+                        sd = s.spec_decoding
+                        logger.info("speculative decoding: mean acceptance length %.2f, "
+                                    "accepted %d of %d draft tokens, per position %s",
+                                    sd["mean_acceptance_length"], sd["num_accepted_tokens"],
+                                    sd["num_draft_tokens"], sd["accepted_per_position"])
                     last_log, last_counts = now, (s.prompt_tokens_total, s.generation_tokens_total)
         except BaseException:  # noqa: BLE001 - report to every waiter, then stop
             logger.exception("engine thread failed")
@@ -409,6 +418,8 @@ class AsyncLLM:
         s.num_cached_blocks = kv.pool.num_cached_blocks
         s.requests_errored_total = dict(sched.num_errors)
         s.requests_aborted_total = sched.num_aborted
+        if sched.spec_stats is not None:
+            s.spec_decoding = sched.spec_stats.as_dict()
         connector = getattr(self.engine.engine_core, "kv_connector", None)
         if connector is not None:
             s.external_kv = connector.stats.snapshot()["stores"]

@@ -30,7 +30,10 @@ class EngineStepError(EngineDeadError):
 
 
 def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
-                         max_model_len: int, device: torch.device) -> KVCacheConfig:
+                         max_model_len: int, device: torch.device,
+                         state_slots_per_seq: int = 1) -> KVCacheConfig:
+    """`state_slots_per_seq`: recurrent-state slots each sequence owns (1 + the drafts
+    of a step under speculative decoding: one state after each verified token)."""
     specs = runner.get_kv_cache_spec(cache.block_size)
     # Every attention layer has the same spec: one group, one block table. Recurrent
     # layers form a second group whose state lives in one slot per live sequence.
@@ -39,7 +42,8 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
     groups = [KVCacheGroup(attn, specs[attn[0]])]
     if state:
         groups.append(KVCacheGroup(state, specs[state[0]]))
-    config = KVCacheConfig(1, groups, num_state_slots=max_num_seqs if state else 0)
+    config = KVCacheConfig(1, groups,
+                           num_state_slots=max_num_seqs * state_slots_per_seq if state else 0)
     per_block = config.bytes_per_block()
     # Enough for every sequence at full length, plus the null block: more is waste.
     useful = max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
@@ -68,7 +72,8 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
-                 kv_connector_config=None, platform: CpuPlatform | None = None):
+                 kv_connector_config=None, platform: CpuPlatform | None = None,
+                 speculative_config=None):
         self.model_config = model_config
         # Which kernels run (tokenmill/cpu_platform.py): the engine's, or this device's defaults.
         self.platform = platform or CpuPlatform.create(model_config.device, model_config.dtype)
@@ -84,11 +89,14 @@ class EngineCore:
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=model_config.max_model_len,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            platform=self.platform)
+            platform=self.platform, speculative_config=speculative_config)
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,
-            model_config.max_model_len, model_config.device)
+            model_config.max_model_len, model_config.device,
+            1 + (speculative_config.num_speculative_tokens if speculative_config else 0))
         self.runner.initialize_kv_cache(self.kv_cache_config)
+        if speculative_config is not None:
+            logger.info("speculative decoding: %s", speculative_config.describe())
         # Prefix caching (None: on unless hybrid) and the external KV tier (tokenmill.kv_connector).
         scheduler_config.enable_prefix_caching = resolve_prefix_caching(
             scheduler_config.enable_prefix_caching, self.kv_cache_config)

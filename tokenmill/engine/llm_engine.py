@@ -71,6 +71,9 @@ class EngineArgs:
     greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS
     # The native loop over every decoder layer of a decode step (False: Python layers).
     decode_layers: bool = True
+    # Speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig, a dict of
+    # its fields or their JSON); None: off.
+    speculative_config: object = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -89,6 +92,8 @@ class EngineArgs:
         from tokenmill.kv_connector.config import KVConnectorConfig
         self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
         self.limits = RequestLimits.from_any(self.limits)
+        from tokenmill.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         self.cpu_capability = check_cpu_args(self.cpu_kernels, self.cpu_capability,
                                              self.linear_bf16_max_rows,
                                              self.greedy_head_max_rows, self.decode_layers)
@@ -104,11 +109,20 @@ class EngineArgs:
                              f"got {self.max_num_batched_tokens!r}")
 
 
-def resolve_async(flag: bool | None, device) -> bool:
+def resolve_async(flag: bool | None, device, speculative_config=None) -> bool:
     """Async scheduling pays where the forward runs beside the host (a GPU). On a CPU
     the worker thread's intra-op threads and the scheduling thread share the same
     cores: measured on the 2-core bench machine, throughput fell from 336 to 217
-    tok/s and single stream from 66 to 45, so it is off there unless asked for."""
+    tok/s and single stream from 66 to 45, so it is off there unless asked for.
+
+    With speculative decoding it is off: step N+1's drafts come from step N's
+    accepted tokens, and how many of N's drafts are accepted decides where N+1's
+    tokens go, so N+1 cannot be scheduled before N is sampled."""
+    if speculative_config is not None:
+        if flag:
+            logger.warning("async scheduling is off with speculative decoding: the next "
+                           "step's drafts and positions depend on this step's accepted tokens")
+        return False
     if flag is not None:
         return bool(flag)
     return getattr(device, "type", str(device)) == "cuda"
@@ -132,9 +146,11 @@ class LLMEngine:
         if not args.enable_chunked_prefill and batched < max_len:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                              f"({max_len}) when enable_chunked_prefill is off")
+        spec = args.speculative_config
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
                                                 args.enable_chunked_prefill,
-                                                args.enable_prefix_caching)
+                                                args.enable_prefix_caching,
+                                                spec.num_speculative_tokens if spec else 0)
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         # Which kernels run: decided here, once, for the whole engine.
         self.platform = CpuPlatform.from_engine_args(args, self.model_config.device,
@@ -142,9 +158,10 @@ class LLMEngine:
         logger.info("platform: %s", self.platform.describe())
         self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
                                       async_scheduling=resolve_async(args.async_scheduling,
-                                                                     self.model_config.device),
+                                                                     self.model_config.device,
+                                                                     spec),
                                       kv_connector_config=args.kv_connector,
-                                      platform=self.platform)
+                                      platform=self.platform, speculative_config=spec)
         self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
         self._init_structured_output()
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -27,6 +27,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add_kv_cache_args(p)
     add_cpu_platform_args(p)
     add_limit_args(p)
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (fields: method, '
+                        'num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, '
+                        'disable_by_batch_size, adaptive; default: off)')
 
 
 def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +136,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
+                speculative_config=getattr(args, "speculative_config", None),
                 **kv_cache_kwargs(args), **cpu_platform_kwargs(args), **limit_kwargs(args))
 
 

@@ -10,7 +10,8 @@ processor or logprobs takes a plain argmax.
 Random rows sample by the exponential race (argmax of probs / Exp(1) noise),
 which equals a categorical draw. A seeded request draws its noise from its own
 generator, one [vocab] row per step, so its tokens do not depend on whatever
-else shares the batch.
+else shares the batch. compute_probs (the transform) and random_sample (the
+draw) are shared with the rejection sampler of speculative decoding.
 """
 from __future__ import annotations
 
@@ -158,6 +159,30 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, min_p, top-k / top-p,
+    softmax. Shared with the rejection sampler, which must verify drafts against
+    exactly the distribution the normal sampler would draw from."""
+    logits = logits / md.temperature.unsqueeze(1)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    return logits.softmax(dim=-1)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One categorical draw per row by the exponential race; overwrites probs.
+
+    Row r of a seeded request draws its [V] noise from generators[r] only."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    return probs.div_(noise).argmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] float32 -> sampled token ids [N] (and logprobs when asked)."""
@@ -176,18 +201,7 @@ class Sampler:
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        logits = logits / md.temperature.unsqueeze(1)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        if len(md.generators) < probs.shape[0]:
-            noise.exponential_()
-        for row, gen in md.generators.items():
-            noise[row].exponential_(generator=gen)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = random_sample(compute_probs(logits, md), md.generators)
         if greedy is not None:
             sampled = torch.where(md.greedy_mask, greedy, sampled)
         return sampled

@@ -22,7 +22,12 @@ from tokenmill.errors import RequestFault
 from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
 from tokenmill.models.layers.greedy_head import GreedyHead
-from tokenmill.sample.sampler import Sampler, gather_logprobs
+from tokenmill.sample.bitmask import apply_grammar_bitmask
+from tokenmill.sample.sampler import Sampler, apply_processors, gather_logprobs
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.drafter import Drafter
+from tokenmill.spec_decode.rejection_sampler import RejectionSampler
+from tokenmill.spec_decode.verify import verify_greedy
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
@@ -45,19 +50,27 @@ class StepInputs:
     logits_indices: np.ndarray
     discard_mask: np.ndarray  # rows still consuming their prompt: they sample nothing
     block_table: np.ndarray  # group 0, rows [0, num_reqs)
+    # Speculative decoding: logits rows of request i are cu_num_logits[i]..[i+1]-1
+    # (its drafts' positions, then one more); num_drafts[i] = that count - 1.
+    cu_num_logits: np.ndarray | None = None
+    num_drafts: np.ndarray | None = None
 
 
 def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
-                          decode_threshold: int = DECODE_THRESHOLD) -> bool:
+                          decode_threshold: int = DECODE_THRESHOLD,
+                          spec_tokens: dict[str, list[int]] | None = None) -> bool:
     """Order rows decode -> short extend -> long extend -> prefill, with few swaps.
 
-    Only rows that sit in the wrong region move; each follows its swap chain.
-    Returns whether anything moved.
+    A row verifying drafts (`spec_tokens`) is a decode: its tokens beyond the one
+    decode token are its drafts. Only rows that sit in the wrong region move; each
+    follows its swap chain. Returns whether anything moved.
     """
     n = batch.num_reqs()
     if n <= 1:
         return False
-    sched = np.array([num_scheduled[batch.req_ids[i]] for i in range(n)])
+    spec = spec_tokens or {}
+    sched = np.array([num_scheduled[batch.req_ids[i]] - len(spec.get(batch.req_ids[i], ()))
+                      for i in range(n)])
     computed = batch.num_computed_tokens_cpu[:n]
     prompt = batch.num_prompt_tokens[:n]
     region = np.where(computed == 0, 3,
@@ -82,9 +95,12 @@ def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
 class ModelRunner:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 platform: CpuPlatform | None = None):
+                 platform: CpuPlatform | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         """`platform`: the engine's kernel decisions (tokenmill/cpu_platform.py; the
-        model was prepared with it at load); None: the defaults for this device."""
+        model was prepared with it at load); None: the defaults for this device.
+        `speculative_config`: propose drafts after each step and verify them in the
+        next (tokenmill/spec_decode); None: no speculation."""
         self.model = model
         self.platform = platform or CpuPlatform.create(device, dtype)
         self.dtype = dtype
@@ -102,6 +118,9 @@ class ModelRunner:
         self.attn_group_id = 0
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
+        # Hybrid models under speculation: per verifying request, the slot holding its
+        # state after each of its step's tokens (StateSlots.write_slots).
+        self._spec_write_slots: dict[str, list[int]] = {}
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None
@@ -109,6 +128,9 @@ class ModelRunner:
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
+        # Speculative decoding: the drafter and the verifier of its drafts.
+        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
+        self.rejection_sampler = RejectionSampler()
         # Native attention (and q/k norm + rope) kernels for every step, or None.
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
         # The worker half of a KV connector (tokenmill.kv_connector.worker), or None.
@@ -162,7 +184,9 @@ class ModelRunner:
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
             state_layers[name].state = tensors
-        self.state_slots = StateSlots(config.num_state_slots) if self.state_caches else None
+        width = 1 + (self.drafter.k if self.drafter is not None else 0)
+        self.state_slots = (StateSlots(config.num_state_slots, width) if self.state_caches
+                            else None)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
                                       [g.spec.block_size if g.is_attention else 1
                                        for g in config.groups], self.device,
@@ -175,6 +199,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
             batch.remove_request(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
             if self.state_slots is not None:
                 self.state_slots.release(rid)
         if self.state_slots is not None:
@@ -233,6 +259,16 @@ class ModelRunner:
         n = batch.num_reqs()
         num_sched = np.array([so.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)],
                              dtype=np.int64)
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = None
+        if spec:
+            # The drafts follow the row's real tokens; they are inputs like any other.
+            num_drafts = np.zeros(n, dtype=np.int64)
+            for rid, drafts in spec.items():
+                r = batch.req_id_to_index[rid]
+                num_drafts[r] = len(drafts)
+                start = int(batch.num_tokens_no_spec[r])
+                batch.token_ids_cpu[r, start:start + len(drafts)] = drafts
         cu = np.cumsum(num_sched)
         total = int(cu[-1])
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
@@ -249,40 +285,67 @@ class ModelRunner:
             req_indices * table.max_num_blocks_per_req + positions // bs]
         slot_offset = positions % bs
         seq_lens = computed + num_sched
-        logits_indices = cu - 1
         discard = seq_lens < batch.num_tokens_no_spec[:n]
+        cu_num_logits = None
+        if num_drafts is None:
+            logits_indices = cu - 1
+        else:
+            # A verifying row samples at its last token and at every draft.
+            num_logits = num_drafts + 1
+            cu_num_logits = np.zeros(n + 1, dtype=np.int64)
+            cu_num_logits[1:] = np.cumsum(num_logits)
+            logits_indices = (np.repeat(cu - num_logits, num_logits)
+                              + self._arange_upto(int(cu_num_logits[-1]))
+                              - np.repeat(cu_num_logits[:-1], num_logits))
 
-        # Leading single-token rows share one batched decode call.
-        not_single = np.nonzero(num_sched != 1)[0]
+        # Leading decode rows (one token, or one plus its drafts) share one batched
+        # decode call: each of their tokens is a query row that sees the cache up to
+        # itself (every token's K/V is written before attention runs).
+        single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
+        not_single = np.nonzero(~single)[0]
         nd = int(not_single[0]) if not_single.size else n
+        nd_tokens = int(query_start_loc[nd])
         dev = self.device
         meta = AttentionMetadata(
-            num_decodes=nd,
+            num_decodes=nd_tokens,
             slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
             slot_offset=torch.from_numpy(slot_offset).to(dev),
             native_ops=self.native_ops)
         if nd:
             nb = -(-int(seq_lens[:nd].max()) // bs)
-            meta.decode_block_table = torch.from_numpy(table.block_table[:nd, :nb].copy()).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev)
+            if nd_tokens == nd:
+                meta.decode_block_table = torch.from_numpy(
+                    table.block_table[:nd, :nb].copy()).to(dev)
+                meta.decode_seq_lens = torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev)
+            else:
+                meta.decode_block_table = torch.from_numpy(
+                    np.repeat(table.block_table[:nd, :nb], num_sched[:nd], axis=0)).to(dev)
+                meta.decode_seq_lens = torch.from_numpy(
+                    (positions[:nd_tokens] + 1).astype(np.int32)).to(dev)
         for r in range(nd, n):
             nb = -(-int(seq_lens[r]) // bs)
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
         if self.state_slots is not None:
-            meta.state = self._state_metadata(nd, query_start_loc, computed)
+            meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts)
         self.last_step = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
             seq_lens=seq_lens, slot_mapping=block_ids.astype(np.int64) * bs + slot_offset,
             logits_indices=logits_indices, discard_mask=discard,
-            block_table=table.block_table[:n].copy())
+            block_table=table.block_table[:n].copy(), cu_num_logits=cu_num_logits,
+            num_drafts=num_drafts)
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
-                        computed: np.ndarray) -> StateMetadata:
-        """Each row's state slot; a request seen for the first time gets a zeroed one."""
+                        computed: np.ndarray, num_drafts: np.ndarray | None = None
+                        ) -> StateMetadata:
+        """Each row's state slot; a request seen for the first time gets a zeroed one.
+
+        `num_decodes` rows lead the batch; with drafts (`num_drafts`) each of them has
+        1 + drafts tokens, run as decode steps in order, each leaving its state in
+        the next slot of the request's group (StateSlots.write_slots)."""
         batch = self.input_batch
         n = batch.num_reqs()
         slots = np.empty(n, dtype=np.int64)
@@ -300,11 +363,36 @@ class ModelRunner:
             for tensors in self.state_caches.values():
                 for t in tensors:
                     t.index_fill_(0, idx, 0)
-        meta = StateMetadata(num_decodes, torch.from_numpy(slots).to(self.device))
+        self._spec_write_slots = {}
+        nd_tokens = int(query_start_loc[num_decodes])
+        meta = StateMetadata(nd_tokens, torch.from_numpy(slots).to(self.device))
+        if nd_tokens > num_decodes:
+            meta.decode_steps = self._state_decode_steps(num_decodes, query_start_loc, slots)
         for r in range(num_decodes, n):
             meta.prefills.append((int(query_start_loc[r]), int(query_start_loc[r + 1]),
                                   int(slots[r])))
         return meta
+
+    def _state_decode_steps(self, nd: int, query_start_loc: np.ndarray, slots: np.ndarray):
+        """Step j reads each row's state after its token j - 1 and writes the state after
+        token j; which one the request keeps is decided by its accepted drafts."""
+        batch = self.input_batch
+        counts = np.diff(query_start_loc[:nd + 1])
+        write = {}
+        for r in range(nd):
+            rid = batch.req_ids[r]
+            write[rid] = self.state_slots.write_slots(rid, int(counts[r]))
+        self._spec_write_slots = write
+        dev = self.device
+        steps = []
+        for j in range(int(counts.max())):
+            rows = np.nonzero(counts > j)[0]
+            ws = [write[batch.req_ids[r]] for r in rows.tolist()]
+            read = [int(slots[r]) if j == 0 else w[j - 1] for r, w in zip(rows.tolist(), ws)]
+            steps.append((torch.from_numpy(query_start_loc[rows] + j).to(dev),
+                          torch.tensor(read, dtype=torch.long, device=dev),
+                          torch.tensor([w[j] for w in ws], dtype=torch.long, device=dev)))
+        return steps
 
     def reset_batch(self) -> None:
         """After a failed step: empty the persistent batch (its rows may be half-updated).
@@ -326,6 +414,8 @@ class ModelRunner:
         for rid in req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
             if self.state_slots is not None:
                 self.state_slots.release(rid)
             self.input_batch.remove_request(rid)
@@ -339,7 +429,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
             return None
-        reorder_decodes_first(self.input_batch, so.num_scheduled_tokens)
+        reorder_decodes_first(self.input_batch, so.num_scheduled_tokens,
+                              spec_tokens=so.scheduled_spec_decode_tokens)
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
         dev = self.device
         kv_meta = so.kv_connector_metadata if self.kv_connector is not None else None
@@ -444,6 +535,73 @@ class ModelRunner:
             for rid in req_ids:
                 if faults.fires("sampler", rid, self.requests[rid].prompt_token_ids):
                     raise RequestFault([rid], faults.InjectedFault(f"sampler of {rid}"))
+        structured = self._structured_req_ids()
+        step = self.last_step
+        if step.cu_num_logits is not None:
+            tokens, num_emitted, logprobs, nan_rows, vocab = self._verify_drafts(
+                logits, sampled, discard)
+        else:
+            tokens, logprobs, nan_rows, vocab = self._sample_one(logits, sampled, discard)
+            num_emitted = np.ones(n, dtype=np.int64)
+        errored = self._check_sampled(req_ids, discard, nan_rows, tokens, num_emitted, vocab)
+        keep = ~discard
+        if errored:
+            keep &= ~np.isin(np.arange(n), [req_id_to_index[rid] for rid in errored])
+        num_emitted = np.where(keep, num_emitted, 0)
+        if step.cu_num_logits is not None and logprobs is not None:
+            logprobs = self._emitted_logprobs(logprobs, tokens, num_emitted)
+        # Write back into the batch, vectorised over the rows that keep their tokens.
+        total = int(num_emitted.sum())
+        rows = np.repeat(np.arange(n), num_emitted)
+        j = self._arange_upto(total) - np.repeat(np.cumsum(num_emitted) - num_emitted,
+                                                 num_emitted)
+        flat = tokens[rows, j]
+        batch.token_ids_cpu[rows, batch.num_tokens_no_spec[rows] + j] = flat
+        batch.num_tokens_no_spec[:n] += num_emitted.astype(batch.num_tokens_no_spec.dtype)
+        out = [[] for _ in range(n)]
+        flat_list = flat.tolist()
+        pos = 0
+        for r in np.nonzero(num_emitted)[0].tolist():
+            e = int(num_emitted[r])
+            out[r] = flat_list[pos:pos + e]
+            pos += e
+            self.requests[req_ids[r]].output_token_ids.extend(out[r])
+        spec_token_ids = None
+        if self.drafter is not None:
+            eligible = keep & ~batch.needs_processors[:n]
+            if structured:
+                eligible &= ~np.isin(np.arange(n), [req_id_to_index[r] for r in structured
+                                                    if r in req_id_to_index])
+            spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
+                                                  batch.num_tokens_no_spec[:n], eligible)
+        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
+                                 errored, spec_token_ids)
+
+    def _emitted_logprobs(self, pending, tokens: np.ndarray,
+                          num_emitted: np.ndarray) -> LogprobsLists:
+        """Logprobs of each row's emitted tokens (row r's token j was chosen at its logits
+        row cu[r] + j); a row that emits nothing gets one row, as without speculation."""
+        raw, k = pending
+        cu = self.last_step.cu_num_logits
+        counts = np.maximum(num_emitted, 1)
+        total = int(counts.sum())
+        req = np.repeat(np.arange(counts.size), counts)
+        j = self._arange_upto(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        dev = self.device
+        # (clipped: an errored row's garbage id must not index past the vocabulary)
+        chosen = np.clip(tokens[req, j], 0, raw.shape[1] - 1)
+        got = gather_logprobs(raw[torch.from_numpy(cu[:-1][req] + j).to(dev)], k,
+                              torch.from_numpy(chosen).to(dev))
+        return LogprobsLists(got.token_ids.cpu().numpy(), got.logprobs.cpu().numpy(),
+                             got.ranks.cpu().numpy())
+
+    def _structured_req_ids(self) -> set[str]:
+        so = getattr(self, "_grammar_so", None)
+        return set(so.structured_output_request_ids) if so is not None else set()
+
+    def _sample_one(self, logits, sampled, discard):
+        """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
+        batch = self.input_batch
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
             self._grammar_so = None
@@ -456,48 +614,111 @@ class ModelRunner:
             # (amax propagates NaN: one vectorised pass, a tenth of isnan().any())
             nan_rows = torch.isnan(logits.amax(dim=1))
             vocab = logits.shape[1]
-            md = batch.make_sampling_metadata()
-            md.grammar_bitmask = self._grammar_bitmask_rows()
-            # A row still in its prompt samples nothing: its seeded generator must not advance.
-            for r in np.nonzero(discard)[0].tolist():
-                md.generators.pop(r, None)
+            md = self._sampling_metadata(discard)
             sampler_out = self.sampler(logits.float(), md)
             sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
             if sampler_out.logprobs is not None:
                 lt = sampler_out.logprobs
                 logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
                                          lt.ranks.cpu().numpy())
-        errored = self._check_sampled(req_ids, discard, nan_rows, sampled_np, vocab)
-        keep = ~discard
-        if errored:
-            keep &= ~np.isin(np.arange(n), [req_id_to_index[rid] for rid in errored])
-        # Write back into the batch, vectorised over the rows that keep their token.
-        rows = np.nonzero(keep)[0]
-        cols = batch.num_tokens_no_spec[rows]
-        batch.token_ids_cpu[rows, cols] = sampled_np[rows]
-        batch.num_tokens_no_spec[rows] += 1
-        out = [[] for _ in range(n)]
-        for r in rows.tolist():
-            tok = int(sampled_np[r])
-            out[r] = [tok]
-            self.requests[req_ids[r]].output_token_ids.append(tok)
-        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
-                                 errored)
+        if nan_rows is not None:
+            nan_rows = nan_rows.to("cpu").numpy()
+        return sampled_np.reshape(-1, 1), logprobs, nan_rows, vocab
 
-    def _check_sampled(self, req_ids, discard: np.ndarray, nan_rows: torch.Tensor | None,
-                       sampled: np.ndarray, vocab: int) -> dict[str, tuple[str, str]]:
-        """The rows that must not emit their token: NaN logits, or an id outside the
+    def _sampling_metadata(self, discard: np.ndarray):
+        md = self.input_batch.make_sampling_metadata()
+        md.grammar_bitmask = self._grammar_bitmask_rows()
+        # A row still in its prompt samples nothing: its seeded generator must not advance.
+        for r in np.nonzero(discard)[0].tolist():
+            md.generators.pop(r, None)
+        return md
+
+    def _verify_drafts(self, logits, sampled, discard):
+        """A step with drafts: verify each row's drafts against the target's rows.
+
+        Returns (tokens [n, 1 + max drafts]: row r emits tokens[r, :num_emitted[r]],
+        num_emitted [n], (raw logprobs [T, V], top-k width) or None, per-row NaN flags,
+        vocabulary size). Rows without drafts (and rows still
+        in their prompt) sample their one token as the plain sampler would."""
+        batch = self.input_batch
+        step = self.last_step
+        n = batch.num_reqs()
+        cu = step.cu_num_logits
+        num_drafts = step.num_drafts
+        num_logits = int(cu[-1])
+        # The drafts sit in token_ids_cpu right after each row's real tokens.
+        draft_req = np.repeat(np.arange(n), num_drafts)
+        draft_pos = (self._arange_upto(draft_req.size)
+                     - np.repeat(cu[:-1] - np.arange(n), num_drafts))
+        drafts = batch.token_ids_cpu[draft_req, batch.num_tokens_no_spec[draft_req] + draft_pos]
+        drafts = drafts.astype(np.int64)
+        logprobs = None
+        md = None
+        if sampled is not None:  # the greedy lm_head: argmax of every verified row
+            self._grammar_so = None
+            target = sampled.to("cpu", dtype=torch.int64).numpy()
+            nan_t = self._pending_nonfinite_hidden.to("cpu").numpy()
+            vocab = self.greedy_head.lm_head.out_features
+        else:
+            nan_t = torch.isnan(logits.amax(dim=1)).to("cpu").numpy()
+            vocab = logits.shape[1]
+            md = self._sampling_metadata(discard)
+            if md.all_greedy and md.no_processors and md.grammar_bitmask is None \
+                    and md.max_num_logprobs is None:
+                target = logits.argmax(dim=-1).to("cpu", dtype=torch.int64).numpy()
+                md = None
+        if md is None:
+            accepted = verify_greedy(target, drafts, cu)
+            num_emitted = accepted + 1
+            width = int(num_emitted.max())
+            idx = np.minimum(cu[:-1, None] + np.arange(width), num_logits - 1)
+            tokens = target[idx]
+        else:
+            logits = logits.float()
+            raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+            # The grammar and the processors act on each request's last row: rows with
+            # drafts have neither (the Drafter gives such requests none).
+            last = torch.from_numpy(cu[1:] - 1).to(self.device)
+            if md.grammar_bitmask is not None or not md.no_processors:
+                rows = logits[last]
+                if md.grammar_bitmask is not None:
+                    rows = apply_grammar_bitmask(rows, *md.grammar_bitmask)
+                if not md.no_processors:
+                    rows = apply_processors(rows, md)
+                logits = logits.clone()
+                logits[last] = rows
+            result = self.rejection_sampler(
+                logits, torch.from_numpy(cu).to(self.device),
+                torch.from_numpy(drafts).to(self.device), md)
+            tokens = result.token_ids.to("cpu").numpy()
+            num_emitted = result.num_emitted.to("cpu").numpy().astype(np.int64)
+            accepted = num_emitted - 1
+            if raw is not None:  # gathered once the emitted tokens are final
+                logprobs = (raw, md.max_num_logprobs)
+        self.drafter.observe(batch.req_ids[:n], num_drafts, accepted)
+        if self.state_slots is not None:  # each verifying row goes on from its accepted state
+            for r in np.nonzero(num_drafts)[0].tolist():
+                rid = batch.req_ids[r]
+                self.state_slots.accept(rid, self._spec_write_slots[rid][int(accepted[r])])
+        nan_rows = np.logical_or.reduceat(nan_t, cu[:-1]) if nan_t.size else nan_t
+        return tokens, num_emitted, logprobs, nan_rows, vocab
+
+    def _check_sampled(self, req_ids, discard: np.ndarray, nan_rows: np.ndarray | None,
+                       tokens: np.ndarray, num_emitted: np.ndarray,
+                       vocab: int) -> dict[str, tuple[str, str]]:
+        """The rows that must not emit their tokens: NaN logits, or an id outside the
         vocabulary (the reference's clamp-and-terminate). request id -> (reason, message)."""
         errored = {}
         if nan_rows is not None:
-            nan_np = nan_rows.to("cpu").numpy() & ~discard
-            for r in np.nonzero(nan_np)[0].tolist():
+            for r in np.nonzero(nan_rows & ~discard)[0].tolist():
                 errored[req_ids[r]] = ("nan_logits", "the model produced NaN logits for this "
                                                      "request")
-        outside = ((sampled < 0) | (sampled >= vocab)) & ~discard
+        emitted = np.arange(tokens.shape[1]) < num_emitted[:, None]
+        outside = (((tokens < 0) | (tokens >= vocab)) & emitted).any(axis=1) & ~discard
         for r in np.nonzero(outside)[0].tolist():
+            bad = tokens[r][emitted[r] & ((tokens[r] < 0) | (tokens[r] >= vocab))]
             errored.setdefault(req_ids[r], ("token_out_of_vocab",
-                                            f"sampled token id {int(sampled[r])} is outside "
+                                            f"sampled token id {int(bad[0])} is outside "
                                             f"the vocabulary"))
         for rid, (reason, _) in errored.items():
             logger.error("request %s failed: %s", rid, reason)

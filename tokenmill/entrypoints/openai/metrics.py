@@ -61,6 +61,27 @@ class _StatsCollector:
         g.add_metric(list(self.labels.values()), s.num_cached_blocks)
         yield g
         yield from self._external_kv(s.external_kv)
+        yield from self._spec_decoding(getattr(s, "spec_decoding", None) or {})
+
+    def _spec_decoding(self, sd: dict):
+        """Speculative decoding counters (vLLM's names); nothing when it is off."""
+        if not sd:
+            return
+        values = list(self.labels.values())
+        for key, name, help_ in (
+                ("num_drafts", "spec_decode_num_drafts", "Verifications of a request's drafts."),
+                ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+                ("num_accepted_tokens", "spec_decode_num_accepted_tokens",
+                 "Draft tokens accepted.")):
+            c = CounterMetricFamily(f"tokenmill:{name}", help_, labels=list(self.labels))
+            c.add_metric(values, sd[key])
+            yield c
+        c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                "Verifications whose draft at this position was accepted.",
+                                labels=list(self.labels) + ["position"])
+        for pos, count in enumerate(sd["accepted_per_position"]):
+            c.add_metric(values + [str(pos)], count)
+        yield c
 
     def _external_kv(self, per_store: dict):
         """The external KV tier's counters, one series per store."""

@@ -37,6 +37,10 @@ class StateMetadata:
     state_indices: torch.Tensor  # [num_reqs] long
     # Multi-token rows: (query_start, query_end, slot), as host ints.
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    # Speculative decoding: the decode rows hold 1 + drafts tokens each, which must run
+    # in order. Step j = (flat token rows [m], slots read [m], slots written [m]) for
+    # token j of every row that has one; None: one token per decode row, in place.
+    decode_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass

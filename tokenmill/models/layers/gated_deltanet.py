@@ -30,10 +30,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [n, C] one new input per row; conv_state [S, C, K-1] updated in place."""
+                  weight: torch.Tensor, bias: torch.Tensor | None,
+                  write_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, C] one new input per row; conv_state [S, C, K-1] read at `slots` and
+    written at `write_slots` (default: in place)."""
     window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [n, C, K]
-    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    conv_state[slots if write_slots is None else write_slots] = \
+        window[:, :, 1:].to(conv_state.dtype)
     out = (window * weight).sum(dim=-1)
     if bias is not None:
         out = out + bias
@@ -50,14 +53,16 @@ def conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
     return F.silu(out.t())  # [L, C]
 
 
-def delta_rule_decode(q, k, v, g, beta, ssm_state: torch.Tensor, slots: torch.Tensor):
+def delta_rule_decode(q, k, v, g, beta, ssm_state: torch.Tensor, slots: torch.Tensor,
+                      write_slots: torch.Tensor | None = None):
     """One step for n rows. q/k [n, H, Dk], v [n, H, Dv], g/beta [n, H] (fp32);
-    ssm_state [S, H, Dv, Dk] updated in place. Returns [n, H, Dv] fp32."""
+    ssm_state [S, H, Dv, Dk] read at `slots`, written at `write_slots` (default: in
+    place). Returns [n, H, Dv] fp32."""
     state = ssm_state[slots].float() * g.exp()[..., None, None]
     predicted = torch.matmul(state, k.unsqueeze(-1)).squeeze(-1)  # [n, H, Dv]
     update = (v - predicted) * beta.unsqueeze(-1)
     state = state + update.unsqueeze(-1) * k.unsqueeze(-2)
-    ssm_state[slots] = state.to(ssm_state.dtype)
+    ssm_state[slots if write_slots is None else write_slots] = state.to(ssm_state.dtype)
     return torch.matmul(state, q.unsqueeze(-1)).squeeze(-1)
 
 
@@ -166,7 +171,11 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :].to(x.dtype)
         nd = sm.num_decodes
         conv_out = torch.empty_like(mixed)
-        if nd:
+        if sm.decode_steps is not None:  # speculation: token j of every row, j = 0, 1, ...
+            for rows, read, write in sm.decode_steps:
+                conv_out[rows] = conv1d_decode(mixed[rows], conv_state, read, weight, None,
+                                               write)
+        elif nd:
             conv_out[:nd] = conv1d_decode(mixed[:nd], conv_state, sm.state_indices[:nd], weight, None)
         for start, end, slot in sm.prefills:
             conv_out[start:end] = conv1d_prefill(mixed[start:end], conv_state, slot, weight, None)
@@ -183,7 +192,11 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
                            device=x.device)
-        if nd:
+        if sm.decode_steps is not None:
+            for rows, read, write in sm.decode_steps:
+                core[rows] = delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                               ssm_state, read, write)
+        elif nd:
             core[:nd] = delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
                                           sm.state_indices[:nd])
         for start, end, slot in sm.prefills:

@@ -1,0 +1,314 @@
+"""Speculative decoding (n-gram drafts) end to end: greedy output equals the output
+without speculation, token for token, whatever the drafts; the accounting holds.
+
+Random tiny models fall into repetition loops under greedy decoding, so n-gram
+drafts get accepted there (each test that depends on it checks acceptance > 0).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import make_llm, make_prompts, runner_of, scheduler_of
+from tokenmill import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def loop_prompts(vocab: int, n: int = 6, seed: int = 5) -> list[list[int]]:
+    """Prompts that end in a repeated motif (drafts right away), and plain ones."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(n):
+        motif = rng.integers(0, vocab, size=int(rng.integers(2, 6))).tolist()
+        head = rng.integers(0, vocab, size=int(rng.integers(3, 20))).tolist()
+        prompts.append(head + motif * int(rng.integers(2, 5)) if i % 2 == 0 else head)
+    return prompts
+
+
+def generate(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def greedy(max_tokens=40, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def base(llama_tiny):
+    prompts = loop_prompts(llama_tiny.vocab_size)
+    llm = make_llm(llama_tiny.path)
+    return llama_tiny, prompts, generate(llm, prompts, greedy())
+
+
+def spec_stats(llm):
+    return scheduler_of(llm).spec_stats
+
+
+def assert_no_leaks(llm):
+    sched = scheduler_of(llm)
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_used_blocks == 0
+    assert runner_of(llm).input_batch.num_reqs() == 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_output_equals_no_speculation(base, k):
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=dict(NGRAM, num_speculative_tokens=k))
+    assert generate(llm, prompts, greedy()) == want
+    stats = spec_stats(llm)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert_no_leaks(llm)
+
+
+def test_equal_to_hf_greedy(llama_tiny):
+    """Against HF itself, not only against our own run without drafts."""
+    prompts = loop_prompts(llama_tiny.vocab_size, n=3, seed=9)
+    llm = make_llm(llama_tiny.path, speculative_config=NGRAM)
+    got = generate(llm, prompts, greedy(24))
+    assert got == [llama_tiny.reference(p, 24) for p in prompts]
+
+
+def test_chunked_prefill_and_preemption(base):
+    """A small token budget (prompts in chunks, drafts cut to fit) and a KV cache too
+    small for every request at once (preemption by recompute, drafts dropped)."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM, max_num_batched_tokens=16,
+                   num_kv_blocks=14, block_size=8, max_model_len=96)
+    assert generate(llm, prompts, greedy()) == want
+    assert scheduler_of(llm).num_preemptions > 0
+    assert spec_stats(llm).num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
+def test_non_adaptive_and_batch_size_switch(base):
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=dict(NGRAM, adaptive=False))
+    assert generate(llm, prompts, greedy()) == want
+    # A batch at or over disable_by_batch_size gets no drafts at all.
+    llm = make_llm(tm.path, speculative_config=dict(NGRAM, disable_by_batch_size=2))
+    assert generate(llm, prompts, greedy()) == want
+    assert spec_stats(llm).num_drafts == 0
+
+
+def test_max_tokens_and_max_model_len_inside_an_accepted_run(base):
+    """No request passes max_tokens or max_model_len, however many drafts pass."""
+    tm, prompts, _ = base
+    llm = make_llm(tm.path, speculative_config=NGRAM, max_model_len=64)
+    lengths = [13, 21, 29, 33, 37, 40]
+    params = [greedy(m) for m in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = make_llm(tm.path, max_model_len=64)
+    want = ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for o, w, p, m in zip(outs, want, prompts, lengths):
+        assert o.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(o.outputs[0].token_ids) == min(m, 64 - len(p))
+        assert o.outputs[0].finish_reason == "length"
+    assert spec_stats(llm).num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
+def test_stop_token_inside_an_accepted_run(base):
+    """A stop token among accepted drafts ends the request there; the tokens after it
+    in the same run are dropped."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    # Stop on a token each output repeats: it lands inside runs of accepted drafts.
+    stops = [w[len(w) // 2] for w in want]
+    params = [greedy(stop_token_ids=[s]) for s in stops]
+    got = generate(llm, prompts, params)
+    for g, w, s in zip(got, want, stops):
+        assert g == w[:w.index(s) + 1]
+    assert_no_leaks(llm)
+
+
+def test_logprobs_of_emitted_tokens(base):
+    tm, prompts, want = base
+    params = greedy(logprobs=3)
+    ref = make_llm(tm.path).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                     use_tqdm=False)
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert spec_stats(llm).num_accepted_tokens > 0
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert len(o.outputs[0].logprobs) == len(r.outputs[0].logprobs)
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert list(a) == list(b)  # same tokens, in the same order
+            for t in a:
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+                assert a[t].rank == b[t].rank
+
+
+def test_mixed_batch_sampled_processors_and_n(base):
+    """Seeded random rows (rejection sampling), penalty rows (no drafts) and n = 2
+    beside greedy rows: greedy rows keep their exact output, seeded rows are
+    reproducible across runs."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    params = [greedy(), SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+              greedy(), greedy(repetition_penalty=1.3),
+              SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, seed=3, max_tokens=30, ignore_eos=True)]
+    run1 = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    run2 = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i in (0, 2):
+        assert run1[i].outputs[0].token_ids == want[i]
+    for i in (1, 4, 5):  # seeded: the same tokens every run, whatever was accepted
+        assert [c.token_ids for c in run1[i].outputs] == [c.token_ids for c in run2[i].outputs]
+        assert all(len(c.token_ids) == 30 for c in run1[i].outputs)
+    assert len(run1[4].outputs) == 2
+    ref = make_llm(tm.path)
+    pen = ref.generate([{"prompt_token_ids": prompts[3]}], params[3], use_tqdm=False)
+    assert run1[3].outputs[0].token_ids == pen[0].outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
+def test_prefix_caching_stays_exact(base):
+    """Only accepted tokens' KV may be cached: rerunning the same prompts (prefix hits
+    over blocks that once held rejected drafts' slots) gives the same output."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM, enable_prefix_caching=True,
+                   block_size=4)
+    assert generate(llm, prompts, greedy()) == want
+    # The outputs are now part of cached blocks: prompt + output as the new prompt.
+    longer = [p + w[:20] for p, w in zip(prompts, want)]
+    assert generate(llm, longer, greedy(10)) == \
+        generate(make_llm(tm.path), longer, greedy(10))
+    assert scheduler_of(llm).kv_cache_manager.prefix_cache_stats.hits > 0
+
+
+def test_structured_output_beside_speculation(tmp_path_factory):
+    """On the demo model (a real tokenizer): JSON-schema requests run beside greedy
+    requests that speculate; the JSON validates and the greedy tokens do not change."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from tokenmill import LLM
+    from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    from tokenmill.sampling_params import StructuredOutputsParams
+    path = ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
+    small = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    prompts = ["ab ab ab ab ab", "The old mill the old mill the old", "JSON:", "x y x y x y"]
+    params = [greedy(30), greedy(30),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=
+                             StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
+              greedy(30)]
+    want = LLM(path, **small).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, speculative_config=NGRAM, **small)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert json.loads(got[2].outputs[0].text)["n"] in range(10)
+
+
+def test_bad_speculative_config_names_the_field(llama_tiny):
+    for bad, field in (({"method": "medusa"}, "method"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 2**40}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"disable_by_batch_size": float("nan")}, "disable_by_batch_size"),
+                       ({"typo": 1}, "typo"), ("{not json", "JSON")):
+        with pytest.raises(ValueError, match=field):
+            make_llm(llama_tiny.path, speculative_config=bad)
+
+
+def test_spec_metrics_count_positions(base):
+    tm, prompts, _ = base
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    generate(llm, prompts, greedy())
+    s = spec_stats(llm).as_dict()
+    per_pos = s["accepted_per_position"]
+    assert len(per_pos) == 4 and sum(per_pos) == s["num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # accepted runs are prefixes
+    assert s["mean_acceptance_length"] == pytest.approx(
+        1 + s["num_accepted_tokens"] / s["num_drafts"], abs=1e-3)
+
+
+# ---- hybrid targets (Gated DeltaNet state): one state slot per verified token -----------
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
+    from test_hybrid_parity import HYBRID_SPECS, HybridModel, build_hybrid
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    path = str(tmp_path_factory.mktemp("hybrid_spec"))
+    return HybridModel("qwen3_5", path, arch, build_hybrid(path, arch, overrides))
+
+
+def test_hybrid_greedy_equals_no_speculation(hybrid):
+    prompts = loop_prompts(hybrid.vocab_size, n=6, seed=13)
+    want = generate(make_llm(hybrid.path), prompts, greedy(32))
+    for extra in ({}, {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "block_size": 8,
+                       "max_model_len": 96}):
+        llm = make_llm(hybrid.path, speculative_config=NGRAM, **extra)
+        assert generate(llm, prompts, greedy(32)) == want
+        assert spec_stats(llm).num_accepted_tokens > 0
+        # Every state slot group is back: none leaks through accept / release.
+        slots = runner_of(llm).state_slots
+        assert slots.width == 5 and not slots.slot_of and slots.num_free == slots.num_slots
+        assert_no_leaks(llm)
+    assert prompts and want[0] == hybrid.reference(prompts[0], 32)
+
+
+def test_state_slots_follow_the_accepted_count():
+    """The reference's state-slot rules with speculation on: a group of 1 + k slots per
+    sequence, the first write in place, the accepted count picks the next current slot,
+    release frees the whole group."""
+    from tokenmill.worker.state_cache import StateSlots
+    slots = StateSlots(12, width=4)
+    a, new = slots.get_or_allocate("a")
+    b, _ = slots.get_or_allocate("b")
+    assert new and (a, b) == (0, 4) and slots.num_free == 4
+    assert slots.write_slots("a", 4) == [0, 1, 2, 3]
+    slots.accept("a", 2)
+    assert slots.get_or_allocate("a") == (2, False)
+    assert slots.write_slots("a", 3) == [2, 0, 1]  # in place first, then the others
+    assert slots.write_slots("a", 1) == [2]
+    slots.release("a")
+    assert slots.num_free == 8 and "a" not in slots.slot_of
+    c, _ = slots.get_or_allocate("c")
+    assert c in (0, 8)
+    with pytest.raises(ValueError):
+        StateSlots(10, width=4)
+
+
+def test_nan_in_a_verifying_request_fails_only_it(base, monkeypatch):
+    """A request whose hidden state goes NaN while it verifies drafts emits nothing more
+    and fails; the others (asking for logprobs) keep their exact tokens and logprobs."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    model = runner_of(llm).model
+    forward = model.forward
+    victim = prompts[0] * 3  # longer than the rest: only it reaches position `poison_at`
+    poison_at = len(victim) + 12
+    others = prompts[1:]
+    assert max(len(p) for p in others) + 40 < poison_at
+
+    def nan_forward(input_ids, positions, meta):
+        hidden = forward(input_ids, positions, meta)
+        return hidden.masked_fill((positions >= poison_at).unsqueeze(1), float("nan"))
+
+    monkeypatch.setattr(model, "forward", nan_forward)
+    params = greedy(logprobs=2)
+    ref = make_llm(tm.path).generate([{"prompt_token_ids": p} for p in others], params,
+                                     use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in [victim] + others], params,
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert len(outs[0].outputs[0].token_ids) <= poison_at - len(victim) + 1
+    for o, r in zip(outs[1:], ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert list(a) == list(b)
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert_no_leaks(llm)

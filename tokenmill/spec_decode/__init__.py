@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, the rejection sampler and their config."""

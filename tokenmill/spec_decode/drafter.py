@@ -1,0 +1,64 @@
+"""The runner's side of speculation: which requests get drafts, how many, and from what.
+
+After each step the runner asks the Drafter for the next step's drafts. A request
+gets none while it still consumes its prompt, when its sampling needs the history
+of the tokens before each position (penalties, min_tokens, bad words, a grammar:
+those rows are not verified position by position here), or when the batch has
+`disable_by_batch_size` requests or more (the forward is then compute-bound and
+verifying k extra rows per request costs more than it saves).
+
+Adaptive k: a request starts at num_speculative_tokens; after a verification with
+every draft accepted it asks for one more (up to k), otherwise for one more than it
+had accepted - so a request whose drafts keep failing pays for one draft a step,
+and one in a repetition loop goes back to k at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import NgramProposer
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self._next_k: dict[str, int] = {}  # adaptive k per request
+
+    def observe(self, req_ids: list[str], num_drafts: np.ndarray,
+                num_accepted: np.ndarray) -> None:
+        """After a verification step: adapt each verifying request's next k."""
+        if not self.config.adaptive:
+            return
+        for i in np.nonzero(num_drafts > 0)[0].tolist():
+            d, a = int(num_drafts[i]), int(num_accepted[i])
+            self._next_k[req_ids[i]] = min(self.k, d + 1 if a == d else a + 1)
+
+    def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
+                eligible: np.ndarray) -> list[list[int]]:
+        """Drafts per row (req_ids[i] is row i of token_ids, num_tokens[i] its real
+        tokens); rows not `eligible` get none. Only eligible rows reach the proposer:
+        its index catches up on a request's skipped tokens when it is next asked."""
+        n = len(req_ids)
+        out: list[list[int]] = [[] for _ in range(n)]
+        d = self.config.disable_by_batch_size
+        if d is not None and n >= d:
+            return out
+        rows = np.nonzero(eligible)[0].tolist()
+        if not rows:
+            return out
+        ids = [req_ids[r] for r in rows]
+        max_drafts = np.array([self._next_k.get(rid, self.k) for rid in ids], dtype=np.int64)
+        # Row views, not a fancy-indexed copy of [rows, max_model_len].
+        drafts = self.proposer.propose(ids, [token_ids[r] for r in rows], num_tokens[rows],
+                                       max_drafts)
+        for r, dr in zip(rows, drafts):
+            out[r] = dr
+        return out
+
+    def remove(self, req_id: str) -> None:
+        self.proposer.remove(req_id)
+        self._next_k.pop(req_id, None)
