@@ -211,6 +211,11 @@ def cmd_bench_prefix(args) -> int:
     return run_prefix_bench(args)
 
 
+def cmd_bench_spec(args) -> int:
+    from tokenmill.bench.spec import run_spec_bench
+    return run_spec_bench(args)
+
+
 def cmd_bench_serve(args) -> int:
     from tokenmill.bench.serve import run_serve_bench
     return run_serve_bench(args)
@@ -295,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.prefix import add_prefix_bench_args
     add_prefix_bench_args(pf)
     pf.set_defaults(func=cmd_bench_prefix)
+    sp = bsub.add_parser("spec", help="speculative decoding: the same engine with and without "
+                                      "it, single stream and concurrent")
+    from tokenmill.bench.spec import add_spec_bench_args
+    add_spec_bench_args(sp)
+    sp.set_defaults(func=cmd_bench_spec)
     return parser
 
 

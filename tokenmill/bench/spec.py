@@ -1,0 +1,142 @@
+"""`tokenmill bench spec`: speculative decoding against the same engine without it.
+
+One run, one workload, both sides: for each --concurrency C, C requests are
+generated with --speculative-config and without, greedy, ignore_eos, exactly
+--output-len new tokens each; output tok/s is the best of --num-iters timed runs
+(after a warm-up), the ratio compares those, and the acceptance counters are
+taken over the timed runs only.
+
+Workloads (--workload):
+- loop: drafts can be right. A random-weight model's greedy output falls into
+  repetition loops; each prompt is a random --input-len prefix plus the model's
+  own greedy continuation of --loop-len tokens (made untimed, without
+  speculation), so the timed part continues text that already repeats.
+- random: plain random prompts; few drafts are accepted, so this shows what a
+  step of mostly-rejected drafts costs.
+
+In bf16 the two sides can part ways after a while (a verify step's GEMM has more
+rows than a plain decode step, which changes rounding); both still generate
+exactly --output-len tokens per request, and fp32 gives identical tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
+                                        ensure_bench_model, format_platform, platform_kwargs,
+                                        positive_int, read_model_config)
+
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"local HF folder or a built-in benchmark model "
+                        f"({', '.join(BENCH_MODELS)}); default {BENCH_MODEL_NAME}")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--speculative-config", default=DEFAULT_SPEC, metavar="JSON",
+                   help=f"the speculative side's config (default {DEFAULT_SPEC})")
+    p.add_argument("--concurrency", default="1,16",
+                   help="comma-separated numbers of concurrent requests (default 1,16)")
+    p.add_argument("--workload", default="loop", choices=("loop", "random"))
+    p.add_argument("--input-len", type=positive_int, default=64)
+    p.add_argument("--loop-len", type=positive_int, default=192,
+                   help="loop workload: tokens of the model's own output in each prompt")
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-iters", type=positive_int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None, metavar="PATH")
+    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    add_cpu_platform_args(p)
+
+
+def make_prompts(llm, args, n: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    from tokenmill import SamplingParams
+    rng = np.random.default_rng(args.seed + n)
+    prompts = [rng.integers(0, vocab, args.input_len).tolist() for _ in range(n)]
+    if args.workload == "loop":
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=args.loop_len,
+                                           ignore_eos=True), use_tqdm=False)
+        prompts = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    return prompts
+
+
+def timed(llm, prompts, output_len: int, num_iters: int) -> tuple[float, list[list[int]]]:
+    """Best output tok/s over num_iters runs (after one warm-up) and the last run's tokens."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                            detokenize=False)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(reqs[:1], params, use_tqdm=False)
+    best = 0.0
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if any(len(t) != output_len for t in tokens):
+            raise RuntimeError("a request did not get exactly --output-len tokens")
+        best = max(best, len(prompts) * output_len / seconds)
+    return best, tokens
+
+
+def run_spec_bench(args: argparse.Namespace) -> int:
+    from tokenmill import LLM
+    from tokenmill.spec_decode.config import SpeculativeConfig
+    try:
+        spec = SpeculativeConfig.from_any(args.speculative_config)
+        levels = [int(c) for c in args.concurrency.split(",")]
+        if any(c < 1 for c in levels):
+            raise ValueError
+    except ValueError as e:
+        print(f"error: {e or '--concurrency must be positive ints, e.g. 1,16'}")
+        return 2
+    model = args.model or BENCH_MODEL_NAME
+    path = ensure_bench_model(model) if model in BENCH_MODELS else model
+    vocab = read_model_config(path)["vocab_size"]
+    max_len = args.input_len + (args.loop_len if args.workload == "loop" else 0) \
+        + args.output_len + 8
+    common = dict(dtype=args.dtype, seed=args.seed, max_model_len=max_len,
+                  max_num_seqs=max(levels), **platform_kwargs(args))
+    plain = LLM(path, **common)
+    fast = LLM(path, speculative_config=spec, **common)
+    sched = fast.llm_engine.engine_core.scheduler
+    rows = []
+    for c in levels:
+        prompts = make_prompts(plain, args, c, vocab)
+        plain_tok_s, plain_tokens = timed(plain, prompts, args.output_len, args.num_iters)
+        before = sched.spec_stats.as_dict()
+        spec_tok_s, spec_tokens = timed(fast, prompts, args.output_len, args.num_iters)
+        after = sched.spec_stats.as_dict()
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+        rows.append(dict(
+            concurrency=c, plain_tok_s=plain_tok_s, spec_tok_s=spec_tok_s,
+            ratio=spec_tok_s / plain_tok_s,
+            mean_acceptance_length=1 + accepted / drafts if drafts else 0.0,
+            acceptance_rate=accepted / proposed if proposed else 0.0,
+            accepted_per_position=[a - b for a, b in zip(after["accepted_per_position"],
+                                                         before["accepted_per_position"])],
+            same_tokens=sum(a == b for a, b in zip(plain_tokens, spec_tokens)) / c))
+    platform = fast.llm_engine.platform.as_dict()
+    print(format_platform(platform))
+    print(f"speculative decoding: {spec.describe()}; workload {args.workload}, "
+          f"{args.output_len} new tokens a request, {args.dtype}, best of {args.num_iters}")
+    print(f"{'concurrency':>11} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} "
+          f"{'accept len':>10} {'accept rate':>11} {'same out':>8}")
+    for r in rows:
+        print(f"{r['concurrency']:>11} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>11.1f} "
+              f"{r['ratio']:>6.2f}x {r['mean_acceptance_length']:>10.2f} "
+              f"{r['acceptance_rate']:>11.2f} {r['same_tokens']:>8.2f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": model, "dtype": args.dtype, "workload": args.workload,
+                       "speculative_config": spec.__dict__, "platform": platform,
+                       "output_len": args.output_len, "results": rows}, f, indent=2)
+    return 0
