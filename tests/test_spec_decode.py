@@ -185,30 +185,44 @@ def test_prefix_caching_stays_exact(base):
     assert scheduler_of(llm).kv_cache_manager.prefix_cache_stats.hits > 0
 
 
-def test_structured_output_beside_speculation(tmp_path_factory):
-    """On the demo model (a real tokenizer): JSON-schema requests run beside greedy
-    requests that speculate; the JSON validates and the greedy tokens do not change."""
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
+
+
+def test_structured_output_with_drafts(demo_path):
+    """Grammar-constrained requests verify drafts too: every verified position is
+    masked by the grammar's state after the drafts before it. A repetitive regex gives
+    drafts that are accepted; outputs equal the run without speculation (greedy), and
+    JSON-schema output beside greedy requests still validates."""
     pytest.importorskip("xgrammar")
     import json
+    import re
 
     from tokenmill import LLM
-    from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
     from tokenmill.sampling_params import StructuredOutputsParams
-    path = ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
     small = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                      "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
-    prompts = ["ab ab ab ab ab", "The old mill the old mill the old", "JSON:", "x y x y x y"]
-    params = [greedy(30), greedy(30),
+    prompts = ["The old mill", "JSON:", "x y x y x y", "Once"]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=
+                             StructuredOutputsParams(regex="(the mill ){2,12}end")),
               SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=
                              StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
-              greedy(30)]
-    want = LLM(path, **small).generate(prompts, params, use_tqdm=False)
-    llm = LLM(path, speculative_config=NGRAM, **small)
+              greedy(30),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=
+                             StructuredOutputsParams(choice=["yes", "no", "maybe"]))]
+    want = LLM(demo_path, **small).generate(prompts, params, use_tqdm=False)
+    llm = LLM(demo_path, speculative_config=NGRAM, **small)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert json.loads(got[2].outputs[0].text)["n"] in range(10)
+    assert re.fullmatch("(the mill ){2,12}end", got[0].outputs[0].text)
+    assert json.loads(got[1].outputs[0].text)["n"] in range(10)
+    assert got[3].outputs[0].text in ("yes", "no", "maybe")
+    assert spec_stats(llm).num_accepted_tokens > 0
+    assert_no_leaks(llm)
 
 
 def test_bad_speculative_config_names_the_field(llama_tiny):

@@ -85,13 +85,18 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[list[int]] | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_external_tokens: int = 0) -> list[list[int]] | None:
+                       num_external_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`.
 
         On admission, `new_computed_blocks` / `num_new_computed_tokens` are the
         cached prefix from get_computed_blocks (taken here) and
         `num_external_tokens` the tokens after it that the external KV tier will
         load into freshly allocated blocks; they count as computed.
+
+        `num_lookahead_tokens` more slots are made room for without counting as
+        tokens: a draft model writes its K/V there while it proposes the next
+        step's drafts (speculative decoding).
 
         Returns the newly allocated block ids per group ([] lists when none were
         needed), or None when the pool cannot provide them (nothing changes then).
@@ -100,7 +105,7 @@ class KVCacheManager:
                                                [[] for _ in range(self.num_groups)])
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens
                       + num_external_tokens + num_new_tokens)
-        needed_per_group = cdiv(num_tokens, self.block_size)
+        needed_per_group = cdiv(num_tokens + num_lookahead_tokens, self.block_size)
         have = len(blocks[self.first_block_group])
         num_touch_free = 0
         if new_computed_blocks is not None:

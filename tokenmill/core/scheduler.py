@@ -28,6 +28,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     # Speculative decoding: the most drafts a request verifies per step (0: off).
     num_speculative_tokens: int = 0
+    # Slots past a request's tokens that a draft model writes K/V into while proposing.
+    num_lookahead_tokens: int = 0
 
 
 _WAIT = object()
@@ -221,6 +223,13 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens)
         return max(0, min(len(spec), budget - 1, room - 1))
 
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        """Lookahead slots for a draft model, never past max_model_len."""
+        n = self.config.num_lookahead_tokens
+        if not n:
+            return 0
+        return max(0, min(n, self.config.max_model_len - req.num_computed_tokens - num_new))
+
     def _lookup_prefix(self, req: Request):
         """Prefix caching and the external KV tier, for a request with nothing computed:
         (cached blocks per group or None, their tokens, tokens the tier will load after them)."""
@@ -271,7 +280,8 @@ class Scheduler:
             num_drafts = self._num_drafts(req, num_new, budget)
             num_new += num_drafts
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    req, num_new, num_lookahead_tokens=self._lookahead(req, num_new))
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -323,7 +333,9 @@ class Scheduler:
                 self._undo_share(req)
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new, hit, num_hit, num_ext)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                req, num_new, hit, num_hit, num_ext,
+                self._lookahead(req, num_hit + num_ext + num_new))
             if new_blocks is None:
                 self._undo_share(req)
                 break

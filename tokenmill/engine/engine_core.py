@@ -19,6 +19,7 @@ from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.errors import EngineDeadError, RequestFault
 from tokenmill.kv_connector.setup import attach_kv_connector, kv_cache_stats, resolve_prefix_caching
 from tokenmill.models.loader import load_model
+from tokenmill.spec_decode.loading import load_draft_model
 from tokenmill.worker.kv_cache import available_memory_bytes
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -39,6 +40,10 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
     # layers form a second group whose state lives in one slot per live sequence.
     attn = [n for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
     state = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
+    odd = [n for n in attn if specs[n] != specs[attn[0]]]
+    if odd:  # a draft model's layers share the target's group: same page layout needed
+        raise ValueError(f"attention layer {odd[0]} has KV spec {specs[odd[0]]}, unlike "
+                         f"{attn[0]}'s {specs[attn[0]]}: one KV cache group needs one layout")
     groups = [KVCacheGroup(attn, specs[attn[0]])]
     if state:
         groups.append(KVCacheGroup(state, specs[state[0]]))
@@ -84,12 +89,14 @@ class EngineCore:
         if model is None:
             model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
                                model_config.device, self.platform)
+        draft_model = load_draft_model(speculative_config, model_config, model, self.platform)
         self.runner = ModelRunner(
             model, dtype=model_config.dtype, device=model_config.device,
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=model_config.max_model_len,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            platform=self.platform, speculative_config=speculative_config)
+            platform=self.platform, speculative_config=speculative_config,
+            draft_model=draft_model)
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device,
@@ -282,7 +289,8 @@ class EngineCore:
     def _fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
         so.structured_output_request_ids, so.grammar_bitmask = \
             self.structured_output.grammar_bitmask(self.scheduler.requests,
-                                                   so.num_scheduled_tokens)
+                                                   so.num_scheduled_tokens,
+                                                   so.scheduled_spec_decode_tokens)
 
     def _grammar_bitmask_before_sampling(self, so: SchedulerOutput) -> None:
         """Between the forward and the sampling of `so` (on the thread running it).

@@ -150,7 +150,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
                                                 args.enable_chunked_prefill,
                                                 args.enable_prefix_caching,
-                                                spec.num_speculative_tokens if spec else 0)
+                                                spec.num_speculative_tokens if spec else 0,
+                                                spec.num_speculative_tokens
+                                                if spec and spec.method != "ngram" else 0)
         self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         # Which kernels run: decided here, once, for the whole engine.
         self.platform = CpuPlatform.from_engine_args(args, self.model_config.device,

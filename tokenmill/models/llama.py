@@ -119,6 +119,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The native loop over every layer of a decode step (set_decode_layers), or None.
         self.decode_layers: DecodeLayers | None = None
+        # Speculative decoding (EAGLE-3): layers whose input hidden state the drafter
+        # reads; the last forward leaves them concatenated in `aux_hidden` [T, n * H].
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def set_decode_layers(self, ops, max_rows: int) -> None:
         """The CPU platform's decision, at load (after the Linear layers were packed):
@@ -138,7 +142,14 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
+        if self.aux_layer_ids:  # taps between layers: the Python loop
+            taps = []
+            for i, layer in enumerate(self.layers):
+                if i in self.aux_layer_ids:
+                    taps.append(x.clone())  # x is updated in place by the layers
+                x = layer(x, cos, sin, self.rotary, meta)
+            self.aux_hidden = torch.cat(taps, dim=-1)
+        elif self.decode_layers is not None and self.decode_layers.applies(x, meta):
             # The same kernels as the layers below, called from C++ (layers/decode_layers.py).
             x = self.decode_layers(x, cos, sin, meta)
         else:

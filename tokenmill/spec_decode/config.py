@@ -86,6 +86,9 @@ class SpeculativeConfig:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model must be a path or null, "
                              f"got {self.model!r}")
+        if self.method in ("eagle3", "dflash") and not self.model:
+            raise ValueError(f"speculative_config.model: method {self.method!r} needs the "
+                             f"draft checkpoint's folder")
 
     def describe(self) -> str:
         s = f"{self.method}, k={self.num_speculative_tokens}"

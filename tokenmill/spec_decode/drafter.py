@@ -21,11 +21,14 @@ from tokenmill.spec_decode.ngram import NgramProposer
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, eagle=None):
+        """`eagle`: an EagleProposer (a draft model reading the target's hidden states,
+        tokenmill/spec_decode/eagle.py); None: n-gram lookup."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.eagle = eagle
+        self.proposer = (NgramProposer(self.k, config.prompt_lookup_min,
+                                       config.prompt_lookup_max) if eagle is None else None)
         self._next_k: dict[str, int] = {}  # adaptive k per request
 
     def observe(self, req_ids: list[str], num_drafts: np.ndarray,
@@ -36,6 +39,18 @@ class Drafter:
         for i in np.nonzero(num_drafts > 0)[0].tolist():
             d, a = int(num_drafts[i]), int(num_accepted[i])
             self._next_k[req_ids[i]] = min(self.k, d + 1 if a == d else a + 1)
+
+    def propose_with_model(self, runner, hidden, meta, req_ids: list[str],
+                           eligible: np.ndarray) -> list[list[int]]:
+        """A draft model's proposals. It runs over every token of the step even when no
+        row proposes: its own K/V must cover every position for later drafts."""
+        n = len(req_ids)
+        d = self.config.disable_by_batch_size
+        max_drafts = np.zeros(n, dtype=np.int64)
+        if d is None or n < d:
+            for r in np.nonzero(eligible)[0].tolist():
+                max_drafts[r] = self._next_k.get(req_ids[r], self.k)
+        return self.eagle.propose(runner, hidden, meta, max_drafts)
 
     def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
                 eligible: np.ndarray) -> list[list[int]]:
@@ -60,5 +75,6 @@ class Drafter:
         return out
 
     def remove(self, req_id: str) -> None:
-        self.proposer.remove(req_id)
+        if self.proposer is not None:
+            self.proposer.remove(req_id)
         self._next_k.pop(req_id, None)

@@ -154,14 +154,23 @@ class StructuredOutputManager:
             concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
 
     # ---- one step -------------------------------------------------------------------
-    def grammar_bitmask(self, requests: dict, num_scheduled_tokens: dict[str, int]
+    def grammar_bitmask(self, requests: dict, num_scheduled_tokens: dict[str, int],
+                        spec_tokens: dict[str, list[int]] | None = None
                         ) -> tuple[dict[str, int], np.ndarray | None]:
-        """The compact bitmask of this step: one row per scheduled structured request,
+        """The compact bitmask of this step: rows for each scheduled structured request,
         in scheduling order, from its matcher's state now (every token it generated so
         far accepted). A prompt chunk's row is filled too: its sample is discarded.
-        Requests finished since scheduling (gone from `requests`) get no row."""
+        Requests finished since scheduling (gone from `requests`) get no row.
+
+        A request verifying drafts (`spec_tokens`) gets 1 + drafts consecutive rows:
+        row j is the grammar's state after its first j drafts. Once a draft breaks the
+        grammar the rows after it allow everything (the draft itself is masked out at
+        its row, so it is rejected and they are never read); the matcher is rolled
+        back to where it was. The returned map gives each request's first row."""
+        spec_tokens = spec_tokens or {}
         rows: dict[str, int] = {}
-        matchers = []
+        work = []  # (matcher, its drafts)
+        num_rows = 0
         for rid in num_scheduled_tokens:
             req = requests.get(rid)
             if req is None:
@@ -169,13 +178,25 @@ class StructuredOutputManager:
             so_req = req.structured_output
             if so_req is None or so_req.matcher is None:
                 continue
-            rows[rid] = len(matchers)
-            matchers.append(so_req.matcher)
-        if not matchers:
+            drafts = spec_tokens.get(rid, ())
+            rows[rid] = num_rows
+            work.append((so_req.matcher, drafts))
+            num_rows += 1 + len(drafts)
+        if not work:
             return {}, None
-        bitmask = np.full((len(matchers), self.bitmask_words), -1, dtype=np.int32)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+        bitmask = np.full((num_rows, self.bitmask_words), -1, dtype=np.int32)
+        row = 0
+        for m, drafts in work:
+            m.fill_next_token_bitmask(bitmask, row)
+            accepted = 0
+            for j, tok in enumerate(drafts):
+                if m.is_terminated() or not m.accept_token(tok):
+                    break
+                accepted += 1
+                m.fill_next_token_bitmask(bitmask, row + 1 + j)
+            if accepted:
+                m.rollback(accepted)
+            row += 1 + len(drafts)
         return rows, bitmask
 
     # ---- async scheduling: the bitmask is filled on the caller's thread ---------------

@@ -26,6 +26,7 @@ from tokenmill.sample.bitmask import apply_grammar_bitmask
 from tokenmill.sample.sampler import Sampler, apply_processors, gather_logprobs
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.drafter import Drafter
+from tokenmill.spec_decode.eagle import EagleProposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.verify import verify_greedy
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
@@ -96,11 +97,12 @@ class ModelRunner:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  platform: CpuPlatform | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, draft_model=None):
         """`platform`: the engine's kernel decisions (tokenmill/cpu_platform.py; the
         model was prepared with it at load); None: the defaults for this device.
         `speculative_config`: propose drafts after each step and verify them in the
-        next (tokenmill/spec_decode); None: no speculation."""
+        next (tokenmill/spec_decode); None: no speculation. `draft_model`: the draft
+        model of an eagle3 / mtp config (an EagleStyleDrafter)."""
         self.model = model
         self.platform = platform or CpuPlatform.create(device, dtype)
         self.dtype = dtype
@@ -129,7 +131,15 @@ class ModelRunner:
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         # Speculative decoding: the drafter and the verifier of its drafts.
-        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
+        self.draft_model = draft_model
+        eagle = (EagleProposer(draft_model, device, max_model_len)
+                 if draft_model is not None else None)
+        self.drafter = (Drafter(speculative_config, eagle) if speculative_config is not None
+                        else None)
+        if draft_model is not None and draft_model.aux_layer_ids:
+            model.aux_layer_ids = tuple(draft_model.aux_layer_ids)
+        self._step_hidden = None  # the target's hidden states and metadata, for the drafter
+        self._step_meta = None
         self.rejection_sampler = RejectionSampler()
         # Native attention (and q/k norm + rope) kernels for every step, or None.
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
@@ -152,7 +162,12 @@ class ModelRunner:
 
     # ---- KV cache ----------------------------------------------------------------
     def attention_layers(self) -> dict[str, nn.Module]:
-        return {f"layers.{i}.attn": layer for i, layer in enumerate(self.model.attention_layers())}
+        layers = {f"layers.{i}.attn": layer
+                  for i, layer in enumerate(self.model.attention_layers())}
+        if self.draft_model is not None:  # extra layers of the same KV cache group
+            layers.update({f"draft.{i}.attn": layer
+                           for i, layer in enumerate(self.draft_model.attention_layers())})
+        return layers
 
     def state_layers(self) -> dict[str, nn.Module]:
         """Recurrent layers (Gated DeltaNet): each has state_shapes() and a `state` tuple."""
@@ -440,6 +455,8 @@ class ModelRunner:
                             torch.from_numpy(positions).to(dev), meta)
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
             self.kv_connector.save_kv(kv_meta)
+        if self.draft_model is not None:
+            self._step_hidden, self._step_meta = hidden, meta
         # Only the rows that sample reach lm_head.
         sample_hidden = hidden[torch.from_numpy(logits_indices).to(dev)]
         if self._greedy_head_applies(so, sample_hidden.shape[0]):
@@ -497,9 +514,11 @@ class ModelRunner:
                 self._prompt_logprobs_reqs.discard(rid)
 
     # ---- structured output -------------------------------------------------------
-    def _grammar_bitmask_rows(self):
+    def _grammar_bitmask_rows(self, cu_num_logits: np.ndarray | None = None):
         """The step's compact grammar bitmask and, per row, its row in the batch (the
-        reference's struct_out_req_batch_indices), on the device; None without one."""
+        reference's struct_out_req_batch_indices), on the device; None without one.
+        With `cu_num_logits` (a step verifying drafts) a request's rows map onto its
+        logits rows instead: one per verified position (StructuredOutputManager)."""
         so, self._grammar_so = getattr(self, "_grammar_so", None), None
         if so is None or so.grammar_bitmask is None or not so.structured_output_request_ids:
             return None
@@ -507,9 +526,15 @@ class ModelRunner:
         compact, dense = [], []
         for rid, row in so.structured_output_request_ids.items():
             r = index.get(rid)
-            if r is not None:
+            if r is None:
+                continue
+            if cu_num_logits is None:
                 compact.append(row)
                 dense.append(r)
+            else:
+                start, num = int(cu_num_logits[r]), int(cu_num_logits[r + 1] - cu_num_logits[r])
+                compact += range(row, row + num)
+                dense += range(start, start + num)
         if not dense:
             return None
         bitmask = so.grammar_bitmask
@@ -535,7 +560,6 @@ class ModelRunner:
             for rid in req_ids:
                 if faults.fires("sampler", rid, self.requests[rid].prompt_token_ids):
                     raise RequestFault([rid], faults.InjectedFault(f"sampler of {rid}"))
-        structured = self._structured_req_ids()
         step = self.last_step
         if step.cu_num_logits is not None:
             tokens, num_emitted, logprobs, nan_rows, vocab = self._verify_drafts(
@@ -568,12 +592,16 @@ class ModelRunner:
             self.requests[req_ids[r]].output_token_ids.extend(out[r])
         spec_token_ids = None
         if self.drafter is not None:
+            # Processors read the tokens before each position; verifying drafts would
+            # need them per position: such requests go without drafts.
             eligible = keep & ~batch.needs_processors[:n]
-            if structured:
-                eligible &= ~np.isin(np.arange(n), [req_id_to_index[r] for r in structured
-                                                    if r in req_id_to_index])
-            spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
-                                                  batch.num_tokens_no_spec[:n], eligible)
+            if self.drafter.eagle is not None:
+                spec_token_ids = self.drafter.propose_with_model(
+                    self, self._step_hidden, self._step_meta, req_ids, eligible)
+                self._step_hidden = self._step_meta = None
+            else:
+                spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
+                                                      batch.num_tokens_no_spec[:n], eligible)
         return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
                                  errored, spec_token_ids)
 
@@ -594,10 +622,6 @@ class ModelRunner:
                               torch.from_numpy(chosen).to(dev))
         return LogprobsLists(got.token_ids.cpu().numpy(), got.logprobs.cpu().numpy(),
                              got.ranks.cpu().numpy())
-
-    def _structured_req_ids(self) -> set[str]:
-        so = getattr(self, "_grammar_so", None)
-        return set(so.structured_output_request_ids) if so is not None else set()
 
     def _sample_one(self, logits, sampled, discard):
         """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
@@ -625,9 +649,9 @@ class ModelRunner:
             nan_rows = nan_rows.to("cpu").numpy()
         return sampled_np.reshape(-1, 1), logprobs, nan_rows, vocab
 
-    def _sampling_metadata(self, discard: np.ndarray):
+    def _sampling_metadata(self, discard: np.ndarray, cu_num_logits: np.ndarray | None = None):
         md = self.input_batch.make_sampling_metadata()
-        md.grammar_bitmask = self._grammar_bitmask_rows()
+        md.grammar_bitmask = self._grammar_bitmask_rows(cu_num_logits)
         # A row still in its prompt samples nothing: its seeded generator must not advance.
         for r in np.nonzero(discard)[0].tolist():
             md.generators.pop(r, None)
@@ -662,7 +686,7 @@ class ModelRunner:
         else:
             nan_t = torch.isnan(logits.amax(dim=1)).to("cpu").numpy()
             vocab = logits.shape[1]
-            md = self._sampling_metadata(discard)
+            md = self._sampling_metadata(discard, cu)
             if md.all_greedy and md.no_processors and md.grammar_bitmask is None \
                     and md.max_num_logprobs is None:
                 target = logits.argmax(dim=-1).to("cpu", dtype=torch.int64).numpy()
@@ -676,17 +700,15 @@ class ModelRunner:
         else:
             logits = logits.float()
             raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-            # The grammar and the processors act on each request's last row: rows with
-            # drafts have neither (the Drafter gives such requests none).
-            last = torch.from_numpy(cu[1:] - 1).to(self.device)
-            if md.grammar_bitmask is not None or not md.no_processors:
-                rows = logits[last]
-                if md.grammar_bitmask is not None:
-                    rows = apply_grammar_bitmask(rows, *md.grammar_bitmask)
-                if not md.no_processors:
-                    rows = apply_processors(rows, md)
+            # The grammar masks every verified position (its rows follow the drafts);
+            # the processors act on each request's last row: a request with drafts has
+            # none (the runner gives such requests no drafts).
+            if md.grammar_bitmask is not None:
+                logits = apply_grammar_bitmask(logits, *md.grammar_bitmask)
+            if not md.no_processors:
+                last = torch.from_numpy(cu[1:] - 1).to(self.device)
                 logits = logits.clone()
-                logits[last] = rows
+                logits[last] = apply_processors(logits[last], md)
             result = self.rejection_sampler(
                 logits, torch.from_numpy(cu).to(self.device),
                 torch.from_numpy(drafts).to(self.device), md)
