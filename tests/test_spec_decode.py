@@ -326,3 +326,11 @@ def test_nan_in_a_verifying_request_fails_only_it(base, monkeypatch):
             assert list(a) == list(b)
             assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     assert_no_leaks(llm)
+
+
+def test_async_scheduling_is_off_with_speculation(base, caplog):
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM, async_scheduling=True)
+    assert not llm.llm_engine.engine_core.async_scheduling
+    assert "async scheduling is off with speculative decoding" in caplog.text
+    assert generate(llm, prompts, greedy()) == want
