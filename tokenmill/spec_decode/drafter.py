@@ -10,11 +10,16 @@ verifying k extra rows per request costs more than it saves).
 Adaptive k: a request starts at num_speculative_tokens; after a verification with
 every draft accepted it asks for one more (up to k), otherwise for one more than it
 had accepted - so a request whose drafts keep failing pays for one draft a step,
-and one in a repetition loop goes back to k at once.
+and one in a repetition loop goes back to k at once. A request whose last
+verifications accepted nothing backs off: it skips drafting for 2, 4, ... up to
+MAX_BACKOFF steps (a verifying row and a draft model's proposal cost time even when
+every draft is rejected), and tries again after.
 """
 from __future__ import annotations
 
 import numpy as np
+
+MAX_BACKOFF = 16  # steps a request whose drafts keep failing goes without drafting
 
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
@@ -30,6 +35,8 @@ class Drafter:
         self.proposer = (NgramProposer(self.k, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if eagle is None else None)
         self._next_k: dict[str, int] = {}  # adaptive k per request
+        self._misses: dict[str, int] = {}  # verifications in a row that accepted nothing
+        self._skip: dict[str, int] = {}  # steps left without drafts
 
     def observe(self, req_ids: list[str], num_drafts: np.ndarray,
                 num_accepted: np.ndarray) -> None:
@@ -38,7 +45,22 @@ class Drafter:
             return
         for i in np.nonzero(num_drafts > 0)[0].tolist():
             d, a = int(num_drafts[i]), int(num_accepted[i])
-            self._next_k[req_ids[i]] = min(self.k, d + 1 if a == d else a + 1)
+            rid = req_ids[i]
+            self._next_k[rid] = min(self.k, d + 1 if a == d else a + 1)
+            if a:
+                self._misses.pop(rid, None)
+            else:
+                misses = self._misses[rid] = self._misses.get(rid, 0) + 1
+                if misses >= 2:
+                    self._skip[rid] = min(2 ** (misses - 1), MAX_BACKOFF)
+
+    def _wanted(self, rid: str) -> int:
+        """Drafts this request asks for now (0 while it backs off)."""
+        left = self._skip.get(rid)
+        if left:
+            self._skip[rid] = left - 1
+            return 0
+        return self._next_k.get(rid, self.k)
 
     def propose_with_model(self, runner, hidden, meta, req_ids: list[str],
                            eligible: np.ndarray) -> list[list[int]]:
@@ -49,7 +71,7 @@ class Drafter:
         max_drafts = np.zeros(n, dtype=np.int64)
         if d is None or n < d:
             for r in np.nonzero(eligible)[0].tolist():
-                max_drafts[r] = self._next_k.get(req_ids[r], self.k)
+                max_drafts[r] = self._wanted(req_ids[r])
         return self.eagle.propose(runner, hidden, meta, max_drafts)
 
     def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
@@ -66,7 +88,7 @@ class Drafter:
         if not rows:
             return out
         ids = [req_ids[r] for r in rows]
-        max_drafts = np.array([self._next_k.get(rid, self.k) for rid in ids], dtype=np.int64)
+        max_drafts = np.array([self._wanted(rid) for rid in ids], dtype=np.int64)
         # Row views, not a fancy-indexed copy of [rows, max_model_len].
         drafts = self.proposer.propose(ids, [token_ids[r] for r in rows], num_tokens[rows],
                                        max_drafts)
@@ -78,3 +100,5 @@ class Drafter:
         if self.proposer is not None:
             self.proposer.remove(req_id)
         self._next_k.pop(req_id, None)
+        self._misses.pop(req_id, None)
+        self._skip.pop(req_id, None)
