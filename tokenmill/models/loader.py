@@ -76,8 +76,12 @@ def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
     return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint, or raise naming what is missing.
+
+    `tensors`: the (name, tensor) pairs to load instead of every tensor in `model_dir`
+    (a draft head that lives inside the target's checkpoint reads only its own);
+    `strict`: a tensor with no matching parameter is an error, not a warning.
 
     A model may declare `packed_modules` (checkpoint matrices concatenated into one
     parameter, e.g. q/k/v -> qkv_proj) and `expert_modules` (per-expert matrices
@@ -99,14 +103,22 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         num_expert_shards[target] = num_expert_shards.get(target, 0) + 1
     expert_seen: dict[str, set[tuple[int, int]]] = {}  # stacked parameter -> (expert, shard)
     loaded = set()
-    for ckpt_name, tensor in mapped_checkpoint(model, iter_checkpoint(model_dir)):
+
+    def unknown(ckpt_name: str) -> None:
+        if strict:
+            raise ValueError(f"checkpoint {model_dir}: tensor {ckpt_name} matches no parameter "
+                             f"of {type(model).__name__}")
+        logger.warning("skipping checkpoint tensor %s (no matching parameter)", ckpt_name)
+
+    source = iter_checkpoint(model_dir) if tensors is None else tensors
+    for ckpt_name, tensor in mapped_checkpoint(model, source):
         if "rotary_emb.inv_freq" in ckpt_name:
             continue
         expert = _expert_name(ckpt_name, experts) if experts else None
         if expert is not None:
             name, e, shard = expert
             if name not in params:
-                logger.warning("skipping checkpoint tensor %s (no matching parameter)", ckpt_name)
+                unknown(ckpt_name)
                 continue
             param = params[name]
             if e >= param.shape[0]:
@@ -122,7 +134,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             continue
         name, shard = _param_name(ckpt_name, packed)
         if name not in params:
-            logger.warning("skipping checkpoint tensor %s (no matching parameter)", ckpt_name)
+            unknown(ckpt_name)
             continue
         if shard is None:
             _copy(params[name], tensor, ckpt_name)
