@@ -334,3 +334,94 @@ def test_async_scheduling_is_off_with_speculation(base, caplog):
     assert not llm.llm_engine.engine_core.async_scheduling
     assert "async scheduling is off with speculative decoding" in caplog.text
     assert generate(llm, prompts, greedy()) == want
+
+
+# ---- draft models of the EAGLE kind (the target's hidden states in, drafts out) ---------
+
+class OracleDrafter:
+    """An EagleStyleDrafter that knows the right answer: its output at position p encodes
+    p, and draft_token_ids returns the reference token at p + 2 (the one a row at p
+    predicts). If the proposer feeds it the right positions, every draft is accepted."""
+
+    aux_layer_ids = None
+
+    def __init__(self, sequence: list[int]):
+        import torch
+        self.sequence = torch.tensor(sequence + [0] * 64)
+
+    def combine_target_hidden(self, hidden):
+        return hidden
+
+    def __call__(self, input_ids, positions, hidden, meta):
+        out = positions.float().unsqueeze(1).expand(-1, 2).clone()
+        return out, out
+
+    def draft_token_ids(self, out):
+        return self.sequence[out[:, 0].long() + 2]
+
+    def attention_layers(self):
+        return []
+
+
+def test_eagle_proposer_feeds_the_right_positions(base):
+    """Prompt chunks, then verify steps: an oracle drafter's drafts are all accepted,
+    so the first step's rows and the k - 1 follow-up positions are the right ones."""
+    from tokenmill.spec_decode.drafter import Drafter
+    from tokenmill.spec_decode.eagle import EagleProposer
+    tm, prompts, want = base
+    prompt = prompts[1]
+    llm = make_llm(tm.path, speculative_config=NGRAM, max_num_batched_tokens=8)
+    runner = runner_of(llm)
+    oracle = OracleDrafter(prompt + want[1])
+    runner.draft_model = oracle
+    runner.drafter = Drafter(runner.drafter.config,
+                             EagleProposer(oracle, runner.device, runner.max_model_len))
+    got = generate(llm, [prompt] * 3, greedy())
+    assert got == [want[1]] * 3
+    s = spec_stats(llm)
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    assert s.mean_acceptance_length > 4  # k = 4 accepted almost every step
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint with a random MTP head (mtp.* tensors)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "unit"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
+    import json
+
+    from test_hybrid_parity import HYBRID_SPECS, build_hybrid
+    from test_mtp_drafter import mtp_tensors, write_folder
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    base = str(tmp_path_factory.mktemp("mtp_base"))
+    build_hybrid(base, arch, dict(overrides, mtp_num_hidden_layers=1))
+    config = json.load(open(os.path.join(base, "config.json")))
+    path = str(tmp_path_factory.mktemp("mtp") / "ckpt")
+    write_folder(path, base, config, mtp_tensors(base, seed=7))
+    return path
+
+
+def test_mtp_greedy_equals_no_speculation(mtp_checkpoint):
+    """A hybrid target with its own MTP head (random: few drafts pass): the output is
+    the target's, with chunked prefill and preemption too; the head's K/V lives in
+    the target's KV cache group, with lookahead slots for its draft steps."""
+    vocab = 384
+    prompts = loop_prompts(vocab, n=5, seed=21)
+    want = generate(make_llm(mtp_checkpoint), prompts, greedy(24))
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    for extra in ({}, {"max_num_batched_tokens": 16, "num_kv_blocks": 16, "block_size": 8,
+                       "max_model_len": 96}):
+        llm = make_llm(mtp_checkpoint, speculative_config=spec, **extra)
+        runner = runner_of(llm)
+        assert "draft.0.attn" in runner.kv_caches
+        assert scheduler_of(llm).config.num_lookahead_tokens == 3
+        assert generate(llm, prompts, greedy(24)) == want
+        assert spec_stats(llm).num_draft_tokens > 0
+        assert_no_leaks(llm)
+
+
+def test_draft_model_configs_are_checked(llama_tiny, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        make_llm(llama_tiny.path, speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="mtp"):  # a Llama checkpoint has no MTP head
+        make_llm(llama_tiny.path, speculative_config={"method": "mtp"})
