@@ -46,6 +46,9 @@ class MtpDraftModel(nn.Module):
     """An EagleStyleDrafter (spec_decode/draft_model.py) over the target's MTP weights."""
 
     aux_layer_ids = None  # reads the target's final (normed) hidden state
+    # Drafts are argmax of the target's own lm_head: the runner's exact greedy head
+    # (int8-screened, layers/greedy_head.py) may stand in for draft_token_ids.
+    shares_target_lm_head = True
     packed_modules = Qwen3NextForCausalLM.packed_modules
     expert_modules = Qwen3NextForCausalLM.expert_modules
 

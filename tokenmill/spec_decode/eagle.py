@@ -22,6 +22,15 @@ class EagleProposer:
         self.device = device
         self.max_model_len = max_model_len
 
+    def _draft_ids(self, runner, out: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts; through the runner's int8-screened greedy head (the same
+        argmax, fewer bytes read) when the drafter uses the target's lm_head."""
+        head = runner.greedy_head
+        if (head is not None and getattr(self.model, "shares_target_lm_head", False)
+                and out.shape[0] <= runner.greedy_head_max_rows):
+            return head(out).long()
+        return self.model.draft_token_ids(out)
+
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta: AttentionMetadata,
                 max_drafts: np.ndarray) -> list[list[int]]:
@@ -57,7 +66,7 @@ class EagleProposer:
         if rows.size == 0:
             return drafts
         flat = torch.from_numpy(qsl[rows] + offset[rows]).to(dev)
-        tokens = [model.draft_token_ids(out[flat])]
+        tokens = [self._draft_ids(runner, out[flat])]
         h = next_hidden[flat]
         pos = last_pos[rows]
         active = np.arange(rows.size)
@@ -69,7 +78,7 @@ class EagleProposer:
                 prev[torch.from_numpy(keep).to(dev)]
             step_meta = self._decode_meta(runner, rows[active], pos_j)
             out, h = model(ids, torch.from_numpy(pos_j).to(dev), h, step_meta)
-            prev = model.draft_token_ids(out)
+            prev = self._draft_ids(runner, out)
             tokens.append((active, prev))
         first = tokens[0].to("cpu").tolist()
         for i, r in enumerate(rows.tolist()):
