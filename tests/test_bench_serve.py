@@ -81,3 +81,31 @@ def test_bench_serve_url(tmp_path, capsys):
     assert result["completed"] == 4 and result["workload"]["url"] == url
     assert result["workload"]["served_model_name"] == model
     assert result["total_output_tokens"] == result["workload"]["total_output_tokens"]
+
+
+def test_bench_serve_passes_engine_flags_to_its_server(monkeypatch):
+    """The CPU kernel flags and --speculative-config reach the server it starts."""
+    import argparse
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_popen(cmd, **kw):
+        seen["cmd"] = cmd
+        raise Stop
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", fake_popen)
+    p = argparse.ArgumentParser()
+    bench_serve.add_serve_bench_args(p)
+    args = p.parse_args(["--cpu-kernels", "torch", "--greedy-head-max-rows", "0",
+                         "--no-decode-layers", "--speculative-config",
+                         '{"method": "ngram"}'])
+    with pytest.raises(Stop):
+        with bench_serve.local_server("/some/model", args, 128):
+            pass
+    cmd = seen["cmd"]
+    for flag, value in (("--cpu-kernels", "torch"), ("--greedy-head-max-rows", "0"),
+                        ("--speculative-config", '{"method": "ngram"}')):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--no-decode-layers" in cmd

@@ -51,12 +51,16 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=16,
                    help="most requests in flight at once (default 16)")
     p.add_argument("--output-json", default=None, metavar="PATH")
+    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    add_cpu_platform_args(p)  # for the server this command starts
     s = p.add_argument_group("the server this command starts (not with --url)")
     s.add_argument("--dtype", default=None, choices=DTYPES, help="default bfloat16")
     s.add_argument("--device", default=None)
     s.add_argument("--num-kv-blocks", type=positive_int, default=None)
     s.add_argument("--max-num-seqs", type=positive_int, default=None)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding for the server (see tokenmill serve)")
     s.add_argument("--server-timeout", type=float, default=300.0,
                    help="seconds to wait for the server's /health (default 300)")
 
@@ -160,9 +164,13 @@ def local_server(model_path: str, args, max_model_len: int):
            "--max-model-len", str(max_model_len), "--seed", str(args.seed),
            "--log-stats-interval", "0", "--uvicorn-log-level", "warning",
            "--shutdown-grace", "5"]
-    for flag in ("device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, flag) is not None:
+    for flag in ("device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                 "speculative_config", "cpu_kernels", "cpu_capability",
+                 "linear_bf16_max_rows", "greedy_head_max_rows"):
+        if getattr(args, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if getattr(args, "decode_layers", True) is False:
+        cmd.append("--no-decode-layers")
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         logger.info("starting: %s", " ".join(cmd))
@@ -247,7 +255,8 @@ def validate_args(args: argparse.Namespace) -> None:
         if not args.url.startswith(("http://", "https://")):
             raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
         given = [f"--{f.replace('_', '-')}" for f in
-                 ("dtype", "device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
+                 ("dtype", "device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                  "speculative_config")
                  if getattr(args, f) is not None]
         if given:
             raise ValueError(f"{', '.join(given)}: only for the server this command starts;"
