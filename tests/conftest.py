@@ -221,3 +221,63 @@ def scheduler_of(llm):
 
 def runner_of(llm):
     return llm.llm_engine.engine_core.runner
+
+
+def build_dflash_checkpoint(path: str, target_config: dict, *, num_layers: int = 2,
+                            target_layer_ids=(0, 1), mask_token_id: int | None = None,
+                            block_size: int = 8, seed: int = 0, config_overrides=None,
+                            dflash_overrides=None, own_embed: bool = False,
+                            drop=()) -> dict[str, torch.Tensor]:
+    """Save a tiny Qwen3-DFlash draft for a target whose HF config is `target_config`:
+    config.json (the target's sizes, `num_layers` layers, `dflash_config`) and
+    model.safetensors in z-lab's layout (no "model." prefix, no lm_head: the target's
+    is shared; embed_tokens only with `own_embed`). Random weights with std 0.2 (norms
+    1 + 0.2 randn) so the logits are not flat; `drop` leaves tensors out. Returns the
+    tensors written."""
+    from safetensors.torch import save_file
+    h = target_config["hidden_size"]
+    nh, nkv = target_config["num_attention_heads"], target_config["num_key_value_heads"]
+    d = target_config.get("head_dim") or h // nh
+    inter, vocab = target_config["intermediate_size"], target_config["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return 0.2 * torch.randn(*shape, generator=g)
+
+    def norm(n):
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    t = {"fc.weight": w(h, len(target_layer_ids) * h), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h)}
+    if own_embed:
+        t["embed_tokens.weight"] = w(vocab, h)
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": norm(h),
+                  p + "post_attention_layernorm.weight": norm(h),
+                  p + "self_attn.q_proj.weight": w(nh * d, h),
+                  p + "self_attn.k_proj.weight": w(nkv * d, h),
+                  p + "self_attn.v_proj.weight": w(nkv * d, h),
+                  p + "self_attn.o_proj.weight": w(h, nh * d),
+                  p + "self_attn.q_norm.weight": norm(d),
+                  p + "self_attn.k_norm.weight": norm(d),
+                  p + "mlp.gate_proj.weight": w(inter, h),
+                  p + "mlp.up_proj.weight": w(inter, h),
+                  p + "mlp.down_proj.weight": w(h, inter)})
+    for name in drop:
+        del t[name]
+    config = {k: target_config[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")}
+    config.update(architectures=["DFlashDraftModel"], model_type="qwen3", head_dim=d,
+                  num_hidden_layers=num_layers, hidden_act="silu", rope_theta=10000.0,
+                  dflash_config=dict(target_layer_ids=list(target_layer_ids),
+                                     mask_token_id=vocab - 1 if mask_token_id is None
+                                     else mask_token_id, block_size=block_size))
+    config["dflash_config"].update(dflash_overrides or {})
+    config.update(config_overrides or {})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    return t

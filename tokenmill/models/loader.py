@@ -148,7 +148,12 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
             loaded.add(name)
             del pending[name]
     if pending:
-        raise ValueError(f"incomplete packed weights in checkpoint: {sorted(pending)}")
+        name, parts = sorted(pending.items())[0]
+        prefix, target, suffix = name.rsplit(".", 2)
+        absent = [f"{prefix}.{source}.{suffix}" for source, (t, shard) in packed.items()
+                  if t == target and shard not in parts]
+        raise ValueError(f"checkpoint {model_dir} lacks {', '.join(absent)} (packed into "
+                         f"{name}; incomplete: {sorted(pending)})")
     for name, seen in expert_seen.items():
         if name not in loaded:
             shards = {shard: source for source, (target, shard) in experts.items()

@@ -1,0 +1,282 @@
+"""The DFlash drafter (tokenmill/models/dflash.py) against a naive reference.
+
+The reference below reads the draft's safetensors and the HF target's embedding /
+lm_head directly and runs the block position by position, head by head, in fp64:
+context rows fc -> hidden_norm -> k/v projection -> k-norm -> rotary at the row's
+position; block rows embedded [last token, mask x k] at p..p+k, each query attending
+to every context row and every block row (no causal mask); drafts from rows 1..k.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import build_checkpoint, build_dflash_checkpoint, make_prompts
+from tokenmill.models.dflash import DFlashContext, load_dflash_drafter
+from tokenmill.models.loader import load_model
+
+CPU = torch.device("cpu")
+TAPS = (0, 1)  # target layers whose outputs the context reads (of 3)
+K = 4
+
+
+class Pair:
+    def __init__(self, root):
+        self.target_path = os.path.join(root, "target")
+        self.hf = build_checkpoint(self.target_path, "qwen3",
+                                   dict(num_hidden_layers=3, tie_word_embeddings=False))
+        self.target_config = json.load(open(os.path.join(self.target_path, "config.json")))
+        self.target = load_model(self.target_path, self.target_config, torch.float32, CPU)
+
+    def draft(self, name, root, **kw):
+        path = os.path.join(root, name)
+        kw.setdefault("target_layer_ids", TAPS)
+        build_dflash_checkpoint(path, self.target_config, **kw)
+        return path
+
+    @torch.inference_mode()
+    def target_hidden(self, tokens):
+        """The target's hidden states after the TAPS layers, concatenated [T, 2H]."""
+        hs = self.hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        return torch.cat([hs[i + 1][0] for i in TAPS], dim=-1)
+
+    @torch.inference_mode()
+    def next_token(self, tokens):
+        return int(self.hf(torch.tensor([tokens])).logits[0, -1].argmax())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dflash"))
+    p = Pair(root)
+    p.root = root
+    p.draft_path = p.draft("draft", root)
+    p.drafter = load_dflash_drafter(p.draft_path, p.target, torch.float32, CPU)
+    return p
+
+
+def naive_block_logits(draft_path, embed, lm_head, ctx_hidden, ctx_pos, last, p, k):
+    """Logits [k, V] of the block rows 1..k, with plain loops (fp64)."""
+    w = {n: t.double() for n, t in load_file(os.path.join(draft_path,
+                                                          "model.safetensors")).items()}
+    cfg = json.load(open(os.path.join(draft_path, "config.json")))
+    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    mask_id = cfg["dflash_config"]["mask_token_id"]
+    embed, lm_head = embed.detach().double(), lm_head.detach().double()
+
+    def rms(x, weight):
+        return x / math.sqrt(float((x * x).mean()) + eps) * weight
+
+    def rope(x, pos):  # neox: pairs (i, i + d/2)
+        out, half = x.clone(), d // 2
+        for i in range(half):
+            ang = pos / theta ** (2 * i / d)
+            c, s = math.cos(ang), math.sin(ang)
+            out[i] = x[i] * c - x[i + half] * s
+            out[i + half] = x[i + half] * c + x[i] * s
+        return out
+
+    def heads(x, n):
+        return [x[j * d:(j + 1) * d] for j in range(n)]
+
+    ctx = [rms(w["fc.weight"] @ row.double(), w["hidden_norm.weight"]) for row in ctx_hidden]
+    ids = [last] + [mask_id] * k
+    pos = [p + i for i in range(k + 1)]
+    h = [embed[t].clone() for t in ids]
+    for layer in range(cfg["num_hidden_layers"]):
+        L = lambda name: w[f"layers.{layer}.{name}.weight"]  # noqa: E731
+        keys, vals = [], []  # one entry per key row: [Hkv] of [d]
+
+        def add_kv(x, ps):
+            keys.append([rope(rms(kh, L("self_attn.k_norm")), ps)
+                         for kh in heads(L("self_attn.k_proj") @ x, nkv)])
+            vals.append(heads(L("self_attn.v_proj") @ x, nkv))
+
+        for row, ps in zip(ctx, ctx_pos):  # context: no input norm
+            add_kv(row, ps)
+        normed = [rms(x, L("input_layernorm")) for x in h]
+        qs = []
+        for x, ps in zip(normed, pos):
+            qs.append([rope(rms(qh, L("self_attn.q_norm")), ps)
+                       for qh in heads(L("self_attn.q_proj") @ x, nh)])
+            add_kv(x, ps)
+        new_h = []
+        for i in range(k + 1):
+            out = []
+            for hd in range(nh):
+                g = hd // (nh // nkv)
+                scores = torch.stack([qs[i][hd] @ keys[j][g] for j in range(len(keys))])
+                probs = torch.softmax(scores / math.sqrt(d), dim=0)
+                out.append(sum(probs[j] * vals[j][g] for j in range(len(keys))))
+            x = h[i] + L("self_attn.o_proj") @ torch.cat(out)
+            m = rms(x, L("post_attention_layernorm"))
+            new_h.append(x + L("mlp.down_proj") @ (F.silu(L("mlp.gate_proj") @ m)
+                                                   * (L("mlp.up_proj") @ m)))
+        h = new_h
+    return torch.stack([lm_head @ rms(x, w["norm.weight"]) for x in h[1:]])
+
+
+def requests(pair, seed=5):
+    """(req_id, tokens, first context position): different lengths, one context that
+    starts after position 0 (as after a prefix-cache hit)."""
+    prompts = make_prompts([6, 11, 9], pair.target_config["vocab_size"], seed=seed)
+    return [("a", prompts[0], 0), ("b", prompts[1], 0), ("c", prompts[2], 3)]
+
+
+def test_propose_matches_naive_reference(pair):
+    drafter, ctx = pair.drafter, DFlashContext(pair.drafter)
+    reqs = requests(pair)
+    hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
+    for rid, tokens, start in reqs:
+        h = pair.target_hidden(tokens)[start:]
+        hidden.append(h)
+        positions += list(range(start, len(tokens)))
+        counts.append(len(tokens) - start)
+        lasts.append(pair.next_token(tokens))
+        ps.append(len(tokens))
+        naive.append(naive_block_logits(
+            pair.draft_path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
+            h, list(range(start, len(tokens))), lasts[-1], ps[-1], K))
+    ctx.append_batch([r[0] for r in reqs], counts, positions, torch.cat(hidden))
+    assert [ctx.num_rows(r[0]) for r in reqs] == counts
+    ids = [r[0] for r in reqs]
+    logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
+    assert logits.shape == (3, K, pair.target_config["vocab_size"])
+    for i in range(3):
+        torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
+    drafts = drafter.propose(ctx, ids, lasts, ps, K)
+    assert drafts.tolist() == [n.argmax(-1).tolist() for n in naive]
+    # Not by luck: every row's top logit leads the next by far more than the tolerance,
+    # and the requests get different drafts.
+    for n in naive:
+        top2 = n.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+    assert len({tuple(d) for d in drafts.tolist()}) == 3
+    # One by one (no padding) gives the same drafts as the padded batch.
+    for i, rid in enumerate(ids):
+        assert drafter.propose(ctx, [rid], [lasts[i]], [ps[i]], K).tolist() == [drafts[i].tolist()]
+    # Any k up to the trained block size - 1 (here 8 - 1); past it, refused.
+    assert drafter.propose(ctx, ids, lasts, ps, 2).shape == (3, 2)
+    with pytest.raises(ValueError, match="blocks of 8"):
+        drafter.propose(ctx, ids, lasts, ps, 8)
+
+
+def test_own_embedding_is_used(pair):
+    path = pair.draft("own_embed", pair.root, own_embed=True, seed=1)
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU)
+    assert drafter.embed_tokens is not None and drafter.lm_head is None
+    tokens = requests(pair)[1][1]
+    ctx = DFlashContext(drafter)
+    h = pair.target_hidden(tokens)
+    ctx.append("r", list(range(len(tokens))), h)
+    last = pair.next_token(tokens)
+    own = load_file(os.path.join(path, "model.safetensors"))["embed_tokens.weight"]
+    naive = naive_block_logits(path, own, pair.hf.lm_head.weight, h,
+                               list(range(len(tokens))), last, len(tokens), K)
+    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
+
+
+def test_context_grows_only_by_appended_positions(pair):
+    drafter = pair.drafter
+    tokens = requests(pair)[1][1]  # 11 tokens
+    n = len(tokens)
+    h = pair.target_hidden(tokens)
+    last = pair.next_token(tokens)
+    whole = DFlashContext(drafter)
+    whole.append("r", list(range(n)), h)
+    pieces = DFlashContext(drafter)
+    for a, b in ((0, 4), (4, 5), (5, 11)):  # prompt chunks, then verified steps
+        pieces.append("r", list(range(a, b)), h[a:b])
+    assert pieces.num_rows("r") == n and pieces.end("r") == n
+    torch.testing.assert_close(pieces.kv("r"), whole.kv("r"), atol=1e-5, rtol=1e-5)
+    want = drafter.propose(whole, ["r"], [last], [n], K)
+    assert drafter.propose(pieces, ["r"], [last], [n], K).tolist() == want.tolist()
+
+    # Rows of rejected drafts, appended by mistake and rolled back, leave no trace.
+    pieces.append("r", [n, n + 1, n + 2], torch.randn(3, h.shape[1]))
+    assert pieces.num_rows("r") == n + 3
+    pieces.truncate("r", n)
+    assert pieces.num_rows("r") == n and pieces.end("r") == n
+    assert drafter.propose(pieces, ["r"], [last], [n], K).tolist() == want.tolist()
+
+    # Appends must continue the context: a gap or an overlap is a lost sync.
+    with pytest.raises(ValueError, match="next position 11"):
+        pieces.append("r", [n + 1], h[:1])
+    with pytest.raises(ValueError, match="next position 11"):
+        pieces.append("r", [n - 1], h[:1])
+    # A refused batch changes nothing, not even for its valid requests.
+    with pytest.raises(ValueError, match="'r'"):
+        pieces.append_batch(["s", "r"], [1, 1], [0, 3], h[:2])
+    assert pieces.num_rows("s") == 0 and pieces.num_rows("r") == n
+
+    # Growing past the buffer's capacity keeps the rows already there.
+    long = DFlashContext(drafter)
+    tokens2 = make_prompts([40], pair.target_config["vocab_size"], seed=9)[0]
+    h2 = pair.target_hidden(tokens2)
+    for a in range(0, 40, 7):
+        long.append("x", list(range(a, min(a + 7, 40))), h2[a:a + 7])
+    once = DFlashContext(drafter)
+    once.append("x", list(range(40)), h2)
+    torch.testing.assert_close(long.kv("x"), once.kv("x"), atol=1e-5, rtol=1e-5)
+
+    pieces.remove("r")
+    assert pieces.num_rows("r") == 0 and pieces.end("r") is None
+    # Rolled back to nothing, a context starts afresh (here after a prefix-cache hit).
+    long.truncate("x", 0)
+    assert long.end("x") is None
+    long.append("x", [5, 6], h2[5:7])
+    assert long.end("x") == 7
+    torch.testing.assert_close(long.kv("x"), once.kv("x")[:, :, 5:7], atol=1e-5, rtol=1e-5)
+
+
+def test_loader_errors_name_the_problem(pair):
+    def load(name, **kw):
+        return load_dflash_drafter(pair.draft(name, pair.root, **kw), pair.target,
+                                   torch.float32, CPU)
+
+    with pytest.raises(ValueError, match=r"lacks weights for: \['hidden_norm.weight'\]"):
+        load("no_hidden_norm", drop=("hidden_norm.weight",))
+    with pytest.raises(ValueError, match=r"lacks layers.1.self_attn.k_proj.weight"):
+        load("no_k_proj", drop=("layers.1.self_attn.k_proj.weight",))
+    with pytest.raises(ValueError, match=r"target_layer_ids \[0, 3\]: \[3\] outside the "
+                                         r"target's 3 layers"):
+        load("bad_ids", target_layer_ids=(0, 3))
+    with pytest.raises(ValueError, match="vocab_size 500 != the target's 384"):
+        load("bad_vocab", config_overrides=dict(vocab_size=500))
+    with pytest.raises(ValueError, match="mask_token_id 384 is outside the vocabulary"):
+        load("bad_mask", mask_token_id=384)
+    with pytest.raises(ValueError, match="lacks dflash_config.target_layer_ids"):
+        load("no_ids", dflash_overrides=dict(target_layer_ids=None))
+    with pytest.raises(ValueError, match="dflash_config.use_swa"):
+        load("swa", dflash_overrides=dict(use_swa=True))
+    with pytest.raises(ValueError, match="target hidden states of size 32, the target's "
+                                         "are 64"):
+        load("target_hidden", config_overrides=dict(target_hidden_size=32))
+
+
+def test_bf16_follows_fp32(pair):
+    """In bf16 the platform packs the draft's Linear layers (the target's are its own):
+    the context keeps bf16 K/V and the logits stay near the fp32 ones."""
+    target = load_model(pair.target_path, pair.target_config, torch.bfloat16, CPU)
+    drafter = load_dflash_drafter(pair.draft_path, target, torch.bfloat16, CPU)
+    reqs = requests(pair)
+    logits = {}
+    for model in (pair.drafter, drafter):
+        ctx = DFlashContext(model)
+        for rid, tokens, start in reqs:
+            h = pair.target_hidden(tokens)[start:].to(model.norm.weight.dtype)
+            ctx.append(rid, list(range(start, len(tokens))), h)
+        assert ctx.kv("a").dtype == model.norm.weight.dtype
+        logits[model] = model.draft_logits(ctx, [r[0] for r in reqs],
+                                           [pair.next_token(r[1]) for r in reqs],
+                                           [len(r[1]) for r in reqs], K)
+    torch.testing.assert_close(logits[drafter].float(), logits[pair.drafter],
+                               atol=0.25, rtol=0.05)

@@ -1,0 +1,364 @@
+"""DFlash: the block-diffusion draft model of speculative decoding (method "dflash").
+
+A DFlash drafter is a few Qwen3-style decoder layers that read the target's hidden
+states instead of their own history. Per request it keeps a *context*: for every
+token the target has committed, the target's hidden states after the layers
+`dflash_config.target_layer_ids`, concatenated, projected by `fc` and normalised by
+`hidden_norm`. Each draft layer turns that context into K/V of its own (its k/v
+projections, k-norm and rotary at the token's position; no input norm), computed
+once per token and kept (DFlashContext).
+
+One draft step is one forward over a block [last token, mask x k] at positions
+p .. p + k: the block's queries attend to all of the request's context K/V and to
+each other in both directions (no causal mask inside the block), and the k drafts
+are the argmax of the block's rows 1 .. k. k drafts cost one forward, not k.
+
+The context grows only by accepted tokens: a verified step appends the rows of the
+tokens the target kept (the last token and the accepted drafts), never those of
+rejected drafts. The token the step emitted has no target hidden state yet: it is
+the next block's first token, at position p = the context's end.
+
+Checkpoints (z-lab's Qwen3-DFlash layout) usually ship neither `embed_tokens` nor
+`lm_head`: the drafter then uses the target's (mask tokens embed as the target's
+row `mask_token_id`); one that ships its own uses those.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.mlp import GatedMLP
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.llama import DecoderConfig
+
+
+class DFlashConfig(DecoderConfig):
+    """The draft's Qwen3 fields plus `dflash_config`; refuses the variants not built here."""
+
+    def __init__(self, cfg: dict):
+        cfg = dict(cfg)
+        if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+            cfg["rope_theta"] = 1e6  # Qwen3's, the default DFlash drafts are trained with
+        super().__init__(cfg, qk_norm=True)
+        d = cfg.get("dflash_config") or {}
+        for key in ("target_layer_ids", "mask_token_id"):
+            if d.get(key) is None:
+                raise ValueError(f"DFlash config lacks dflash_config.{key}")
+        self.target_layer_ids = tuple(int(i) for i in d["target_layer_ids"])
+        if not self.target_layer_ids:
+            raise ValueError("DFlash dflash_config.target_layer_ids is empty")
+        self.mask_token_id = int(d["mask_token_id"])
+        self.block_size = int(d.get("block_size", 16))
+        self.target_hidden_size = int(cfg.get("target_hidden_size") or self.hidden_size)
+        # Other checkpoints' variants (sliding-window or causal layers, attention sinks,
+        # a reduced draft vocabulary, scaled embeddings or logits): refused, not ignored.
+        unsupported = {
+            "dflash_config.use_swa": d.get("use_swa", False),
+            "dflash_config.causal": d.get("causal", False),
+            "dflash_config.attention_sink_bias": d.get("attention_sink_bias", False),
+            "dflash_config.use_aux_hidden_state": not d.get("use_aux_hidden_state", True),
+            "layer_types (sliding_attention)":
+                "sliding_attention" in (cfg.get("layer_types") or ()),
+            "draft_vocab_size": cfg.get("draft_vocab_size", self.vocab_size) != self.vocab_size,
+        }
+        for key in ("input_embedding_scale", "output_multiplier"):
+            unsupported[key] = float(d.get(key, cfg.get(key, 1.0))) != 1.0
+        unsupported["final_logit_softcapping"] = bool(
+            d.get("final_logit_softcapping", cfg.get("final_logit_softcapping")))
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"DFlash checkpoint uses {', '.join(bad)}: not supported")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DFlash dflash_config.mask_token_id {self.mask_token_id} is "
+                             f"outside the vocabulary (vocab_size {self.vocab_size})")
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # q apart from k/v: the context needs only k/v, for every committed token.
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.kv_proj = Linear(c.hidden_size, 2 * c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def key_value(self, x, cos, sin, rotary: RotaryEmbedding):
+        """[T, H] -> k, v [T, Hkv, D]: k normed and rotated, v as projected."""
+        k, v = self.kv_proj(x).view(-1, 2, self.num_kv_heads, self.head_dim).unbind(1)
+        return rotary.apply(self.k_norm(k), cos, sin), v
+
+    def forward(self, x, cos, sin, rotary, kv: torch.Tensor, mask: torch.Tensor | None):
+        """x [R*B, H] (R blocks of B rows); kv [2, R, C + B, Hkv, D] holds each request's
+        context in [:C] (padded where `mask` [R, 1, 1, C + B] is False); this layer's
+        block K/V go into [C:]."""
+        r, s = kv.shape[1], kv.shape[2]
+        b = x.shape[0] // r
+        q = rotary.apply(self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim)),
+                         cos, sin)
+        k, v = self.key_value(x, cos, sin, rotary)
+        kv[0, :, s - b:] = k.view(r, b, self.num_kv_heads, self.head_dim)
+        kv[1, :, s - b:] = v.view(r, b, self.num_kv_heads, self.head_dim)
+        # Every block row sees the whole context and the whole block: no causal mask.
+        o = F.scaled_dot_product_attention(
+            q.view(r, b, self.num_heads, self.head_dim).transpose(1, 2),
+            kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask,
+            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(r * b, self.num_heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DFlashAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+
+    def forward(self, x, cos, sin, rotary, kv, mask):
+        # x is this step's own residual stream: updated in place.
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, kv, mask)
+        return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
+
+
+class DFlashDraftModel(nn.Module):
+    # Checkpoint names packed into one parameter: (packed name, shard index).
+    packed_modules = {"k_proj": ("kv_proj", 0), "v_proj": ("kv_proj", 1),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hf_config: dict, *, own_embed: bool = False, own_lm_head: bool = False):
+        super().__init__()
+        c = self.config = DFlashConfig(hf_config)
+        self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size,
+                         bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
+                                      c.rope_params)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False) if own_lm_head else None
+        # The target's embedding / lm_head where the checkpoint has none. A tuple, not
+        # submodules: the platform must not prepare (repack) the target's layers again.
+        self._target_io: tuple[nn.Module, nn.Module] | None = None
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose *output* hidden states (HF output_hidden_states[i + 1])
+        the context is built from, concatenated in this order."""
+        return self.config.target_layer_ids
+
+    def share_target(self, target: nn.Module) -> None:
+        self._target_io = (target.embed_tokens, target.lm_head)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target_io[0]
+        return embed(ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self._target_io[1]
+        return head(hidden)
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target hidden states [T, n * H_target] (concatenated as target_layer_ids) at
+        `positions` [T] -> every layer's context K/V [L, 2, T, Hkv, D]. Row by row
+        independent, so appending in pieces gives the same rows as all at once."""
+        ctx = self.hidden_norm(self.fc(target_hidden.to(self.norm.weight.dtype)))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return torch.stack([torch.stack(layer.self_attn.key_value(ctx, cos, sin, self.rotary))
+                            for layer in self.layers])
+
+    @torch.inference_mode()
+    def draft_logits(self, context: "DFlashContext", req_ids: list[str],
+                     last_token_ids, positions, k: int) -> torch.Tensor:
+        """Logits [R, k, V] of the block rows 1..k of each request; its block is
+        [last_token_ids[r], mask x k] at positions[r] .. positions[r] + k, where
+        last_token_ids[r] is the token the last step emitted and positions[r] its
+        position: normally the end of the request's context (context.end)."""
+        c = self.config
+        if not 1 <= k < c.block_size:
+            raise ValueError(f"DFlash drafts k={k}: the draft was trained on blocks of "
+                             f"{c.block_size} (k from 1 to {c.block_size - 1})")
+        device = self.norm.weight.device
+        last = torch.as_tensor(last_token_ids, dtype=torch.long, device=device)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=device)
+        r, b = len(req_ids), k + 1
+        if r == 0:
+            return torch.empty(0, k, c.vocab_size, device=device)
+        lens = [context.num_rows(rid) for rid in req_ids]
+        cmax = max(lens)
+        ids = torch.full((r, b), c.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = last
+        # Past the rotary table (the last steps of a max-length request) the drafts will
+        # be cut off anyway; clamp as the reference does rather than fail.
+        block_pos = (pos[:, None] + torch.arange(b, device=device)).clamp(
+            max=self.rotary.cos_cache.shape[0] - 1).flatten()
+        x = self.embed(ids.flatten())
+        # Each request's context lives in its own growing buffer: one copy per request
+        # into a zero-padded batch (zeros, not empty: masked rows still meet V).
+        kv = x.new_zeros(c.num_layers, 2, r, cmax + b, c.num_kv_heads, c.head_dim)
+        for i, rid in enumerate(req_ids):
+            if lens[i]:
+                kv[:, :, i, :lens[i]] = context.kv(rid)
+        mask = None
+        if min(lens) < cmax:
+            cols = torch.arange(cmax + b, device=device)
+            lens_t = torch.tensor(lens, device=device)
+            mask = ((cols < lens_t[:, None]) | (cols >= cmax)).view(r, 1, 1, cmax + b)
+        cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
+        for layer, layer_kv in zip(self.layers, kv):
+            x = layer(x, cos, sin, self.rotary, layer_kv, mask)
+        h = self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
+        return self.compute_logits(h).view(r, k, -1)
+
+    @torch.inference_mode()
+    def propose(self, context: "DFlashContext", req_ids: list[str], last_token_ids,
+                positions, k: int) -> torch.Tensor:
+        """Greedy drafts [R, k] (target vocabulary ids) for a batch of requests."""
+        return self.draft_logits(context, req_ids, last_token_ids, positions, k).argmax(-1)
+
+
+class DFlashContext:
+    """Per request, every draft layer's context K/V: one buffer [L, 2, capacity, Hkv, D]
+    grown by doubling, of which the first `num_rows` rows are the context, at the
+    consecutive positions from the first appended one."""
+
+    def __init__(self, model: DFlashDraftModel):
+        self.model = model
+        self._buf: dict[str, torch.Tensor] = {}
+        self._len: dict[str, int] = {}
+        self._start: dict[str, int] = {}
+
+    def num_rows(self, req_id: str) -> int:
+        return self._len.get(req_id, 0)
+
+    def end(self, req_id: str) -> int | None:
+        """The position the next appended row must have (None: empty context)."""
+        if req_id not in self._len:
+            return None
+        return self._start[req_id] + self._len[req_id]
+
+    def kv(self, req_id: str) -> torch.Tensor:
+        """The context K/V [L, 2, num_rows, Hkv, D] (a view)."""
+        return self._buf[req_id][:, :, :self._len[req_id]]
+
+    def append(self, req_id: str, positions, target_hidden: torch.Tensor) -> None:
+        self.append_batch([req_id], [len(positions)], positions, target_hidden)
+
+    @torch.inference_mode()
+    def append_batch(self, req_ids: list[str], num_rows: list[int], positions,
+                     target_hidden: torch.Tensor) -> None:
+        """Append accepted tokens' rows: request i takes the next num_rows[i] rows of
+        `positions` [T] / `target_hidden` [T, n * H_target]. Projected in one pass,
+        copied per request. A request's positions must continue its context (its
+        first ever append may start anywhere, e.g. after a prefix-cache hit)."""
+        model = self.model
+        pos = torch.as_tensor(positions, dtype=torch.long, device=target_hidden.device)
+        pos_list = pos.tolist()
+        if len(pos_list) != sum(num_rows) or target_hidden.shape[0] != len(pos_list):
+            raise ValueError(f"DFlash append: {len(pos_list)} positions and "
+                             f"{target_hidden.shape[0]} hidden rows for {sum(num_rows)} rows")
+        o = 0
+        for rid, n in zip(req_ids, num_rows):  # check every request before changing any
+            seg, start = pos_list[o:o + n], self.end(rid)
+            if start is None:
+                start = seg[0] if seg else 0
+            if seg != list(range(start, start + n)):
+                raise ValueError(f"DFlash append: request {rid!r} positions {seg} do not "
+                                 f"continue its context (next position {start})")
+            o += n
+        if not pos_list:
+            return
+        kv = model.context_kv(target_hidden, pos)
+        o = 0
+        for rid, n in zip(req_ids, num_rows):
+            if n == 0:
+                o += n
+                continue
+            if rid not in self._len:
+                self._start[rid], self._len[rid] = pos_list[o], 0
+            length = self._len[rid]
+            buf = self._buf.get(rid)
+            if buf is None or buf.shape[2] < length + n:
+                grown = kv.new_empty(*kv.shape[:2], max(2 * length, length + n, 16),
+                                     *kv.shape[3:])
+                if length:
+                    grown[:, :, :length] = buf[:, :, :length]
+                self._buf[rid] = buf = grown
+            buf[:, :, length:length + n] = kv[:, :, o:o + n]
+            self._len[rid] = length + n
+            o += n
+
+    def truncate(self, req_id: str, end: int) -> None:
+        """Drop the rows at positions >= end (rolled back tokens)."""
+        if req_id in self._len:
+            self._len[req_id] = max(0, min(self._len[req_id], end - self._start[req_id]))
+            if self._len[req_id] == 0:  # empty: the next append may start anywhere
+                self.remove(req_id)
+
+    def remove(self, req_id: str) -> None:
+        for d in (self._buf, self._len, self._start):
+            d.pop(req_id, None)
+
+
+def _checkpoint_names(path: str) -> set[str]:
+    from tokenmill.models.loader import safetensors_files
+    names = set()
+    for f in safetensors_files(path):
+        with safe_open(f, framework="pt") as st:
+            names.update(n.removeprefix("model.") for n in st.keys())
+    return names
+
+
+def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
+                        device: torch.device, platform=None) -> DFlashDraftModel:
+    """Build the drafter from a DFlash folder for `target` (a loaded tokenmill model),
+    check that the two fit, fill it, and hand it the platform's kernel decisions."""
+    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.models.loader import load_weights
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"DFlash draft {path}: no config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    names = _checkpoint_names(path)
+    if "d2t" in names:
+        raise ValueError(f"DFlash draft {path}: a reduced draft vocabulary (d2t) is not "
+                         f"supported")
+    if os.path.exists(os.path.join(path, "mask_embedding.pt")):
+        raise ValueError(f"DFlash draft {path}: a separate mask embedding "
+                         f"(mask_embedding.pt) is not supported")
+    own_embed, own_head = "embed_tokens.weight" in names, "lm_head.weight" in names
+    c, tc = DFlashConfig(hf_config), target.config
+    bad_ids = [i for i in c.target_layer_ids if not 0 <= i < tc.num_layers]
+    if bad_ids:
+        raise ValueError(f"DFlash dflash_config.target_layer_ids {list(c.target_layer_ids)}: "
+                         f"{bad_ids} outside the target's {tc.num_layers} layers")
+    if c.vocab_size != tc.vocab_size:
+        raise ValueError(f"DFlash draft vocab_size {c.vocab_size} != the target's "
+                         f"{tc.vocab_size} (drafts are target token ids)")
+    if c.target_hidden_size != tc.hidden_size:
+        raise ValueError(f"DFlash draft reads target hidden states of size "
+                         f"{c.target_hidden_size}, the target's are {tc.hidden_size}")
+    if not (own_embed and own_head) and c.hidden_size != tc.hidden_size:
+        raise ValueError(f"DFlash draft hidden_size {c.hidden_size} != the target's "
+                         f"{tc.hidden_size}, whose embedding / lm_head it shares")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DFlashDraftModel(hf_config, own_embed=own_embed, own_lm_head=own_head)
+    finally:
+        torch.set_default_dtype(default)
+    load_weights(model, path)
+    model.share_target(target)
+    (platform or CpuPlatform.create(device, dtype)).prepare_model(model)
+    return model.eval().requires_grad_(False)
