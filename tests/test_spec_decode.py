@@ -425,3 +425,30 @@ def test_draft_model_configs_are_checked(llama_tiny, tmp_path):
         make_llm(llama_tiny.path, speculative_config={"method": "eagle3"})
     with pytest.raises(ValueError, match="mtp"):  # a Llama checkpoint has no MTP head
         make_llm(llama_tiny.path, speculative_config={"method": "mtp"})
+
+
+def test_dflash_greedy_equals_no_speculation(tiny_model_factory, tmp_path):
+    """A DFlash draft (random weights: few drafts pass) on a Qwen3 target: the output is
+    the target's, also with chunked prefill and preemption (the context is cut back
+    when a request resumes); the context follows accepted tokens only."""
+    import json
+
+    from conftest import build_dflash_checkpoint
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = str(tmp_path / "dflash")
+    os.makedirs(draft)
+    build_dflash_checkpoint(draft, json.load(open(os.path.join(tm.path, "config.json"))),
+                            target_layer_ids=(0, 1), block_size=5)
+    prompts = loop_prompts(tm.vocab_size, n=5, seed=23)
+    want = generate(make_llm(tm.path), prompts, greedy(24))
+    spec = {"method": "dflash", "num_speculative_tokens": 4, "model": draft}
+    for extra in ({}, {"max_num_batched_tokens": 16, "num_kv_blocks": 16, "block_size": 8,
+                       "max_model_len": 96}):
+        llm = make_llm(tm.path, speculative_config=spec, **extra)
+        assert runner_of(llm).model.aux_layer_ids == (1, 2)
+        assert generate(llm, prompts, greedy(24)) == want
+        assert spec_stats(llm).num_draft_tokens > 0
+        assert_no_leaks(llm)
+        assert not runner_of(llm).drafter.eagle.context._len  # every context removed
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_llm(tm.path, speculative_config=dict(spec, num_speculative_tokens=5))

@@ -119,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The native loop over every layer of a decode step (set_decode_layers), or None.
         self.decode_layers: DecodeLayers | None = None
-        # Speculative decoding (EAGLE-3): layers whose input hidden state the drafter
-        # reads; the last forward leaves them concatenated in `aux_hidden` [T, n * H].
+        # Speculative decoding (EAGLE-3, DFlash): layers whose input hidden state the
+        # drafter reads (num_layers: the final normed output), in layer order; the last
+        # forward leaves them concatenated in `aux_hidden` [T, n * H].
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
@@ -148,7 +149,11 @@ class LlamaForCausalLM(nn.Module):
                 if i in self.aux_layer_ids:
                     taps.append(x.clone())  # x is updated in place by the layers
                 x = layer(x, cos, sin, self.rotary, meta)
+            out = self.norm(x)
+            if len(self.layers) in self.aux_layer_ids:  # past the last layer: HF's normed one
+                taps.append(out)
             self.aux_hidden = torch.cat(taps, dim=-1)
+            return out
         elif self.decode_layers is not None and self.decode_layers.applies(x, meta):
             # The same kernels as the layers below, called from C++ (layers/decode_layers.py).
             x = self.decode_layers(x, cos, sin, meta)

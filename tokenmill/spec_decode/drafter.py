@@ -27,8 +27,8 @@ from tokenmill.spec_decode.ngram import NgramProposer
 
 class Drafter:
     def __init__(self, config: SpeculativeConfig, eagle=None):
-        """`eagle`: an EagleProposer (a draft model reading the target's hidden states,
-        tokenmill/spec_decode/eagle.py); None: n-gram lookup."""
+        """`eagle`: a proposer over a draft model that reads the target's hidden states
+        (EagleProposer, spec_decode/eagle.py, or DFlashProposer); None: n-gram lookup."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.eagle = eagle
@@ -97,8 +97,7 @@ class Drafter:
         return out
 
     def remove(self, req_id: str) -> None:
-        if self.proposer is not None:
-            self.proposer.remove(req_id)
+        (self.proposer if self.proposer is not None else self.eagle).remove(req_id)
         self._next_k.pop(req_id, None)
         self._misses.pop(req_id, None)
         self._skip.pop(req_id, None)

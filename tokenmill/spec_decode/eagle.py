@@ -88,6 +88,9 @@ class EagleProposer:
                 drafts[int(rows[i])].append(t)
         return drafts
 
+    def remove(self, req_id: str) -> None:
+        """Nothing per request: the drafter's K/V lives in the target's paged cache."""
+
     def _decode_meta(self, runner, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """One decode query per row at `positions` (a draft step's own K/V slot)."""
         table = runner.input_batch.block_tables[runner.attn_group_id]

@@ -15,4 +15,16 @@ def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platf
     if spec.method == "mtp":
         from tokenmill.models.mtp import load_mtp_drafter
         return load_mtp_drafter(model_config.path, target, dtype, device, platform)
+    if spec.method == "dflash":
+        from tokenmill.models.dflash import load_dflash_drafter
+        model = load_dflash_drafter(spec.model, target, dtype, device, platform)
+        k, block = spec.num_speculative_tokens, model.config.block_size
+        if k > block - 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k}: the DFlash "
+                             f"draft was trained on blocks of {block} (at most {block - 1})")
+        if model_config.max_model_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {model_config.max_model_len} is longer than the "
+                             f"DFlash draft's max_position_embeddings "
+                             f"{model.config.max_position_embeddings}")
+        return model
     raise ValueError(f"speculative_config.method {spec.method!r} has no draft model loader")

@@ -26,6 +26,7 @@ from tokenmill.sample.bitmask import apply_grammar_bitmask
 from tokenmill.sample.sampler import Sampler, apply_processors, gather_logprobs
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.drafter import Drafter
+from tokenmill.spec_decode.dflash_proposer import DFlashProposer
 from tokenmill.spec_decode.eagle import EagleProposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.verify import verify_greedy
@@ -132,12 +133,18 @@ class ModelRunner:
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         # Speculative decoding: the drafter and the verifier of its drafts.
         self.draft_model = draft_model
-        eagle = (EagleProposer(draft_model, device, max_model_len)
-                 if draft_model is not None else None)
-        self.drafter = (Drafter(speculative_config, eagle) if speculative_config is not None
-                        else None)
-        if draft_model is not None and draft_model.aux_layer_ids:
-            model.aux_layer_ids = tuple(draft_model.aux_layer_ids)
+        proposer = None
+        if draft_model is not None and speculative_config.method == "dflash":
+            proposer = DFlashProposer(draft_model, device, max_model_len)
+            # DFlash names the layers whose output it reads: the input of the next one
+            # (the last layer's output is the final normed hidden state, as in HF).
+            model.aux_layer_ids = tuple(i + 1 for i in draft_model.target_layer_ids)
+        elif draft_model is not None:
+            proposer = EagleProposer(draft_model, device, max_model_len)
+            if draft_model.aux_layer_ids:
+                model.aux_layer_ids = tuple(draft_model.aux_layer_ids)
+        self.drafter = (Drafter(speculative_config, proposer)
+                        if speculative_config is not None else None)
         self._step_hidden = None  # the target's hidden states and metadata, for the drafter
         self._step_meta = None
         self.rejection_sampler = RejectionSampler()
@@ -164,7 +171,8 @@ class ModelRunner:
     def attention_layers(self) -> dict[str, nn.Module]:
         layers = {f"layers.{i}.attn": layer
                   for i, layer in enumerate(self.model.attention_layers())}
-        if self.draft_model is not None:  # extra layers of the same KV cache group
+        if self.draft_model is not None and hasattr(self.draft_model, "attention_layers"):
+            # an EAGLE-style drafter's layers: extra layers of the same KV cache group
             layers.update({f"draft.{i}.attn": layer
                            for i, layer in enumerate(self.draft_model.attention_layers())})
         return layers
