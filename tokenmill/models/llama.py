@@ -42,12 +42,15 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, input_size: int | None = None):
+        """`input_size`: the width of x (default hidden_size; an EAGLE-3 drafter's
+        attention reads [embedding | hidden], twice that)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.qkv_proj = Linear(input_size or c.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=c.qkv_bias)
         self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
