@@ -420,6 +420,35 @@ def test_mtp_greedy_equals_no_speculation(mtp_checkpoint):
         assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("aux_ids", [None, [0, 1, 0]])
+def test_eagle3_greedy_equals_no_speculation(base, tmp_path, aux_ids):
+    """An EAGLE-3 draft (random weights, its own smaller vocabulary mapped by d2t) on
+    the Llama target: the output is the target's, with chunked prefill and preemption
+    too. aux ids: the default for a 2-layer target repeats a layer; [0, 1, 0] taps
+    the embedding output twice, out of layer order."""
+    import json
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from eagle3_checkpoint import build_eagle3_checkpoint
+    tm, prompts, want = base
+    draft = str(tmp_path / "eagle3")
+    os.makedirs(draft)
+    extra_cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}} if aux_ids \
+        else {}
+    build_eagle3_checkpoint(draft, json.load(open(os.path.join(tm.path, "config.json"))),
+                            **extra_cfg)
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": draft}
+    for extra in ({}, {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "block_size": 8,
+                       "max_model_len": 96}):
+        llm = make_llm(tm.path, speculative_config=spec, **extra)
+        runner = runner_of(llm)
+        assert len(runner.model.aux_layer_ids) == 3 and "draft.0.attn" in runner.kv_caches
+        assert generate(llm, prompts, greedy()) == want
+        assert spec_stats(llm).num_draft_tokens > 0
+        assert runner.model.aux_hidden.shape[1] == 3 * 64
+        assert_no_leaks(llm)
+
+
 def test_draft_model_configs_are_checked(llama_tiny, tmp_path):
     with pytest.raises(ValueError, match="speculative_config.model"):
         make_llm(llama_tiny.path, speculative_config={"method": "eagle3"})

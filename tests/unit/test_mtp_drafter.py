@@ -316,8 +316,8 @@ def test_loader_errors_name_the_problem(qwen3_next_target, tmp_path):
 
     drop = lambda *names: {n: t for n, t in ck.mtp.items() if n not in names}  # noqa: E731
     broken("no_norm", drop("mtp.norm.weight"), "lacks weights", "norm.weight")
-    broken("no_k_proj", drop("mtp.layers.0.self_attn.k_proj.weight"), "incomplete packed",
-           "layers.0.self_attn.qkv_proj")
+    broken("no_k_proj", drop("mtp.layers.0.self_attn.k_proj.weight"), "lacks",
+           "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.qkv_proj")
     broken("no_expert", drop("mtp.layers.0.mlp.experts.2.up_proj.weight"), "lacks experts",
            "2.up_proj")
     broken("unknown", dict(ck.mtp, **{"mtp.layers.0.extra.weight": torch.zeros(3)}),

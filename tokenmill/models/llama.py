@@ -123,8 +123,8 @@ class LlamaForCausalLM(nn.Module):
         # The native loop over every layer of a decode step (set_decode_layers), or None.
         self.decode_layers: DecodeLayers | None = None
         # Speculative decoding (EAGLE-3, DFlash): layers whose input hidden state the
-        # drafter reads (num_layers: the final normed output), in layer order; the last
-        # forward leaves them concatenated in `aux_hidden` [T, n * H].
+        # drafter reads (num_layers: the final normed output); the last forward leaves
+        # them concatenated in this order in `aux_hidden` [T, n * H].
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
@@ -147,15 +147,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.aux_layer_ids:  # taps between layers: the Python loop
-            taps = []
+            taps = {}
             for i, layer in enumerate(self.layers):
                 if i in self.aux_layer_ids:
-                    taps.append(x.clone())  # x is updated in place by the layers
+                    taps[i] = x.clone()  # x is updated in place by the layers
                 x = layer(x, cos, sin, self.rotary, meta)
             out = self.norm(x)
-            if len(self.layers) in self.aux_layer_ids:  # past the last layer: HF's normed one
-                taps.append(out)
-            self.aux_hidden = torch.cat(taps, dim=-1)
+            taps[len(self.layers)] = out  # past the last layer: HF's normed output
+            # In the drafter's order; an id may repeat (tiny targets).
+            self.aux_hidden = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
             return out
         elif self.decode_layers is not None and self.decode_layers.applies(x, meta):
             # The same kernels as the layers below, called from C++ (layers/decode_layers.py).

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "mtp", "eagle3", "dflash")
 # Methods this build can run; the others are refused at start-up with a clear error.
-IMPLEMENTED = ("ngram", "mtp", "dflash")
+IMPLEMENTED = METHODS
 MAX_SPECULATIVE_TOKENS = 16
 
 
