@@ -135,3 +135,35 @@ def test_moe_layers_are_not_supported(tmp_path, widened, ops):
     model = runner_of(llm).model
     assert model.decode_layers is None
     assert not DecodeLayers(model, ops, 128).supported
+
+
+@pytest.mark.parametrize("taps", [(1,), (0, 1), (1, 0, 2)])
+def test_drafter_taps_keep_the_native_loop(tiny_model_factory, monkeypatch, widened, ops, taps):
+    """A drafter's taps of the residual stream (EAGLE-3, DFlash) split the native loop
+    into pieces instead of turning it off: the same tokens and bit-identical taps as
+    the Python layers (2 = past the last layer: the final normed output)."""
+    tm = tiny_model_factory("qwen3_headdim")
+    calls = []
+    real = DecodeLayers.__call__
+
+    def spy(self, x, cos, sin, meta, start=0, end=None):
+        calls.append((start, end))
+        return real(self, x, cos, sin, meta, start, end)
+
+    monkeypatch.setattr(DecodeLayers, "__call__", spy)
+    prompts = [{"prompt_token_ids": p} for p in tm.prompts[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs, taps_seen = [], []
+    for native in (True, False):
+        llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3, decode_layers=native)
+        runner_of(llm).model.aux_layer_ids = taps
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)])
+        taps_seen.append(runner_of(llm).model.aux_hidden)
+    assert outs[0] == outs[1]
+    assert torch.equal(taps_seen[0], taps_seen[1])
+    assert taps_seen[0].shape[1] == len(taps) * 64
+    if ops.has_fast_linear_bf16:
+        assert calls and {c for c in calls} <= {(0, 1), (1, 2), (0, 2)}
+    else:
+        assert calls == []

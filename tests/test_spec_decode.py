@@ -386,12 +386,11 @@ def test_eagle_proposer_feeds_the_right_positions(base):
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
     """A tiny Qwen3.5 checkpoint with a random MTP head (mtp.* tensors)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "unit"))
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
     import json
 
     from test_hybrid_parity import HYBRID_SPECS, build_hybrid
-    from test_mtp_drafter import mtp_tensors, write_folder
+    from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
     arch, overrides = HYBRID_SPECS["qwen3_5"]
     base = str(tmp_path_factory.mktemp("mtp_base"))
     build_hybrid(base, arch, dict(overrides, mtp_num_hidden_layers=1))
@@ -428,8 +427,7 @@ def test_eagle3_greedy_equals_no_speculation(base, tmp_path, aux_ids):
     the embedding output twice, out of layer order."""
     import json
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    from eagle3_checkpoint import build_eagle3_checkpoint
+    from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
     tm, prompts, want = base
     draft = str(tmp_path / "eagle3")
     os.makedirs(draft)
@@ -462,7 +460,7 @@ def test_dflash_greedy_equals_no_speculation(tiny_model_factory, tmp_path):
     when a request resumes); the context follows accepted tokens only."""
     import json
 
-    from conftest import build_dflash_checkpoint
+    from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
     tm = tiny_model_factory("qwen3_headdim")
     draft = str(tmp_path / "dflash")
     os.makedirs(draft)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import build_checkpoint, build_dflash_checkpoint, make_prompts
+from conftest import build_checkpoint, make_prompts
+from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
 from tokenmill.models.dflash import DFlashContext, load_dflash_drafter
 from tokenmill.models.loader import load_model
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY
-from eagle3_checkpoint import build_eagle3_checkpoint, eagle3_config, eagle3_tensors, \
-    write_eagle3_checkpoint
+from tokenmill.spec_decode.random_drafters import (build_eagle3_checkpoint, eagle3_config,
+                                                   eagle3_tensors, write_eagle3_checkpoint)
 from tokenmill import kernels
 from tokenmill.core.kv_cache_spec import FullAttentionSpec
 from tokenmill.cpu_platform import CpuPlatform

@@ -22,8 +22,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from conftest import hf_greedy, make_llm, make_prompts
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
@@ -31,6 +29,7 @@ from tokenmill.kernels import cpu_ops
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.models.loader import load_model
 from tokenmill.models.mtp import MtpDraftModel, load_mtp_drafter, mtp_tensor_names
+from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
 from tokenmill.worker.kv_cache import allocate_kv_caches
 
 # The hybrid parity suite's tiny configs (tests/models is not on sys.path from here).
@@ -43,40 +42,6 @@ TARGETS = ["qwen3_5", "qwen3_next"]  # dense MLP; MoE with a gated shared expert
 
 
 # ---- checkpoints with an MTP head ------------------------------------------------------
-
-def mtp_tensors(path: str, seed: int) -> dict[str, torch.Tensor]:
-    """Random MTP tensors: layers.0 copies the names and shapes of the target's last
-    full-attention layer. Norm weights are zero-centred (the model scales by 1 + w)."""
-    cfg = json.load(open(os.path.join(path, "config.json")))
-    full = max(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
-    src = f"model.layers.{full}."
-    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        shapes = {n[len(src):]: f.get_slice(n).get_shape() for n in f.keys()
-                  if n.startswith(src)}
-    h = cfg["hidden_size"]
-    shapes = {**{f"layers.0.{n}": s for n, s in shapes.items()}, "fc.weight": [h, 2 * h],
-              "pre_fc_norm_embedding.weight": [h], "pre_fc_norm_hidden.weight": [h],
-              "norm.weight": [h]}
-    g = torch.Generator().manual_seed(seed)
-    return {f"mtp.{n}": 0.2 * torch.randn(s, generator=g) for n, s in sorted(shapes.items())}
-
-
-def write_folder(path: str, base: str, config: dict, mtp: dict[str, torch.Tensor] | None):
-    """A checkpoint folder: the base model's weights (linked), `config`, and `mtp` as an
-    extra shard named in model.safetensors.index.json."""
-    os.makedirs(path, exist_ok=True)
-    os.symlink(os.path.join(base, "model.safetensors"), os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    if mtp is None:
-        return
-    save_file(mtp, os.path.join(path, "mtp.safetensors"))
-    with safe_open(os.path.join(base, "model.safetensors"), framework="pt") as f:
-        weight_map = {n: "model.safetensors" for n in f.keys()}
-    weight_map.update({n: "mtp.safetensors" for n in mtp})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-
 
 class Ckpt:
     def __init__(self, base: str, path: str, hf, config: dict, mtp: dict):

@@ -14,6 +14,11 @@ Workloads (--workload):
 - random: plain random prompts; few drafts are accepted, so this shows what a
   step of mostly-rejected drafts costs.
 
+Draft-model methods without a "model" (and mtp on a model without an MTP head) get
+a random-weight drafter built for the target (tokenmill/spec_decode/random_drafters.py,
+cached beside the benchmark model): nearly all its drafts are rejected, so the run
+shows what drafting costs when it does not pay (the adaptive back-off included).
+
 In bf16 the two sides can part ways after a while (a verify step's GEMM has more
 rows than a plain decode step, which changes rounding); both still generate
 exactly --output-len tokens per request, and fp32 gives identical tokens.
@@ -52,6 +57,40 @@ def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
     add_cpu_platform_args(p)
 
 
+def random_drafter(spec: dict, target_path: str) -> tuple[str, dict]:
+    """(target folder, speculative config) for a draft-model method given no draft: a
+    random-weight one, built once into the cache, for the target."""
+    import json
+    import os
+    import shutil
+
+    from tokenmill.spec_decode import random_drafters as rd
+    method = spec.get("method", "ngram")
+    if method == "ngram" or (spec.get("model") and method != "mtp"):
+        return target_path, spec
+    config = json.load(open(os.path.join(target_path, "config.json")))
+    if method == "mtp":
+        if config.get("mtp_num_hidden_layers"):
+            return target_path, spec
+        path = target_path.rstrip("/") + "-random-mtp"
+        if not os.path.exists(os.path.join(path, "config.json")):
+            shutil.rmtree(path, ignore_errors=True)
+            config["mtp_num_hidden_layers"] = 1
+            rd.write_folder(path, target_path, config, rd.mtp_tensors(target_path, seed=0))
+        return path, spec
+    path = target_path.rstrip("/") + f"-random-{method}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        if method == "eagle3":
+            rd.build_eagle3_checkpoint(path, config)
+        else:
+            layers = config["num_hidden_layers"]
+            k = spec.get("num_speculative_tokens", 4)
+            rd.build_dflash_checkpoint(path, config, num_layers=1,
+                                       target_layer_ids=(1, layers // 2, layers - 2),
+                                       block_size=max(8, k + 1 if isinstance(k, int) else 8))
+    return target_path, dict(spec, model=path)
+
+
 def make_prompts(llm, args, n: int, vocab: int) -> list[list[int]]:
     import numpy as np
 
@@ -88,16 +127,20 @@ def timed(llm, prompts, output_len: int, num_iters: int) -> tuple[float, list[li
 def run_spec_bench(args: argparse.Namespace) -> int:
     from tokenmill import LLM
     from tokenmill.spec_decode.config import SpeculativeConfig
+    model = args.model or BENCH_MODEL_NAME
     try:
-        spec = SpeculativeConfig.from_any(args.speculative_config)
+        spec = json.loads(args.speculative_config)
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
         levels = [int(c) for c in args.concurrency.split(",")]
         if any(c < 1 for c in levels):
-            raise ValueError
+            raise ValueError("--concurrency must be positive ints, e.g. 1,16")
+        path = ensure_bench_model(model) if model in BENCH_MODELS else model
+        path, spec = random_drafter(spec, path)
+        spec = SpeculativeConfig.from_any(spec)
     except ValueError as e:
-        print(f"error: {e or '--concurrency must be positive ints, e.g. 1,16'}")
+        print(f"error: {e}")
         return 2
-    model = args.model or BENCH_MODEL_NAME
-    path = ensure_bench_model(model) if model in BENCH_MODELS else model
     vocab = read_model_config(path)["vocab_size"]
     max_len = args.input_len + (args.loop_len if args.workload == "loop" else 0) \
         + args.output_len + 8

@@ -146,12 +146,20 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.aux_layer_ids:  # taps between layers: the Python loop
+        if self.aux_layer_ids:  # a drafter reads the residual stream between layers
             taps = {}
-            for i, layer in enumerate(self.layers):
+            num_layers = len(self.layers)
+            native = self.decode_layers is not None and self.decode_layers.applies(x, meta)
+            for i in range(num_layers):
                 if i in self.aux_layer_ids:
                     taps[i] = x.clone()  # x is updated in place by the layers
-                x = layer(x, cos, sin, self.rotary, meta)
+                if not native:
+                    x = self.layers[i](x, cos, sin, self.rotary, meta)
+                elif i == 0 or i in self.aux_layer_ids:
+                    # The native loop up to the next tap (the same kernels, in pieces).
+                    end = min([j for j in self.aux_layer_ids if i < j < num_layers]
+                              + [num_layers])
+                    x = self.decode_layers(x, cos, sin, meta, i, end)
             out = self.norm(x)
             taps[len(self.layers)] = out  # past the last layer: HF's normed output
             # In the drafter's order; an id may repeat (tiny targets).

@@ -88,10 +88,17 @@ class DecodeLayers:
         return self._weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden]: the residual stream, updated in place through every layer."""
+                 meta: AttentionMetadata, start: int = 0, end: int | None = None
+                 ) -> torch.Tensor:
+        """x [T, hidden]: the residual stream, updated in place through layers
+        [start, end) (default: all; a drafter's taps split the loop into pieces)."""
+        weights = self.weights()
+        if start or end is not None:
+            per_layer = len(weights) // len(self.model.layers)
+            weights = weights[start * per_layer:(len(self.model.layers) if end is None
+                                                 else end) * per_layer]
         return self.ops.decode_layers(
-            x, self.weights(), self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
+            x, weights, self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
             meta.slot_offset, meta.decode_block_table, meta.decode_seq_lens)
 
 
