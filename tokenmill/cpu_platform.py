@@ -19,6 +19,9 @@ fixes, for the whole run:
   reading them); with native bf16 it takes the small inputs (decode) and oneDNN's
   bf16 GEMM the rest. `linear_bf16_max_rows` (an engine argument) sets the row
   limit instead: then an fp32 copy serves the larger inputs where bf16 is emulated;
+- the linear kernel of an fp32 model: `packed_f32` for inputs of up to
+  DEFAULT_F32_PACKED_ROWS rows (decode; a second, packed, copy of the weights) and
+  oneDNN above, where the level's linear is vectorised; else `torch`;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head) or `full`;
@@ -40,6 +43,11 @@ from dataclasses import dataclass, field, fields
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS = ("auto", "native", "torch")
+# fp32 models: inputs of up to this many rows take the packed fp32 kernel. A batch-1
+# F.linear streams its weights from memory at ~11 GB/s on the AVX512-BF16 EPYC, the
+# packed kernel (prefetching) at ~40-50 GB/s (32000 x 512: 6.2 vs ~1.5 ms); at 8+ rows
+# a step is no longer a pure weight stream and oneDNN's blocked GEMM takes over.
+DEFAULT_F32_PACKED_ROWS = 8
 # Without native bf16 the packed kernel takes every input: measured on the 2-vCPU bench
 # machine (AVX-512, no BF16), all 33 GEMMs of the bench model in one run, 10 vs 18 ms
 # for oneDNN's fp32 GEMM at 1 row, 15 vs 49 at 8, 87-108 vs 80-95 GFLOP/s at 32-128
@@ -144,6 +152,7 @@ class CpuPlatform:
     lm_head: str                    # "greedy_int8" or "full"
     greedy_head_max_rows: int       # rows that take greedy_int8 (0: lm_head is full)
     decode_layers: bool             # the native decode-layer loop
+    linear_f32_max_rows: int = 0    # fp32 model: rows that take packed_f32 (0: never)
     # The native kernels module of `capability`, or None (the PyTorch path).
     ops: object = field(default=None, compare=False, repr=False)
 
@@ -189,7 +198,12 @@ class CpuPlatform:
             linear_bf16_max_rows = ALL_ROWS if widen else DEFAULT_NATIVE_BF16_PACKED_ROWS
         packed = (ops is not None and model_dtype == torch.bfloat16
                   and linear_bf16_max_rows > 0 and getattr(ops, "has_fast_linear_bf16", False))
-        if not packed:
+        packed_f32 = (ops is not None and model_dtype == torch.float32
+                      and getattr(ops, "has_fast_linear_bf16", False)
+                      and hasattr(ops, "linear_f32"))
+        if packed_f32:
+            weights = "fp32 (the model's) + packed fp32"
+        elif not packed:
             weights = f"{_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy"
         elif linear_bf16_max_rows >= ALL_ROWS:
             weights = "packed bf16 only"
@@ -205,13 +219,14 @@ class CpuPlatform:
             capability_forced=bool(on_cpu and level and runnable and level != runnable[-1]),
             capability=level if on_cpu else None, kernels=native,
             model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
-            linear="packed_bf16" if packed else "torch",
+            linear="packed_bf16" if packed else "packed_f32" if packed_f32 else "torch",
             linear_bf16_max_rows=linear_bf16_max_rows if packed else 0, weights=weights,
             attention=native, norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, linear_bf16_max_rows) if greedy else 0,
             decode_layers=bool(packed and decode_layers and hasattr(ops, "decode_layers")),
+            linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
             ops=ops)
 
     @classmethod
@@ -252,7 +267,9 @@ class CpuPlatform:
             bf16 += ", unused below avx512"
         rows = ("every input" if self.linear_bf16_max_rows >= ALL_ROWS
                 else f"up to {self.linear_bf16_max_rows} rows")
-        linear = f"packed_bf16 {rows}" if self.linear == "packed_bf16" else "torch"
+        linear = (f"packed_bf16 {rows}" if self.linear == "packed_bf16" else
+                  f"packed_f32 up to {self.linear_f32_max_rows} rows" if self.linear == "packed_f32"
+                  else "torch")
         head = (f"greedy_int8 up to {self.greedy_head_max_rows} rows"
                 if self.lm_head == "greedy_int8" else "full")
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
@@ -275,6 +292,11 @@ class CpuPlatform:
                 if (isinstance(module, Linear) and module.weight.dtype == torch.bfloat16
                         and module.weight.device.type == "cpu"):
                     module.pack_bf16(self.ops, self.linear_bf16_max_rows)
+        elif self.linear == "packed_f32":
+            for module in model.modules():
+                if (isinstance(module, Linear) and module.weight.dtype == torch.float32
+                        and module.weight.device.type == "cpu"):
+                    module.pack_f32(self.ops, self.linear_f32_max_rows)
         widen = self.widen_to
         if widen is not None:
             n = widen_gemms(model, widen)  # packed-only layers keep their bf16 weights

@@ -96,9 +96,14 @@ def test_bf16_model_with_native_bf16(ops, kernel_level, native_bf16):
 def test_fp32_model(ops, kernel_level, widened):
     p = CpuPlatform.create("cpu", FP32)
     assert p.gemm_dtype == "float32" and p.widen_to is None
-    # fp32 activations: the GEMMs stay PyTorch's, RMSNorm too; the rest is native.
-    assert (p.linear, p.lm_head, p.decode_layers, p.norm) == ("torch", "full", False, "torch")
+    # fp32 activations: decode-sized inputs take the packed fp32 kernel (where the level
+    # vectorises it), larger ones PyTorch's GEMM; RMSNorm stays PyTorch's.
+    packed = ops.has_fast_linear_bf16
+    assert p.linear == ("packed_f32" if packed else "torch")
+    assert p.linear_f32_max_rows == (cpu_platform.DEFAULT_F32_PACKED_ROWS if packed else 0)
+    assert (p.lm_head, p.decode_layers, p.norm) == ("full", False, "torch")
     assert (p.attention, p.activation) == ("native", "native")
+    assert ("packed_f32" in p.describe()) == packed
 
 
 def test_cpu_capability_argument_picks_the_level(kernel_level, widened):

@@ -15,6 +15,31 @@ from tokenmill.models.layers.linear import Linear
 # Row counts cover the one-row kernel, the remainders of the 12-row micro-kernel,
 # the pre-widened path (24+ rows, K over one 256 chunk) and more than one 128-row
 # cache block; column counts cover partial 32-column blocks; K covers odd sizes.
+# (The fp32 kernel's K chunks of 256 are covered by k = 300 and 512.)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
+                                   (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
+                                   (9, 70, 20), (11, 40, 16), (13, 300, 64), (24, 65, 40),
+                                   (31, 96, 33), (35, 64, 300), (130, 47, 24), (300, 100, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_f32_matches_fp32_matmul(ops, m, n, k, bias):
+    """The packed fp32 kernel (fp32 models' decode-sized inputs): F.linear's math up to
+    summation order, for every row / column / K remainder."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k + 7)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else torch.empty(0)
+    packed = ops.pack_f32_weight(w)
+    assert packed.shape == ((n + 31) // 32, k, 32) and packed.dtype == torch.float32
+    out = ops.linear_f32(x, packed, n, b)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b if bias else None),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="pack_f32_weight"):
+        ops.linear_f32(x, w, n, b)  # not packed
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.linear_f32(x.bfloat16(), packed, n, b)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
                                    (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
                                    (9, 70, 20), (11, 40, 16), (13, 300, 64), (24, 65, 40),

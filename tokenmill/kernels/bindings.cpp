@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
   m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] weights in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
+  m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");
+  m.def("linear_f32", &linear_f32, "x @ w^T + b with packed fp32 weights");
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

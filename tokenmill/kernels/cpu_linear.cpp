@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -88,27 +89,35 @@ inline void micro(const float* x, int64_t ldx, const void* wblock, int64_t K, co
 }
 
 // One row of x against one column block, with U independent accumulator sets over
-// k (8 vectors in all) so a lone decode row is not serialised on FMA latency.
-inline void micro_row(const float* x, const uint16_t* wp, int64_t K, const float* bias, float* y,
+// k (8 vectors in all) so a lone decode row is not serialised on FMA latency. The
+// block is packed bf16 or (WIDE) packed fp32 [K, 32] (linear_f32).
+template <bool WIDE>
+inline void micro_row(const float* x, const void* wblock, int64_t K, const float* bias, float* y,
                       int64_t ncols) {
   constexpr int U = C >= 8 ? 1 : 8 / C;
+  using T = std::conditional_t<WIDE, float, uint16_t>;
+  const T* wp = static_cast<const T*>(wblock);
   Vec acc[U][C];
   for (int u = 0; u < U; ++u)
     for (int c = 0; c < C; ++c) acc[u][c] = Vec::zero();
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
-    // A lone row is bound by memory: keep requests for lines ~8 KB ahead in flight.
-    for (int i = 0; i < 4; ++i) tmvec::prefetch(wp + (k + 128 + i) * NB);
+    // A lone row is bound by memory: keep requests for lines 8 KB (bf16) or 16 KB
+    // (fp32) ahead in flight; fp32 lines are 128 bytes per k, two per prefetch step.
+    for (int i = 0; i < 4; ++i) {
+      tmvec::prefetch(wp + (k + 128 + i) * NB);
+      if constexpr (WIDE) tmvec::prefetch(wp + (k + 128 + i) * NB + 16);
+    }
     for (int i = 0; i < 4; ++i) {
       Vec w[C];
-      weights_at<false>(wp, k + i, w);
+      weights_at<WIDE>(wp, k + i, w);
       const Vec xv = Vec::set1(x[k + i]);
       for (int c = 0; c < C; ++c) acc[i % U][c] = tmvec::fma(xv, w[c], acc[i % U][c]);
     }
   }
   for (; k < K; ++k) {
     Vec w[C];
-    weights_at<false>(wp, k, w);
+    weights_at<WIDE>(wp, k, w);
     const Vec xv = Vec::set1(x[k]);
     for (int c = 0; c < C; ++c) acc[0][c] = tmvec::fma(xv, w[c], acc[0][c]);
   }
@@ -160,7 +169,7 @@ inline void rows_of(const float* x, int64_t ldx, int64_t K, const void* w, const
 
 inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const float* bias, float* y,
                        int64_t N, int64_t rows, int64_t ncols, std::vector<float>& scratch) {
-  if (rows == 1) return micro_row(x, wp, K, bias, y, ncols);
+  if (rows == 1) return micro_row<false>(x, wp, K, bias, y, ncols);
   if (rows < WIDEN_MIN_ROWS) return rows_of<false>(x, K, K, wp, bias, y, N, rows, ncols, false);
   scratch.resize(K * NB);
   widen_block(wp, K, scratch.data());
@@ -168,6 +177,18 @@ inline void block_rows(const float* x, int64_t K, const uint16_t* wp, const floa
     const int64_t kc = std::min(KC, K - k0);
     rows_of<true>(x + k0, K, kc, scratch.data() + k0 * NB, k0 + kc == K ? bias : nullptr, y, N,
                   rows, ncols, k0 > 0);
+  }
+}
+
+// A packed fp32 block [K, 32] is already in the widened layout: one row streams it
+// with prefetches; more rows go over it in K chunks that stay in L1.
+inline void block_rows_f32(const float* x, int64_t K, const float* wf, const float* bias,
+                           float* y, int64_t N, int64_t rows, int64_t ncols) {
+  if (rows == 1) return micro_row<true>(x, wf, K, bias, y, ncols);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = std::min(KC, K - k0);
+    rows_of<true>(x + k0, K, kc, wf + k0 * NB, k0 + kc == K ? bias : nullptr, y, N, rows,
+                  ncols, k0 > 0);
   }
 }
 
@@ -253,6 +274,52 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
           auto* ob = out.data_ptr<c10::BFloat16>() + m0 * N + n0;
           for (int64_t r = 0; r < rows; ++r) to_bf16(tile.data() + r * NB, ob + r * N, ncols);
         }
+      }
+    });
+  }
+  return out;
+}
+
+// w [N, K] fp32 -> [ceil(N/32), K, 32] fp32, columns in order (zero padded).
+torch::Tensor pack_f32_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_f32_weight: [N, K] fp32");
+  const int64_t N = w.size(0), K = w.size(1), nb = (N + NB - 1) / NB;
+  auto padded = torch::zeros({nb * NB, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({nb, NB, K}).permute({0, 2, 1}).contiguous();
+}
+
+// x [M, K] fp32, packed from pack_f32_weight, N the real column count, bias [N] fp32
+// or empty -> [M, N] fp32. Why: at batch 1 a GEMV streams the weights from memory,
+// and this kernel keeps several KB of them in flight (~4x what F.linear reaches on
+// the machines measured; docs/benchmarks.md).
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NB && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "linear_f32: weights must come from pack_f32_weight");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) && x.scalar_type() == at::kFloat,
+              "linear_f32: x must be [M, K] fp32");
+  TORCH_CHECK(N > 0 && N <= packed.size(0) * NB, "linear_f32: bad column count");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
+  torch::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* bp = nullptr;
+  torch::Tensor bf;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == N, "linear_f32: bias must be [N]");
+    bf = bias.to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  float* yp = out.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t rows = std::min(MC, M - m0);
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+        block_rows_f32(xp + m0 * K, K, wp + b * K * NB, bp != nullptr ? bp + n0 : nullptr,
+                       yp + m0 * N + n0, N, rows, ncols);
       }
     });
   }

@@ -28,6 +28,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
                            torch::Tensor seq_lens, double scale);
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
+// The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.
+torch::Tensor pack_f32_weight(torch::Tensor w);
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
 // One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias).
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
                        int64_t rows, int64_t ncols);

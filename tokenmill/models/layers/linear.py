@@ -12,6 +12,10 @@ again, fp32 products and sums, over half the bytes of fp32 weights (a decode
 step is bound by reading them). Which layers do so, for how many rows, and
 whether an fp32 (or the bf16) copy is kept for larger inputs, is the CPU
 platform's decision (tokenmill/cpu_platform.py); it calls `pack_bf16` once at load.
+
+An fp32 model's decode-sized inputs take `linear_f32` the same way (`pack_f32`): the
+same math as F.linear up to summation order, but it streams the weights at the
+memory's pace where a batch-1 F.linear does not; larger inputs keep oneDNN.
 """
 from __future__ import annotations
 
@@ -29,6 +33,17 @@ class Linear(nn.Linear):
     packed_bf16: torch.Tensor | None = None  # the bf16 weights in linear_bf16's layout
     bf16_max_rows = 0  # inputs of up to this many rows take linear_bf16
     _linear_bf16 = None
+    packed_f32: torch.Tensor | None = None  # fp32 weights in linear_f32's layout
+    f32_max_rows = 0  # fp32 inputs of up to this many rows take linear_f32
+    _linear_f32 = None
+
+    def pack_f32(self, ops, max_rows: int) -> None:
+        """Pack the fp32 weights for `ops.linear_f32`, which then runs fp32 inputs of up
+        to `max_rows` rows; `weight` stays for the larger ones."""
+        self.packed_f32 = ops.pack_f32_weight(self.weight.detach().contiguous())
+        self._linear_f32 = ops.linear_f32
+        self._no_bias = torch.empty(0)
+        self.f32_max_rows = max_rows
 
     def pack_bf16(self, ops, max_rows: int) -> None:
         """Pack the (bf16) weights for `ops.linear_bf16`, which then runs inputs of up to
@@ -70,6 +85,13 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._linear_f32 is not None and x.dtype == torch.float32:
+            rows = x.numel() // self.in_features
+            if rows <= self.f32_max_rows:
+                y = self._linear_f32(x.reshape(rows, self.in_features), self.packed_f32,
+                                     self.out_features,
+                                     self.bias if self.bias is not None else self._no_bias)
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self._linear_bf16 is not None and x.dtype in (torch.float32, torch.bfloat16):
             rows = x.numel() // self.in_features
             if rows <= self.bf16_max_rows:
