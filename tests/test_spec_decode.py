@@ -479,3 +479,36 @@ def test_dflash_greedy_equals_no_speculation(tiny_model_factory, tmp_path):
         assert not runner_of(llm).drafter.eagle.context._len  # every context removed
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         make_llm(tm.path, speculative_config=dict(spec, num_speculative_tokens=5))
+
+
+def test_stop_strings_inside_an_accepted_run(demo_path):
+    """A stop string matched in the text of a multi-token step ends the request there,
+    the same text and tokens as without speculation."""
+    from tokenmill import LLM
+    small = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8)
+    prompts = ["the mill the mill the mill", "x y x y x y x y", "Once upon a time"]
+    plain = LLM(demo_path, **small)
+    first = plain.generate(prompts, greedy(40), use_tqdm=False)
+    # Stop on a piece of each output's second half: it lands inside the run of tokens
+    # one step emits whenever drafts pass.
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:4] for o in first]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[s]) for s in stops]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    llm = LLM(demo_path, speculative_config=NGRAM, **small)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for g, w, s in zip(got, want, stops):
+        assert g.outputs[0].text == w.outputs[0].text and s not in g.outputs[0].text
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+def test_external_kv_tier_with_speculation(base):
+    """The CPU KV store beside n-gram drafts: a second engine run over the same prompts
+    loads their prompt blocks and still gives the same output."""
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM, kv_connector="cpu", block_size=4)
+    assert generate(llm, prompts, greedy()) == want
+    assert generate(llm, prompts, greedy()) == want
+    assert llm.llm_engine.engine_core.kv_cache_stats()["prefix_cache_hits"] > 0
+    assert_no_leaks(llm)
