@@ -103,7 +103,7 @@ class ModelRunner:
         model was prepared with it at load); None: the defaults for this device.
         `speculative_config`: propose drafts after each step and verify them in the
         next (tokenmill/spec_decode); None: no speculation. `draft_model`: the draft
-        model of an eagle3 / mtp config (an EagleStyleDrafter)."""
+        model of an eagle3 / mtp config (an EagleStyleDrafter) or of a dflash one."""
         self.model = model
         self.platform = platform or CpuPlatform.create(device, dtype)
         self.dtype = dtype
@@ -431,6 +431,8 @@ class ModelRunner:
         self._pending = None
         self._prompt_logprobs_ready = {}
         self._grammar_so = None
+        self._step_hidden = self._step_meta = None
+        self._spec_write_slots = {}
 
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
