@@ -121,6 +121,8 @@ def apt_install(step: str, package: str, log_dir: str) -> bool:
 
 
 # ---- arguments -------------------------------------------------------------------
+# (tokenmill.bench.throughput parses the same way; this module also runs as the vLLM
+# worker under the vLLM venv, where tokenmill cannot be imported at the top.)
 def int_range(text: str) -> tuple[int, int]:
     """'A:B' -> (A, B), 1 <= A <= B (as `tokenmill bench throughput` takes them)."""
     try:

@@ -46,7 +46,10 @@ def test_bench_throughput_all_systems(llama_tiny, tmp_path, capsys):
     platform = r["platform"]
     assert platform["model_dtype"] == platform["gemm_dtype"] == "float32"
     assert platform["capability"] in platform["runnable_levels"]
-    assert platform["linear"] == "torch" and platform["lm_head"] == "full"  # fp32: no packing
+    # fp32: decode-sized inputs take the packed fp32 kernel where the native kernels run
+    # vectorised (platform["kernels"] native), no int8 lm_head
+    assert platform["linear"] in ("packed_f32", "torch") and platform["lm_head"] == "full"
+    assert (platform["linear"] == "packed_f32") == (platform["linear_f32_max_rows"] > 0)
     assert roof["tokenmill_gemm_dtype"] == "float32"
 
     text = capsys.readouterr().out

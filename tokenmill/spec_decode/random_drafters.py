@@ -16,15 +16,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 
-def eagle3_tensors(target_config: dict, *, draft_vocab_size: int = 96, num_aux: int = 3,
-                   with_embedding: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under their checkpoint names (no prefix), for a draft with the
-    target's hidden size, heads, head_dim and intermediate size."""
+def _sizes_and_draws(target_config: dict, seed: int):
+    """(hidden, heads, kv heads, head_dim, intermediate, vocab) of the target, and the
+    seeded draws of a random matrix and of a norm weight."""
     h = target_config["hidden_size"]
     heads = target_config["num_attention_heads"]
     kv_heads = target_config.get("num_key_value_heads") or heads
     d = target_config.get("head_dim") or h // heads
-    inter, vocab = target_config["intermediate_size"], target_config["vocab_size"]
     g = torch.Generator().manual_seed(seed)
 
     def mat(*shape):
@@ -33,6 +31,16 @@ def eagle3_tensors(target_config: dict, *, draft_vocab_size: int = 96, num_aux: 
     def norm(n):
         return 1.0 + 0.2 * torch.randn(n, generator=g)
 
+    sizes = (h, heads, kv_heads, d, target_config["intermediate_size"],
+             target_config["vocab_size"])
+    return sizes, mat, norm, g
+
+
+def eagle3_tensors(target_config: dict, *, draft_vocab_size: int = 96, num_aux: int = 3,
+                   with_embedding: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under their checkpoint names (no prefix), for a draft with the
+    target's hidden size, heads, head_dim and intermediate size."""
+    (h, heads, kv_heads, d, inter, vocab), mat, norm, g = _sizes_and_draws(target_config, seed)
     t = {"fc.weight": mat(h, num_aux * h)}
     if with_embedding:
         t["embed_tokens.weight"] = mat(vocab, h)
@@ -112,18 +120,7 @@ def build_dflash_checkpoint(path: str, target_config: dict, *, num_layers: int =
     is shared; embed_tokens only with `own_embed`). Random weights with std 0.2 (norms
     1 + 0.2 randn) so the logits are not flat; `drop` leaves tensors out. Returns the
     tensors written."""
-    h = target_config["hidden_size"]
-    nh, nkv = target_config["num_attention_heads"], target_config["num_key_value_heads"]
-    d = target_config.get("head_dim") or h // nh
-    inter, vocab = target_config["intermediate_size"], target_config["vocab_size"]
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape):
-        return 0.2 * torch.randn(*shape, generator=g)
-
-    def norm(n):
-        return 1.0 + 0.2 * torch.randn(n, generator=g)
-
+    (h, nh, nkv, d, inter, vocab), w, norm, _ = _sizes_and_draws(target_config, seed)
     t = {"fc.weight": w(h, len(target_layer_ids) * h), "hidden_norm.weight": norm(h),
          "norm.weight": norm(h)}
     if own_embed:
