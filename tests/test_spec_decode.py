@@ -363,7 +363,16 @@ class OracleDrafter:
         return []
 
 
-def test_eagle_proposer_feeds_the_right_positions(base):
+class OracleWithWriteKV(OracleDrafter):
+    """The same oracle, with write_kv: the proposer then writes K/V over the step and
+    runs the full forward only at the rows drafts start from."""
+
+    def write_kv(self, input_ids, positions, hidden, meta):
+        self.kv_rows = getattr(self, "kv_rows", 0) + positions.shape[0]
+
+
+@pytest.mark.parametrize("oracle_cls", [OracleDrafter, OracleWithWriteKV])
+def test_eagle_proposer_feeds_the_right_positions(base, oracle_cls):
     """Prompt chunks, then verify steps: an oracle drafter's drafts are all accepted,
     so the first step's rows and the k - 1 follow-up positions are the right ones."""
     from tokenmill.spec_decode.drafter import Drafter
@@ -372,7 +381,7 @@ def test_eagle_proposer_feeds_the_right_positions(base):
     prompt = prompts[1]
     llm = make_llm(tm.path, speculative_config=NGRAM, max_num_batched_tokens=8)
     runner = runner_of(llm)
-    oracle = OracleDrafter(prompt + want[1])
+    oracle = oracle_cls(prompt + want[1])
     runner.draft_model = oracle
     runner.drafter = Drafter(runner.drafter.config,
                              EagleProposer(oracle, runner.device, runner.max_model_len))
@@ -381,6 +390,8 @@ def test_eagle_proposer_feeds_the_right_positions(base):
     s = spec_stats(llm)
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
     assert s.mean_acceptance_length > 4  # k = 4 accepted almost every step
+    if oracle_cls is OracleWithWriteKV:  # every token of every step got its K/V
+        assert oracle.kv_rows >= 3 * (len(prompt) + len(want[1]) - 1)
 
 
 @pytest.fixture(scope="module")

@@ -290,3 +290,33 @@ def test_pytorch_model_bin(tmp_path, drafts, target_fp32):
     torch.save(t, tmp_path / "pytorch_model.bin")
     a, b = _load(path, target_fp32), _load(tmp_path, target_fp32)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_write_kv_writes_what_forward_writes(drafts, target_fp32, native):
+    """write_kv (the proposer's pass over a step's tokens) leaves the same K/V in the
+    cache as the full forward, for a chunk at a cached prefix."""
+    ops = _native_ops() if native else None
+    path, cfg, t = drafts(list(VARIANTS)[0])
+    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"),
+                                _platform(torch.float32, native))
+    layer = model.attention_layers()[0]
+    spec = FullAttentionSpec(BLOCK, layer.num_kv_heads, layer.head_size, "float32")
+    g = torch.Generator().manual_seed(3)
+    e = CHUNKS[-1][1]
+    ids = torch.randint(0, TINY["vocab_size"], (e,), generator=g)
+    aux = torch.randn(e, len(model.aux_layer_ids) * TINY["hidden_size"], generator=g)
+    caches = []
+    with torch.inference_mode():
+        hid = model.combine_target_hidden(aux)
+        for use_write_kv in (False, True):
+            layer.kv_cache = _allocate_layer(spec, 16, torch.device("cpu"))
+            for s, end in CHUNKS:
+                meta = _chunk_meta(s, end, ops)
+                if use_write_kv:
+                    model.write_kv(ids[s:end], torch.arange(s, end), hid[s:end], meta)
+                else:
+                    model(ids[s:end], torch.arange(s, end), hid[s:end], meta)
+            caches.append(layer.kv_cache.clone())
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
+    assert caches[0].abs().sum() > 0

@@ -317,3 +317,35 @@ def test_target_loads_and_runs_from_checkpoint_with_mtp(ckpt, name):
 def _greedy(n):
     from tokenmill import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_write_kv_writes_what_forward_writes(qwen3_next_target):
+    """write_kv (the proposer's pass over a step's tokens) leaves the same K/V in the
+    cache as the full forward: a prompt chunk, then a chunk at a cached prefix."""
+    ck, target = qwen3_next_target
+    drafter = _load(ck.path, target)
+    cfg = ck.config
+    spec = FullAttentionSpec(BS, cfg["num_key_value_heads"], cfg["head_dim"], "float32")
+    table = torch.tensor([3, 1, 4, 0, 5, 2, 6, 7])
+    g = torch.Generator().manual_seed(5)
+    n = 13
+    ids = torch.randint(0, cfg["vocab_size"], (n,), generator=g)
+    hidden = torch.randn(n, cfg["hidden_size"], generator=g)
+    caches = []
+    with torch.inference_mode():
+        for use_write_kv in (False, True):
+            cache = allocate_kv_caches(
+                KVCacheConfig(9, [KVCacheGroup(["mtp.layers.0.attn"], spec)]), CPU)
+            drafter.attention_layers()[0].kv_cache = cache["mtp.layers.0.attn"]
+            for s, e in ((0, 6), (6, n)):
+                pos = torch.arange(s, e)
+                meta = AttentionMetadata(
+                    num_decodes=0, slot_block=table[pos // BS], slot_offset=pos % BS,
+                    prefills=[PrefillChunk(0, e - s, s, table[:-(-e // BS)])])
+                if use_write_kv:
+                    drafter.write_kv(ids[s:e], pos, hidden[s:e], meta)
+                else:
+                    drafter(ids[s:e], pos, hidden[s:e], meta)
+            caches.append(cache["mtp.layers.0.attn"].clone())
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
+    assert caches[0].abs().sum() > 0

@@ -79,6 +79,12 @@ class Eagle3Layer(nn.Module):
         # hidden state (config `norm_before_residual`); the published ones from the raw one.
         self.norm_before_residual = norm_before_residual
 
+    def write_kv(self, emb, hidden, cos, sin, rotary: RotaryEmbedding,
+                 meta: AttentionMetadata) -> None:
+        """Only the K/V forward would write for these rows."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        self.self_attn.write_kv(x, cos, sin, rotary, meta)
+
     def forward(self, emb, hidden, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         h = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)
@@ -150,6 +156,15 @@ class Eagle3DraftModel(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, emb.dtype)
         r = self.midlayer(emb, hidden, cos, sin, self.rotary, meta)
         return self.norm(r), r
+
+    def write_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """The K/V forward would write for these rows, and nothing else: about a third of
+        a forward's work (no attention, o_proj, MLP or norm)."""
+        embed = self.embed_tokens if self.embed_tokens is not None else self._shared_embed[0]
+        emb = embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, emb.dtype)
+        self.midlayer.write_kv(emb, hidden, cos, sin, self.rotary, meta)
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, draft_vocab_size] logits over *draft* ids."""

@@ -57,6 +57,17 @@ class Attention(nn.Module):
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
         self._no_norm = torch.empty(0)
 
+    def write_kv(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata) -> None:
+        """Only the K/V that forward would write into the cache for these rows (a
+        draft model keeping its cache complete for positions it proposes nothing from)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        self.attn.write_kv(rotary.apply(k, cos, sin), v, meta)
+
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)

@@ -90,6 +90,16 @@ class MtpDraftModel(nn.Module):
         out = self.norm(x)
         return out, out
 
+    def write_kv(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Only the K/V forward would write (its one layer's: no attention, MLP or norm)."""
+        e = self.pre_fc_norm_embedding(self.target.embed_tokens(input_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        rotary = self.target.rotary
+        cos, sin = rotary.cos_sin(positions, x.dtype)
+        layer = self.layers[0]
+        layer.self_attn.write_kv(layer.input_layernorm(x), cos, sin, rotary, meta)
+
     def draft_token_ids(self, out: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(out).argmax(dim=-1)
 

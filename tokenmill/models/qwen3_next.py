@@ -93,6 +93,14 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
 
+    def write_kv(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata) -> None:
+        """Only the K/V forward would write for these rows (an MTP drafter's cache)."""
+        t = x.shape[0]
+        _, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        self.attn.write_kv(rotary.apply(k, cos, sin), v.view(t, self.num_kv_heads, self.head_dim),
+                           meta)
+
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -34,6 +34,10 @@ class EagleStyleDrafter(Protocol):
         """-> (out [T, H]: what draft_token_ids reads, next_hidden [T, H]: the hidden state
         the next draft step takes at the following position)."""
 
+    # Optional: write_kv(input_ids, positions, hidden, meta) -> None writes only the K/V
+    # forward would write for those rows. With it, the proposer writes the step's K/V
+    # for every token and runs the full forward only at the rows it proposes from.
+
     def draft_token_ids(self, out: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R] long: greedy drafts as *target* vocabulary ids."""
 

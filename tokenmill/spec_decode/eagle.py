@@ -1,10 +1,12 @@
 """Drafts from a draft model that reads the target's hidden states (EAGLE-3, MTP).
 
-After a step is sampled, the drafter runs once over every token of that step (each
-position p takes the token at p + 1 and the target's hidden state at p; this also
-fills its own K/V for those positions, in the target's paged cache), then k - 1
-more times over one row per proposing request, each feeding back its previous
-draft and output hidden state at the next position. Drafts are greedy: the draft
+After a step is sampled, the drafter writes its K/V for every token of that step
+(each position p takes the token at p + 1 and the target's hidden state at p; the
+K/V go into the target's paged cache, as extra layers of its group), runs its full
+forward at each proposing request's last position, then k - 1 more times over one
+row per proposing request, each feeding back its previous draft and output hidden
+state at the next position. A drafter without `write_kv` runs its full forward
+over every token instead. Drafts are greedy: the draft
 distribution is one-hot, so the rejection sampler verifies them losslessly as it
 does n-gram drafts.
 """
@@ -49,9 +51,9 @@ class EagleProposer:
         next_ids = batch.token_ids_cpu[req, np.minimum(positions + 1, last_col)]
         model = self.model
         target = runner.model.aux_hidden if model.aux_layer_ids else hidden
+        ids_t = torch.from_numpy(next_ids.astype(np.int64)).to(dev)
         pos_t = torch.from_numpy(positions).to(dev)
-        out, next_hidden = model(torch.from_numpy(next_ids.astype(np.int64)).to(dev), pos_t,
-                                 model.combine_target_hidden(target), meta)
+        combined = model.combine_target_hidden(target)
 
         # The row of each proposing request's last emitted token's predecessor: its
         # input pairs (the emitted token, the target's state before it).
@@ -63,11 +65,22 @@ class EagleProposer:
         cap = np.minimum(max_drafts, self.max_model_len - 1 - last_pos)
         rows = np.nonzero((cap > 0) & (offset >= 0) & (offset < counts))[0]
         drafts: list[list[int]] = [[] for _ in range(n)]
-        if rows.size == 0:
-            return drafts
         flat = torch.from_numpy(qsl[rows] + offset[rows]).to(dev)
-        tokens = [self._draft_ids(runner, out[flat])]
-        h = next_hidden[flat]
+        if hasattr(model, "write_kv"):
+            # Every token's K/V (later drafts attend to them), the full forward only at
+            # the rows drafts start from, as one decode query each.
+            model.write_kv(ids_t, pos_t, combined, meta)
+            if rows.size == 0:
+                return drafts
+            out, h = model(ids_t[flat], pos_t[flat], combined[flat],
+                           self._decode_meta(runner, rows, last_pos[rows]))
+            tokens = [self._draft_ids(runner, out)]
+        else:
+            out, next_hidden = model(ids_t, pos_t, combined, meta)
+            if rows.size == 0:
+                return drafts
+            tokens = [self._draft_ids(runner, out[flat])]
+            h = next_hidden[flat]
         pos = last_pos[rows]
         active = np.arange(rows.size)
         for j in range(1, int(cap[rows].max())):

@@ -78,9 +78,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k/v [T, Hkv, D] into the paged cache at the step's slots."""
         cache = self.kv_cache
         ops = meta.native_ops
         if ops is not None and k.dtype == cache.dtype:
@@ -88,6 +87,12 @@ class PagedAttention(nn.Module):
         else:
             cache[meta.slot_block, 0, meta.slot_offset] = k
             cache[meta.slot_block, 1, meta.slot_offset] = v
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        cache = self.kv_cache
+        self.write_kv(k, v, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: one call, no output copy
             return self._decode(q, cache, meta).view(q.shape[0], -1)
