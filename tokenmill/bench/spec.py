@@ -3,8 +3,9 @@
 One run, one workload, both sides: for each --concurrency C, C requests are
 generated with --speculative-config and without, greedy, ignore_eos, exactly
 --output-len new tokens each; output tok/s is the best of --num-iters timed runs
-(after a warm-up), the ratio compares those, and the acceptance counters are
-taken over the timed runs only.
+(after a warm-up; the two engines take turns, so a slow spell of a shared machine
+hits both), the ratio compares those, and the acceptance counters are taken over
+the timed runs only (the warm-up request's are in too).
 
 Workloads (--workload):
 - loop: drafts can be right. A random-weight model's greedy output falls into
@@ -105,22 +106,27 @@ def make_prompts(llm, args, n: int, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def timed(llm, prompts, output_len: int, num_iters: int) -> tuple[float, list[list[int]]]:
-    """Best output tok/s over num_iters runs (after one warm-up) and the last run's tokens."""
+def timed_pair(engines, prompts, output_len: int, num_iters: int):
+    """Best output tok/s of each engine over num_iters runs, the engines taking turns
+    (so a slow spell of the machine hits both alike), after one warm-up each; and each
+    engine's last tokens."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                             detokenize=False)
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(reqs[:1], params, use_tqdm=False)
-    best = 0.0
+    for llm in engines:
+        llm.generate(reqs[:1], params, use_tqdm=False)
+    best = [0.0] * len(engines)
+    tokens = [None] * len(engines)
     for _ in range(num_iters):
-        start = time.perf_counter()
-        outs = llm.generate(reqs, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        if any(len(t) != output_len for t in tokens):
-            raise RuntimeError("a request did not get exactly --output-len tokens")
-        best = max(best, len(prompts) * output_len / seconds)
+        for i, llm in enumerate(engines):
+            start = time.perf_counter()
+            outs = llm.generate(reqs, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens[i] = [list(o.outputs[0].token_ids) for o in outs]
+            if any(len(t) != output_len for t in tokens[i]):
+                raise RuntimeError("a request did not get exactly --output-len tokens")
+            best[i] = max(best[i], len(prompts) * output_len / seconds)
     return best, tokens
 
 
@@ -152,9 +158,9 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     rows = []
     for c in levels:
         prompts = make_prompts(plain, args, c, vocab)
-        plain_tok_s, plain_tokens = timed(plain, prompts, args.output_len, args.num_iters)
         before = sched.spec_stats.as_dict()
-        spec_tok_s, spec_tokens = timed(fast, prompts, args.output_len, args.num_iters)
+        (plain_tok_s, spec_tok_s), (plain_tokens, spec_tokens) = timed_pair(
+            (plain, fast), prompts, args.output_len, args.num_iters)
         after = sched.spec_stats.as_dict()
         drafts = after["num_drafts"] - before["num_drafts"]
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
