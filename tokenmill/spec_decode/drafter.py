@@ -1,11 +1,12 @@
 """The runner's side of speculation: which requests get drafts, how many, and from what.
 
 After each step the runner asks the Drafter for the next step's drafts. A request
-gets none while it still consumes its prompt, when its sampling needs the history
-of the tokens before each position (penalties, min_tokens, bad words, a grammar:
-those rows are not verified position by position here), or when the batch has
-`disable_by_batch_size` requests or more (the forward is then compute-bound and
-verifying k extra rows per request costs more than it saves).
+gets none while it still consumes its prompt, when its logits processors need the
+tokens before each position (penalties, min_tokens, bad words; logit_bias and
+allowed tokens too: processors run on a request's last row only), or when the
+batch has `disable_by_batch_size` requests or more (the forward is then
+compute-bound and verifying k extra rows per request costs more than it saves).
+A grammar is no reason: its bitmask has a row per verified position.
 
 Adaptive k: a request starts at num_speculative_tokens; after a verification with
 every draft accepted it asks for one more (up to k), otherwise for one more than it
@@ -19,21 +20,23 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_BACKOFF = 16  # steps a request whose drafts keep failing goes without drafting
-
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
 
+MAX_BACKOFF = 16  # steps a request whose drafts keep failing goes without drafting
+
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, eagle=None):
-        """`eagle`: a proposer over a draft model that reads the target's hidden states
-        (EagleProposer, spec_decode/eagle.py, or DFlashProposer); None: n-gram lookup."""
+    def __init__(self, config: SpeculativeConfig, model_proposer=None):
+        """`model_proposer`: proposes from a draft model that reads the target's hidden
+        states (EagleProposer, spec_decode/eagle.py, or DFlashProposer); None: n-gram
+        lookup."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.eagle = eagle
-        self.proposer = (NgramProposer(self.k, config.prompt_lookup_min,
-                                       config.prompt_lookup_max) if eagle is None else None)
+        self.model_proposer = model_proposer
+        self.ngram = (NgramProposer(self.k, config.prompt_lookup_min,
+                                       config.prompt_lookup_max)
+                         if model_proposer is None else None)
         self._next_k: dict[str, int] = {}  # adaptive k per request
         self._misses: dict[str, int] = {}  # verifications in a row that accepted nothing
         self._skip: dict[str, int] = {}  # steps left without drafts
@@ -72,7 +75,7 @@ class Drafter:
         if d is None or n < d:
             for r in np.nonzero(eligible)[0].tolist():
                 max_drafts[r] = self._wanted(req_ids[r])
-        return self.eagle.propose(runner, hidden, meta, max_drafts)
+        return self.model_proposer.propose(runner, hidden, meta, max_drafts)
 
     def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
                 eligible: np.ndarray) -> list[list[int]]:
@@ -90,14 +93,14 @@ class Drafter:
         ids = [req_ids[r] for r in rows]
         max_drafts = np.array([self._wanted(rid) for rid in ids], dtype=np.int64)
         # Row views, not a fancy-indexed copy of [rows, max_model_len].
-        drafts = self.proposer.propose(ids, [token_ids[r] for r in rows], num_tokens[rows],
+        drafts = self.ngram.propose(ids, [token_ids[r] for r in rows], num_tokens[rows],
                                        max_drafts)
         for r, dr in zip(rows, drafts):
             out[r] = dr
         return out
 
     def remove(self, req_id: str) -> None:
-        (self.proposer if self.proposer is not None else self.eagle).remove(req_id)
+        (self.ngram if self.ngram is not None else self.model_proposer).remove(req_id)
         self._next_k.pop(req_id, None)
         self._misses.pop(req_id, None)
         self._skip.pop(req_id, None)

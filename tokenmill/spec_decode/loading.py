@@ -1,5 +1,5 @@
-"""Load the draft model a SpeculativeConfig names (eagle3: its own folder; mtp: the
-target checkpoint's mtp.* weights); n-gram needs none."""
+"""Load the draft model a SpeculativeConfig names (eagle3 and dflash: their own
+folder; mtp: the target checkpoint's mtp.* weights); n-gram needs none."""
 from __future__ import annotations
 
 from tokenmill.spec_decode.config import SpeculativeConfig

@@ -605,7 +605,7 @@ class ModelRunner:
             # Processors read the tokens before each position; verifying drafts would
             # need them per position: such requests go without drafts.
             eligible = keep & ~batch.needs_processors[:n]
-            if self.drafter.eagle is not None:
+            if self.drafter.model_proposer is not None:
                 spec_token_ids = self.drafter.propose_with_model(
                     self, self._step_hidden, self._step_meta, req_ids, eligible)
                 self._step_hidden = self._step_meta = None
