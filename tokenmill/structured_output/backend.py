@@ -91,16 +91,13 @@ class XgrammarBackend:
     def compile(self, grammar):
         return self._get_compiler().compile_grammar(grammar)
 
-    # Speculative decoding walks a matcher through a step's drafts to fill one bitmask
-    # row per verified position, then rolls it back: at most this many tokens.
-    MAX_ROLLBACK_TOKENS = 16
-
     def new_matcher(self, compiled):
         import xgrammar as xgr
         # Without any stop token the grammar ends the request as soon as it is complete.
+        # (Speculative decoding rolls a matcher back over a step's drafts: xgrammar's
+        # matchers roll back any number of tokens.)
         return xgr.GrammarMatcher(compiled,
-                                  terminate_without_stop_token=not self.stop_token_ids,
-                                  max_rollback_tokens=self.MAX_ROLLBACK_TOKENS)
+                                  terminate_without_stop_token=not self.stop_token_ids)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
