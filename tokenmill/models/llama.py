@@ -64,9 +64,18 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        self.attn.write_kv(rotary.apply(k, cos, sin), v, meta)
+        if meta.native_ops is not None:  # as forward: k normed and rotated inside qkv
+            norm = self.q_norm is not None
+            meta.native_ops.qk_norm_rope(
+                qkv, self.q_norm.weight if norm else self._no_norm,
+                self.k_norm.weight if norm else self._no_norm, cos, sin, self.num_heads,
+                self.num_kv_heads, self.head_dim, rotary.rotary_dim,
+                self.q_norm.eps if norm else 0.0)
+        else:
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            k = rotary.apply(k, cos, sin)
+        self.attn.write_kv(k, v, meta)
 
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
