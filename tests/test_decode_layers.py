@@ -53,11 +53,14 @@ def _spy(monkeypatch, compare: bool):
 # embeddings; MQA with llama3 rope scaling.
 @pytest.mark.parametrize("name", ["qwen3_headdim", "llama_bias", "qwen2_tied",
                                   "llama_mqa_llama3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch, widened, ops,
-                                                name):
+                                                name, dtype):
+    """bf16 (packed bf16 linears, native norms) and fp32 (packed fp32 linears,
+    PyTorch's fp32 rms_norm called from C++)."""
     tm = tiny_model_factory(name)
     rows = _spy(monkeypatch, compare=True)
-    llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
+    llm = make_llm(tm.path, dtype=dtype, max_num_seqs=4)
     supported = runner_of(llm).model.decode_layers is not None
     assert supported == ops.has_fast_linear_bf16  # no packed linears without the fast kernel
     assert llm.llm_engine.platform.decode_layers == supported
@@ -95,8 +98,9 @@ def test_not_used_where_a_layer_would_not_go_native(tiny_model_factory, monkeypa
     tm = tiny_model_factory("qwen3_headdim")
     prompt = [{"prompt_token_ids": tm.prompts[0]}]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    make_llm(tm.path, dtype="float32").generate(prompt, params, use_tqdm=False)
-    assert rows == []  # fp32: the norms and linears run in PyTorch
+    make_llm(tm.path, dtype="float32", cpu_kernels="torch").generate(prompt, params,
+                                                                      use_tqdm=False)
+    assert rows == []  # no native kernels: PyTorch layers
     # Prefill steps (the prompt, here in two chunks) take the Python layers too: only
     # the 3 decode steps after the first token come through.
     llm = make_llm(tm.path, dtype="bfloat16", max_num_batched_tokens=8)

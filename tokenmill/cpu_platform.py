@@ -25,8 +25,9 @@ fixes, for the whole run:
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head) or `full`;
-- the decode-layer path: the native C++ loop over every layer of a decode step,
-  on or off.
+- the decode-layer path: the native C++ loop over every layer of a decode step
+  (bf16 models with packed bf16 linears, fp32 models with packed fp32 ones), on
+  or off.
 
 `prepare_model` hands those decisions to the layers once, after the weights are
 loaded (packed weights, widened GEMMs, each layer's kernels module, the decode
@@ -225,7 +226,8 @@ class CpuPlatform:
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, linear_bf16_max_rows) if greedy else 0,
-            decode_layers=bool(packed and decode_layers and hasattr(ops, "decode_layers")),
+            decode_layers=bool((packed or packed_f32) and decode_layers
+                               and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
             ops=ops)
 
@@ -309,7 +311,9 @@ class CpuPlatform:
                 set_ops(self.ops)
         set_decode_layers = getattr(model, "set_decode_layers", None)
         if set_decode_layers is not None:
-            set_decode_layers(self.ops if self.decode_layers else None, self.linear_bf16_max_rows)
+            set_decode_layers(self.ops if self.decode_layers else None,
+                              self.linear_f32_max_rows if self.linear == "packed_f32"
+                              else self.linear_bf16_max_rows)
 
 
 def _name(dtype) -> str:

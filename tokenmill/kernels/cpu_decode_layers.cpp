@@ -20,7 +20,8 @@ enum Slot {
 
 }  // namespace
 
-// x [T, hidden] bf16: the residual stream, updated in place and returned.
+// x [T, hidden] bf16 (packed bf16 linears) or fp32 (packed fp32 linears): the residual
+// stream, updated in place and returned.
 // dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate);
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
 // K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows.
@@ -37,11 +38,21 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                 inter = dims[5];
   const int64_t t = x.size(0), q_size = hq * d, kv_size = hkv * d;
   const size_t num_layers = weights.size() / NUM_SLOTS;
+  // fp32 models (packed fp32 linears): the Python layers' fp32 norms are PyTorch's
+  // rms_norm (HF's formula), so the loop calls the same ATen op there.
+  const bool f32 = x.scalar_type() == at::kFloat;
+  auto norm = [&](const torch::Tensor& v, const torch::Tensor& weight) {
+    return f32 ? at::rms_norm(v, {hidden}, weight, eps) : rms_norm(v, weight, eps);
+  };
+  auto linear = [&](const torch::Tensor& v, const torch::Tensor& packed, int64_t n,
+                    const torch::Tensor& bias) {
+    return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
+  };
   for (size_t l = 0; l < num_layers; ++l) {
     const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
     // Attention block: DecoderLayer.input_layernorm, Attention.forward.
-    torch::Tensor h = rms_norm(x, w[INPUT_NORM], eps);
-    torch::Tensor qkv = linear_bf16(h, w[QKV], q_size + 2 * kv_size, w[QKV_BIAS]);
+    torch::Tensor h = norm(x, w[INPUT_NORM]);
+    torch::Tensor qkv = linear(h, w[QKV], q_size + 2 * kv_size, w[QKV_BIAS]);
     torch::Tensor q = qk_norm_rope(qkv, w[Q_NORM], w[K_NORM], cos, sin, hq, hkv, d, rd,
                                    w[Q_NORM].numel() > 0 ? eps : 0.0);
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, hkv, d});
@@ -50,11 +61,11 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset);
     torch::Tensor attn =
         paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale).view({t, -1});
-    torch::Tensor o = linear_bf16(attn, w[O_PROJ], hidden, w[O_BIAS]);
+    torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
     // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
-    h = add_rms_norm_(x, o, w[POST_NORM], eps);
-    torch::Tensor act = silu_mul(linear_bf16(h, w[GATE_UP], 2 * inter, w[GATE_UP_BIAS]));
-    x.add_(linear_bf16(act, w[DOWN], hidden, w[DOWN_BIAS]));
+    h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);
+    torch::Tensor act = silu_mul(linear(h, w[GATE_UP], 2 * inter, w[GATE_UP_BIAS]));
+    x.add_(linear(act, w[DOWN], hidden, w[DOWN_BIAS]));
   }
   return x;
 }

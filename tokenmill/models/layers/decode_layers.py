@@ -2,8 +2,9 @@
 
 At batch 1 a decode step runs about a dozen native kernels per layer; reaching
 each through nn.Module calls costs about as much time as the kernels. Where
-every layer would take the native path anyway (bf16 activations, packed bf16
-linears, native norms, attention and KV writes), `kernels/cpu_decode_layers.cpp`
+every layer would take the native path anyway (bf16 activations with packed bf16
+linears and native norms, or fp32 activations with packed fp32 linears and
+PyTorch's fp32 rms_norm; native attention and KV writes), `kernels/cpu_decode_layers.cpp`
 makes the same kernel calls in the same order from C++: the output is
 bit-identical to the Python layers, which stay the model's definition (and run
 every other step: prefill, fp32, MoE, or no native kernels).
@@ -35,26 +36,32 @@ class DecodeLayers:
                      c.hidden_size, c.intermediate_size]
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
-        self.supported = all(self._layer_supported(layer) for layer in model.layers)
+        # The activations' dtype the loop serves: bf16 (packed bf16 linears) or fp32.
+        self.dtype = torch.float32 if model.layers[0].self_attn.qkv_proj._linear_f32 \
+            is not None else torch.bfloat16
+        self.supported = all(self._layer_supported(layer, self.dtype) for layer in model.layers)
 
     @staticmethod
-    def _layer_supported(layer) -> bool:
+    def _layer_supported(layer, dtype: torch.dtype) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
                    getattr(mlp, "down_proj", None))
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.q_norm is not None:
             norms += [attn.q_norm, attn.k_norm]
+        f32 = dtype == torch.float32
         return (type(mlp) is GatedMLP
-                and all(lin is not None and lin._linear_bf16 is not None for lin in linears)
-                and all(n.weight.dtype == torch.bfloat16 and n.eps == layer.input_layernorm.eps
+                and all(lin is not None and
+                        (lin._linear_f32 if f32 else lin._linear_bf16) is not None
+                        for lin in linears)
+                and all(n.weight.dtype == dtype and n.eps == layer.input_layernorm.eps
                         for n in norms))
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU where every layer would take its native path."""
         return (meta.native_ops is not None and not meta.prefills
                 and meta.state is None and meta.num_decodes == x.shape[0]
-                and x.dtype == torch.bfloat16 and x.shape[0] <= self.max_rows
+                and x.dtype == self.dtype and x.shape[0] <= self.max_rows
                 and self._caches_ok(x.dtype))
 
     def _caches_ok(self, dtype: torch.dtype) -> bool:
@@ -76,14 +83,14 @@ class DecodeLayers:
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 out += [layer.input_layernorm.weight,
-                        attn.qkv_proj.packed_bf16, _bias(attn.qkv_proj, none),
+                        _packed(attn.qkv_proj), _bias(attn.qkv_proj, none),
                         attn.q_norm.weight if attn.q_norm is not None else none,
                         attn.k_norm.weight if attn.k_norm is not None else none,
                         attn.attn.kv_cache,
-                        attn.o_proj.packed_bf16, _bias(attn.o_proj, none),
+                        _packed(attn.o_proj), _bias(attn.o_proj, none),
                         layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj.packed_bf16, _bias(mlp.gate_up_proj, none),
-                        mlp.down_proj.packed_bf16, _bias(mlp.down_proj, none)]
+                        _packed(mlp.gate_up_proj), _bias(mlp.gate_up_proj, none),
+                        _packed(mlp.down_proj), _bias(mlp.down_proj, none)]
             self._weights = out
         return self._weights
 
@@ -100,6 +107,10 @@ class DecodeLayers:
         return self.ops.decode_layers(
             x, weights, self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
             meta.slot_offset, meta.decode_block_table, meta.decode_seq_lens)
+
+
+def _packed(linear) -> torch.Tensor:
+    return linear.packed_f32 if linear._linear_f32 is not None else linear.packed_bf16
 
 
 def _bias(linear, none: torch.Tensor) -> torch.Tensor:
