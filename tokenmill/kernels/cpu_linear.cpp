@@ -192,6 +192,15 @@ inline void block_rows_f32(const float* x, int64_t K, const float* wf, const flo
   }
 }
 
+// bias [N] (any float dtype) or empty -> fp32 values (`hold` keeps them alive), or null.
+inline const float* bias_f32(const torch::Tensor& bias, int64_t N, const char* op,
+                             torch::Tensor& hold) {
+  if (!bias.defined() || bias.numel() == 0) return nullptr;
+  TORCH_CHECK(bias.numel() == N, op, ": bias must be [N]");
+  hold = bias.to(at::kFloat).contiguous();
+  return hold.data_ptr<float>();
+}
+
 // fp32 <-> bf16 for a run of n values (round to nearest even, as c10::BFloat16).
 inline void to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
   int64_t i = 0;
@@ -248,13 +257,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
     from_bf16(xc.data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
     xp = xbuf.data();
   }
-  const float* bp = nullptr;
   torch::Tensor bf;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == N, "linear_bf16: bias must be [N]");
-    bf = bias.to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, N, "linear_bf16", bf);
   torch::Tensor out = torch::empty({M, N}, x.options());
   // fp32 results go straight to `out`; bf16 ones through a per-block fp32 tile.
   float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
@@ -303,13 +307,8 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch
   const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
   torch::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  const float* bp = nullptr;
   torch::Tensor bf;
-  if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.numel() == N, "linear_f32: bias must be [N]");
-    bf = bias.to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = bias_f32(bias, N, "linear_f32", bf);
   torch::Tensor out = torch::empty({M, N}, x.options());
   float* yp = out.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

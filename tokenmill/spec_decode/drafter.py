@@ -65,36 +65,36 @@ class Drafter:
             return 0
         return self._next_k.get(rid, self.k)
 
+    def _max_drafts(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
+        """Drafts each row asks for this step (0: none): off for a large batch, else
+        each eligible request's adaptive k (0 while it backs off)."""
+        max_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        d = self.config.disable_by_batch_size
+        if d is None or len(req_ids) < d:
+            for r in np.nonzero(eligible)[0].tolist():
+                max_drafts[r] = self._wanted(req_ids[r])
+        return max_drafts
+
     def propose_with_model(self, runner, hidden, meta, req_ids: list[str],
                            eligible: np.ndarray) -> list[list[int]]:
         """A draft model's proposals. It runs over every token of the step even when no
-        row proposes: its own K/V must cover every position for later drafts."""
-        n = len(req_ids)
-        d = self.config.disable_by_batch_size
-        max_drafts = np.zeros(n, dtype=np.int64)
-        if d is None or n < d:
-            for r in np.nonzero(eligible)[0].tolist():
-                max_drafts[r] = self._wanted(req_ids[r])
-        return self.model_proposer.propose(runner, hidden, meta, max_drafts)
+        row proposes: its own K/V (or context) must cover every position for later drafts."""
+        return self.model_proposer.propose(runner, hidden, meta,
+                                           self._max_drafts(req_ids, eligible))
 
     def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
                 eligible: np.ndarray) -> list[list[int]]:
-        """Drafts per row (req_ids[i] is row i of token_ids, num_tokens[i] its real
-        tokens); rows not `eligible` get none. Only eligible rows reach the proposer:
-        its index catches up on a request's skipped tokens when it is next asked."""
-        n = len(req_ids)
-        out: list[list[int]] = [[] for _ in range(n)]
-        d = self.config.disable_by_batch_size
-        if d is not None and n >= d:
-            return out
-        rows = np.nonzero(eligible)[0].tolist()
+        """n-gram drafts per row (req_ids[i] is row i of token_ids, num_tokens[i] its real
+        tokens). Only rows that ask for drafts reach the proposer: its index catches up
+        on a request's skipped tokens when it is next asked."""
+        out: list[list[int]] = [[] for _ in req_ids]
+        max_drafts = self._max_drafts(req_ids, eligible)
+        rows = np.nonzero(max_drafts)[0].tolist()
         if not rows:
             return out
-        ids = [req_ids[r] for r in rows]
-        max_drafts = np.array([self._wanted(rid) for rid in ids], dtype=np.int64)
         # Row views, not a fancy-indexed copy of [rows, max_model_len].
-        drafts = self.ngram.propose(ids, [token_ids[r] for r in rows], num_tokens[rows],
-                                       max_drafts)
+        drafts = self.ngram.propose([req_ids[r] for r in rows], [token_ids[r] for r in rows],
+                                    num_tokens[rows], max_drafts[rows])
         for r, dr in zip(rows, drafts):
             out[r] = dr
         return out

@@ -83,14 +83,14 @@ class EagleProposer:
             h = next_hidden[flat]
         pos = last_pos[rows]
         active = np.arange(rows.size)
+        prev = tokens[0]  # the drafts of the active rows, fed back as the next inputs
         for j in range(1, int(cap[rows].max())):
             keep = np.nonzero(cap[rows[active]] > j)[0]
-            active, h = active[keep], h[torch.from_numpy(keep).to(dev)]
+            keep_t = torch.from_numpy(keep).to(dev)
+            active, h, ids = active[keep], h[keep_t], prev[keep_t]
             pos_j = pos[active] + j
-            ids = tokens[-1][torch.from_numpy(keep).to(dev)] if j == 1 else \
-                prev[torch.from_numpy(keep).to(dev)]
-            step_meta = self._decode_meta(runner, rows[active], pos_j)
-            out, h = model(ids, torch.from_numpy(pos_j).to(dev), h, step_meta)
+            out, h = model(ids, torch.from_numpy(pos_j).to(dev), h,
+                           self._decode_meta(runner, rows[active], pos_j))
             prev = self._draft_ids(runner, out)
             tokens.append((active, prev))
         first = tokens[0].to("cpu").tolist()

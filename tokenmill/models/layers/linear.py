@@ -85,23 +85,22 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._linear_f32 is not None and x.dtype == torch.float32:
-            rows = x.numel() // self.in_features
-            if rows <= self.f32_max_rows:
-                y = self._linear_f32(x.reshape(rows, self.in_features), self.packed_f32,
-                                     self.out_features,
-                                     self.bias if self.bias is not None else self._no_bias)
-                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        if self._linear_bf16 is not None and x.dtype in (torch.float32, torch.bfloat16):
-            rows = x.numel() // self.in_features
-            if rows <= self.bf16_max_rows:
-                y = self._linear_bf16(x.reshape(rows, self.in_features), self.packed_bf16,
-                                      self.out_features,
-                                      self.bias if self.bias is not None else self._no_bias)
-                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        rows = x.numel() // self.in_features
+        if self._linear_f32 is not None and x.dtype == torch.float32 \
+                and rows <= self.f32_max_rows:
+            return self._packed_linear(self._linear_f32, self.packed_f32, x, rows)
+        if self._linear_bf16 is not None and x.dtype in (torch.float32, torch.bfloat16) \
+                and rows <= self.bf16_max_rows:
+            return self._packed_linear(self._linear_bf16, self.packed_bf16, x, rows)
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
+
+    def _packed_linear(self, kernel, packed: torch.Tensor, x: torch.Tensor,
+                       rows: int) -> torch.Tensor:
+        y = kernel(x.reshape(rows, self.in_features), packed, self.out_features,
+                   self.bias if self.bias is not None else self._no_bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 def widen_gemms(model: nn.Module, dtype: torch.dtype) -> int:
