@@ -281,18 +281,21 @@ class CpuPlatform:
 
     # ---- handing the decisions to the layers ------------------------------------------
     def prepare_model(self, model) -> None:
-        """After the weights are loaded: pack the bf16 weights of the Linear layers that
-        take packed_bf16 (a layer that takes every input keeps no other copy), widen the
+        """After the weights are loaded: pack the bf16 weights of the Linear layers and MoE
+        experts that take packed_bf16 (one that takes every input keeps no other copy), widen the
         remaining GEMM layers, give each layer that has native kernels
         its module (`set_native_ops`) and the model its decode-layer loop
         (`set_decode_layers`). Nothing is decided per forward call afterwards."""
         import torch
 
         from tokenmill.models.layers.linear import Linear, widen_gemms
+        from tokenmill.models.layers.moe import FusedMoE
         if self.linear == "packed_bf16":
             for module in model.modules():
-                if (isinstance(module, Linear) and module.weight.dtype == torch.bfloat16
-                        and module.weight.device.type == "cpu"):
+                weight = (module.weight if isinstance(module, Linear) else
+                          module.gate_up_proj if isinstance(module, FusedMoE) else None)
+                if (weight is not None and weight.dtype == torch.bfloat16
+                        and weight.device.type == "cpu"):
                     module.pack_bf16(self.ops, self.linear_bf16_max_rows)
         elif self.linear == "packed_f32":
             for module in model.modules():

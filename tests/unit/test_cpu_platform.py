@@ -356,3 +356,29 @@ def test_packed_weights_are_the_only_copy_without_native_bf16(tiny_model_factory
     both = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=2)
     assert both.llm_engine.platform.weights == "packed bf16 + fp32 copy"
     assert _generate(llm, tm) == _generate(both, tm)
+
+
+def test_moe_experts_are_packed_without_native_bf16(tmp_path, ops, kernel_level, widened):
+    """The experts of a bf16 MoE model are packed like its Linear layers where bf16 is
+    emulated: no fp32 copy of them (their stacked weights are left on the meta device),
+    and the tokens equal those of a run that keeps fp32 copies for inputs over 2 rows."""
+    from conftest import build_checkpoint
+    from tokenmill.models.layers.moe import FusedMoE
+    if not ops.has_fast_linear_bf16:
+        pytest.skip(f"the {kernel_level} kernels have no fast packed linear")
+    build_checkpoint(str(tmp_path), "qwen3_moe", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
+    prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40, 9]} for i in range(3)]
+
+    def run(llm):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    llm = make_llm(str(tmp_path), dtype="bfloat16", max_num_seqs=4)
+    experts = [m for m in runner_of(llm).model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.packed_only and m.gate_up_proj.is_meta and m.down_proj.is_meta
+                           for m in experts)
+    both = make_llm(str(tmp_path), dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=2)
+    assert all(m.gate_up_proj.dtype == FP32 for m in runner_of(both).model.modules()
+               if isinstance(m, FusedMoE))
+    assert run(llm) == run(both)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models.layers.linear import widen_gemms
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
+from tokenmill.models.layers.linear import ALL_ROWS, widen_gemms
 from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, fused_experts, route
 
 
@@ -110,6 +111,36 @@ def test_widened_experts_match_bf16_experts():
     wide = block(x)
     assert wide.dtype == torch.bfloat16
     torch.testing.assert_close(wide.float(), native.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("max_rows", [ALL_ROWS, 3])
+def test_packed_experts_match_widened_experts(ops, max_rows):
+    """bf16 experts packed for linear_bf16 (the CPU platform's packed_bf16 path), at every
+    capability level: the widened fp32 GEMMs' math. ALL_ROWS: every expert slice takes
+    the kernel and the bf16 weights are dropped (no fp32 copy either); 3: slices of up
+    to 3 rows take it, the larger ones the GEMM."""
+    torch.manual_seed(0)
+    x = torch.randn(23, 40).bfloat16()
+    logits = torch.randn(23, 8)
+    logits[:, :2] += 3.0  # experts 0 and 1 get most tokens, the others a few
+    weights, ids = route(logits, 2, True)
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    assert (counts > 3).any() and ((counts > 0) & (counts <= 3)).any()
+    ref_moe = _experts(8, 40, 24, dtype=torch.bfloat16)
+    moe = _experts(8, 40, 24, dtype=torch.bfloat16)
+    assert widen_gemms(ref_moe, torch.float32) == 1
+    ref = ref_moe(x, weights.bfloat16(), ids)
+    moe.pack_bf16(ops, max_rows)
+    assert moe.packed_only == (max_rows == ALL_ROWS)
+    assert widen_gemms(moe, torch.float32) == 1
+    if max_rows == ALL_ROWS:
+        assert moe.gate_up_proj.is_meta and moe.down_proj.is_meta
+    else:
+        assert moe.gate_up_proj.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in moe.packed.w13 + moe.packed.w2)
+    got = moe(x, weights.bfloat16(), ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_bad_top_k_is_rejected():

@@ -12,6 +12,12 @@ sigmoid(shared_expert_gate(x))) and Qwen3.5-MoE (the same, top-k always
 renormalised). Checkpoint names follow HF: `gate` (the router),
 `experts.gate_up_proj` [E, 2*I, H] (gate rows, then up rows, per expert),
 `experts.down_proj` [E, H, I], `shared_expert.*`, `shared_expert_gate`.
+
+On the CPU the experts of a bf16 model take the packed bf16 kernel the way a
+`Linear` does (`FusedMoE.pack_bf16`, called by the CPU platform): an expert's
+slice of up to `bf16_max_rows` rows runs `linear_bf16` over the expert's packed
+weights. Without native bf16 every slice does and the packed weights are the only
+copy (no fp32 copy of the experts).
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import ALL_ROWS, Linear
 from tokenmill.models.layers.mlp import GatedMLP
 
 
@@ -38,12 +44,15 @@ def route(router_logits: torch.Tensor, top_k: int,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  compute_dtype: torch.dtype | None = None,
+                  packed: "PackedExperts | None" = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t.
 
     x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. The GEMMs
     run in `compute_dtype` (the weights' dtype) when given; their results are
-    rounded to x's dtype after each GEMM, as a widened `Linear` does.
+    rounded to x's dtype after each GEMM, as a widened `Linear` does. With
+    `packed`, an expert's slice of up to packed.max_rows rows takes the packed
+    bf16 kernel instead (fp32 math, the result rounded to x's dtype likewise).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -58,23 +67,59 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     groups = [(e, end - n, end) for e, n, end in
               zip(hit.tolist(), counts[hit].tolist(), ends[hit].tolist())]
 
-    xs = x[token_idx].to(gemm_dtype)  # [T*k, H], grouped by expert
-    gate_up = xs.new_empty(xs.shape[0], w13.shape[1])
-    for e, lo, hi in groups:
-        torch.mm(xs[lo:hi], w13[e].t(), out=gate_up[lo:hi])
-    gate, up = gate_up.to(x.dtype).chunk(2, dim=-1)
-    act = (F.silu(gate) * up).to(gemm_dtype)
-    down = xs.new_empty(xs.shape[0], w2.shape[1])
-    for e, lo, hi in groups:
-        torch.mm(act[lo:hi], w2[e].t(), out=down[lo:hi])
-    down = down.to(x.dtype) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    n13, n2 = w13.shape[1], w2.shape[1]
+    xs = x[token_idx]  # [T*k, H], grouped by expert
+    if packed is None:
+        gate_up = _grouped_mm(xs.to(gemm_dtype), w13, groups).to(x.dtype)
+    else:
+        gate_up = packed.grouped(xs, packed.w13, n13, groups, w13, gemm_dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if packed is None:
+        down = _grouped_mm(act.to(gemm_dtype), w2, groups).to(x.dtype)
+    else:
+        down = packed.grouped(act, packed.w2, n2, groups, w2, gemm_dtype)
+    down = down * topk_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, token_idx, down)
+
+
+def _grouped_mm(xs: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+    """One GEMM per expert group: out[lo:hi] = xs[lo:hi] @ w[e]^T."""
+    out = xs.new_empty(xs.shape[0], w.shape[1])
+    for e, lo, hi in groups:
+        torch.mm(xs[lo:hi], w[e].t(), out=out[lo:hi])
+    return out
+
+
+class PackedExperts:
+    """The experts' bf16 weights in linear_bf16's layout, one packed matrix per expert."""
+
+    def __init__(self, ops, w13: torch.Tensor, w2: torch.Tensor, max_rows: int):
+        self.kernel = ops.linear_bf16
+        self.w13 = [ops.pack_bf16_weight(w.contiguous()) for w in w13]
+        self.w2 = [ops.pack_bf16_weight(w.contiguous()) for w in w2]
+        self.max_rows = max_rows
+        self.no_bias = torch.empty(0)
+
+    def grouped(self, xs: torch.Tensor, packed: list[torch.Tensor], n: int, groups,
+                w: torch.Tensor, gemm_dtype: torch.dtype) -> torch.Tensor:
+        """Per group: the packed kernel for up to max_rows rows, else a GEMM in
+        gemm_dtype over `w` (only reached when the platform kept the weights);
+        either result rounded to xs's dtype."""
+        out = xs.new_empty(xs.shape[0], n)
+        for e, lo, hi in groups:
+            if hi - lo <= self.max_rows:
+                out[lo:hi] = self.kernel(xs[lo:hi], packed[e], n, self.no_bias)
+            else:
+                out[lo:hi] = torch.mm(xs[lo:hi].to(gemm_dtype), w[e].t())
+        return out
 
 
 class FusedMoE(nn.Module):
     """`num_experts` gated SiLU MLPs, their weights stacked along a leading expert dim."""
 
     compute_dtype: torch.dtype | None = None
+    packed: PackedExperts | None = None  # set by pack_bf16
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -87,10 +132,30 @@ class FusedMoE(nn.Module):
         e, i2, h = self.gate_up_proj.shape
         return f"num_experts={e}, hidden_size={h}, intermediate_size={i2 // 2}"
 
+    def pack_bf16(self, ops, max_rows: int) -> None:
+        """Pack each expert's bf16 weights for `ops.linear_bf16`, which then runs every
+        expert slice of up to `max_rows` rows (ALL_ROWS: every slice; widening then
+        keeps no fp32 copy, as for a packed-only `Linear`)."""
+        self.packed = PackedExperts(ops, self.gate_up_proj.detach(), self.down_proj.detach(),
+                                    max_rows)
+
+    @property
+    def packed_only(self) -> bool:
+        return self.packed is not None and self.packed.max_rows >= ALL_ROWS
+
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
-        """Keep the expert weights in `dtype` and run their GEMMs there (see layers/linear.py)."""
-        if self.gate_up_proj.dtype == dtype:
+        """Keep the expert weights in `dtype` and run their GEMMs there (see layers/linear.py).
+        Packed-only experts compute in fp32 in the kernel and drop their bf16 weights
+        (meta tensors of the same shapes)."""
+        if self.gate_up_proj.dtype == dtype or self.compute_dtype == dtype:
             return False
+        if self.packed_only and dtype == torch.float32:
+            self.gate_up_proj = nn.Parameter(torch.empty_like(self.gate_up_proj, device="meta"),
+                                             requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty_like(self.down_proj, device="meta"),
+                                          requires_grad=False)
+            self.compute_dtype = dtype
+            return True
         self.gate_up_proj = nn.Parameter(self.gate_up_proj.detach().to(dtype), requires_grad=False)
         self.down_proj = nn.Parameter(self.down_proj.detach().to(dtype), requires_grad=False)
         self.compute_dtype = dtype
@@ -98,8 +163,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        packed = self.packed if x.dtype in (torch.bfloat16, torch.float32) else None
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                             self.compute_dtype)
+                             self.compute_dtype, packed)
 
 
 class SparseMoeBlock(nn.Module):
