@@ -523,3 +523,65 @@ def test_external_kv_tier_with_speculation(base):
     assert generate(llm, prompts, greedy()) == want
     assert llm.llm_engine.engine_core.kv_cache_stats()["prefix_cache_hits"] > 0
     assert_no_leaks(llm)
+
+
+# ---- rows that wait: a request that proposes nothing defers its drafter pass -------------
+
+def _record_drafts(llm):
+    """Every step's drafts, as the drafter returned them."""
+    drafter = runner_of(llm).drafter
+    seen, inner = [], drafter.propose_with_model
+
+    def propose_with_model(*args, **kw):
+        out = inner(*args, **kw)
+        seen.append([list(d) for d in out])
+        return out
+    drafter.propose_with_model = propose_with_model
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("extra", [{}, {"max_num_batched_tokens": 16, "num_kv_blocks": 16,
+                                        "block_size": 8, "max_model_len": 96}])
+def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, method, extra):
+    """Requests whose random drafts keep failing back off, and their decode rows wait
+    (spec_decode/deferred.py) until they next propose: every draft of every step is
+    the one a drafter run over every row at once proposes, with chunked prefill and
+    preemption (rows cut back on resume) too."""
+    import json
+
+    from tokenmill.spec_decode import random_drafters as rd
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = str(tmp_path / method)
+    os.makedirs(draft)
+    config = json.load(open(os.path.join(tm.path, "config.json")))
+    if method == "eagle3":
+        rd.build_eagle3_checkpoint(draft, config)
+    else:
+        rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=5)
+    spec = {"method": method, "num_speculative_tokens": 3, "model": draft}
+    prompts = loop_prompts(tm.vocab_size, n=5, seed=31)
+    runs = []
+    for max_rows in (0, None):  # 0: no row ever waits
+        llm = make_llm(tm.path, speculative_config=spec, **extra)
+        deferred = runner_of(llm).drafter.model_proposer.deferred
+        if max_rows is not None:
+            deferred.max_rows = max_rows
+        waited = []
+        inner = deferred.wait_all
+
+        def wait_all(*args, _inner=inner, _waited=waited):
+            ok = _inner(*args)
+            _waited.append(ok)
+            return ok
+        deferred.wait_all = wait_all
+        drafts = _record_drafts(llm)
+        out = generate(llm, prompts, greedy(40))
+        runs.append((out, drafts, any(waited)))
+        assert_no_leaks(llm)
+        assert not deferred._slot  # every request's rows released
+    (out0, drafts0, waited0), (out1, drafts1, waited1) = runs
+    assert out0 == out1
+    assert not waited0 and waited1
+    assert sum(map(len, (d for step in drafts1 for d in step))) > 0
+    assert drafts1 == drafts0

@@ -176,6 +176,11 @@ class DFlashDraftModel(nn.Module):
         return torch.stack([torch.stack(layer.self_attn.key_value(ctx, cos, sin, self.rotary))
                             for layer in self.layers])
 
+    @property
+    def shares_target_lm_head(self) -> bool:
+        """Drafts come from the target's own lm_head (no lm_head in the checkpoint)."""
+        return self.lm_head is None
+
     @torch.inference_mode()
     def draft_logits(self, context: "DFlashContext", req_ids: list[str],
                      last_token_ids, positions, k: int) -> torch.Tensor:
@@ -183,6 +188,14 @@ class DFlashDraftModel(nn.Module):
         [last_token_ids[r], mask x k] at positions[r] .. positions[r] + k, where
         last_token_ids[r] is the token the last step emitted and positions[r] its
         position: normally the end of the request's context (context.end)."""
+        logits = self.compute_logits(self.draft_hidden(context, req_ids, last_token_ids,
+                                                       positions, k))
+        return logits.view(len(req_ids), k, logits.shape[-1])
+
+    @torch.inference_mode()
+    def draft_hidden(self, context: "DFlashContext", req_ids: list[str],
+                     last_token_ids, positions, k: int) -> torch.Tensor:
+        """The normed hidden states [R * k, H] that draft_logits projects (request-major)."""
         c = self.config
         if not 1 <= k < c.block_size:
             raise ValueError(f"DFlash drafts k={k}: the draft was trained on blocks of "
@@ -192,7 +205,7 @@ class DFlashDraftModel(nn.Module):
         pos = torch.as_tensor(positions, dtype=torch.long, device=device)
         r, b = len(req_ids), k + 1
         if r == 0:
-            return torch.empty(0, k, c.vocab_size, device=device)
+            return torch.empty(0, c.hidden_size, device=device)
         lens = [context.num_rows(rid) for rid in req_ids]
         cmax = max(lens)
         ids = torch.full((r, b), c.mask_token_id, dtype=torch.long, device=device)
@@ -216,8 +229,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
         for layer, layer_kv in zip(self.layers, kv):
             x = layer(x, cos, sin, self.rotary, layer_kv, mask)
-        h = self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
-        return self.compute_logits(h).view(r, k, -1)
+        return self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
 
     @torch.inference_mode()
     def propose(self, context: "DFlashContext", req_ids: list[str], last_token_ids,

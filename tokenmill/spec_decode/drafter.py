@@ -77,8 +77,9 @@ class Drafter:
 
     def propose_with_model(self, runner, hidden, meta, req_ids: list[str],
                            eligible: np.ndarray) -> list[list[int]]:
-        """A draft model's proposals. It runs over every token of the step even when no
-        row proposes: its own K/V (or context) must cover every position for later drafts."""
+        """A draft model's proposals. Its own K/V (or context) must cover every position
+        before it drafts: a request that proposes nothing this step keeps its decode row
+        waiting for the step it next proposes from (spec_decode/deferred.py)."""
         return self.model_proposer.propose(runner, hidden, meta,
                                            self._max_drafts(req_ids, eligible))
 

@@ -5,8 +5,10 @@ After a step is sampled, the drafter writes its K/V for every token of that step
 K/V go into the target's paged cache, as extra layers of its group), runs its full
 forward at each proposing request's last position, then k - 1 more times over one
 row per proposing request, each feeding back its previous draft and output hidden
-state at the next position. A drafter without `write_kv` runs its full forward
-over every token instead. Drafts are greedy: the draft
+state at the next position. A request that proposes nothing this step keeps its
+decode row waiting (spec_decode/deferred.py): its K/V are written with the step it
+next proposes from. A drafter without `write_kv` runs its full forward over every
+token instead. Drafts are greedy: the draft
 distribution is one-hot, so the rejection sampler verifies them losslessly as it
 does n-gram drafts.
 """
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.spec_decode.deferred import DeferredRows
 
 
 class EagleProposer:
@@ -23,6 +26,7 @@ class EagleProposer:
         self.model = model  # an EagleStyleDrafter (tokenmill/spec_decode/draft_model.py)
         self.device = device
         self.max_model_len = max_model_len
+        self.deferred = DeferredRows()
 
     def _draft_ids(self, runner, out: torch.Tensor) -> torch.Tensor:
         """Greedy drafts; through the runner's int8-screened greedy head (the same
@@ -44,38 +48,59 @@ class EagleProposer:
         n = batch.num_reqs()
         dev = self.device
         qsl = step.query_start_loc
+        model = self.model
+        target = runner.model.aux_hidden if model.aux_layer_ids else hidden
         counts = np.diff(qsl[:n + 1])
+        if hasattr(model, "write_kv") and not max_drafts.any() and (counts == 1).all():
+            # A decode-only step that proposes nothing (requests backing off, or a
+            # batch too large to speculate): the rows wait, as cheaply as can be.
+            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target):
+                return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         positions = step.positions
         last_col = batch.token_ids_cpu.shape[1] - 1
         next_ids = batch.token_ids_cpu[req, np.minimum(positions + 1, last_col)]
-        model = self.model
-        target = runner.model.aux_hidden if model.aux_layer_ids else hidden
         ids_t = torch.from_numpy(next_ids.astype(np.int64)).to(dev)
         pos_t = torch.from_numpy(positions).to(dev)
-        combined = model.combine_target_hidden(target)
 
         # The row of each proposing request's last emitted token's predecessor: its
         # input pairs (the emitted token, the target's state before it).
         num_tokens = batch.num_tokens_no_spec[:n].astype(np.int64)
         last_pos = num_tokens - 2
-        first_pos = positions[np.minimum(qsl[:n], positions.size - 1)]
+        first_row = np.minimum(qsl[:n], positions.size - 1)
+        first_pos = positions[first_row]
         offset = last_pos - first_pos
         # Never a position past max_model_len - 1 (the block table ends there).
         cap = np.minimum(max_drafts, self.max_model_len - 1 - last_pos)
         rows = np.nonzero((cap > 0) & (offset >= 0) & (offset < counts))[0]
         drafts: list[list[int]] = [[] for _ in range(n)]
-        flat = torch.from_numpy(qsl[rows] + offset[rows]).to(dev)
+        flat_np = qsl[rows] + offset[rows]
         if hasattr(model, "write_kv"):
-            # Every token's K/V (later drafts attend to them), the full forward only at
-            # the rows drafts start from, as one decode query each.
-            model.write_kv(ids_t, pos_t, combined, meta)
+            # Every token's K/V (later drafts attend to them; a request that does not
+            # propose now writes them later), the full forward only at the rows drafts
+            # start from, as one decode query each.
+            proposing = np.zeros(n, dtype=bool)
+            proposing[rows] = True
+            waits, e_req, e_pos, e_hidden = self.deferred.step(
+                batch.req_ids[:n], first_pos, counts, ~proposing, target, first_row)
+            if rows.size == 0 and e_req.size == 0 and waits[req].all():
+                return drafts  # every row waits: nothing to run now
+            if not waits.any() and e_req.size == 0:  # the whole step, as it is
+                combined = model.combine_target_hidden(target)
+                model.write_kv(ids_t, pos_t, combined, meta)
+                flat = torch.from_numpy(flat_np).to(dev)
+            else:
+                ids_t, pos_t, combined, flat = self._write_kv_now(
+                    runner, ~waits[req], req, positions, next_ids, target,
+                    e_req, e_pos, e_hidden, flat_np)
             if rows.size == 0:
                 return drafts
             out, h = model(ids_t[flat], pos_t[flat], combined[flat],
                            self._decode_meta(runner, rows, last_pos[rows]))
             tokens = [self._draft_ids(runner, out)]
         else:
+            flat = torch.from_numpy(flat_np).to(dev)
+            combined = model.combine_target_hidden(target)
             out, next_hidden = model(ids_t, pos_t, combined, meta)
             if rows.size == 0:
                 return drafts
@@ -101,8 +126,43 @@ class EagleProposer:
                 drafts[int(rows[i])].append(t)
         return drafts
 
+    def _write_kv_now(self, runner, run_now: np.ndarray, req: np.ndarray,
+                      positions: np.ndarray, next_ids: np.ndarray, target: torch.Tensor,
+                      e_req: np.ndarray, e_pos: np.ndarray, e_hidden: torch.Tensor | None,
+                      flat: np.ndarray):
+        """The K/V of the step rows that do not wait (run_now [T]) and of the earlier rows
+        that waited (request e_req[i] at position e_pos[i], target state e_hidden[i]).
+        -> (ids, positions, combined hidden) of those rows, earlier rows first, and the
+        index there of each step row in `flat` (rows that propose never wait)."""
+        dev = self.device
+        step_rows = np.nonzero(run_now)[0]
+        last_col = runner.input_batch.token_ids_cpu.shape[1] - 1
+        e_ids = runner.input_batch.token_ids_cpu[e_req, np.minimum(e_pos + 1, last_col)]
+        all_req = np.concatenate([e_req, req[step_rows]])
+        all_pos = np.concatenate([e_pos, positions[step_rows]]).astype(np.int64)
+        ids = torch.from_numpy(np.concatenate([e_ids, next_ids[step_rows]]).astype(np.int64)
+                               ).to(dev)
+        pos = torch.from_numpy(all_pos).to(dev)
+        index = torch.from_numpy(e_req.size + np.searchsorted(step_rows, flat)).to(dev)
+        rows_t = target[torch.from_numpy(step_rows).to(dev)]
+        hidden = rows_t if e_hidden is None else torch.cat([e_hidden, rows_t])
+        if all_req.size == 0:  # every row waits
+            return ids, pos, hidden, index
+        combined = self.model.combine_target_hidden(hidden)
+        table = runner.input_batch.block_tables[runner.attn_group_id]
+        bs = table.block_size
+        meta = AttentionMetadata(
+            num_decodes=0,
+            slot_block=torch.from_numpy(
+                table.block_table[all_req, all_pos // bs].astype(np.int64)).to(dev),
+            slot_offset=torch.from_numpy(all_pos % bs).to(dev),
+            native_ops=runner.native_ops)
+        self.model.write_kv(ids, pos, combined, meta)
+        return ids, pos, combined, index
+
     def remove(self, req_id: str) -> None:
-        """Nothing per request: the drafter's K/V lives in the target's paged cache."""
+        """The drafter's K/V lives in the target's paged cache; only the rows that wait."""
+        self.deferred.remove(req_id)
 
     def _decode_meta(self, runner, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """One decode query per row at `positions` (a draft step's own K/V slot)."""

@@ -1,0 +1,100 @@
+"""DeferredRows (tokenmill/spec_decode/deferred.py): the decode rows a request keeps
+while it proposes nothing, handed back in position order when it next must run them."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.spec_decode.deferred import DeferredRows
+
+
+def hidden_at(positions, width=4):
+    """A row per position whose values say which position it was."""
+    return torch.tensor(positions, dtype=torch.float32)[:, None].repeat(1, width)
+
+
+def step(d, req_ids, first_pos, counts, wait_ok):
+    """One step whose rows are laid out request after request, hidden = position."""
+    first_pos, counts = np.array(first_pos), np.array(counts)
+    first_row = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    rows = [p + j for p, c in zip(first_pos, counts) for j in range(c)]
+    return d.step(req_ids, first_pos, counts, np.array(wait_ok), hidden_at(rows or [0]),
+                  np.minimum(first_row, max(len(rows) - 1, 0)))
+
+
+def test_rows_wait_then_run_with_the_next_step_in_order():
+    d = DeferredRows(max_rows=8)
+    for pos in (10, 11, 12):
+        waits, req, positions, earlier = step(d, ["a", "b"], [pos, 50 + pos], [1, 1],
+                                              [True, False])
+        assert waits.tolist() == [True, False] and req.size == 0 and earlier is None
+    assert d.num_waiting("a") == 3 and d.num_waiting("b") == 0
+    waits, req, positions, earlier = step(d, ["a", "b"], [13, 63], [1, 1], [False, False])
+    assert not waits.any()
+    assert req.tolist() == [0, 0, 0] and positions.tolist() == [10, 11, 12]
+    assert earlier[:, 0].tolist() == [10.0, 11.0, 12.0]
+    assert d.num_waiting("a") == 0
+
+
+def test_a_prompt_chunk_or_verification_never_waits():
+    d = DeferredRows()
+    step(d, ["a"], [5], [1], [True])
+    waits, req, positions, _ = step(d, ["a"], [6], [3], [True])  # 3 rows: run now
+    assert not waits.any() and positions.tolist() == [5]
+
+
+def test_max_rows_then_the_rows_run():
+    d = DeferredRows(max_rows=2)
+    step(d, ["a"], [0], [1], [True])
+    step(d, ["a"], [1], [1], [True])
+    waits, req, positions, _ = step(d, ["a"], [2], [1], [True])
+    assert not waits.any() and positions.tolist() == [0, 1]
+
+
+def test_resumed_request_keeps_only_rows_before_its_new_first_position():
+    """Preempted and resumed at position 12: rows 10 and 11 stand, 12.. are recomputed."""
+    d = DeferredRows()
+    for pos in range(10, 15):
+        step(d, ["a"], [pos], [1], [True])
+    waits, req, positions, earlier = step(d, ["a"], [12], [1], [True])
+    assert not waits.any()  # not contiguous: the kept rows run now, with this one
+    assert positions.tolist() == [10, 11] and earlier[:, 0].tolist() == [10.0, 11.0]
+    waits, req, positions, _ = step(d, ["a"], [3], [4], [False])  # before them all
+    assert req.size == 0 and d.num_waiting("a") == 0
+
+
+def test_unscheduled_request_keeps_its_rows():
+    d = DeferredRows()
+    step(d, ["a", "b"], [7, 20], [1, 1], [True, True])
+    first_row = np.array([0, 0])
+    waits, req, _, _ = d.step(["a", "b"], np.array([0, 21]), np.array([0, 1]),
+                              np.array([True, True]), hidden_at([21]), first_row)
+    assert waits.tolist() == [False, True] and req.size == 0
+    assert d.num_waiting("a") == 1 and d.num_waiting("b") == 2
+
+
+def test_wait_all_is_all_or_nothing():
+    d = DeferredRows(max_rows=2)
+    assert d.wait_all(["a", "b"], np.array([4, 9]), hidden_at([4, 9]))
+    assert d.wait_all(["a", "b"], np.array([5, 10]), hidden_at([5, 10]))
+    assert not d.wait_all(["a", "b"], np.array([6, 11]), hidden_at([6, 11]))  # full
+    assert d.num_waiting("a") == d.num_waiting("b") == 2
+    assert not d.wait_all(["c", "a"], np.array([0, 9]), hidden_at([0, 9]))
+    assert d.num_waiting("c") == 0
+    waits, req, positions, earlier = step(d, ["a", "b"], [6, 11], [1, 1], [False, False])
+    assert req.tolist() == [0, 0, 1, 1] and positions.tolist() == [4, 5, 9, 10]
+    assert earlier[:, 0].tolist() == [4.0, 5.0, 9.0, 10.0]
+
+
+def test_slots_are_reused_and_grow():
+    d = DeferredRows()
+    ids = [f"r{i}" for i in range(20)]  # more than the first allocation
+    assert d.wait_all(ids, np.arange(20), hidden_at(list(range(20))))
+    for rid in ids[:10]:
+        d.remove(rid)
+    assert d.wait_all([f"s{i}" for i in range(10)], np.arange(10), hidden_at(list(range(10))))
+    assert d.start.size == 32 and d.buf.shape[0] == 32
+    waits, req, positions, earlier = step(d, ids[10:], list(range(11, 21)), [1] * 10,
+                                          [False] * 10)
+    assert positions.tolist() == list(range(10, 20))
+    assert earlier[:, 0].tolist() == [float(p) for p in range(10, 20)]

@@ -1,0 +1,136 @@
+"""Decode rows whose drafter pass waits until the request next proposes.
+
+A draft model keeps per-position data of its own for every token of a request (an
+EAGLE / MTP drafter its K/V, DFlash its context), computed from the target's
+hidden state at that position. A request that proposes nothing this step (it backs
+off after rejected drafts, or speculation is off for a large batch) has no use for
+that data yet, so its decode row's target hidden state is kept here instead, and
+the rows it gathered are run through the drafter in one pass with the step it next
+proposes from, or once MAX_DEFERRED_ROWS have gathered. At batch 1 that pass over
+a handful of rows costs what one row costs (it reads the same weights); run every
+step it is most of what a rejected draft costs.
+
+Only single-row (decode) steps wait: a prompt chunk or a verification runs at once.
+A request whose positions do not continue its waiting rows (resumed after
+preemption, a prefix-cache hit) keeps the rows before its new first position; those
+run at once, the rest are dropped (the step recomputes them).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+MAX_DEFERRED_ROWS = 16  # rows a request may gather (the drafter's longest back-off)
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class DeferredRows:
+    def __init__(self, max_rows: int = MAX_DEFERRED_ROWS):
+        self.max_rows = max_rows
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+        self.start = np.zeros(0, dtype=np.int64)  # per slot: position of the first row
+        self.count = np.zeros(0, dtype=np.int64)  # per slot: rows waiting
+        self.buf: torch.Tensor | None = None  # [slots, max_rows, width] target hidden
+
+    def num_waiting(self, req_id: str) -> int:
+        slot = self._slot.get(req_id)
+        return 0 if slot is None else int(self.count[slot])
+
+    def _slots(self, req_ids: list[str]) -> np.ndarray:
+        slots = np.empty(len(req_ids), dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            s = self._slot.get(rid)
+            if s is None:
+                if not self._free:
+                    self._grow()
+                s = self._slot[rid] = self._free.pop()
+                self.count[s] = 0
+            slots[i] = s
+        return slots
+
+    def _grow(self) -> None:
+        old = self.start.size
+        new = max(8, 2 * old)
+        self.start = np.concatenate([self.start, np.zeros(new - old, dtype=np.int64)])
+        self.count = np.concatenate([self.count, np.zeros(new - old, dtype=np.int64)])
+        if self.buf is not None:
+            self.buf = torch.cat([self.buf, self.buf.new_empty(new - old, *self.buf.shape[1:])])
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor) -> bool:
+        """The common step of a request that backs off: a decode-only step (row i is
+        request i's one row, at positions[i]) from which nothing is proposed. Every row
+        waits if every request can keep one more contiguous row; -> False (nothing
+        changed) otherwise, and the caller takes `step`. A loop over requests in plain
+        Python: at batch 1 a fraction of the numpy calls `step` makes."""
+        slots = []
+        for rid, pos in zip(req_ids, positions.tolist()):
+            s = self._slot.get(rid)
+            if s is None:
+                if not self._free:
+                    self._grow()
+                s = self._slot[rid] = self._free.pop()
+                self.count[s] = 0
+            c = int(self.count[s])
+            if c >= self.max_rows or (c and int(self.start[s]) + c != pos):
+                return False
+            slots.append((s, c, pos))
+        if self.buf is None:
+            self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+        for i, (s, c, pos) in enumerate(slots):
+            self.buf[s, c].copy_(hidden[i])
+            if c == 0:
+                self.start[s] = pos
+            self.count[s] = c + 1
+        return True
+
+    def step(self, req_ids: list[str], first_pos: np.ndarray, counts: np.ndarray,
+             wait_ok: np.ndarray, hidden: torch.Tensor, first_row: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
+        """One step of n requests: request i has counts[i] rows from position
+        first_pos[i], the first at row first_row[i] of the step's target hidden states
+        `hidden` [T, W]; wait_ok[i]: its row may wait (no proposal from it this step).
+
+        -> (waits [n] bool: requests whose step row was kept here, not to be run now;
+            req [m], positions [m], hidden [m, W]: earlier rows to run now, before the
+            step's rows of the same request)."""
+        slots = self._slots(req_ids)
+        st, cnt = self.start[slots], self.count[slots]
+        active = counts > 0
+        contiguous = (cnt == 0) | (st + cnt == first_pos)
+        if not contiguous.all():  # keep the rows before the new first position (run now)
+            cut = np.minimum(np.maximum(first_pos - st, 0), cnt)
+            cnt = np.where(active & ~contiguous, cut, cnt)
+        waits = active & wait_ok & (counts == 1) & contiguous & (cnt < self.max_rows)
+        flush = active & ~waits & (cnt > 0)
+        dev = hidden.device
+        req, positions, earlier = _NONE, _NONE, None
+        if flush.any():
+            f = np.nonzero(flush)[0]
+            fc = cnt[f]
+            req = np.repeat(f, fc)
+            within = np.arange(req.size) - np.repeat(np.cumsum(fc) - fc, fc)
+            positions = st[req] + within
+            earlier = self.buf[torch.from_numpy(slots[req]).to(dev),
+                               torch.from_numpy(within).to(dev)]
+        self.count[slots[active & ~waits]] = 0
+        w = np.nonzero(waits)[0]
+        if w.size:
+            if self.buf is None:
+                self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+            if w.size == 1:  # a plain copy: a few us less than an index_put at batch 1
+                i = int(w[0])
+                self.buf[int(slots[i]), int(cnt[i])].copy_(hidden[int(first_row[i])])
+            else:
+                self.buf[torch.from_numpy(slots[w]).to(dev), torch.from_numpy(cnt[w]).to(dev)] = \
+                    hidden[torch.from_numpy(first_row[w]).to(dev)]
+            self.start[slots[w]] = np.where(cnt[w] == 0, first_pos[w], st[w])
+            self.count[slots[w]] = cnt[w] + 1
+        return waits, req, positions, earlier
+
+    def remove(self, req_id: str) -> None:
+        slot = self._slot.pop(req_id, None)
+        if slot is not None:
+            self.count[slot] = 0
+            self._free.append(slot)
