@@ -42,7 +42,8 @@ def test_backoff_after_misses_then_retry():
         while wanted(d) == 0:
             n += 1
         skipped.append(n)
-    assert skipped == [min(2 ** (m - 1), MAX_BACKOFF) for m in range(2, 8)]
+    assert skipped == [4, 16, 64, 64, 64, 64] == [min(4 ** (m - 1), MAX_BACKOFF)
+                                                  for m in range(2, 8)]
     d.observe(["a"], np.array([1]), np.array([1]))  # a hit resets the misses
     d.observe(["a"], np.array([2]), np.array([0]))
     assert wanted(d) == 1

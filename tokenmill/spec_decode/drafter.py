@@ -12,9 +12,11 @@ Adaptive k: a request starts at num_speculative_tokens; after a verification wit
 every draft accepted it asks for one more (up to k), otherwise for one more than it
 had accepted - so a request whose drafts keep failing pays for one draft a step,
 and one in a repetition loop goes back to k at once. A request whose last
-verifications accepted nothing backs off: it skips drafting for 2, 4, ... up to
+verifications accepted nothing backs off: it skips drafting for 4, 16, then
 MAX_BACKOFF steps (a verifying row and a draft model's proposal cost time even when
-every draft is rejected), and tries again after.
+every draft is rejected; a trained drafter seldom misses twice in a row, an n-gram
+lookup in text that does not repeat keeps missing), and tries again after. Its
+decode rows meanwhile wait for the draft model (spec_decode/deferred.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import numpy as np
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
 
-MAX_BACKOFF = 16  # steps a request whose drafts keep failing goes without drafting
+MAX_BACKOFF = 64  # steps a request whose drafts keep failing goes without drafting
 
 
 class Drafter:
@@ -55,7 +57,7 @@ class Drafter:
             else:
                 misses = self._misses[rid] = self._misses.get(rid, 0) + 1
                 if misses >= 2:
-                    self._skip[rid] = min(2 ** (misses - 1), MAX_BACKOFF)
+                    self._skip[rid] = min(4 ** (misses - 1), MAX_BACKOFF)
 
     def _wanted(self, rid: str) -> int:
         """Drafts this request asks for now (0 while it backs off)."""
