@@ -118,3 +118,27 @@ def test_screen_where_bf16_gemms_are_native(tiny_model_factory, monkeypatch):
     tokens = [[o.outputs[0].token_ids for o in m.generate(prompts, params, use_tqdm=False)]
               for m in (llm, full)]
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("name", ["qwen3_headdim", "llama_gqa_tied"])
+def test_fp32_model_screen_equals_hf(tiny_model_factory, monkeypatch, ops, name):
+    """An fp32 model packs its lm_head for linear_f32 and screens it in int8 (a quarter
+    of the fp32 bytes a batch-1 step would read): the greedy tokens are HF's."""
+    tm = tiny_model_factory(name)
+    llm = make_llm(tm.path, greedy_head_max_rows=4, max_num_seqs=3)
+    runner = runner_of(llm)
+    if not ops.has_greedy_lm_head:
+        assert runner.greedy_head is None
+        return
+    assert llm.llm_engine.platform.lm_head == "greedy_int8"
+    assert runner.greedy_head is not None and runner.greedy_head.dtype.is_floating_point
+    calls = []
+    real = GreedyHead.__call__
+    monkeypatch.setattr(GreedyHead, "__call__",
+                        lambda self, x: calls.append(x.dtype) or real(self, x))
+    prompts = tm.prompts[:4]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tm.reference(p) for p in prompts]
+    import torch
+    assert calls and set(calls) == {torch.float32}

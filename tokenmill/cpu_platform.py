@@ -24,7 +24,7 @@ fixes, for the whole run:
   oneDNN above, where the level's linear is vectorised; else `torch`;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
-  to `greedy_head_max_rows` rows; needs the packed lm_head) or `full`;
+  to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
 - the decode-layer path: the native C++ loop over every layer of a decode step
   (bf16 models with packed bf16 linears, fp32 models with packed fp32 ones), on
   or off.
@@ -210,8 +210,9 @@ class CpuPlatform:
             weights = "packed bf16 only"
         else:
             weights = "packed bf16 + " + ("fp32 copy" if widen else "bf16 (oneDNN)")
-        greedy = (packed and greedy_head_max_rows > 0
+        greedy = ((packed or packed_f32) and greedy_head_max_rows > 0
                   and getattr(ops, "has_greedy_lm_head", False))
+        packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
         native = "native" if ops is not None else "torch"
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
@@ -225,7 +226,7 @@ class CpuPlatform:
             attention=native, norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
-            greedy_head_max_rows=min(greedy_head_max_rows, linear_bf16_max_rows) if greedy else 0,
+            greedy_head_max_rows=min(greedy_head_max_rows, packed_rows) if greedy else 0,
             decode_layers=bool((packed or packed_f32) and decode_layers
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,

@@ -101,7 +101,9 @@ def test_fp32_model(ops, kernel_level, widened):
     packed = ops.has_fast_linear_bf16
     assert p.linear == ("packed_f32" if packed else "torch")
     assert p.linear_f32_max_rows == (cpu_platform.DEFAULT_F32_PACKED_ROWS if packed else 0)
-    assert (p.lm_head, p.norm) == ("full", "torch")
+    # The int8-screened greedy head over the packed fp32 lm_head.
+    assert (p.lm_head, p.norm) == ("greedy_int8" if packed else "full", "torch")
+    assert p.greedy_head_max_rows == (cpu_platform.DEFAULT_GREEDY_HEAD_MAX_ROWS if packed else 0)
     assert p.decode_layers == packed  # the native loop serves packed fp32 linears too
     assert (p.attention, p.activation) == ("native", "native")
     assert ("packed_f32" in p.describe()) == packed

@@ -167,9 +167,65 @@ def test_greedy_head_for_a_linear_layer(ops):
     biased.pack_bf16(ops, 128)
     biased.set_compute_dtype(torch.float32)
     assert GreedyHead.build(biased, ops) is None  # the screen has no bias term
-    plain = Linear(48, 70, bias=False)  # fp32 weights: no packed bf16 copy
+    plain = Linear(48, 70, bias=False)  # fp32 weights, not packed
     assert GreedyHead.build(plain, ops) is None
     assert GreedyHead.build(lin, None) is None  # no kernels (the PyTorch path)
+
+
+# ---- an fp32 lm_head: packed for linear_f32, screened in int8 -------------------------
+
+def screened_f32(ops, x, w):
+    q, scale, coef, l1 = pack_int8_screen(w)
+    return ops.greedy_lm_head(x, ops.pack_f32_weight(w), q, scale, coef, l1, w.shape[0])
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 64), (2, 1001, 95), (4, 3000, 257),
+                                   (1, 777, 2049), (8, 333, 1100), (13, 4000, 48),
+                                   (128, 1100, 96)])
+def test_fp32_head_matches_argmax_of_linear_f32(ops, m, n, k):
+    """An fp32 model's lm_head: the screen reads int8 (a quarter of the fp32 bytes) and
+    recomputes its candidate blocks as linear_f32 does, so the token is argmax of
+    linear_f32's logits, bit for bit, ties and the partial last block included."""
+    g = torch.Generator().manual_seed(m * 5 + n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = normalised(m, k, g)
+    w[n - 1] = x[0] * 0.4  # row 0's largest logit, in the partial last block ...
+    w[n // 3] = x[0] * 0.4  # ... tied with an earlier column: the lower index wins
+    ids, blocks = screened_f32(ops, x, w)
+    ref = ops.linear_f32(x, ops.pack_f32_weight(w), n, NO_BIAS).argmax(dim=-1)
+    assert ids.tolist() == ref.tolist()
+    assert ids[0] == n // 3
+    assert 1 <= blocks <= (n + 31) // 32
+    with pytest.raises(RuntimeError, match="fp32 x"):
+        screened_f32(ops, x.bfloat16(), w)
+
+
+def test_fp32_head_screens_few_blocks_and_handles_nan(ops):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(32000, 512, generator=g) * 0.02
+    x = normalised(2, 512, g)
+    ids, blocks = screened_f32(ops, x, w)
+    packed = ops.pack_f32_weight(w)
+    assert ids.tolist() == ops.linear_f32(x, packed, 32000, NO_BIAS).argmax(-1).tolist()
+    assert blocks <= 50
+    x[1, 3] = float("nan")
+    ids, _ = screened_f32(ops, x, w)
+    assert ids.tolist() == ops.linear_f32(x, packed, 32000, NO_BIAS).argmax(-1).tolist()
+
+
+def test_greedy_head_for_an_fp32_linear_layer(ops):
+    """The CPU platform packs an fp32 lm_head for linear_f32 and builds the screen of
+    it: the same token as the layer's own logits."""
+    from tokenmill.cpu_platform import CpuPlatform
+    torch.manual_seed(8)
+    lin = Linear(40, 300, bias=False)
+    platform = CpuPlatform.create("cpu", torch.float32)
+    assert platform.lm_head == "greedy_int8" and platform.greedy_head_max_rows == 4
+    platform.prepare_model(lin)
+    head = GreedyHead.build(lin, ops)
+    assert head is not None and head.dtype == torch.float32
+    x = torch.randn(4, 40)
+    assert head(x).tolist() == lin(x).argmax(dim=-1).tolist()
 
 
 def test_every_level_has_the_screen(ops):

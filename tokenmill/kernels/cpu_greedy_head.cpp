@@ -6,7 +6,9 @@
 // approximate logits with a rigorous error bound, and recomputes exactly, with
 // linear_bf16's own code, only the 32-column blocks that can hold the maximum.
 // The token is the one argmax over linear_bf16's logits picks (the lowest index
-// among equal logits, the first NaN if any), bit for bit.
+// among equal logits, the first NaN if any), bit for bit. An fp32 lm_head (packed
+// for linear_f32, a quarter of its bytes in int8) is screened the same way and
+// recomputed with linear_f32's code.
 //
 // The bound. The activations are quantised per row to int16 (x ~ s_x xq, |xq| <=
 // 16383) and the int8 x int16 products summed exactly in int32, so the
@@ -315,7 +317,8 @@ inline void bound_block(const float* approx, const float* scale, const float* co
 }  // namespace
 
 // x [M, K] fp32 or bf16 (M <= 128: one linear_bf16 cache block), packed from
-// pack_bf16_weight, q [ceil(N/64), ceil(K/2), 64, 2] int8, scale / coef / l1w
+// pack_bf16_weight (or from pack_f32_weight, x fp32: linear_f32's logits),
+// q [ceil(N/64), ceil(K/2), 64, 2] int8, scale / coef / l1w
 // [ceil(N/64) * 64] fp32, N the vocabulary -> (token ids [M] int64, how many
 // 32-column blocks were recomputed exactly).
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
@@ -326,9 +329,13 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
               "greedy_lm_head: x must be [M, K] fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), KP = (K + 1) / 2;
   TORCH_CHECK(M >= 1 && M <= 128, "greedy_lm_head: 1 to 128 rows");
+  const bool f32_weights = packed.scalar_type() == at::kFloat;
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == NB &&
-                  packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
-              "greedy_lm_head: weights must come from pack_bf16_weight");
+                  packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kBFloat16 || f32_weights),
+              "greedy_lm_head: weights must come from pack_bf16_weight or pack_f32_weight");
+  TORCH_CHECK(!f32_weights || x.scalar_type() == at::kFloat,
+              "greedy_lm_head: fp32 weights (pack_f32_weight) take fp32 x");
   TORCH_CHECK(N > 0 && N <= packed.size(0) * NB, "greedy_lm_head: bad column count");
   const int64_t nq = (N + QB - 1) / QB;
   TORCH_CHECK(q.dim() == 4 && q.size(0) == nq && q.size(1) == KP && q.size(2) == QB &&
@@ -409,15 +416,20 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
   std::vector<int64_t> blocks;
   for (int64_t b = 0; b < nb32; ++b)
     if (candidate[b]) blocks.push_back(b);
-  // Pass 3: those blocks exactly, for all M rows together (linear_bf16's arithmetic
-  // for a block depends on its row count), then argmax in column order.
+  // Pass 3: those blocks exactly, for all M rows together (linear_bf16's and
+  // linear_f32's arithmetic for a block depends on its row count), then argmax in
+  // column order.
   const int64_t nc = static_cast<int64_t>(blocks.size());
   std::vector<float> exact(nc * M * NB);
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::parallel_for(0, nc, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = blocks[i], ncols = std::min(NB, N - b * NB);
-      linear_bf16_block(xf.data(), K, wp + b * K * NB, exact.data() + i * M * NB, NB, M, ncols);
+      float* y = exact.data() + i * M * NB;
+      if (f32_weights)
+        linear_f32_block(xf.data(), K, packed.data_ptr<float>() + b * K * NB, y, NB, M, ncols);
+      else
+        linear_bf16_block(xf.data(), K, reinterpret_cast<const uint16_t*>(packed.data_ptr()) +
+                                            b * K * NB, y, NB, M, ncols);
     }
   });
   auto* out = ids.data_ptr<int64_t>();

@@ -224,6 +224,12 @@ void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float*
   block_rows(x, K, wblock, nullptr, y, ldy, rows, ncols, scratch);
 }
 
+// The same for a packed fp32 block, exactly as linear_f32 computes it.
+void linear_f32_block(const float* x, int64_t K, const float* wblock, float* y, int64_t ldy,
+                      int64_t rows, int64_t ncols) {
+  block_rows_f32(x, K, wblock, nullptr, y, ldy, rows, ncols);
+}
+
 // w [N, K] bf16 -> [ceil(N/32), K, 32] bf16 in the kernel's interleaved layout (zero padded).
 torch::Tensor pack_bf16_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16_weight: [N, K] bf16");

@@ -34,6 +34,8 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch
 // One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias).
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
                        int64_t rows, int64_t ncols);
+void linear_f32_block(const float* x, int64_t K, const float* wblock, float* y, int64_t ldy,
+                      int64_t rows, int64_t ncols);
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
                                                   torch::Tensor q, torch::Tensor scale,
                                                   torch::Tensor coef, torch::Tensor l1w,

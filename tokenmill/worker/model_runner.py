@@ -480,7 +480,7 @@ class ModelRunner:
 
     def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
         """Whether argmax of the raw logits is all this step samples, at a size where
-        the screened lm_head pays and gives linear_bf16's logits (layers/linear.py)."""
+        the screened lm_head pays and gives the packed kernel's logits (layers/linear.py)."""
         return (self.greedy_head is not None
                 and num_rows <= self.greedy_head_max_rows
                 and not so.structured_output_request_ids

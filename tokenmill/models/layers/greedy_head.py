@@ -1,10 +1,12 @@
-"""Greedy tokens from the lm_head without reading all of its bf16 weights.
+"""Greedy tokens from the lm_head without reading all of its weights.
 
 A batch-1 decode step on CPU is bound by streaming weights, and the lm_head
 is about 40% of them. Rows that only take the argmax read an int8 copy of the
-lm_head instead (half the bytes), then recompute exactly the few 32-column
-blocks whose error bound lets them hold the maximum (kernels/cpu_greedy_head.cpp
-has the bound). The token equals argmax over the full logits, ties included.
+lm_head instead (half the bytes of bf16 weights, a quarter of fp32 ones), then
+recompute exactly the few 32-column blocks whose error bound lets them hold the
+maximum (kernels/cpu_greedy_head.cpp has the bound), with the packed linear
+kernel's own code (linear_bf16, or linear_f32 for an fp32 model). The token
+equals argmax over the full logits, ties included.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ QB = 64  # int8 columns per block in the kernel's layout
 
 
 def pack_int8_screen(weight: torch.Tensor):
-    """bf16 [N, K] -> (q, scale, coef, l1) in the kernel's layout.
+    """bf16 or fp32 [N, K] -> (q, scale, coef, l1) in the kernel's layout.
 
     q [ceil(N/64), ceil(K/2), 64, 2] int8: row n quantised symmetrically with
     scale [Npad] = max|w|/127, pairs of k side by side for the int16 dot
@@ -61,27 +63,34 @@ def _round_up(v: torch.Tensor) -> torch.Tensor:
 
 
 class GreedyHead:
-    """The int8 screen of one packed-bf16 `Linear` lm_head (no bias)."""
+    """The int8 screen of one packed `Linear` lm_head (no bias): packed bf16, or packed
+    fp32 for an fp32 model."""
 
     def __init__(self, lm_head, ops):
         self.lm_head = lm_head
         self.ops = ops
-        weight = lm_head.bf16_weight()
+        bf16 = lm_head.packed_bf16 is not None
+        self.packed = lm_head.packed_bf16 if bf16 else lm_head.packed_f32
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        weight = lm_head.bf16_weight() if bf16 else lm_head.weight.detach()
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 
     @classmethod
     def build(cls, lm_head, ops) -> GreedyHead | None:
         """The screen of `lm_head` with the kernels module `ops`, or None where it cannot
-        give linear_bf16's answer (no packed bf16 weights, a bias, or a kernel that
+        give the packed kernel's answer (no packed weights, a bias, or a kernel that
         refuses): the runner then takes the full lm_head. Whether to build one at all
         is the CPU platform's decision (tokenmill/cpu_platform.py)."""
-        if (ops is None or getattr(lm_head, "_linear_bf16", None) is None
-                or lm_head.packed_bf16 is None or lm_head.bias is not None):
+        packed = (getattr(lm_head, "_linear_bf16", None) is not None
+                  and lm_head.packed_bf16 is not None) or (
+            getattr(lm_head, "_linear_f32", None) is not None
+            and lm_head.packed_f32 is not None)
+        if ops is None or not packed or lm_head.bias is not None:
             return None
         head = cls(lm_head, ops)
         try:
-            head(torch.zeros(1, lm_head.in_features, dtype=torch.bfloat16))
+            head(torch.zeros(1, lm_head.in_features, dtype=head.dtype))
         except RuntimeError as e:
             logger.info("greedy lm_head screen unavailable: %s", e)
             return None
@@ -90,7 +99,6 @@ class GreedyHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> argmax(lm_head(x), dim=-1) as [M] int64."""
         ids, self.blocks_recomputed = self.ops.greedy_lm_head(
-            x, self.lm_head.packed_bf16, self.q, self.scale, self.coef, self.l1,
+            x, self.packed, self.q, self.scale, self.coef, self.l1,
             self.lm_head.out_features)
         return ids
-
