@@ -47,8 +47,11 @@ def test_bench_throughput_all_systems(llama_tiny, tmp_path, capsys):
     assert platform["model_dtype"] == platform["gemm_dtype"] == "float32"
     assert platform["capability"] in platform["runnable_levels"]
     # fp32: decode-sized inputs take the packed fp32 kernel where the native kernels run
-    # vectorised (platform["kernels"] native), no int8 lm_head
-    assert platform["linear"] in ("packed_f32", "torch") and platform["lm_head"] == "full"
+    # vectorised (platform["kernels"] native), and so does the int8-screened greedy head
+    assert platform["linear"] in ("packed_f32", "torch")
+    assert platform["lm_head"] == ("greedy_int8" if platform["linear"] == "packed_f32"
+                                   else "full")
+    assert platform["gemm"] in ("onednn_prepacked", "torch")
     assert (platform["linear"] == "packed_f32") == (platform["linear_f32_max_rows"] > 0)
     assert roof["tokenmill_gemm_dtype"] == "float32"
 

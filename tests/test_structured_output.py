@@ -454,3 +454,26 @@ def test_server_bad_structured_output_is_400_naming_the_field(client, kwargs, pa
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_grammar_requests_keep_their_logits(demo_path, dtype):
+    """A greedy request under a grammar in a small batch: the int8-screened greedy head
+    would take such a step (all rows greedy, few rows), but its bitmask is filled after
+    the forward, so the step keeps its logits and the grammar holds - alone, and beside
+    plain greedy requests whose tokens do not change."""
+    from conftest import runner_of
+    llm = LLM(demo_path, **dict(SMALL, dtype=dtype, max_num_seqs=4))
+    screen = runner_of(llm).greedy_head is not None
+    regex = "(the mill ){2,6}end"
+    params = SamplingParams(temperature=0.0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    alone = llm.generate(["The old mill"], params, use_tqdm=False)[0]
+    assert re.fullmatch(regex, completion(alone).text), completion(alone).text
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [completion(o).token_ids for o in llm.generate(PROMPTS[:2], plain, use_tqdm=False)]
+    mixed = llm.generate(["The old mill", *PROMPTS[:2]], [params, plain, plain], use_tqdm=False)
+    assert re.fullmatch(regex, completion(mixed[0]).text)
+    assert [completion(o).token_ids for o in mixed[1:]] == want
+    # Without a grammar in the batch the screen does take the greedy steps.
+    assert not screen or runner_of(llm).greedy_head.blocks_recomputed > 0

@@ -22,6 +22,10 @@ fixes, for the whole run:
 - the linear kernel of an fp32 model: `packed_f32` for inputs of up to
   DEFAULT_F32_PACKED_ROWS rows (decode; a second, packed, copy of the weights) and
   oneDNN above, where the level's linear is vectorised; else `torch`;
+- the GEMM of the inputs the packed kernels do not take (batched decode, prefill):
+  `onednn_prepacked` (the weights reordered once for oneDNN, layers/linear.py
+  `prepack_onednn`; fp32 models, and bf16 ones where bf16 is native) or `torch`
+  (F.linear); the prepacked copy replaces the plain weights;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
@@ -86,6 +90,32 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in _BF16_CPU_FLAGS)
 
 
+_ONEDNN_PREPACK: dict = {}
+
+
+def onednn_prepack_works(dtype) -> bool:
+    """Whether this torch build reorders linear weights for oneDNN and computes with
+    them (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise) in `dtype`:
+    probed once per dtype on a small GEMM against F.linear."""
+    if dtype not in _ONEDNN_PREPACK:
+        import torch
+        import torch.nn.functional as F
+        ok = False
+        try:
+            if torch.backends.mkldnn.is_available():
+                g = torch.Generator().manual_seed(0)
+                w = torch.randn(40, 24, generator=g).to(dtype)
+                x = torch.randn(12, 24, generator=g).to(dtype)
+                y = torch.ops.mkldnn._linear_pointwise(
+                    x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+                ok = bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2,
+                                         rtol=1e-2))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _ONEDNN_PREPACK[dtype] = ok
+    return _ONEDNN_PREPACK[dtype]
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -146,6 +176,7 @@ class CpuPlatform:
     linear: str                     # "packed_bf16" or "torch"
     linear_bf16_max_rows: int       # rows that take packed_bf16 (0: linear is torch;
                                     # ALL_ROWS: every input)
+    gemm: str                       # the other inputs: "onednn_prepacked" or "torch"
     weights: str                    # what the Linear layers keep in memory
     attention: str                  # "native" or "torch": paged decode, KV writes, q/k norm + rope
     norm: str                       # "native" or "torch": RMSNorm (half-precision activations)
@@ -202,14 +233,22 @@ class CpuPlatform:
         packed_f32 = (ops is not None and model_dtype == torch.float32
                       and getattr(ops, "has_fast_linear_bf16", False)
                       and hasattr(ops, "linear_f32"))
+        # Prepacked oneDNN weights where the GEMMs run in the model's fp32 / bf16 and some
+        # inputs take them (not where a packed-only layer takes every input).
+        prepack = (on_cpu and cpu_kernels != "torch" and gemm == model_dtype
+                   and model_dtype in (torch.float32, torch.bfloat16)
+                   and not (packed and linear_bf16_max_rows >= ALL_ROWS)
+                   and onednn_prepack_works(model_dtype))
+        dense = (f"{_name(gemm)} prepacked for oneDNN" if prepack else
+                 f"{_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy")
         if packed_f32:
-            weights = "fp32 (the model's) + packed fp32"
+            weights = "packed fp32 + " + dense
         elif not packed:
-            weights = f"{_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy"
+            weights = dense
         elif linear_bf16_max_rows >= ALL_ROWS:
             weights = "packed bf16 only"
         else:
-            weights = "packed bf16 + " + ("fp32 copy" if widen else "bf16 (oneDNN)")
+            weights = "packed bf16 + " + ("fp32 copy" if widen else dense)
         greedy = ((packed or packed_f32) and greedy_head_max_rows > 0
                   and getattr(ops, "has_greedy_lm_head", False))
         packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
@@ -222,7 +261,8 @@ class CpuPlatform:
             capability=level if on_cpu else None, kernels=native,
             model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
             linear="packed_bf16" if packed else "packed_f32" if packed_f32 else "torch",
-            linear_bf16_max_rows=linear_bf16_max_rows if packed else 0, weights=weights,
+            linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
+            gemm="onednn_prepacked" if prepack else "torch", weights=weights,
             attention=native, norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
@@ -273,6 +313,10 @@ class CpuPlatform:
         linear = (f"packed_bf16 {rows}" if self.linear == "packed_bf16" else
                   f"packed_f32 up to {self.linear_f32_max_rows} rows" if self.linear == "packed_f32"
                   else "torch")
+        if self.linear != "torch" and self.linear_bf16_max_rows < ALL_ROWS:
+            linear += f", {self.gemm} above"
+        elif self.linear == "torch":
+            linear = self.gemm
         head = (f"greedy_int8 up to {self.greedy_head_max_rows} rows"
                 if self.lm_head == "greedy_int8" else "full")
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
@@ -303,6 +347,17 @@ class CpuPlatform:
                 if (isinstance(module, Linear) and module.weight.dtype == torch.float32
                         and module.weight.device.type == "cpu"):
                     module.pack_f32(self.ops, self.linear_f32_max_rows)
+        if self.gemm == "onednn_prepacked":
+            dtype = getattr(torch, self.model_dtype)
+            # Parameters more than one module holds (a head tied to the embedding).
+            seen: dict[int, int] = {}
+            for _, p in model.named_parameters(remove_duplicate=False):
+                seen[id(p)] = seen.get(id(p), 0) + 1
+            for module in model.modules():
+                if (isinstance(module, Linear) and module.weight.dtype == dtype
+                        and module.weight.device.type == "cpu" and not module.packed_only
+                        and not module.weight.is_meta):
+                    module.prepack_onednn(keep_weight=seen.get(id(module.weight), 0) > 1)
         widen = self.widen_to
         if widen is not None:
             n = widen_gemms(model, widen)  # packed-only layers keep their bf16 weights

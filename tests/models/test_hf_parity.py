@@ -181,7 +181,8 @@ def test_tied_embeddings(tiny_model_factory, name):
     model = llm.llm_engine.engine_core.runner.model
     # The head is the embedding, though the checkpoint stores no lm_head tensor.
     emb = tm.hf.get_input_embeddings().weight
-    assert torch.equal(model.lm_head.weight, emb)
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied: one tensor
+    assert torch.equal(model.lm_head.dense_weight(), emb)
     prompts = tm.prompts[:3]
     assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
 
@@ -192,8 +193,8 @@ def test_untied_embeddings_load_their_own_head(tiny_model_factory, name):
     assert not tm.hf_config.get("tie_word_embeddings", False)
     llm = make_llm(tm.path)
     model = llm.llm_engine.engine_core.runner.model
-    assert torch.equal(model.lm_head.weight, tm.hf.lm_head.weight)
-    assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.dense_weight(), tm.hf.lm_head.weight)
+    assert not torch.equal(model.lm_head.dense_weight(), model.embed_tokens.weight)
 
 
 @pytest.mark.parametrize("name", ["qwen3_headdim", "llama_gqa_tied"])

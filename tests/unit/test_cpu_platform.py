@@ -67,6 +67,7 @@ def test_bf16_model_without_native_bf16(ops, kernel_level, widened):
     # Packed, the kernel takes every input and the packed bf16 weights are the only copy.
     assert p.linear_bf16_max_rows == (ALL_ROWS if fast else 0)
     assert p.weights == ("packed bf16 only" if fast else "fp32 copy")
+    assert p.gemm == "torch"  # no bf16 weights kept for oneDNN where it emulates bf16
     assert p.lm_head == ("greedy_int8" if fast and screen else "full")
     assert p.greedy_head_max_rows == (4 if fast and screen else 0)
     assert p.decode_layers == fast
@@ -88,7 +89,12 @@ def test_bf16_model_with_native_bf16(ops, kernel_level, native_bf16):
         assert p.gemm_dtype == "bfloat16" and p.widen_to is None
         assert p.linear_bf16_max_rows == (cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS
                                           if fast else 0)
-        assert p.weights == ("packed bf16 + bf16 (oneDNN)" if fast else "bfloat16 (the model's)")
+        # The larger inputs take oneDNN's GEMM over prepacked weights where this torch
+        # build has it (the plain bf16 weights otherwise).
+        onednn = cpu_platform.onednn_prepack_works(BF16)
+        assert p.gemm == ("onednn_prepacked" if onednn else "torch")
+        dense = "bfloat16 prepacked for oneDNN" if onednn else "bfloat16 (the model's)"
+        assert p.weights == ("packed bf16 + " + dense if fast else dense)
         assert p.decode_layers == fast
     assert (p.attention, p.norm, p.activation) == ("native",) * 3
 
@@ -97,9 +103,13 @@ def test_fp32_model(ops, kernel_level, widened):
     p = CpuPlatform.create("cpu", FP32)
     assert p.gemm_dtype == "float32" and p.widen_to is None
     # fp32 activations: decode-sized inputs take the packed fp32 kernel (where the level
-    # vectorises it), larger ones PyTorch's GEMM; RMSNorm stays PyTorch's.
+    # vectorises it), larger ones oneDNN's GEMM over prepacked weights (where this torch
+    # build has it); RMSNorm stays PyTorch's.
     packed = ops.has_fast_linear_bf16
     assert p.linear == ("packed_f32" if packed else "torch")
+    onednn = cpu_platform.onednn_prepack_works(FP32)
+    assert p.gemm == ("onednn_prepacked" if onednn else "torch")
+    assert p.weights.endswith("float32 prepacked for oneDNN" if onednn else "(the model's)")
     assert p.linear_f32_max_rows == (cpu_platform.DEFAULT_F32_PACKED_ROWS if packed else 0)
     # The int8-screened greedy head over the packed fp32 lm_head.
     assert (p.lm_head, p.norm) == ("greedy_int8" if packed else "full", "torch")
@@ -384,3 +394,37 @@ def test_moe_experts_are_packed_without_native_bf16(tmp_path, ops, kernel_level,
     assert all(m.gate_up_proj.dtype == FP32 for m in runner_of(both).model.modules()
                if isinstance(m, FusedMoE))
     assert run(llm) == run(both)
+
+
+def test_onednn_prepacked_layers_match_f_linear(tiny_model_factory, ops, kernel_level):
+    """fp32 and bf16 (native) models: Linear layers keep oneDNN's prepacked weights in
+    place of the plain ones, and inputs over the packed kernels' rows take them: the
+    F.linear result (bf16: bit for bit; fp32: up to summation order)."""
+    import torch.nn.functional as F
+    for dtype in (FP32, BF16):
+        if not cpu_platform.onednn_prepack_works(dtype):
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+            platform = CpuPlatform.create("cpu", dtype)
+        if platform.gemm_dtype != platform.model_dtype:
+            continue  # a level forced below avx512 widens bf16 GEMMs instead
+        torch.manual_seed(3)
+        lin = Linear(48, 200, bias=True).to(dtype)
+        ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
+        platform.prepare_model(lin)
+        assert lin.onednn_weight is not None and lin.weight.is_meta
+        assert torch.equal(lin.dense_weight(), ref_w)
+        x = torch.randn(2, 40, 48).to(dtype)  # 80 rows: past the packed kernels
+        got, want = lin(x), F.linear(x, ref_w, ref_b)
+        assert got.shape == want.shape and got.dtype == dtype
+        if dtype == BF16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    tm = tiny_model_factory("qwen3_headdim")
+    llm = make_llm(tm.path)  # fp32: HF's greedy tokens with prepacked prefill GEMMs
+    if llm.llm_engine.platform.gemm == "onednn_prepacked":
+        assert any(m.onednn_weight is not None for m in runner_of(llm).model.modules()
+                   if isinstance(m, Linear))
+    assert _generate(llm, tm) == [tm.reference(p, 8) for p in tm.prompts[:3]]

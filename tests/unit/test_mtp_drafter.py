@@ -235,7 +235,7 @@ def test_paged_draft_steps_equal_dense_reference(ckpt, name, native):
         run_step(drafter, [follow(a), follow(b)], ops)  # one-row steps across block edges
     assert (len(a), len(b)) == (14, 9)
 
-    embed, lm_head = target.embed_tokens.weight, target.lm_head.weight
+    embed, lm_head = target.embed_tokens.weight, target.lm_head.dense_weight()
     for seq in (a, b):
         ref_out, ref_logits = reference(cfg, ck.mtp, embed, lm_head, torch.tensor(seq.ids),
                                         torch.tensor(seq.pos), torch.cat(seq.hidden))

@@ -59,6 +59,9 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         # Rows whose request needs a logits processor (looked up in `params` then).
         self.needs_processors = np.zeros(max_num_reqs, dtype=bool)
+        # Rows whose request samples under a grammar (its bitmask is filled after the
+        # forward: the step must keep its logits).
+        self.has_grammar = np.zeros(max_num_reqs, dtype=bool)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.seeds: dict[int, int] = {}
@@ -97,6 +100,7 @@ class InputBatch:
         self.needs_processors[row] = bool(
             sp.logit_bias or sp.allowed_token_ids or getattr(sp, "bad_words_token_ids", None)
             or sp.min_tokens or sp.has_penalties)
+        self.has_grammar[row] = getattr(sp, "structured_outputs", None) is not None
         self.params[row] = sp
         if state.generator is not None:
             self.generators[row] = state.generator
@@ -118,6 +122,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.params[row] = None
         self.needs_processors[row] = False
+        self.has_grammar[row] = False
         self.generators.pop(row, None)
         self.seeds.pop(row, None)
         for table in self.block_tables:
@@ -142,6 +147,7 @@ class InputBatch:
             arr[dst] = arr[src]
         self.params[dst], self.params[src] = self.params[src], None
         self.needs_processors[src] = False
+        self.has_grammar[src] = False
         for d in (self.generators, self.seeds):
             if src in d:
                 d[dst] = d.pop(src)
@@ -171,17 +177,18 @@ class InputBatch:
         return (self.num_tokens_no_spec, self.num_prompt_tokens, self.num_computed_tokens_cpu,
                 self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalty,
                 self.frequency_penalty, self.repetition_penalty, self.num_logprobs,
-                self.min_tokens, self.needs_processors)
+                self.min_tokens, self.needs_processors, self.has_grammar)
 
     def token_id(self, row: int, col: int) -> int:
         return int(self.token_ids_cpu[row, col])
 
     # ---- sampling ------------------------------------------------------------
     def all_plain_greedy(self) -> bool:
-        """Every row takes the argmax of its raw logits: greedy, no logprobs, no processors."""
+        """Every row takes the argmax of its raw logits: greedy, no logprobs, no processors,
+        no grammar."""
         n = self.num_reqs()
         return bool((self.temperature[:n] < 1e-5).all() and (self.num_logprobs[:n] < 0).all()
-                    and not self.needs_processors[:n].any())
+                    and not self.needs_processors[:n].any() and not self.has_grammar[:n].any())
 
     def make_sampling_metadata(self) -> SamplingMetadata:
         n = self.num_reqs()

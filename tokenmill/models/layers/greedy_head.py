@@ -72,7 +72,7 @@ class GreedyHead:
         bf16 = lm_head.packed_bf16 is not None
         self.packed = lm_head.packed_bf16 if bf16 else lm_head.packed_f32
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        weight = lm_head.bf16_weight() if bf16 else lm_head.weight.detach()
+        weight = lm_head.bf16_weight() if bf16 else lm_head.dense_weight()
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 

@@ -16,6 +16,14 @@ platform's decision (tokenmill/cpu_platform.py); it calls `pack_bf16` once at lo
 An fp32 model's decode-sized inputs take `linear_f32` the same way (`pack_f32`): the
 same math as F.linear up to summation order, but it streams the weights at the
 memory's pace where a batch-1 F.linear does not; larger inputs keep oneDNN.
+
+Those larger inputs (batched decode, prefill) run oneDNN's GEMM on weights reordered
+once into its blocked layout (`prepack_onednn`: torch.ops.mkldnn's
+_reorder_linear_weight / _linear_pointwise, what PyTorch's own CPU compiler uses for
+frozen weights) instead of F.linear on the plain [N, K] weights: 1.3-3x the fp32
+GEMM speed and 1.0-1.8x the bf16 one at 9-2048 rows on the machines measured, the
+same bf16 results bit for bit, fp32 ones up to summation order. The prepacked copy
+replaces `weight`.
 """
 from __future__ import annotations
 
@@ -36,6 +44,17 @@ class Linear(nn.Linear):
     packed_f32: torch.Tensor | None = None  # fp32 weights in linear_f32's layout
     f32_max_rows = 0  # fp32 inputs of up to this many rows take linear_f32
     _linear_f32 = None
+    onednn_weight: torch.Tensor | None = None  # oneDNN's prepacked weights (prepack_onednn)
+
+    def prepack_onednn(self, keep_weight: bool = False) -> None:
+        """Reorder the weights once for oneDNN's GEMM, which then takes every input the
+        packed kernels do not; `weight` is dropped (left on the meta device) unless
+        `keep_weight` (a weight shared with another module, as a tied embedding: dropping
+        it here would free nothing)."""
+        w = self.weight.detach()
+        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+        if not keep_weight:
+            self.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
 
     def pack_f32(self, ops, max_rows: int) -> None:
         """Pack the fp32 weights for `ops.linear_f32`, which then runs fp32 inputs of up
@@ -60,11 +79,22 @@ class Linear(nn.Linear):
 
     def bf16_weight(self) -> torch.Tensor:
         """The [N, K] weights in bf16, unpacked from the packed layout if need be."""
-        if not self.weight.is_meta:
-            return self.weight.detach().to(torch.bfloat16)
+        if self.packed_bf16 is None or not self.weight.is_meta:
+            return self.dense_weight().to(torch.bfloat16)
         nb, k, nb_cols = self.packed_bf16.shape  # [N/32, K, 32], pairs (col i, col 16+i)
         w = self.packed_bf16.view(nb, k, nb_cols // 2, 2).permute(0, 3, 2, 1)
         return w.reshape(nb * nb_cols, k)[:self.out_features]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [N, K] weights in the model's dtype, from whichever copy the layer keeps."""
+        if not self.weight.is_meta:
+            return self.weight.detach()
+        if self.packed_f32 is not None:  # [N/32, K, 32], columns in order
+            nb, k, cols = self.packed_f32.shape
+            return self.packed_f32.permute(0, 2, 1).reshape(nb * cols, k)[:self.out_features]
+        if self.packed_bf16 is not None:
+            return self.bf16_weight()
+        return self.onednn_weight.to_dense()
 
     def set_compute_dtype(self, dtype: torch.dtype) -> bool:
         """Keep the weights in `dtype` and run the GEMM there; False if they already were.
@@ -92,6 +122,10 @@ class Linear(nn.Linear):
         if self._linear_bf16 is not None and x.dtype in (torch.float32, torch.bfloat16) \
                 and rows <= self.bf16_max_rows:
             return self._packed_linear(self._linear_bf16, self.packed_bf16, x, rows)
+        if self.onednn_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features),
+                                                   self.onednn_weight, self.bias, "none", [], "")
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.compute_dtype is None:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
