@@ -19,6 +19,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 
 
+@pytest.fixture(autouse=True)
+def no_row_budget(monkeypatch):
+    """Drafts at every batch size: the tests below check speculation in batches larger
+    than the CPU's row budget (which would leave them no drafts); the budget itself is
+    tested in test_row_budget_shares_the_free_rows."""
+    from tokenmill.cpu_platform import CpuPlatform
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+
+
 def loop_prompts(vocab: int, n: int = 6, seed: int = 5) -> list[list[int]]:
     """Prompts that end in a repeated motif (drafts right away), and plain ones."""
     rng = np.random.default_rng(seed)
@@ -585,3 +594,33 @@ def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, m
     assert not waited0 and waited1
     assert sum(map(len, (d for step in drafts1 for d in step))) > 0
     assert drafts1 == drafts0
+
+
+def test_row_budget_shares_the_free_rows(base, monkeypatch):
+    """With the CPU's row budget (the rows a decode step takes at about the cost of
+    one), each verifying step stays within it: drafts fill the rows the batch leaves
+    free, none once the batch fills it; the output is unchanged."""
+    from tokenmill.cpu_platform import CpuPlatform
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: 4))
+    tm, prompts, want = base
+    llm = make_llm(tm.path, speculative_config=NGRAM)
+    runner = runner_of(llm)
+    assert runner.drafter.row_budget == 4
+    rows = []
+    inner = runner.drafter.propose
+
+    def propose(req_ids, *args):
+        out = inner(req_ids, *args)
+        rows.append(len(req_ids) + sum(map(len, out)))
+        assert all(not d for d in out) or len(req_ids) + sum(map(len, out)) <= 4
+        return out
+    runner.drafter.propose = propose
+    # Lengths that finish one after another: the batch shrinks under the budget.
+    lengths = [15 + 5 * i for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(m) for m in lengths], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w[:m] for w, m in zip(want, lengths)]
+    assert spec_stats(llm).num_draft_tokens > 0  # the last requests draft
+    assert max(rows) > 4  # batches past the budget ran, without drafts
+    plain = make_llm(tm.path, speculative_config=dict(NGRAM, adaptive=False))
+    assert plain.llm_engine.engine_core.runner.drafter.row_budget is None

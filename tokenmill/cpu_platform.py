@@ -287,6 +287,25 @@ class CpuPlatform:
         import torch
         return None if self.gemm_dtype == self.model_dtype else getattr(torch, self.gemm_dtype)
 
+    @property
+    def fast_decode_rows(self) -> int | None:
+        """Rows a decode step may have at about the cost of one: it takes the packed
+        kernels and the native decode-layer loop (streaming the weights once) and, where
+        the screen runs, the int8 greedy head (past its rows the full lm_head and the
+        logits cost more than the extra rows save: measured with `bench spec` at 1 to 16
+        requests). None: no such limit (the PyTorch path)."""
+        if self.linear == "packed_f32":
+            rows = self.linear_f32_max_rows
+        elif self.linear == "packed_bf16" and self.linear_bf16_max_rows < ALL_ROWS:
+            rows = self.linear_bf16_max_rows
+        elif self.linear == "packed_bf16":
+            rows = DEFAULT_NATIVE_BF16_PACKED_ROWS  # packed-only: the decode loop's limit too
+        else:
+            return None
+        if self.lm_head == "greedy_int8":
+            rows = min(rows, self.greedy_head_max_rows)
+        return rows
+
     def as_dict(self) -> dict:
         """Every decision and what it was made from (JSON-ready; no kernels module)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ops"}

@@ -65,3 +65,20 @@ def test_batch_size_switch_and_ineligible_rows():
     assert out[0] == [] and len(out[1]) == 4
     d.remove("b")
     assert "b" not in d._next_k
+
+
+def test_row_budget_shares_the_free_rows():
+    """Drafts fill the rows the batch leaves free under the row budget, shared by the
+    rows that ask; a full batch gets none; not adaptive: no budget."""
+    def drafts(d, n, eligible=None):
+        rows = np.repeat(PERIODIC, n, axis=0)
+        ok = np.ones(n, dtype=bool) if eligible is None else np.array(eligible)
+        return [len(x) for x in d.propose([f"r{i}" for i in range(n)], rows,
+                                          np.full(n, 30), ok)]
+    d = Drafter(drafter().config, row_budget=8)
+    assert drafts(d, 1) == [4]  # k: 1 + 4 rows
+    assert drafts(d, 2) == [3, 3]  # 2 + 6
+    assert drafts(d, 3) == [1, 1, 1]  # 3 + 3: (8 - 3) // 3
+    assert drafts(d, 3, [True, False, False]) == [4, 0, 0]  # one asks: it takes k
+    assert drafts(d, 8) == [0] * 8
+    assert Drafter(drafter(adaptive=False).config, row_budget=8).row_budget is None

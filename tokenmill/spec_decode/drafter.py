@@ -8,6 +8,12 @@ batch has `disable_by_batch_size` requests or more (the forward is then
 compute-bound and verifying k extra rows per request costs more than it saves).
 A grammar is no reason: its bitmask has a row per verified position.
 
+Row budget: on the CPU a decode step costs the same up to the packed kernels' row
+limit (it streams the weights once; the platform's fast_decode_rows) and much more
+past it (the GEMMs and the Python layers take over), so with `adaptive` the drafts
+of a step fill only the rows the batch leaves free under that limit: k drafts at
+batch 1, fewer as the batch grows, none once it fills the limit.
+
 Adaptive k: a request starts at num_speculative_tokens; after a verification with
 every draft accepted it asks for one more (up to k), otherwise for one more than it
 had accepted - so a request whose drafts keep failing pays for one draft a step,
@@ -29,12 +35,15 @@ MAX_BACKOFF = 64  # steps a request whose drafts keep failing goes without draft
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, model_proposer=None):
+    def __init__(self, config: SpeculativeConfig, model_proposer=None,
+                 row_budget: int | None = None):
         """`model_proposer`: proposes from a draft model that reads the target's hidden
         states (EagleProposer, spec_decode/eagle.py, or DFlashProposer); None: n-gram
-        lookup."""
+        lookup. `row_budget`: the rows a decode step may have at the cost of one row
+        (None: no such limit)."""
         self.config = config
         self.k = config.num_speculative_tokens
+        self.row_budget = row_budget if config.adaptive else None
         self.model_proposer = model_proposer
         self.ngram = (NgramProposer(self.k, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
@@ -70,11 +79,16 @@ class Drafter:
     def _max_drafts(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
         """Drafts each row asks for this step (0: none): off for a large batch, else
         each eligible request's adaptive k (0 while it backs off)."""
-        max_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        n = len(req_ids)
+        max_drafts = np.zeros(n, dtype=np.int64)
         d = self.config.disable_by_batch_size
-        if d is None or len(req_ids) < d:
+        if d is None or n < d:
             for r in np.nonzero(eligible)[0].tolist():
                 max_drafts[r] = self._wanted(req_ids[r])
+        if self.row_budget is not None:
+            asking = int(np.count_nonzero(max_drafts))
+            if asking:  # share the rows the batch leaves free under the budget
+                np.minimum(max_drafts, max(0, self.row_budget - n) // asking, out=max_drafts)
         return max_drafts
 
     def propose_with_model(self, runner, hidden, meta, req_ids: list[str],

@@ -143,7 +143,8 @@ class ModelRunner:
             proposer = EagleProposer(draft_model, device, max_model_len)
             if draft_model.aux_layer_ids:
                 model.aux_layer_ids = tuple(draft_model.aux_layer_ids)
-        self.drafter = (Drafter(speculative_config, proposer)
+        self.drafter = (Drafter(speculative_config, proposer,
+                                row_budget=self.platform.fast_decode_rows)
                         if speculative_config is not None else None)
         self._step_hidden = None  # the target's hidden states and metadata, for the drafter
         self._step_meta = None
