@@ -23,6 +23,9 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+ENGINE_DERIVED = ("all_stop_token_ids", "bad_words_token_ids")
+
+
 @dataclass(init=False)
 class SamplingParams:
     n: int = 1
@@ -52,13 +55,21 @@ class SamplingParams:
     # Constrain the output to a JSON schema / regex / choice / grammar (dict or
     # StructuredOutputsParams); the grammar itself is checked at add_request.
     structured_outputs: StructuredOutputsParams | None = None
+    # Derived by the engine when it takes a request in (llm_engine.py), never passed by
+    # a user: the stop token ids with EOS, the bad words as token ids. Fields, so they
+    # travel with the request in the scheduler/runner messages (core/serial.py).
+    all_stop_token_ids: frozenset[int] | None = field(default=None, repr=False,
+                                                      compare=False)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False,
+                                                        compare=False)
 
     def __init__(self, **kwargs):
-        known = {f.name: f for f in fields(self)}
+        known = {f.name: f for f in fields(self) if f.name not in ENGINE_DERIVED}
         for name in kwargs:
             if name not in known:
                 raise ParamError(name, f"SamplingParams got an unknown field {name!r}; "
                                        f"known fields: {', '.join(known)}")
+        self.all_stop_token_ids = self.bad_words_token_ids = None
         for name, f in known.items():
             if name in kwargs:
                 value = kwargs[name]
@@ -245,7 +256,10 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self, **changes) -> "SamplingParams":
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        """A copy with `changes` (user fields), checked again; the derived ones are not
+        copied."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ENGINE_DERIVED}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
 

@@ -205,19 +205,17 @@ def test_manager_caches_compiles_and_builds_compact_rows(manager):
 def test_runner_maps_compact_rows_to_batch_rows():
     from types import SimpleNamespace
 
-    from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
+    from tokenmill.core.sched_output import GrammarOutput
     from tokenmill.worker.model_runner import ModelRunner
     bm = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
-    so = SchedulerOutput([], CachedRequestData(), {"a": 1, "b": 1, "c": 1, "d": 1}, 4)
-    so.structured_output_request_ids = {"c": 0, "a": 1, "gone": 2}
-    so.grammar_bitmask = bm
+    grammar = GrammarOutput({"c": 0, "a": 1, "gone": 2}, bm)
     # after the decode-first reorder the batch holds d, c, b, a
-    fake = SimpleNamespace(_grammar_so=so, device=torch.device("cpu"),
+    fake = SimpleNamespace(_grammar=grammar, device=torch.device("cpu"),
                            input_batch=SimpleNamespace(req_id_to_index={"d": 0, "c": 1, "b": 2,
                                                                         "a": 3}))
     rows, got = ModelRunner._grammar_bitmask_rows(fake)
     assert rows.tolist() == [1, 3] and got.numpy().tolist() == bm[[0, 1]].tolist()
-    assert fake._grammar_so is None  # consumed
+    fake._grammar = None  # sample_tokens() got none
     assert ModelRunner._grammar_bitmask_rows(fake) is None
-    fake._grammar_so = SchedulerOutput.make_empty()
+    fake._grammar = GrammarOutput({}, np.zeros((0, 4), dtype=np.int32))
     assert ModelRunner._grammar_bitmask_rows(fake) is None

@@ -1,17 +1,15 @@
-"""The scheduler/runner contract: two plain dataclasses and their parts.
+"""The scheduler/runner contract: plain dataclasses and their parts.
 
-They carry only ids, counts and sampling parameters, so the runner could live
-in another process later.
+They carry only ids, counts, sampling parameters and host arrays, so they travel
+between processes as messages (tokenmill/core/serial.py: msgpack).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
@@ -20,7 +18,7 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     block_ids: list[list[int]]  # one list per KV cache group
     num_computed_tokens: int
     # Tokens already generated (non-empty when a request is replayed).
@@ -44,7 +42,25 @@ class CachedRequestData:
 
 
 @dataclass
+class KVConnectorMetadata:
+    """One step's connector work, built by the scheduler half (tokenmill.kv_connector)
+    for the worker half."""
+
+    # (block id, verified payload, index of the store it came from)
+    loads: list[tuple[int, memoryview, int]] = field(default_factory=list)
+    # (block id, block hash, indices of the stores to write)
+    stores: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
+    """One step's schedule. Final once schedule() returns (frozen): the runner's
+    threads read it while the engine goes on; what is known only later (the grammar
+    bitmask) is an argument of sample_tokens()."""
+
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
@@ -55,13 +71,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # The KV connector's work for this step (tokenmill.kv_connector): blocks to load
     # before the forward, blocks to store after it. None without a connector.
-    kv_connector_metadata: object = None
-    # Structured output (tokenmill.structured_output): the compact grammar bitmask,
-    # one row per structured request of this step ([R, ceil(vocab / 32)] int32; bit
-    # t % 32 of word t // 32 set = token t allowed), and request id -> its row. The
-    # engine core fills them before sampling; the runner maps rows to its batch.
-    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: "np.ndarray | None" = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # Speculative decoding: request id -> the draft tokens scheduled after its last
     # token this step (they count in num_scheduled_tokens); absent: none.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -69,6 +79,19 @@ class SchedulerOutput:
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
         return cls([], CachedRequestData(), {}, 0)
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """Structured output's part of a step, known only once the tokens before it are
+    accepted (tokenmill.structured_output): an argument of the runner's
+    sample_tokens(), as in vLLM V1, not a field filled into the SchedulerOutput while
+    the forward runs. The compact bitmask has a row per structured request of the step
+    (more when it verifies drafts: one per position) ([R, ceil(vocab / 32)] int32; bit
+    t % 32 of word t // 32 set = token t allowed); request id -> its first row."""
+
+    structured_output_request_ids: dict[str, int]
+    grammar_bitmask: np.ndarray
 
 
 @dataclass
@@ -80,9 +103,9 @@ class LogprobsLists:
     token's 1-based rank among the whole vocabulary.
     """
 
-    token_ids: "np.ndarray"  # [P, 1 + k] int
-    logprobs: "np.ndarray"  # [P, 1 + k] float32
-    ranks: "np.ndarray"  # [P] int
+    token_ids: np.ndarray  # [P, 1 + k] int
+    logprobs: np.ndarray  # [P, 1 + k] float32
+    ranks: np.ndarray  # [P] int
 
     def slice(self, start: int, end: int) -> "LogprobsLists":
         return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end],

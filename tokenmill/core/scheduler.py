@@ -7,6 +7,8 @@ as many of them as the budget allows (a prompt chunk, or one decode token).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,12 +53,19 @@ class EngineCoreOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig):
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 kv_connector=None):
+        """`kv_connector`: the external KV tier's KVConnector (tokenmill.kv_connector),
+        whose scheduler half this builds; None: no external tier."""
         self.config = config
         self.kv_cache_manager = KVCacheManager(kv_cache_config,
                                                bool(config.enable_prefix_caching))
-        # The scheduler half of a KV connector (tokenmill.kv_connector), set by EngineCore.
+        # The scheduler half of the KV connector: which blocks to load and store.
         self.connector = None
+        if kv_connector is not None:
+            from tokenmill.kv_connector.connector import KVConnectorScheduler
+            self.connector = KVConnectorScheduler(kv_connector, kv_cache_config.block_size,
+                                                  kv_cache_config.attention_group_id)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -381,8 +390,9 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
+        if self.connector is not None:  # the one field known only now; then out is final
+            out = dataclasses.replace(
+                out, kv_connector_metadata=self.connector.build_connector_meta(out, self))
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

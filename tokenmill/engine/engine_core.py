@@ -13,11 +13,11 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec
 from tokenmill.core.request import Request
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.errors import EngineDeadError, RequestFault
-from tokenmill.kv_connector.setup import attach_kv_connector, kv_cache_stats, resolve_prefix_caching
+from tokenmill.kv_connector.setup import kv_cache_stats, make_kv_connector, resolve_prefix_caching
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.loading import load_draft_model
 from tokenmill.worker.kv_cache import available_memory_bytes
@@ -78,7 +78,8 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
                  kv_connector_config=None, platform: CpuPlatform | None = None,
-                 speculative_config=None):
+                 speculative_config=None, structured_output=None):
+        """`structured_output`: the StructuredOutputManager (None: no grammars)."""
         self.model_config = model_config
         # Which kernels run (tokenmill/cpu_platform.py): the engine's, or this device's defaults.
         self.platform = platform or CpuPlatform.create(model_config.device, model_config.dtype)
@@ -101,16 +102,20 @@ class EngineCore:
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device,
             1 + (speculative_config.num_speculative_tokens if speculative_config else 0))
-        self.runner.initialize_kv_cache(self.kv_cache_config)
+        # The external KV tier (tokenmill.kv_connector): its stores, shared by the
+        # scheduler's half and the runner's.
+        self.kv_connector = make_kv_connector(kv_connector_config, model_config,
+                                              self.kv_cache_config,
+                                              gemm_dtype=self.platform.widen_to)
+        self.runner.initialize_kv_cache(self.kv_cache_config, self.kv_connector)
         if speculative_config is not None:
             logger.info("speculative decoding: %s", speculative_config.describe())
-        # Prefix caching (None: on unless hybrid) and the external KV tier (tokenmill.kv_connector).
+        # Prefix caching (None: on unless hybrid).
         scheduler_config.enable_prefix_caching = resolve_prefix_caching(
             scheduler_config.enable_prefix_caching, self.kv_cache_config)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_config)
-        self.kv_connector = attach_kv_connector(kv_connector_config, model_config,
-                                                self.kv_cache_config, self.scheduler, self.runner,
-                                                gemm_dtype=self.platform.widen_to)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_config, self.kv_connector)
+        # Grammars (tokenmill.structured_output), or None.
+        self.structured_output = structured_output
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.kv_cache_config.num_blocks,
                     cache_config.block_size,
                     self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20)
@@ -157,8 +162,7 @@ class EngineCore:
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.runner.execute_model(so)
-        self._grammar_bitmask_before_sampling(so)
-        return self.runner.sample_tokens()
+        return self.runner.sample_tokens(self._grammar_before_sampling(so))
 
     def step(self) -> list[EngineCoreOutput]:
         """One step; the outputs include requests that failed (finish_reason "error")."""
@@ -276,9 +280,6 @@ class EngineCore:
         return kv_cache_stats(self.scheduler, self.kv_connector)
 
     # ---- structured output (tokenmill.structured_output) ---------------------------
-    # The StructuredOutputManager, set by LLMEngine; None: no grammars.
-    structured_output = None
-
     def _attach_grammar(self, request: Request) -> None:
         """A request with structured_outputs gets its matcher (compiled off the step)."""
         sop = getattr(request.sampling_params, "structured_outputs", None)
@@ -286,28 +287,29 @@ class EngineCore:
             request.structured_output = self.structured_output.new_request(
                 request.request_id, sop)
 
-    def _fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
-        so.structured_output_request_ids, so.grammar_bitmask = \
-            self.structured_output.grammar_bitmask(self.scheduler.requests,
-                                                   so.num_scheduled_tokens,
-                                                   so.scheduled_spec_decode_tokens)
+    def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """The grammar bitmask of `so`, from its requests' matchers as they are now."""
+        ids, bitmask = self.structured_output.grammar_bitmask(
+            self.scheduler.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens)
+        return GrammarOutput(ids, bitmask) if bitmask is not None else None
 
-    def _grammar_bitmask_before_sampling(self, so: SchedulerOutput) -> None:
-        """Between the forward and the sampling of `so` (on the thread running it).
+    def _grammar_before_sampling(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """Between the forward and the sampling of `so` (on the thread running it): what
+        sample_tokens() gets. `so` itself is never changed after schedule().
 
-        Synchronous: every earlier token is accepted, so fill the bitmask now. Async:
-        the step before is collected on the caller's thread, which fills the bitmask
-        after accepting its tokens (_grammar_bitmask_after_update); wait for that."""
+        Synchronous: every earlier token is accepted, so build the bitmask now. Async:
+        the step before is collected on the caller's thread, which builds it after
+        accepting its tokens (_grammar_bitmask_after_update); wait for that."""
         som = self.structured_output
         if som is None:
-            return
+            return None
         if not self.async_scheduling:
             if so.total_num_scheduled_tokens:
-                self._fill_grammar_bitmask(so)
-            elif self.scheduler.num_waiting:
+                return self._grammar_output(so)
+            if self.scheduler.num_waiting:
                 som.wait_for_grammars(0.05)  # nothing ran: maybe all wait for a grammar
-            return
-        som.wait_bitmask(so)
+            return None
+        return som.wait_bitmask(so)
 
     def _expect_grammar_bitmask(self, so: SchedulerOutput) -> None:
         """Async, before launching `so`: its structured requests need a bitmask that only
@@ -329,10 +331,11 @@ class EngineCore:
             return
         so = launched[0]
         if som.is_expected(so):
+            grammar = None
             try:
-                self._fill_grammar_bitmask(so)
+                grammar = self._grammar_output(so)
             finally:
-                som.bitmask_ready(so)
+                som.bitmask_ready(so, grammar)
 
 
 def _entrants(so: SchedulerOutput) -> list[str]:

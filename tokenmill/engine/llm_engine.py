@@ -17,7 +17,7 @@ from tokenmill.engine.output_processor import CompletionState, OutputProcessor, 
 from tokenmill.errors import ParamError
 from tokenmill.limits import RequestLimits
 from tokenmill.outputs import RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import ENGINE_DERIVED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +158,14 @@ class LLMEngine:
         self.platform = CpuPlatform.from_engine_args(args, self.model_config.device,
                                                      self.model_config.dtype)
         logger.info("platform: %s", self.platform.describe())
+        self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
         self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
                                       async_scheduling=resolve_async(args.async_scheduling,
                                                                      self.model_config.device,
                                                                      spec),
                                       kv_connector_config=args.kv_connector,
-                                      platform=self.platform, speculative_config=spec)
-        self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
-        self._init_structured_output()
+                                      platform=self.platform, speculative_config=spec,
+                                      structured_output=self._structured_output())
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -325,17 +325,16 @@ class LLMEngine:
             resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return resolved
 
-    def _init_structured_output(self) -> None:
+    def _structured_output(self):
         """The engine core's grammars (xgrammar loads on the first structured request)."""
         from tokenmill.structured_output.manager import StructuredOutputManager
-        self.engine_core.structured_output = StructuredOutputManager(
+        return StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     @staticmethod
     def _attach_derived(child: SamplingParams, parent: SamplingParams) -> None:
-        for name in ("all_stop_token_ids", "bad_words_token_ids"):
-            if hasattr(parent, name):
-                setattr(child, name, getattr(parent, name))
+        for name in ENGINE_DERIVED:
+            setattr(child, name, getattr(parent, name))
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word as token ids, alone and after a space (how it appears mid-text)."""

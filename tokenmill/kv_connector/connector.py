@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokenmill.core.kv_cache_utils import request_block_hashes
+from tokenmill.core.sched_output import KVConnectorMetadata  # noqa: F401 (the contract's)
 from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, kv_namespace,
                                            namespace_digest)
 from tokenmill.kv_connector.stores import (EntryError, KVStore, StoreUnavailable, decode_entry,
@@ -37,19 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Keys whose presence in each store this process knows (lookups and its own writes).
 RECENT_KEYS = 1 << 16
-
-
-@dataclass
-class KVConnectorMetadata:
-    """One step's connector work, built by the scheduler half for the worker half."""
-
-    # (block id, verified payload, index of the store it came from)
-    loads: list[tuple[int, memoryview, int]] = field(default_factory=list)
-    # (block id, block hash, indices of the stores to write)
-    stores: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
 
 
 STORE_COUNTERS = ("hit_blocks", "hit_tokens", "bytes_loaded", "blocks_stored", "bytes_stored",

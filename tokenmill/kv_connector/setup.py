@@ -31,11 +31,13 @@ def resolve_prefix_caching(flag: bool | None, kv_cache_config: KVCacheConfig) ->
     return True if flag is None else bool(flag)
 
 
-def attach_kv_connector(config: KVConnectorConfig | None, model_config,
-                        kv_cache_config: KVCacheConfig, scheduler, runner, gemm_dtype=None):
-    """Build the connector (the stores), give the scheduler its scheduler half and the
-    runner its worker half. Returns the shared KVConnector, or None. `gemm_dtype`: the
-    dtype the GEMMs were widened to (None: the model's), part of the model identity."""
+def make_kv_connector(config: KVConnectorConfig | None, model_config,
+                      kv_cache_config: KVCacheConfig, gemm_dtype=None):
+    """The external tier's KVConnector (its stores, shared by both halves), or None: off,
+    or this model's KV cache cannot use it. The scheduler and the runner build their
+    halves from it (Scheduler(connector=...), ModelRunner.initialize_kv_cache).
+    `gemm_dtype`: the dtype the GEMMs were widened to (None: the model's), part of the
+    model identity."""
     if config is None:
         return None
     if kv_cache_config.state_group_id is not None:
@@ -44,21 +46,14 @@ def attach_kv_connector(config: KVConnectorConfig | None, model_config,
     if _num_block_groups(kv_cache_config) != 1:
         logger.warning("the external KV tier needs exactly one attention KV group; off")
         return None
-    from tokenmill.kv_connector.connector import KVConnector, KVConnectorScheduler
-    from tokenmill.kv_connector.worker import KVConnectorWorker
+    from tokenmill.kv_connector.connector import KVConnector
 
     geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
     model_id = config.model_id
     if model_id is None:
         model_id = model_fingerprint(model_config.path,
                                      f"dtype={model_config.dtype};gemm={gemm_dtype}")
-    connector = KVConnector(config, model_id, geometry)
-    group_id = kv_cache_config.attention_group_id
-    worker = KVConnectorWorker(connector, runner.kv_caches,
-                               kv_cache_config.groups[group_id].layer_names)
-    scheduler.connector = KVConnectorScheduler(connector, kv_cache_config.block_size, group_id)
-    runner.kv_connector = worker
-    return connector
+    return KVConnector(config, model_id, geometry)
 
 
 def kv_cache_stats(scheduler, connector=None) -> dict:

@@ -203,22 +203,29 @@ class StructuredOutputManager:
     # A launched step's sampling (on the step thread) waits until the caller has
     # accepted the tokens of the step before it and filled this step's bitmask.
     def expect_bitmask(self, so) -> None:
-        self._bitmask_events[id(so)] = threading.Event()
+        """`so` will sample once another thread hands it its grammar (bitmask_ready)."""
+        self._bitmask_events[id(so)] = (threading.Event(), [None])
 
     def is_expected(self, so) -> bool:
         return id(so) in self._bitmask_events
 
-    def bitmask_ready(self, so) -> None:
-        self._bitmask_events[id(so)].set()
+    def bitmask_ready(self, so, grammar=None) -> None:
+        """Hand `so` its GrammarOutput (None: nothing to mask, or the step is void)."""
+        event, slot = self._bitmask_events[id(so)]
+        slot[0] = grammar
+        event.set()
 
-    def wait_bitmask(self, so, timeout: float = BITMASK_WAIT_S) -> None:
-        event = self._bitmask_events.get(id(so))
-        if event is None:
-            return
+    def wait_bitmask(self, so, timeout: float = BITMASK_WAIT_S):
+        """-> the GrammarOutput handed to `so` (None if none was expected or given)."""
+        pending = self._bitmask_events.get(id(so))
+        if pending is None:
+            return None
+        event, slot = pending
         try:
             if not event.wait(timeout):
                 raise RuntimeError(f"the grammar bitmask of a step was not filled within "
                                    f"{timeout} s")
+            return slot[0]
         finally:
             del self._bitmask_events[id(so)]
 

@@ -98,7 +98,7 @@ class InputBatch:
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[row] = sp.min_tokens
         self.needs_processors[row] = bool(
-            sp.logit_bias or sp.allowed_token_ids or getattr(sp, "bad_words_token_ids", None)
+            sp.logit_bias or sp.allowed_token_ids or sp.bad_words_token_ids
             or sp.min_tokens or sp.has_penalties)
         self.has_grammar[row] = getattr(sp, "structured_outputs", None) is not None
         self.params[row] = sp
@@ -240,10 +240,11 @@ class InputBatch:
                 allowed_rows.append(r)
                 allowed_toks += sp.allowed_token_ids
             if n_out < sp.min_tokens:
-                stops = getattr(sp, "all_stop_token_ids", sp.stop_token_ids_set)
+                stops = (sp.all_stop_token_ids if sp.all_stop_token_ids is not None
+                         else sp.stop_token_ids_set)
                 blocked_rows += [r] * len(stops)
                 blocked_toks += stops
-            for word in getattr(sp, "bad_words_token_ids", None) or ():
+            for word in sp.bad_words_token_ids or ():
                 # Ban the word's last token when the output ends with the rest of it.
                 prefix = word[:-1]
                 if len(prefix) > n_out:

@@ -17,7 +17,8 @@ from torch import nn
 
 from tokenmill import faults
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
-from tokenmill.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
+                                         SchedulerOutput)
 from tokenmill.errors import RequestFault
 from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
@@ -128,6 +129,7 @@ class ModelRunner:
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None
         self._pending_nonfinite_hidden: torch.Tensor | None = None  # greedy-head steps
+        self._grammar: GrammarOutput | None = None  # sample_tokens()' argument, while it runs
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
@@ -151,7 +153,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # Native attention (and q/k norm + rope) kernels for every step, or None.
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
-        # The worker half of a KV connector (tokenmill.kv_connector.worker), or None.
+        # The worker half of the KV connector (initialize_kv_cache), or None.
         self.kv_connector = None
         # All-greedy steps of up to greedy_head_max_rows sampling rows take their tokens
         # from the int8-screened lm_head (layers/greedy_head.py), where the platform says
@@ -195,11 +197,18 @@ class ModelRunner:
                                           layer.state_dtypes(self.dtype)))
         return specs
 
-    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+    def initialize_kv_cache(self, config: KVCacheConfig, kv_connector=None) -> None:
+        """Allocate the KV caches of `config` and bind the layers to them; with
+        `kv_connector` (the external KV tier's KVConnector), its worker half moves
+        payloads between the stores and these caches."""
         self.kv_cache_config = config
         self.attn_group_id = config.attention_group_id
         self.state_group_id = config.state_group_id
         self.kv_caches = allocate_kv_caches(config, self.device)
+        if kv_connector is not None:
+            from tokenmill.kv_connector.worker import KVConnectorWorker
+            self.kv_connector = KVConnectorWorker(
+                kv_connector, self.kv_caches, config.groups[config.attention_group_id].layer_names)
         layers = self.attention_layers()
         for name, cache in self.kv_caches.items():
             if name in layers:  # a draft model's layers are bound by its own runner
@@ -431,7 +440,7 @@ class ModelRunner:
                 self.state_slots.release(rid)
         self._pending = None
         self._prompt_logprobs_ready = {}
-        self._grammar_so = None
+        self._grammar = None
         self._step_hidden = self._step_meta = None
         self._spec_write_slots = {}
 
@@ -450,7 +459,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Forward for the scheduled tokens; logits wait for sample_tokens()."""
-        self._grammar_so = so  # its grammar bitmask may be filled until sample_tokens()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
@@ -484,7 +492,6 @@ class ModelRunner:
         the screened lm_head pays and gives the packed kernel's logits (layers/linear.py)."""
         return (self.greedy_head is not None
                 and num_rows <= self.greedy_head_max_rows
-                and not so.structured_output_request_ids
                 and self.input_batch.all_plain_greedy())
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, so: SchedulerOutput) -> None:
@@ -526,16 +533,17 @@ class ModelRunner:
 
     # ---- structured output -------------------------------------------------------
     def _grammar_bitmask_rows(self, cu_num_logits: np.ndarray | None = None):
-        """The step's compact grammar bitmask and, per row, its row in the batch (the
-        reference's struct_out_req_batch_indices), on the device; None without one.
-        With `cu_num_logits` (a step verifying drafts) a request's rows map onto its
-        logits rows instead: one per verified position (StructuredOutputManager)."""
-        so, self._grammar_so = getattr(self, "_grammar_so", None), None
-        if so is None or so.grammar_bitmask is None or not so.structured_output_request_ids:
+        """The step's compact grammar bitmask (the GrammarOutput sample_tokens() got) and,
+        per row, its row in the batch (the reference's struct_out_req_batch_indices), on
+        the device; None without one. With `cu_num_logits` (a step verifying drafts) a
+        request's rows map onto its logits rows instead: one per verified position
+        (StructuredOutputManager)."""
+        grammar = self._grammar
+        if grammar is None or not grammar.structured_output_request_ids:
             return None
         index = self.input_batch.req_id_to_index
         compact, dense = [], []
-        for rid, row in so.structured_output_request_ids.items():
+        for rid, row in grammar.structured_output_request_ids.items():
             r = index.get(rid)
             if r is None:
                 continue
@@ -548,7 +556,7 @@ class ModelRunner:
                 dense += range(start, start + num)
         if not dense:
             return None
-        bitmask = so.grammar_bitmask
+        bitmask = grammar.grammar_bitmask
         if compact != list(range(bitmask.shape[0])):
             bitmask = bitmask[compact]
         dev = self.device
@@ -557,7 +565,16 @@ class ModelRunner:
 
     # ---- step, part 2 ------------------------------------------------------------
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample the step execute_model() ran; `grammar`: its grammar bitmask, built by
+        the engine once the tokens before it were accepted (None: no structured request)."""
+        self._grammar = grammar
+        try:
+            return self._sample_tokens()
+        finally:
+            self._grammar = None
+
+    def _sample_tokens(self) -> ModelRunnerOutput:
         batch = self.input_batch
         n = batch.num_reqs()
         req_ids = list(batch.req_ids[:n])
@@ -639,7 +656,6 @@ class ModelRunner:
         batch = self.input_batch
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
-            self._grammar_so = None
             nan_rows = self._pending_nonfinite_hidden
             vocab = self.greedy_head.lm_head.out_features
             sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
@@ -690,7 +706,6 @@ class ModelRunner:
         logprobs = None
         md = None
         if sampled is not None:  # the greedy lm_head: argmax of every verified row
-            self._grammar_so = None
             target = sampled.to("cpu", dtype=torch.int64).numpy()
             nan_t = self._pending_nonfinite_hidden.to("cpu").numpy()
             vocab = self.greedy_head.lm_head.out_features

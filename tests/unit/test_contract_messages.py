@@ -1,0 +1,127 @@
+"""The scheduler/runner contract as messages (tokenmill/core/serial.py): every
+SchedulerOutput, GrammarOutput and ModelRunnerOutput of a busy run round-trips
+through msgpack unchanged, a SchedulerOutput cannot be changed once scheduled, and
+anything that could not cross a process boundary is refused."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_llm, runner_of
+from tokenmill import SamplingParams
+from tokenmill.core import serial
+from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput,
+                                         SchedulerOutput)
+
+
+def same(a, b) -> bool:
+    """Deep equality that also holds for numpy arrays, memoryviews and dict order."""
+    if dataclasses.is_dataclass(a):  # every field, those left out of == too
+        return type(a) is type(b) and all(
+            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, memoryview):
+        return isinstance(b, memoryview) and a.tobytes() == b.tobytes()
+    if isinstance(a, (set, frozenset)):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and list(a) == list(b)
+                and all(same(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) or {type(a), type(b)} <= {list, tuple}) and len(a) == len(b) \
+            and all(same(x, y) for x, y in zip(a, b))
+    return a == b and type(a) is type(b)
+
+
+def first_difference(a, b, path="") -> str:
+    """Where `same` fails first (for the assertion message)."""
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        for f in dataclasses.fields(a):
+            if not same(getattr(a, f.name), getattr(b, f.name)):
+                return first_difference(getattr(a, f.name), getattr(b, f.name),
+                                        f"{path}.{f.name}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not same(x, y):
+                return first_difference(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b):
+        for k in a:
+            if not same(a[k], b[k]):
+                return first_difference(a[k], b[k], f"{path}[{k!r}]")
+    return f"{path}: {a!r:.80} != {b!r:.80}"
+
+
+def test_a_busy_run_round_trips(llama_tiny):
+    """Chunked prefill, preemption, drafts, logprobs and prompt logprobs, a seeded sampled
+    request, bad words, the external KV tier (payloads on the way in): every message of
+    every step decodes to an equal object of its class."""
+    llm = make_llm(llama_tiny.path, max_num_batched_tokens=16, num_kv_blocks=14,
+                   block_size=8, max_model_len=96, kv_connector=["cpu"],
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    runner = runner_of(llm)
+    seen: list[tuple[type, object]] = []
+    execute, sample = runner.execute_model, runner.sample_tokens
+
+    def execute_model(so):
+        seen.append((SchedulerOutput, so))
+        return execute(so)
+
+    def sample_tokens(grammar=None):
+        out = sample(grammar)
+        seen.append((ModelRunnerOutput, out))
+        return out
+    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+    motif = [5, 9, 2]
+    prompts = [[3, 1, 4] + motif * 6, list(range(20, 50)), [7] * 12, motif * 8]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True,
+                             prompt_logprobs=1, logit_bias={3: 2.0}),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    for _ in range(2):  # the second round hits the external tier
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kinds = {cls for cls, _ in seen}
+    assert kinds == {SchedulerOutput, ModelRunnerOutput}
+    sos = [m for cls, m in seen if cls is SchedulerOutput]
+    assert any(so.preempted_req_ids for so in sos)
+    assert any(so.scheduled_spec_decode_tokens for so in sos)
+    assert any(so.kv_connector_metadata is not None and so.kv_connector_metadata.loads
+               for so in sos)
+    assert any(any(so.scheduled_cached_reqs.resumed_from_preemption) for so in sos)
+    outs = [m for cls, m in seen if cls is ModelRunnerOutput]
+    assert any(o.logprobs is not None for o in outs) and any(o.prompt_logprobs for o in outs)
+    assert any(o.spec_token_ids and any(o.spec_token_ids) for o in outs)
+    for cls, msg in seen:
+        data = serial.encode(msg)
+        assert isinstance(data, bytes)
+        back = serial.decode(data, cls)
+        assert same(msg, back), first_difference(msg, back)
+
+
+def test_grammar_output_round_trips():
+    bitmask = np.arange(12, dtype=np.int32).reshape(3, 4) - 5
+    g = GrammarOutput({"b": 0, "a": 2}, bitmask)
+    back = serial.decode(serial.encode(g), GrammarOutput)
+    assert same(g, back) and back.grammar_bitmask.flags.writeable
+
+
+def test_scheduler_output_is_final_once_scheduled():
+    so = SchedulerOutput.make_empty()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        so.total_num_scheduled_tokens = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        so.kv_connector_metadata = None
+
+
+def test_what_cannot_cross_a_process_is_refused():
+    bad = ModelRunnerOutput(["a"], {"a": 0}, [[1]], spec_token_ids=[[torch.tensor(1)]])
+    with pytest.raises(TypeError, match="not part of the scheduler/runner contract"):
+        serial.encode(bad)
+    with pytest.raises(TypeError, match="not part of"):
+        serial.encode(SchedulerOutput([], CachedRequestData(), {"a": 1}, 1,
+                                      finished_req_ids={lambda: 0}))
