@@ -293,7 +293,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client):
 def test_client_gone_before_a_non_streaming_response_aborts(server, client):
     before = wait_idle(server)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=0.3,
+        httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=0.1,
                    json={"model": MODEL, "prompt": "A long story:", "max_tokens": 240,
                          "ignore_eos": True})
     after = wait_idle(server)

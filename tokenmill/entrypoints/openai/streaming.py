@@ -71,27 +71,32 @@ class Merged:
 
 async def collect(job: Merged, raw: Request) -> list:
     """The final output of each request of a non-streaming response; a client that
-    goes away meanwhile (checked every 0.25 s) aborts them."""
+    goes away meanwhile aborts them at once (the body is read: the next ASGI message
+    the connection sends is its disconnect)."""
     finals: list = [None] * len(job.request_ids)
 
     async def consume():
         async for i, out in job:
             finals[i] = out
 
+    async def disconnected():
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.create_task(consume())
+    gone = asyncio.create_task(disconnected())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                task.result()
-                return finals
-            if await raw.is_disconnected():
-                logger.info("client disconnected: aborting %s", ", ".join(job.request_ids))
-                raise APIError("client disconnected", 499, "ClientClosedRequest")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            return finals
+        logger.info("client disconnected: aborting %s", ", ".join(job.request_ids))
+        raise APIError("client disconnected", 499, "ClientClosedRequest")
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
         await job.close()
 
 
