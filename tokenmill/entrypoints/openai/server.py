@@ -17,7 +17,7 @@ from tokenmill.entrypoints.openai.context import ServerContext, ServerOptions
 from tokenmill.entrypoints.openai.errors import install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
-from tokenmill.entrypoints.openai.routes import chat, completions, misc, tokenize
+from tokenmill.entrypoints.openai.routes import chat, completions, misc, stats, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.state.async_llm = async_llm
     app.state.ctx = ctx
     install_handlers(app, metrics.rejected)
-    for module in (completions, chat, tokenize, misc):
+    for module in (completions, chat, tokenize, misc, stats):
         app.include_router(module.router)
     # The last added runs first: auth, then the body cap (an unauthenticated client
     # learns nothing, not even the cap).
