@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenmill-installed
 
-.PHONY: install run test bench clean redis-server cross-tools
+.PHONY: install run test bench clean redis-server cross-tools web-browser
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ run: install
 
 # The external-KV tests run a real redis-server (Debian's package), installed here
 # when missing; the tests start their own on a free port and stop it.
-test: install redis-server cross-tools
+test: install redis-server cross-tools web-browser
 	$(PY) -m pytest -q tests
 
 redis-server:
@@ -44,6 +44,13 @@ cross-tools:
 	@{ [ "$$(uname -m)" != x86_64 ] || { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null 2>&1; } || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++-aarch64-linux-gnu qemu-user; }
+
+# The web page's tests (tests/test_web_ui.py) drive Debian's chromium through its
+# chromedriver with selenium: nothing downloads a browser.
+web-browser:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver; }
 
 bench: install
 	$(VENV)/bin/tokenmill bench throughput

@@ -15,6 +15,13 @@ import warnings
 import pytest
 import torch
 
+
+def pytest_addoption(parser):
+    parser.addoption("--web-ui-screenshots", metavar="DIR", default=None,
+                     help="tests/test_web_ui.py writes a PNG of each view of the web page here "
+                          "(default: the test's tmp_path)")
+
+
 # The models are tiny: one intra-op thread is as fast, and on a shared 2-core
 # machine it avoids OpenMP threads spinning against each other (10x slower).
 torch.set_num_threads(1)

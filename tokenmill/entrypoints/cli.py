@@ -256,13 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients send (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(or TOKENMILL_API_KEY)")
+                        "and the web page's files (or TOKENMILL_API_KEY)")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key")
     s.add_argument("--log-prompts", action="store_true",
                    help="show the prompts in the per-request log lines")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (rendered in jinja2's sandbox)")
+    s.add_argument("--no-web-ui", action="store_true",
+                   help="no web playground and dashboard at / (the JSON routes stay, "
+                        "/stats included)")
     s.add_argument("--max-num-waiting", type=int, default=1024,
                    help="requests that may wait for the engine; past it: 503 + Retry-After")
     s.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",

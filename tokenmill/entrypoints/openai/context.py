@@ -37,6 +37,7 @@ class ServerOptions:
     metrics_public: bool = False  # /metrics without the key
     log_prompts: bool = False  # the request log lines show the prompts
     trust_request_chat_template: bool = False  # accept a request's own chat_template
+    web_ui: bool = True  # the playground and dashboard page at /
 
 
 class ServerContext:

@@ -1,5 +1,10 @@
-"""/metrics in the Prometheus text format, from AsyncLLM's stats and latency observations."""
+"""/metrics in the Prometheus text format, from AsyncLLM's stats and latency observations;
+the latest observations are also kept raw for /stats's percentiles."""
 from __future__ import annotations
+
+import threading
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -102,6 +107,36 @@ class _StatsCollector:
             yield c
 
 
+class RecentLatencies:
+    """The latency observations of the last `window_s` seconds, for exact percentiles: the
+    histograms' buckets are too coarse for a live chart. At most `cap` per kind are kept
+    (memory, and the sort per read), so under a heavy load the ITL window is shorter."""
+
+    def __init__(self, kinds=("ttft", "itl", "e2e"), window_s: float = 60.0, cap: int = 20000,
+                 clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._obs = {k: deque(maxlen=cap) for k in kinds}
+        self._lock = threading.Lock()  # appended on the engine thread, read on the loop
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._obs[kind].append((self.clock(), seconds))
+
+    def percentiles(self, qs=(50, 90, 99)) -> dict:
+        """{kind: {"count": n, "p50": s, ...}} over the window (None without observations)."""
+        since = self.clock() - self.window_s
+        with self._lock:
+            recent = {k: [v for t, v in obs if t >= since] for k, obs in self._obs.items()}
+        out = {}
+        for kind, values in recent.items():
+            values.sort()
+            out[kind] = {"count": len(values)}
+            for q in qs:  # nearest rank
+                out[kind][f"p{q}"] = (values[max(0, -(-q * len(values) // 100) - 1)]
+                                      if values else None)
+        return out
+
+
 class ServerMetrics:
     def __init__(self, async_llm: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
@@ -121,6 +156,7 @@ class ServerMetrics:
         for reason in REJECT_REASONS:  # every series from the start, at 0
             self._rejected.labels(model_name, reason)
         self.model_name = model_name
+        self.recent = RecentLatencies(tuple(self._hist))
         async_llm.observer = self.observe
 
     def rejected(self, reason: str) -> None:
@@ -129,6 +165,7 @@ class ServerMetrics:
 
     def observe(self, kind: str, seconds: float) -> None:
         self._hist[kind].observe(seconds)
+        self.recent.add(kind, seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,8 @@ from tokenmill.entrypoints.openai.context import ServerContext, ServerOptions
 from tokenmill.entrypoints.openai.errors import install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
-from tokenmill.entrypoints.openai.routes import chat, completions, misc, tokenize
+from tokenmill.entrypoints.openai.routes import (chat, completions, misc, stats, tokenize,
+                                                 web_ui)
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +44,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     app.state.async_llm = async_llm
     app.state.ctx = ctx
     install_handlers(app, metrics.rejected)
-    for module in (completions, chat, tokenize, misc):
+    for module in (completions, chat, tokenize, misc, stats):
         app.include_router(module.router)
+    if options.web_ui:
+        app.include_router(web_ui.router)
     # The last added runs first: auth, then the body cap (an unauthenticated client
     # learns nothing, not even the cap).
     app.add_middleware(BodySizeLimit, cap=ctx.limits.max_request_body_bytes,
                        rejected=metrics.rejected)
     if options.api_key:
         public = ("/health", "/metrics") if options.metrics_public else ("/health",)
+        if options.web_ui:  # the page asks for the key; its API calls send it
+            public += web_ui.PUBLIC_PATHS
         app.add_middleware(BearerAuth, api_key=options.api_key, public=public,
                            rejected=metrics.rejected)
     return app
@@ -75,7 +80,8 @@ def run_server(args) -> int:
     options = ServerOptions(
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         metrics_public=args.metrics_public, log_prompts=args.log_prompts,
-        trust_request_chat_template=args.trust_request_chat_template)
+        trust_request_chat_template=args.trust_request_chat_template,
+        web_ui=not args.no_web_ui)
     app = build_app(async_llm, name, options=options)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -94,6 +100,8 @@ def run_server(args) -> int:
 
     async_llm.add_death_callback(on_engine_death)
     logger.info("serving %s as %r on http://%s:%d", model, name, args.host, args.port)
+    if options.web_ui:
+        logger.info("web playground and dashboard: http://%s:%d/", args.host, args.port)
     # uvicorn catches SIGINT / SIGTERM, stops accepting, lets in-flight requests finish
     # (cancelled after --shutdown-grace seconds, which aborts them) and then re-raises
     # the signal: these handlers take that re-raise, so a clean shutdown exits 0.
