@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import build_checkpoint, make_llm, scheduler_of
+from conftest import build_checkpoint, make_llm, runner_of, scheduler_of
 from redis_server import RedisServer, free_port, redis_server, require_redis_server  # noqa: F401
 from test_prefix_caching import BS, NEW, assert_idle, greedy, shared_prefix_prompts
 from tokenmill.core.kv_cache_utils import hash_token_blocks
@@ -321,3 +321,53 @@ def test_engine_stats_and_prometheus(llama_tiny, prompts):
             assert name in text, name
     finally:
         a.shutdown()
+
+
+# ---- stores off the step's critical path ---------------------------------------------------
+
+def test_a_stuck_store_stalls_no_step(llama_tiny, prompts, baseline, monkeypatch):
+    """The blocks a step completes are copied to host memory on the step and written by
+    the writer thread: a store that hangs delays no request (generate() returns while it
+    hangs), its queue is bounded (a full queue drops blocks as store failures instead of
+    waiting), and once the store answers again the queued blocks land."""
+    import threading
+
+    from tokenmill.kv_connector import worker as worker_mod
+    from tokenmill.kv_connector.stores import CPUStore
+    monkeypatch.setattr(worker_mod, "MAX_PENDING_STORES", 2)
+    release, entered, writers = threading.Event(), threading.Event(), set()
+    real_put = CPUStore.put_many
+
+    def stuck_put(self, items):
+        writers.add(threading.current_thread().name)
+        entered.set()
+        release.wait(60)
+        return real_put(self, items)
+    monkeypatch.setattr(CPUStore, "put_many", stuck_put)
+    llm = make_llm(llama_tiny.path, kv_connector=["cpu"], **KW)
+    done = {}
+    run = threading.Thread(target=lambda: done.setdefault("out", greedy(llm, prompts)))
+    run.start()
+    run.join(30)
+    stuck = not release.is_set()
+    release.set()
+    assert stuck and not run.is_alive(), "generate() waited for a hanging store"
+    assert done["out"] == baseline
+    assert writers == {"tokenmill-kv-store"}  # never the engine's thread
+    worker = runner_of(llm).kv_connector
+    assert worker.flush(10)
+    stored = ext(llm)["blocks_stored"]
+    assert stored > 0 and ext(llm)["store_failures"] == 0
+    # The queue is bounded: with the store hanging, one batch in the writer and two
+    # queued, the next step's blocks are dropped (store failures), not waited for.
+    release.clear()
+    entered.clear()
+    from tokenmill.core.sched_output import KVConnectorMetadata
+    for i in range(4):
+        worker.save_kv(KVConnectorMetadata(stores=[(1, bytes([i]) * 32, (0,))]))
+        if i == 0:
+            assert entered.wait(10)  # the writer holds the first batch, in the store
+    assert ext(llm)["store_failures"] == 1
+    release.set()
+    assert worker.flush(10) and ext(llm)["blocks_stored"] == stored + 3
+    llm.llm_engine.engine_core.shutdown()

@@ -156,6 +156,8 @@ class EngineCore:
                 self.runner.reset_batch()
             self._in_flight = None
         self.runner.remove_requests(self.scheduler.take_finished_req_ids())
+        if self.runner.kv_connector is not None:  # idle: let the queued stores land
+            self.runner.kv_connector.flush(timeout_s=1.0)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -272,6 +274,8 @@ class EngineCore:
             self._in_flight[1].result()
             self._in_flight = None
         self._worker.shutdown(wait=True)
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.close()
         if self.kv_connector is not None:
             self.kv_connector.close()
 

@@ -2,14 +2,24 @@
 
 `load_kv` runs before the forward: it copies the step's verified payloads into
 their freshly allocated blocks (every attention layer). `save_kv` runs after
-the forward: it reads the blocks the scheduler half listed (prompt blocks just
-completed), encodes them as entries and writes them to the stores that lack
-them. It refuses to start when the KV cache it was given does not have the
-geometry the connector's keys name (the reference runner's identity check).
+the forward: it copies the blocks the scheduler half listed (prompt blocks just
+completed) to host memory - the one part that must happen before the blocks can
+be reused - and queues them; a writer thread encodes them as entries and writes
+them to the stores that lack them, off the step's critical path, so a slow store
+(Redis across a network, a busy disk) delays no step. The queue is bounded
+(MAX_PENDING_STORES batches): when the stores fall that far behind, a step's
+blocks are dropped (counted as store failures) rather than waiting. `flush()`
+waits for the queue to drain (the engine calls it when it goes idle, so an offline
+generate() returns with its blocks stored). It refuses to start when the KV cache
+it was given does not have the geometry the connector's keys name (the reference
+runner's identity check).
 """
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 
 import torch
 
@@ -18,6 +28,8 @@ from tokenmill.kv_connector.stores import StoreUnavailable, encode_entry
 from tokenmill.worker.kv_cache import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_STORES = 32  # steps' worth of blocks waiting for the writer thread
 
 
 class KVConnectorWorker:
@@ -36,6 +48,8 @@ class KVConnectorWorker:
         self.layers = layers
         self.dtype = TORCH_DTYPES[g.dtype]
         self.block_shape = (g.num_layers,) + want
+        self._pending: queue.Queue = queue.Queue(MAX_PENDING_STORES)
+        self._writer: threading.Thread | None = None
 
     @torch.inference_mode()
     def load_kv(self, meta: KVConnectorMetadata | None) -> None:
@@ -63,11 +77,63 @@ class KVConnectorWorker:
         conn = self.connector
         ids = torch.tensor([b for b, _, _ in meta.stores], dtype=torch.long,
                            device=self.layers[0].device)
-        # [n, layers, 2, block_size, heads, head_size] -> host bytes, one row per block
+        # [n, layers, 2, block_size, heads, head_size] -> host bytes, one row per block (a
+        # copy: the blocks may be reused as soon as this step is over)
         blocks = torch.stack([cache.index_select(0, ids) for cache in self.layers], dim=1)
         raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(meta.stores), -1).numpy()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name="tokenmill-kv-store")
+            self._writer.start()
+        try:
+            self._pending.put_nowait((raw, list(meta.stores)))
+        except queue.Full:  # the stores are that far behind: skip rather than wait
+            for si in {si for _, _, targets in meta.stores for si in targets}:
+                conn.stats.add(conn.store_names[si], "store_failures",
+                               sum(si in t for _, _, t in meta.stores))
+            logger.debug("KV connector: store queue full, %d blocks not stored",
+                         len(meta.stores))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued block is written (or `timeout_s` passed): -> drained."""
+        deadline = time.monotonic() + timeout_s
+        q = self._pending
+        with q.all_tasks_done:  # Queue.join(), with a deadline
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Write what is queued (bounded wait), then stop the writer thread."""
+        if self._writer is not None:
+            self.flush()
+            try:
+                self._pending.put(None, timeout=1.0)
+                self._writer.join(timeout=5.0)
+            except queue.Full:  # a store that never answers: leave the (daemon) thread
+                pass
+            self._writer = None
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # noqa: BLE001 - a store's bug must not kill the writer
+                logger.exception("KV connector: writing blocks failed")
+            finally:
+                self._pending.task_done()
+
+    def _write(self, raw, stores) -> None:
+        """Encode one step's blocks and write them to each store that should hold them."""
+        conn = self.connector
         per_store: dict[int, list[tuple[str, bytes]]] = {}
-        for j, (_, block_hash, targets) in enumerate(meta.stores):
+        for j, (_, block_hash, targets) in enumerate(stores):
             entry = encode_entry(conn.ns_digest, block_hash, raw[j])
             key = block_hash.hex()
             for si in targets:
