@@ -54,6 +54,14 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
                       "original_max_position_embeddings": 64})),
     # Qwen3 (q/k norm), head_dim 32 != hidden / heads = 16, untied.
     "qwen3_headdim": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # Mistral: Llama's decoder, head_dim from the config, a sliding window wider than
+    # the context (so full attention); untied.
+    "mistral_window": ("mistral", dict(head_dim=32, sliding_window=4096,
+                                       tie_word_embeddings=False)),
+    # Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, partial rotary
+    # (0.75 of head_dim), a sliding window past the context; untied.
+    "phi3_partial": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                  tie_word_embeddings=False)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
@@ -65,6 +73,8 @@ def _classes(arch: str):
     import transformers as tf
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

@@ -329,3 +329,28 @@ def test_unsupported_rope_type_is_rejected():
     with pytest.raises(ValueError, match="rope_type"):
         rope_parameters_from_config({"rope_parameters": {"rope_type": "longrope",
                                                          "rope_theta": 1e4}})
+
+
+# ---- a sliding window tokenmill does not implement yet: the context stops at it ----------
+
+def test_sliding_window_caps_max_model_len(tmp_path, caplog):
+    """A Phi-3 whose sliding window (48) is shorter than its positions: max_model_len is
+    capped to the window by default (with a warning; within it the attention is full
+    attention, so HF's tokens), and a larger max_model_len is refused, naming it."""
+    import logging
+    path = str(tmp_path / "phi3_window")
+    hf = build_checkpoint(path, "phi3", dict(sliding_window=48, tie_word_embeddings=False))
+    from tokenmill import LLM
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        llm = LLM(path, dtype="float32", device="cpu")
+    assert llm.llm_engine.model_config.max_model_len == 48
+    assert any("sliding window of 48" in r.getMessage() for r in caplog.records)
+    tm = TinyModel("phi3_window", path, "phi3", hf)
+    prompts = [p[:20] for p in tm.prompts[:3]]
+    assert run_greedy(llm, prompts) == [tm.reference(p) for p in prompts]
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds this model's sliding window"):
+        LLM(path, dtype="float32", device="cpu", max_model_len=64)
+    qwen2 = str(tmp_path / "qwen2_unused_window")  # Qwen2 keeps a window it does not use
+    build_checkpoint(qwen2, "qwen2", dict(sliding_window=32, use_sliding_window=False))
+    assert LLM(qwen2, dtype="float32", device="cpu").llm_engine.model_config.max_model_len \
+        == 256

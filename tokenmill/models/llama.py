@@ -197,6 +197,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's decoder; its sliding window caps max_model_len (tokenmill/config.py)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Llama's decoder as Phi-3 / Phi-4-mini checkpoints store it: q/k/v already fused in
+    qkv_proj and gate/up in gate_up_proj (loaded as they are: the same layout as ours),
+    partial rotary where configured; the sliding window caps max_model_len."""
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenmill.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
+                                    Qwen2ForCausalLM, Qwen3ForCausalLM)
 from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                                          Qwen3_5MoeForCausalLM,
@@ -11,6 +12,8 @@ from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForCondition
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
