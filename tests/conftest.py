@@ -175,6 +175,14 @@ class TinyModel:
 
 
 @pytest.fixture(scope="session")
+def demo_path(tmp_path_factory) -> str:
+    """The built-in demo model (random weights, a real byte-level BPE tokenizer), built
+    once for the session."""
+    from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     cache: dict[str, TinyModel] = {}
 

@@ -7,16 +7,14 @@ import asyncio
 import httpx
 import pytest
 
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 
 
 @pytest.fixture(scope="module")
-def async_llm(tmp_path_factory):
+def async_llm(demo_path):
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.engine.llm_engine import EngineArgs
-    path = ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
     llm = AsyncLLM.from_engine_args(
-        EngineArgs.from_kwargs(path, dtype="float32", max_model_len=256, num_kv_blocks=64,
+        EngineArgs.from_kwargs(demo_path, dtype="float32", max_model_len=256, num_kv_blocks=64,
                                max_num_seqs=8), log_stats_interval=0)
     yield llm
     llm.shutdown()

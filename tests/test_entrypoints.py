@@ -6,15 +6,9 @@ import json
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from tokenmill.entrypoints.cli import main
 
 SMALL = dict(dtype="float32", max_model_len=256, num_kv_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,11 @@ httpx = pytest.importorskip("httpx")
 
 from live_server import live_server  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 
 MODEL = "demo"
 API_KEY = "test-key"
 SMALL = dict(dtype="float32", max_model_len=256, num_kv_blocks=128)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")

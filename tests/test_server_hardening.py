@@ -16,7 +16,6 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from live_server import live_server  # noqa: E402
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 
 MODEL = "demo"
 KEY, ENV_KEY = "hardening-key", "key-from-env"
@@ -47,11 +46,6 @@ def rejected(url: str, headers=None) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=5).text
     return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == "tokenmill:requests_rejected_total"}
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")

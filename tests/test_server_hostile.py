@@ -28,7 +28,6 @@ import httpx
 import pytest
 
 from live_server import live_server
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 
 MODEL = "m"
 VOCAB = 4096  # the demo model's vocabulary
@@ -354,11 +353,6 @@ assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 
 # ---- the server, the stream, the checks ------------------------------------------------------
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
-
-
 @pytest.fixture(scope="module")
 def server(demo_path, tmp_path_factory):
     with live_server(demo_path, tmp_path_factory.mktemp("hostile") / "server.log",

@@ -13,18 +13,11 @@ import re
 import time
 
 import httpx
-import pytest
 
 from live_server import live_server
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 
 MODEL = "m"
 POISON = 377  # with the step-loop fault armed for it, a prompt holding it kills the engine
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 def metric(url: str, name: str) -> float:

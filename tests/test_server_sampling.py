@@ -12,7 +12,6 @@ httpx = pytest.importorskip("httpx")
 
 from live_server import live_server  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 
 MODEL = "demo"
 MAX_LOGPROBS = 8  # the server's --max-logprobs
@@ -20,11 +19,6 @@ SMALL = dict(dtype="float32", max_model_len=256, num_kv_blocks=128)
 PROMPT = "The old mill by the river"
 CHAT = [{"role": "user", "content": "Tell me about the mill"}]
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")

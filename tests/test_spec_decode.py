@@ -194,12 +194,6 @@ def test_prefix_caching_stays_exact(base):
     assert scheduler_of(llm).kv_cache_manager.prefix_cache_stats.hits > 0
 
 
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
-
-
 def test_structured_output_with_drafts(demo_path):
     """Grammar-constrained requests verify drafts too: every verified position is
     masked by the grammar's state after the drafts before it. A repetitive regex gives

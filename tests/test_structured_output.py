@@ -17,7 +17,6 @@ xgr = pytest.importorskip("xgrammar")
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from tokenmill.core.request import RequestStatus  # noqa: E402
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model  # noqa: E402
 from tokenmill.engine.llm_engine import EngineArgs  # noqa: E402
 
 SMALL = dict(dtype="float32", device="cpu", max_model_len=512, max_num_seqs=32)
@@ -37,11 +36,6 @@ SCHEMA = {
 }
 PROMPTS = ["The old mill", "Tell me a story", "JSON please:", "Once upon a time",
            "The river", "A list of things"]
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")

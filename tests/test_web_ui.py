@@ -23,7 +23,6 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from live_server import live_server
-from tokenmill.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(
@@ -36,11 +35,6 @@ SERVER_ARGS = ("--served-model-name", MODEL, "--dtype", "float32", "--max-model-
                "--num-kv-blocks", "600", "--log-stats-interval", "0",
                "--uvicorn-log-level", "warning")
 SYSTEM = "You are a terse assistant."
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory) -> str:
-    return ensure_demo_model(str(tmp_path_factory.mktemp("demo") / DEMO_MODEL_NAME))
 
 
 @pytest.fixture(scope="module")
