@@ -9,6 +9,7 @@ greedy_head_max_rows sets the row limit (0: off)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
@@ -131,7 +132,7 @@ def test_fp32_model_screen_equals_hf(tiny_model_factory, monkeypatch, ops, name)
         assert runner.greedy_head is None
         return
     assert llm.llm_engine.platform.lm_head == "greedy_int8"
-    assert runner.greedy_head is not None and runner.greedy_head.dtype.is_floating_point
+    assert runner.greedy_head is not None and runner.greedy_head.dtype == torch.float32
     calls = []
     real = GreedyHead.__call__
     monkeypatch.setattr(GreedyHead, "__call__",
@@ -140,5 +141,4 @@ def test_fp32_model_screen_equals_hf(tiny_model_factory, monkeypatch, ops, name)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [tm.reference(p) for p in prompts]
-    import torch
     assert calls and set(calls) == {torch.float32}

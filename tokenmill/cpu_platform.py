@@ -41,6 +41,7 @@ layer looks anything up per call. `describe()` is the line logged at start-up,
 """
 from __future__ import annotations
 
+import functools
 import logging
 import platform as _host
 from dataclasses import dataclass, field, fields
@@ -90,30 +91,24 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in _BF16_CPU_FLAGS)
 
 
-_ONEDNN_PREPACK: dict = {}
-
-
+@functools.cache
 def onednn_prepack_works(dtype) -> bool:
     """Whether this torch build reorders linear weights for oneDNN and computes with
     them (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise) in `dtype`:
     probed once per dtype on a small GEMM against F.linear."""
-    if dtype not in _ONEDNN_PREPACK:
-        import torch
-        import torch.nn.functional as F
-        ok = False
-        try:
-            if torch.backends.mkldnn.is_available():
-                g = torch.Generator().manual_seed(0)
-                w = torch.randn(40, 24, generator=g).to(dtype)
-                x = torch.randn(12, 24, generator=g).to(dtype)
-                y = torch.ops.mkldnn._linear_pointwise(
-                    x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-                ok = bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2,
-                                         rtol=1e-2))
-        except (RuntimeError, AttributeError, NotImplementedError):
-            ok = False
-        _ONEDNN_PREPACK[dtype] = ok
-    return _ONEDNN_PREPACK[dtype]
+    import torch
+    import torch.nn.functional as F
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(40, 24, generator=g).to(dtype)
+        x = torch.randn(12, 24, generator=g).to(dtype)
+        y = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        return bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def _is_int(v) -> bool:

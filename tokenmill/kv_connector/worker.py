@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import Counter
 import threading
 import time
 
@@ -88,9 +89,9 @@ class KVConnectorWorker:
         try:
             self._pending.put_nowait((raw, list(meta.stores)))
         except queue.Full:  # the stores are that far behind: skip rather than wait
-            for si in {si for _, _, targets in meta.stores for si in targets}:
-                conn.stats.add(conn.store_names[si], "store_failures",
-                               sum(si in t for _, _, t in meta.stores))
+            dropped = Counter(si for _, _, targets in meta.stores for si in targets)
+            for si, n in dropped.items():
+                conn.stats.add(conn.store_names[si], "store_failures", n)
             logger.debug("KV connector: store queue full, %d blocks not stored",
                          len(meta.stores))
 

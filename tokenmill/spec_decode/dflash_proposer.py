@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.models.dflash import DFlashContext
 from tokenmill.spec_decode.deferred import DeferredRows
+from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
 class DFlashProposer:
@@ -86,10 +87,8 @@ class DFlashProposer:
         rows = np.array(ready)
         last_ids = batch.token_ids_cpu[rows, last_pos[rows]].astype(np.int64)
         k = int(cap[rows].max())
-        head = runner.greedy_head
-        if (head is not None and self.model.shares_target_lm_head
-                and rows.size * k <= runner.greedy_head_max_rows):
-            # The target's int8-screened greedy head: the same argmax, fewer bytes read.
+        head = target_greedy_head(runner, self.model, rows.size * k)
+        if head is not None:
             h = self.model.draft_hidden(ctx, [req_ids[r] for r in ready], last_ids,
                                         last_pos[rows], k)
             out = head(h).long().view(rows.size, k).to("cpu").tolist()

@@ -43,3 +43,14 @@ class EagleStyleDrafter(Protocol):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The drafter's attention layers, in order (their KV caches are bound by the runner)."""
+
+
+def target_greedy_head(runner, model, rows: int):
+    """The runner's int8-screened greedy head when `model` drafts through the target's
+    own lm_head (`shares_target_lm_head`) and `rows` fit it: the same argmax as the
+    full lm_head, fewer bytes read. None otherwise."""
+    head = runner.greedy_head
+    if (head is not None and getattr(model, "shares_target_lm_head", False)
+            and rows <= runner.greedy_head_max_rows):
+        return head
+    return None

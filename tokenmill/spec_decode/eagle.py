@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.spec_decode.deferred import DeferredRows
+from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
 class EagleProposer:
@@ -31,11 +32,8 @@ class EagleProposer:
     def _draft_ids(self, runner, out: torch.Tensor) -> torch.Tensor:
         """Greedy drafts; through the runner's int8-screened greedy head (the same
         argmax, fewer bytes read) when the drafter uses the target's lm_head."""
-        head = runner.greedy_head
-        if (head is not None and getattr(self.model, "shares_target_lm_head", False)
-                and out.shape[0] <= runner.greedy_head_max_rows):
-            return head(out).long()
-        return self.model.draft_token_ids(out)
+        head = target_greedy_head(runner, self.model, out.shape[0])
+        return head(out).long() if head is not None else self.model.draft_token_ids(out)
 
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta: AttentionMetadata,
@@ -146,8 +144,6 @@ class EagleProposer:
         index = torch.from_numpy(e_req.size + np.searchsorted(step_rows, flat)).to(dev)
         rows_t = target[torch.from_numpy(step_rows).to(dev)]
         hidden = rows_t if e_hidden is None else torch.cat([e_hidden, rows_t])
-        if all_req.size == 0:  # every row waits
-            return ids, pos, hidden, index
         combined = self.model.combine_target_hidden(hidden)
         table = runner.input_batch.block_tables[runner.attn_group_id]
         bs = table.block_size
