@@ -215,11 +215,19 @@ class SamplingParams:
         if self.n > 1 and self.greedy:
             fail("n", f"n={self.n} with greedy sampling (temperature=0) would give "
                       f"{self.n} identical completions; set temperature > 0")
+        self._derive()
+
+    def _derive(self) -> None:
+        """Attributes computed from the fields (not fields: not in messages)."""
         self.stop_token_ids_set = frozenset(self.stop_token_ids)
         # Text held back while streaming: it may yet turn out to start a stop string.
         self.output_text_buffer_length = (max(len(s) for s in self.stop) - 1
                                           if self.stop and not self.include_stop_str_in_output
                                           else 0)
+
+    # A message decoded into a SamplingParams (core/serial.py) sets the fields
+    # without __init__, then calls this: the values were checked where they were made.
+    __post_init__ = _derive
 
     def check_limits(self, limits: RequestLimits) -> None:
         """The engine's caps (RequestLimits): ParamError naming the field past one."""

@@ -55,8 +55,13 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
-def decode(data: bytes, cls: type[T]) -> T:
+def decoder(cls):
+    """A function bytes -> object of `cls` (typed decoding, built once per type)."""
     dec = _decoders.get(cls)
     if dec is None:
         dec = _decoders[cls] = msgspec.msgpack.Decoder(cls, dec_hook=_dec_hook)
-    return dec.decode(data)
+    return dec.decode
+
+
+def decode(data: bytes, cls: type[T]) -> T:
+    return decoder(cls)(data)

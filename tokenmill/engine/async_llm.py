@@ -131,6 +131,9 @@ class AsyncLLM:
                 raise EngineDeadError("the engine is not running")
             self._pending.append(cmd)
             self._cond.notify()
+        wakeup = getattr(self.engine.engine_core, "wakeup", None)
+        if wakeup is not None:  # an engine core in another process: stop waiting on it
+            wakeup()
 
     async def run_blocking(self, fn, *args, **kwargs):
         """Run slow host work (tokenizing, rendering a chat template) on the prepare
@@ -149,7 +152,7 @@ class AsyncLLM:
         n = min(n, self.engine.limits.max_n)
         limit = self.max_num_waiting
         # The scheduler's queue length, read live (an int read is safe from any thread).
-        waiting = self.engine.engine_core.scheduler.num_waiting
+        waiting = self.engine.engine_core.num_waiting
         if limit is not None and self._num_admitting + waiting + n > limit:
             raise EngineOverloadedError(f"the server is overloaded: {limit} requests are "
                                         f"already waiting; retry later", retry_after=1.0)
@@ -242,9 +245,14 @@ class AsyncLLM:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        wakeup = getattr(self.engine.engine_core, "wakeup", None)
+        if wakeup is not None:
+            wakeup()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():  # else the engine thread still uses it
+            self.engine.shutdown()
 
     # ---- death -----------------------------------------------------------------
     def _die(self, err: EngineDeadError) -> None:
@@ -272,7 +280,11 @@ class AsyncLLM:
         while self._dead is None and not self._stopped:
             time.sleep(min(1.0, timeout / 4))
             started = self._step_started
-            if started is not None and time.monotonic() - started > timeout:
+            stalled = time.monotonic() - started if started is not None else 0.0
+            silent_for = getattr(self.engine.engine_core, "silent_for", None)
+            if silent_for is not None:  # a core in another process: its last message
+                stalled = max(stalled, silent_for())
+            if stalled > timeout:
                 logger.error("an engine step made no progress for %g s: the engine is dead",
                              timeout)
                 self._die(EngineDeadError(f"the engine stalled: a step made no progress "
@@ -406,20 +418,18 @@ class AsyncLLM:
 
     def _refresh_stats(self) -> None:
         s = self.stats
-        sched = self.engine.engine_core.scheduler
-        s.num_running = sched.num_running
-        s.num_waiting = sched.num_waiting
-        s.num_preemptions_total = sched.num_preemptions
-        kv = sched.kv_cache_manager
-        s.kv_cache_usage = kv.usage
-        s.num_used_blocks = kv.num_used_blocks
-        s.prefix_cache_queries_total = kv.prefix_cache_stats.queries
-        s.prefix_cache_hits_total = kv.prefix_cache_stats.hits
-        s.num_cached_blocks = kv.pool.num_cached_blocks
-        s.requests_errored_total = dict(sched.num_errors)
-        s.requests_aborted_total = sched.num_aborted
-        if sched.spec_stats is not None:
-            s.spec_decoding = sched.spec_stats.as_dict()
-        connector = getattr(self.engine.engine_core, "kv_connector", None)
-        if connector is not None:
-            s.external_kv = connector.stats.snapshot()["stores"]
+        core = self.engine.engine_core.stats()
+        s.num_running = core.num_running
+        s.num_waiting = core.num_waiting
+        s.num_preemptions_total = core.num_preemptions
+        s.kv_cache_usage = core.kv_cache_usage
+        s.num_used_blocks = core.num_used_blocks
+        s.prefix_cache_queries_total = core.prefix_cache_queries
+        s.prefix_cache_hits_total = core.prefix_cache_hits
+        s.num_cached_blocks = core.num_cached_blocks
+        s.requests_errored_total = dict(core.num_errors)
+        s.requests_aborted_total = core.num_aborted
+        if core.spec_decoding is not None:
+            s.spec_decoding = core.spec_decoding
+        if core.external_kv is not None:
+            s.external_kv = core.external_kv

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 
 import torch
 
@@ -16,6 +17,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
 from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.engine.core_messages import CoreInfo, CoreStats
 from tokenmill.errors import EngineDeadError, RequestFault
 from tokenmill.kv_connector.setup import kv_cache_stats, make_kv_connector, resolve_prefix_caching
 from tokenmill.models.loader import load_model
@@ -270,10 +272,13 @@ class EngineCore:
         self.runner.remove_requests(sched.take_finished_req_ids())
 
     def shutdown(self) -> None:
+        if self._worker is None:
+            return
         if self._in_flight is not None:
             self._in_flight[1].result()
             self._in_flight = None
         self._worker.shutdown(wait=True)
+        self._worker = None
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()
         if self.kv_connector is not None:
@@ -282,6 +287,43 @@ class EngineCore:
     def kv_cache_stats(self) -> dict:
         """Prefix-cache and external-KV counters (see tokenmill.kv_connector.setup)."""
         return kv_cache_stats(self.scheduler, self.kv_connector)
+
+    # ---- what the front end reads (the same surface as an engine-core client) -------
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_config.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return bool(self.scheduler.config.enable_prefix_caching)
+
+    def stats(self) -> CoreStats:
+        """Gauges and cumulative counters, as the front end's stats show them."""
+        sched = self.scheduler
+        kv = sched.kv_cache_manager
+        return CoreStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_preemptions=sched.num_preemptions, kv_cache_usage=kv.usage,
+            num_used_blocks=kv.num_used_blocks, num_kv_blocks=kv.pool.num_usable_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_cached_blocks=kv.pool.num_cached_blocks, num_errors=dict(sched.num_errors),
+            num_aborted=sched.num_aborted,
+            spec_decoding=sched.spec_stats.as_dict() if sched.spec_stats is not None else None,
+            external_kv=(self.kv_connector.stats.snapshot()["stores"]
+                         if self.kv_connector is not None else None))
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(self.kv_cache_config.num_blocks, self.kv_cache_config.bytes_per_block(),
+                        self.async_scheduling, self.enable_prefix_caching,
+                        self.platform.describe(), os.getpid())
 
     # ---- structured output (tokenmill.structured_output) ---------------------------
     def _attach_grammar(self, request: Request) -> None:

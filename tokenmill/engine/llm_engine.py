@@ -74,6 +74,14 @@ class EngineArgs:
     # Speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig, a dict of
     # its fields or their JSON); None: off.
     speculative_config: object = None
+    # The engine core in a process of its own, fed over ZeroMQ (tokenmill.engine.core_proc);
+    # False: in this process (the default for the offline LLM; the server decides).
+    engine_process: bool = False
+    # Engine replicas, each in its own process with its own share of the CPUs; requests
+    # go to the least loaded. Implies engine_process.
+    data_parallel_size: int = 1
+    # How the engine processes start: "mp" (local processes) or "ray" (Ray actors).
+    distributed_executor_backend: str = "mp"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -101,6 +109,15 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 64:
+            raise ValueError(f"data_parallel_size must be an int in [1, 64], got {dp!r}")
+        from tokenmill.engine.launchers import BACKENDS
+        if self.distributed_executor_backend not in BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(BACKENDS)}, got {self.distributed_executor_backend!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         if self.max_num_batched_tokens is not None and (
@@ -128,17 +145,23 @@ def resolve_async(flag: bool | None, device, speculative_config=None) -> bool:
     return getattr(device, "type", str(device)) == "cuda"
 
 
-class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        args.validate()
-        import torch  # noqa: local so `tokenmill --help` stays fast
-        torch.manual_seed(args.seed)
-        self.args = args
-        self.limits: RequestLimits = args.limits
-        self.model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
-                                                        args.max_model_len)
-        self.tokenizer = self._load_tokenizer(args.tokenizer or self.model_config.path)
-        max_len = self.model_config.max_model_len
+@dataclass
+class EngineSetup:
+    """Everything decided from the EngineArgs before the engine core is built: the
+    front end and an engine core in its own process derive the same from the same args."""
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    platform: CpuPlatform
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "EngineSetup":
+        model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
+                                                   args.max_model_len)
+        tokenizer = load_tokenizer(args.tokenizer or model_config.path)
+        max_len = model_config.max_model_len
         batched = args.max_num_batched_tokens
         if batched is None:
             batched = (DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill
@@ -147,36 +170,69 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
                              f"({max_len}) when enable_chunked_prefill is off")
         spec = args.speculative_config
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
-                                                args.enable_chunked_prefill,
-                                                args.enable_prefix_caching,
-                                                spec.num_speculative_tokens if spec else 0,
-                                                spec.num_speculative_tokens
-                                                if spec and spec.method != "ngram" else 0)
-        self.cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
+        scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
+                                           args.enable_chunked_prefill,
+                                           args.enable_prefix_caching,
+                                           spec.num_speculative_tokens if spec else 0,
+                                           spec.num_speculative_tokens
+                                           if spec and spec.method != "ngram" else 0)
+        cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         # Which kernels run: decided here, once, for the whole engine.
-        self.platform = CpuPlatform.from_engine_args(args, self.model_config.device,
-                                                     self.model_config.dtype)
+        platform = CpuPlatform.from_engine_args(args, model_config.device, model_config.dtype)
+        return cls(model_config, scheduler_config, cache_config, platform, tokenizer,
+                   model_config.eos_token_ids(tokenizer))
+
+    def structured_output(self):
+        """A grammar manager (xgrammar loads on the first structured request)."""
+        from tokenmill.structured_output.manager import StructuredOutputManager
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                       self.eos_token_ids)
+
+
+def load_tokenizer(path: str):
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("no tokenizer in %s: prompts must be token ids, outputs have no text", path)
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_engine_core(args: EngineArgs, setup: EngineSetup | None = None) -> EngineCore:
+    """The engine core of `args`, in this process (also the main of a core process)."""
+    import torch  # noqa: local so `tokenmill --help` stays fast
+    torch.manual_seed(args.seed)
+    setup = setup or EngineSetup.from_args(args)
+    spec = args.speculative_config
+    return EngineCore(setup.model_config, setup.cache_config, setup.scheduler_config,
+                      async_scheduling=resolve_async(args.async_scheduling,
+                                                     setup.model_config.device, spec),
+                      kv_connector_config=args.kv_connector, platform=setup.platform,
+                      speculative_config=spec, structured_output=setup.structured_output())
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        args.validate()
+        self.args = args
+        self.limits: RequestLimits = args.limits
+        setup = EngineSetup.from_args(args)
+        self.model_config = setup.model_config
+        self.tokenizer = setup.tokenizer
+        self.scheduler_config = setup.scheduler_config
+        self.cache_config = setup.cache_config
+        self.platform = setup.platform
         logger.info("platform: %s", self.platform.describe())
-        self.eos_token_ids = self.model_config.eos_token_ids(self.tokenizer)
-        self.engine_core = EngineCore(self.model_config, self.cache_config, self.scheduler_config,
-                                      async_scheduling=resolve_async(args.async_scheduling,
-                                                                     self.model_config.device,
-                                                                     spec),
-                                      kv_connector_config=args.kv_connector,
-                                      platform=self.platform, speculative_config=spec,
-                                      structured_output=self._structured_output())
+        self.eos_token_ids = setup.eos_token_ids
+        if args.engine_process or args.data_parallel_size > 1:
+            # The engine core(s) in their own process(es); this one tokenizes,
+            # detokenizes and checks stop strings (tokenmill.engine.core_client).
+            from tokenmill.engine.core_client import MPEngineCoreClient
+            self.engine_core = MPEngineCoreClient(args, setup)
+        else:
+            self.engine_core = build_engine_core(args, setup)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-
-    @staticmethod
-    def _load_tokenizer(path: str):
-        if not any(os.path.exists(os.path.join(path, f))
-                   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            logger.warning("no tokenizer in %s: prompts must be token ids, outputs have no text", path)
-            return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
 
     # ---- requests ------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -273,7 +329,7 @@ class LLMEngine:
                 share_prompt_with=completions[0].core_id if c.index > 0 else None,
                 cache_salt=cache_salt))
         for r in core_requests:
-            if r.request_id in self.engine_core.scheduler.requests:
+            if self.engine_core.has_request(r.request_id):
                 raise ParamError("request_id", f"request_id {r.request_id!r} is already in use")
         processor.add_request(req_state)
         for r in core_requests:
@@ -325,12 +381,6 @@ class LLMEngine:
             resolved.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return resolved
 
-    def _structured_output(self):
-        """The engine core's grammars (xgrammar loads on the first structured request)."""
-        from tokenmill.structured_output.manager import StructuredOutputManager
-        return StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-
     @staticmethod
     def _attach_derived(child: SamplingParams, parent: SamplingParams) -> None:
         for name in ENGINE_DERIVED:
@@ -356,6 +406,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, if it has one); idempotent."""
+        self.engine_core.shutdown()
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.output_processor.requests)

@@ -28,6 +28,20 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add_cpu_platform_args(p)
     add_limit_args(p)
     add_speculative_args(p)
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("processes")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine core in a process of its own, fed over ZeroMQ "
+                        "(default: off; `serve` decides where it pays)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engine replicas, each in its own process with its share of the "
+                        "CPUs; requests go to the least loaded")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how the engine processes start: local processes, or Ray actors "
+                        "(a running Ray cluster, or a local one started on demand)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +151,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
                 speculative_config=getattr(args, "speculative_config", None),
+                engine_process=bool(getattr(args, "engine_process", None)),
+                data_parallel_size=getattr(args, "data_parallel_size", 1),
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
                 **kv_cache_kwargs(args), **cpu_platform_kwargs(args), **limit_kwargs(args))
 
 
