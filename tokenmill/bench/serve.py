@@ -61,6 +61,13 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding for the server (see tokenmill serve)")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's engine core in its own process (default: the "
+                        "server's choice)")
+    s.add_argument("--data-parallel-size", type=positive_int, default=None, metavar="N")
+    s.add_argument("--compare-engine-process", action="store_true",
+                   help="run the workload twice, on a server with the engine core in its "
+                        "process and on one with it in its own process, and print the ratio")
     s.add_argument("--server-timeout", type=float, default=300.0,
                    help="seconds to wait for the server's /health (default 300)")
 
@@ -171,6 +178,10 @@ def local_server(model_path: str, args, max_model_len: int):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if getattr(args, "decode_layers", True) is False:
         cmd.append("--no-decode-layers")
+    if getattr(args, "engine_process", None) is not None:
+        cmd.append("--engine-process" if args.engine_process else "--no-engine-process")
+    if getattr(args, "data_parallel_size", None) is not None:
+        cmd += ["--data-parallel-size", str(args.data_parallel_size)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         logger.info("starting: %s", " ".join(cmd))
@@ -249,6 +260,26 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+# ---- the command ---------------------------------------------------------------
+def _bench_once(args, model_path, model_name, max_model_len, workload, warmup):
+    """Warm up, then send the workload: (results, seconds). RuntimeError on failure."""
+    with (contextlib.nullcontext(args.url.rstrip("/")) if args.url else
+          local_server(model_path, args, max_model_len)) as url:
+        warm, _ = asyncio.run(run_workload(url, model_name, warmup, 2, args.api_key))
+        if not all(r.ok for r in warm):
+            raise RuntimeError(f"warm-up request failed: "
+                               f"{next(r.error for r in warm if not r.ok)}")
+        logger.info("sending %d requests (%d prompt, %d output tokens), concurrency %d",
+                    args.num_prompts, workload.total_prompt_tokens,
+                    workload.total_output_tokens, args.concurrency)
+        return asyncio.run(run_workload(url, model_name, workload, args.concurrency,
+                                        args.api_key))
+
+
 # ---- the command ---------------------------------------------------------------
 def validate_args(args: argparse.Namespace) -> None:
     if args.url is not None:
@@ -256,8 +287,10 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
         given = [f"--{f.replace('_', '-')}" for f in
                  ("dtype", "device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                  "speculative_config")
-                 if getattr(args, f) is not None]
+                  "speculative_config", "engine_process", "data_parallel_size")
+                 if getattr(args, f, None) is not None]
+        if getattr(args, "compare_engine_process", False):
+            given.append("--compare-engine-process")
         if given:
             raise ValueError(f"{', '.join(given)}: only for the server this command starts;"
                              " drop them or drop --url")
@@ -288,18 +321,24 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     # Untimed: two requests of the same shape (shortest outputs), from another seed.
     warmup = make_workload(2, args.input_len, (args.output_len[0],) * 2, vocab, args.seed + 1)
 
+    in_process = None
+    if getattr(args, "compare_engine_process", False):
+        # The same workload on a server whose engine core shares its process first.
+        args.engine_process = False
+        try:
+            results, seconds = _bench_once(args, model_path, model_name, max_model_len,
+                                           workload, warmup)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            return 1
+        in_process = summarize(results, seconds)
+        print("engine core in the server's process:")
+        print(format_table(in_process))
+        args.engine_process = True
+        print("engine core in its own process:")
     try:
-        with (contextlib.nullcontext(url) if args.url else
-              local_server(model_path, args, max_model_len)) as url:
-            warm, _ = asyncio.run(run_workload(url, model_name, warmup, 2, args.api_key))
-            if not all(r.ok for r in warm):
-                raise RuntimeError(f"warm-up request failed: "
-                                   f"{next(r.error for r in warm if not r.ok)}")
-            logger.info("sending %d requests (%d prompt, %d output tokens), concurrency %d",
-                        args.num_prompts, workload.total_prompt_tokens,
-                        workload.total_output_tokens, args.concurrency)
-            results, seconds = asyncio.run(run_workload(url, model_name, workload,
-                                                        args.concurrency, args.api_key))
+        results, seconds = _bench_once(args, model_path, model_name, max_model_len,
+                                       workload, warmup)
     except RuntimeError as e:
         logger.error("%s", e)
         return 1
@@ -318,6 +357,14 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                        "E2E, ITL misses them", lumped)
     summary["single_chunk_requests"] = lumped
     print(format_table(summary))
+    if in_process is not None:
+        summary["in_process"] = in_process
+        summary["engine_process_ratio"] = ratios = {
+            "output_tok_s": summary["output_tok_s"] / in_process["output_tok_s"],
+            "ttft_p50": _ratio(summary["ttft_ms"]["p50"], in_process["ttft_ms"]["p50"]),
+            "itl_p50": _ratio(summary["itl_ms"]["p50"], in_process["itl_ms"]["p50"])}
+        print(f"own process / in process: output tok/s {ratios['output_tok_s']:.2f}x, "
+              f"TTFT p50 {ratios['ttft_p50']:.2f}x, ITL p50 {ratios['itl_p50']:.2f}x")
     if args.output_json:
         summary["workload"] = {
             "url": args.url, "model": model_path, "served_model_name": model_name,

@@ -57,6 +57,7 @@ class _Replica:
         self.info: CoreInfo | None = None
         self.stats = CoreStats()
         self.unfinished: set[str] = set()
+        self.num_routed = 0  # requests sent here, ever
         self.alive = True
         self.death: str | None = None
 
@@ -154,6 +155,7 @@ class MPEngineCoreClient:
         if not self.has_unfinished_requests():
             self._last_message = time.monotonic()  # silence counts from now
         replica.unfinished.add(request.request_id)
+        replica.num_routed += 1
         self._replica_of[request.request_id] = replica
         self._send(replica, b"add", msg)
 
@@ -323,8 +325,9 @@ class MPEngineCoreClient:
         return sum(r.info.num_kv_blocks for r in self.replicas if r.info is not None)
 
     def replica_stats(self) -> list[dict]:
-        """Per replica: alive, unfinished requests, its last stats (for /stats)."""
-        return [{"index": r.index, "alive": r.alive, "unfinished": len(r.unfinished),
+        """Per replica: alive, pid, requests routed and unfinished, its last stats."""
+        return [{"index": r.index, "alive": r.alive, "pid": r.info.pid if r.info else None,
+                 "requests_routed": r.num_routed, "unfinished": len(r.unfinished),
                  "num_running": r.stats.num_running, "num_waiting": r.stats.num_waiting}
                 for r in self.replicas]
 

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 # After the engine dies: open streams get this long to send their error events before
 # uvicorn stops, and the process this long to exit on its own before os._exit(1).
 EXIT_DELAY_S, HARD_EXIT_S = 0.5, 8.0
+# The engine core in a process of its own by default? Decided by `tokenmill bench serve
+# --compare-engine-process` (docs/benchmarks.md).
+ENGINE_PROCESS_DEFAULT = False
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -61,6 +64,19 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     return app
 
 
+def resolve_engine_process(flag: bool | None) -> bool:
+    """Whether the server runs its engine core in a process of its own: the flag, else
+    TOKENMILL_ENGINE_PROCESS (1 / 0), else the measured default (ENGINE_PROCESS_DEFAULT)."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("TOKENMILL_ENGINE_PROCESS")
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"TOKENMILL_ENGINE_PROCESS must be 0 or 1, got {env!r}")
+        return env == "1"
+    return ENGINE_PROCESS_DEFAULT
+
+
 def run_server(args) -> int:
     """`tokenmill serve`: build the engine, then serve until SIGINT / SIGTERM (exit 0) or
     until the engine dies (exit 1)."""
@@ -73,8 +89,10 @@ def run_server(args) -> int:
     model_arg = args.model_pos or args.model
     model = resolve_model(model_arg)
     name = args.served_model_name or model_arg or DEMO_MODEL_NAME
+    kwargs = engine_kwargs(args)
+    kwargs["engine_process"] = resolve_engine_process(getattr(args, "engine_process", None))
     async_llm = AsyncLLM.from_engine_args(
-        EngineArgs.from_kwargs(model, **engine_kwargs(args)),
+        EngineArgs.from_kwargs(model, **kwargs),
         log_stats_interval=args.log_stats_interval, max_num_waiting=args.max_num_waiting,
         step_timeout=args.engine_step_timeout)
     options = ServerOptions(

@@ -38,7 +38,15 @@ async def stats(ctx: Ctx):
         "spec_decoding": s.spec_decoding or None,
         "latency": {"window_s": recent.window_s, **recent.percentiles()},
         "config": engine_config(ctx),
+        "replicas": _replicas(ctx),
     }
+
+
+def _replicas(ctx) -> list[dict] | None:
+    """Per engine process (data parallelism): alive, pid, requests routed and open."""
+    engine = getattr(ctx.async_llm, "engine", None)
+    replica_stats = getattr(getattr(engine, "engine_core", None), "replica_stats", None)
+    return replica_stats() if replica_stats is not None else None
 
 
 def engine_config(ctx) -> dict:
