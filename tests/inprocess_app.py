@@ -3,6 +3,7 @@ a server app built on it (no socket): for route tests that need no live server."
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -15,9 +16,16 @@ def async_llm(demo_path):
     from tokenmill.engine.llm_engine import EngineArgs
     llm = AsyncLLM.from_engine_args(
         EngineArgs.from_kwargs(demo_path, dtype="float32", max_model_len=256, num_kv_blocks=64,
-                               max_num_seqs=8), log_stats_interval=0)
+                               max_num_seqs=8, engine_process=engine_process_mode()),
+        log_stats_interval=0)
     yield llm
     llm.shutdown()
+
+
+def engine_process_mode() -> bool:
+    """TOKENMILL_ENGINE_PROCESS=1 runs the server tests' engines in a process of their own
+    (the server reads the same variable): `make test` runs the server suite both ways."""
+    return os.environ.get("TOKENMILL_ENGINE_PROCESS") == "1"
 
 
 def call(app, *requests):

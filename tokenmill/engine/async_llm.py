@@ -294,6 +294,7 @@ class AsyncLLM:
     # ---- engine thread -------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle_refresh_s = getattr(engine.engine_core, "idle_refresh_s", None)
         last_log = time.monotonic()
         last_counts = (0, 0)
         try:
@@ -302,7 +303,9 @@ class AsyncLLM:
                     while (not self._pending and not self._stopped
                            and not engine.has_unfinished_requests()):
                         self._refresh_stats()
-                        self._cond.wait()
+                        # A core in another process changes while this one waits
+                        # (an abort lands, a replica dies): look again now and then.
+                        self._cond.wait(idle_refresh_s)
                         # throughput in the stats line is over busy time only
                         last_log = time.monotonic()
                         last_counts = (self.stats.prompt_tokens_total,

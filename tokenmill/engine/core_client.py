@@ -43,6 +43,8 @@ from tokenmill.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # the longest one step() waits for outputs (liveness is checked between)
+# An idle caller looks at the cores this often (stats, a replica that died).
+IDLE_REFRESH_S = 0.5
 STARTUP_TIMEOUT_S = 900.0  # loading a large checkpoint on a slow disk
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -299,6 +301,8 @@ class MPEngineCoreClient:
         if not any(r.alive for r in self.replicas):
             raise EngineDeadError(f"the engine core died ({replica.death})")
 
+    idle_refresh_s = IDLE_REFRESH_S
+
     def silent_for(self) -> float:
         """Seconds since a core last said anything while requests are unfinished (0
         when idle): a stalled step shows here (AsyncLLM's watchdog reads it)."""
@@ -318,6 +322,13 @@ class MPEngineCoreClient:
         return sum(r.stats.num_waiting for r in self.replicas if r.alive)
 
     def stats(self) -> CoreStats:
+        """The cores' stats as of their last messages (read now, unless step() is
+        reading them on another thread)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._read(0)
+            finally:
+                self._lock.release()
         return merge_stats([r.stats for r in self.replicas if r.alive] or [CoreStats()])
 
     @property

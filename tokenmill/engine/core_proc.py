@@ -120,6 +120,8 @@ class _CoreLoop:
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self.send(b"out", CoreOutputs(outputs, core.stats()))
+            else:  # an abort emptied it: no step will say so, the stats must
+                self.send(b"out", CoreOutputs([], core.stats()))
 
     def _take_inputs(self) -> None:
         zmq = self.zmq
