@@ -364,10 +364,264 @@ def test_a_stuck_store_stalls_no_step(llama_tiny, prompts, baseline, monkeypatch
     entered.clear()
     from tokenmill.core.sched_output import KVConnectorMetadata
     for i in range(4):
-        worker.save_kv(KVConnectorMetadata(stores=[(1, bytes([i]) * 32, (0,))]))
+        worker.save_kv(KVConnectorMetadata(stores=[("r", 1, bytes([i]) * 32, (0,))]))
         if i == 0:
             assert entered.wait(10)  # the writer holds the first batch, in the store
     assert ext(llm)["store_failures"] == 1
     release.set()
     assert worker.flush(10) and ext(llm)["blocks_stored"] == stored + 3
     llm.llm_engine.engine_core.shutdown()
+
+
+# ---- loads on the worker side: an entry that changes between lookup and load ---------------
+
+def damage_entry(store, key: str, damage: str) -> None:
+    """Break a CPU store's entry in place: evicted, torn or corrupted."""
+    data = store._data[key]
+    if damage == "evicted":
+        store.drop(key)
+    elif damage == "torn":
+        store._data[key] = data[:len(data) // 2]
+    else:
+        b = bytearray(data)
+        b[HEADER.size + 100] ^= 0x40
+        store._data[key] = bytes(b)
+
+
+def spy_rollbacks(llm) -> list[tuple[object, dict]]:
+    """Each step with failed loads: its connector metadata and the requests rolled back
+    (request id -> tokens that keep their KV)."""
+    conn_sched = scheduler_of(llm).connector
+    seen, inner = [], conn_sched.loads_failed
+
+    def loads_failed(meta, invalid, redo):
+        seen.append((meta, dict(redo)))
+        return inner(meta, invalid, redo)
+    conn_sched.loads_failed = loads_failed
+    return seen
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("damage", ["evicted", "torn", "corrupted"])
+def test_entry_damaged_between_lookup_and_load(llama_tiny, prompts, baseline, damage,
+                                               async_scheduling, caplog):
+    """The lookup found the entry; by the time the worker reads it, it is gone or broken.
+    The block is never used: the requests that loaded it sample nothing that step and
+    recompute from it; the others keep their loads. Outputs stay HF-equal greedy, the
+    failure is counted, no block leaks, and the recomputed block is stored again whole."""
+    llm = make_llm(llama_tiny.path, kv_connector=["cpu"], async_scheduling=async_scheduling,
+                   **KW)
+    assert greedy(llm, prompts) == baseline
+    conn = connector_of(llm)
+    store = conn.stores[0]
+    h5 = hash_token_blocks(prompts[0], BS)[5]
+    other = [7] + prompts[1][1:]  # another prefix: its own blocks, loaded on the next run
+    assert greedy(llm, [other]) == [llama_tiny.reference(other, NEW)]
+    reset_local_cache(llm)
+    before = ext(llm)
+    broke = []
+    real_get = store.get_many
+
+    def get_many(keys):  # the worker's read: the entry changes just before it
+        if h5.hex() in keys and not broke:
+            damage_entry(store, h5.hex(), damage)
+            broke.append(1)
+        return real_get(keys)
+    store.get_many = get_many
+    rollbacks = spy_rollbacks(llm)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        out = greedy(llm, prompts + [other])
+    assert broke, "the damaged entry was never read"
+    assert out == baseline + [llama_tiny.reference(other, NEW)]
+    assert out[0] == llama_tiny.reference(prompts[0], NEW)
+    s = ext(llm)
+    assert s["load_failures"] - before["load_failures"] >= 1
+    assert "not loaded" in caplog.text
+    # Rolled back to the damaged block's start: the requests that loaded it (and any that
+    # hit it in the same step), no other.
+    rolled = {rid: n for _, redo in rollbacks for rid, n in redo.items()}
+    assert rolled and set(rolled.values()) == {5 * BS}
+    for meta, redo in rollbacks:
+        for load in meta.loads:
+            if h5 in load.block_hashes:
+                assert load.req_id in redo
+            elif load.first_block <= 5:  # another prefix
+                assert load.req_id not in redo
+    # The other prefix loaded whole.
+    assert s["hit_blocks"] - before["hit_blocks"] >= (len(other) - 1) // BS
+    assert s["bytes_loaded"] == s["hit_blocks"] * conn.geometry.payload_bytes
+    # The recomputed block was written again, whole, and loads on the next run.
+    decode_entry(store._data[h5.hex()], conn.ns_digest, h5, conn.geometry.payload_bytes)
+    assert_idle(llm)
+    reset_local_cache(llm)
+    again = ext(llm)
+    assert greedy(llm, prompts[:1]) == baseline[:1]
+    assert ext(llm)["load_failures"] == again["load_failures"]
+    assert ext(llm)["hit_blocks"] - again["hit_blocks"] >= PREFIX_BLOCKS
+    assert_idle(llm)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_failed_entry_is_read_from_the_next_store(llama_tiny, prompts, baseline, tmp_path):
+    """The CPU store's entry breaks after the lookup; the disk store holds the block too:
+    the worker reads it there, and nothing is recomputed (one failure, of the CPU store),
+    and the block is written back to the CPU store."""
+    llm = make_llm(llama_tiny.path, kv_connector=["cpu", f"disk:{tmp_path / 'kv'}"], **KW)
+    assert greedy(llm, prompts[:1]) == baseline[:1]
+    cpu = connector_of(llm).stores[0]
+    h5 = hash_token_blocks(prompts[0], BS)[5].hex()
+    reset_local_cache(llm)
+    before = ext(llm)
+    real_get, broke = cpu.get_many, []
+
+    def get_many(keys):
+        if h5 in keys and not broke:
+            damage_entry(cpu, h5, "corrupted")
+            broke.append(1)
+        return real_get(keys)
+    cpu.get_many = get_many
+    rollbacks = spy_rollbacks(llm)
+    assert greedy(llm, prompts[:1]) == baseline[:1]
+    s = ext(llm)
+    assert broke and rollbacks == []
+    assert s["stores"]["cpu"]["load_failures"] == before["stores"]["cpu"]["load_failures"] + 1
+    assert s["stores"]["disk"]["hit_blocks"] - before["stores"]["disk"]["hit_blocks"] == 1
+    assert s["hit_blocks"] - before["hit_blocks"] >= PREFIX_BLOCKS
+    assert runner_of(llm).kv_connector.flush(10)
+    conn = connector_of(llm)
+    decode_entry(cpu._data[h5], conn.ns_digest, bytes.fromhex(h5), conn.geometry.payload_bytes)
+    assert_idle(llm)
+
+
+def test_lookup_and_load_never_carry_kv_bytes(llama_tiny, prompts):
+    """The connector's part of every SchedulerOutput is ids and hashes: no payload."""
+    llm = make_llm(llama_tiny.path, kv_connector=["cpu"], **KW)
+    greedy(llm, prompts[:2])
+    reset_local_cache(llm)
+    runner = runner_of(llm)
+    metas, execute = [], runner.execute_model
+
+    def execute_model(so):
+        if so.kv_connector_metadata is not None:
+            metas.append(so.kv_connector_metadata)
+        return execute(so)
+    runner.execute_model = execute_model
+    greedy(llm, prompts[:2])
+    loads = [load for m in metas for load in m.loads]
+    assert loads
+    for load in loads:
+        assert len(load.block_ids) == len(load.block_hashes) == len(load.store_ids)
+        assert all(isinstance(b, int) for b in load.block_ids)
+        assert all(isinstance(h, bytes) and len(h) == 32 for h in load.block_hashes)
+        assert all(ids == [0] for ids in load.store_ids)
+
+
+# ---- a Redis that stops answering -----------------------------------------------------------
+
+class HangingProxy:
+    """A TCP proxy in front of a real redis-server that, once `hang_on` is set, holds
+    every client request containing that command (never forwarded, never answered)
+    until release()."""
+
+    def __init__(self, target_port: int):
+        import socket
+        import threading
+        self.target_port = target_port
+        self.hang_on: bytes | None = None
+        self.num_held = 0
+        self._release = threading.Event()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        self._conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self):
+        import socket
+        import threading
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._conns += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False),
+                             daemon=True).start()
+
+    def _pump(self, src, dst, requests: bool):
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            if requests and self.hang_on is not None and self.hang_on in data.upper():
+                self.num_held += 1
+                self._release.wait()
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def release(self):
+        self.hang_on = None
+        self._release.set()
+
+    def close(self):
+        self.release()
+        self._sock.close()
+        for c in self._conns:
+            c.close()
+
+
+@pytest.mark.parametrize("hang_on", [b"MGET", b"EXISTS"], ids=["reads", "lookups"])
+def test_a_hanging_redis_stalls_no_request(request, llama_tiny, prompts, baseline, hang_on):
+    """Redis stops answering (its socket timeout far away): the lookup waits at most
+    lookup_timeout_s and answers as a miss, a load waits at most load_timeout_s and is a
+    load failure (recomputed); further calls to the stuck store are refused at once
+    rather than queued. Every request finishes with HF-equal greedy tokens."""
+    import threading
+    server = request.getfixturevalue("redis_server")
+    server.client().flushall()
+    proxy = HangingProxy(server.port)
+    llm = None
+    try:
+        llm = make_llm(llama_tiny.path, kv_connector={
+            "stores": [proxy.url], "redis_timeout_s": 120, "lookup_timeout_s": 1.0,
+            "load_timeout_s": 1.0}, **KW)
+        assert greedy(llm, prompts) == baseline
+        assert ext(llm)["blocks_stored"] >= PREFIX_BLOCKS
+        reset_local_cache(llm)
+        before = ext(llm)
+        proxy.hang_on = hang_on
+        other = [7] + prompts[1][1:]
+        done = {}
+        t0 = time.monotonic()
+        run = threading.Thread(target=lambda: done.setdefault(
+            "out", greedy(llm, prompts + [other])))
+        run.start()
+        run.join(60)
+        elapsed = time.monotonic() - t0
+        assert not run.is_alive(), "a request waited for the hanging Redis"
+        assert done["out"] == baseline + [llama_tiny.reference(other, NEW)]
+        assert proxy.num_held >= 1
+        s = ext(llm)
+        if hang_on == b"MGET":  # found by the lookup, not read: recomputed and counted
+            assert s["load_failures"] > before["load_failures"]
+        else:  # nothing found: no load was tried
+            assert s["hit_tokens"] == before["hit_tokens"]
+            assert s["load_failures"] == before["load_failures"]
+        assert elapsed < 45, elapsed  # far below the 120 s socket timeout
+        assert_idle(llm)
+    finally:
+        proxy.close()  # (the held calls are answered: nothing waits at shutdown)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()

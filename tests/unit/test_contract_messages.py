@@ -13,8 +13,8 @@ import torch
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
 from tokenmill.core import serial
-from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput,
-                                         SchedulerOutput)
+from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, KVConnectorMetadata,
+                                         KVLoad, ModelRunnerOutput, SchedulerOutput)
 
 
 def same(a, b) -> bool:
@@ -57,8 +57,8 @@ def first_difference(a, b, path="") -> str:
 
 def test_a_busy_run_round_trips(llama_tiny):
     """Chunked prefill, preemption, drafts, logprobs and prompt logprobs, a seeded sampled
-    request, bad words, the external KV tier (payloads on the way in): every message of
-    every step decodes to an equal object of its class."""
+    request, bad words, the external KV tier (steps that load and store blocks, a load
+    that fails): every message of every step decodes to an equal object of its class."""
     llm = make_llm(llama_tiny.path, max_num_batched_tokens=16, num_kv_blocks=14,
                    block_size=8, max_model_len=96, kv_connector=["cpu"],
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
@@ -85,22 +85,58 @@ def test_a_busy_run_round_trips(llama_tiny):
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
     for _ in range(2):  # the second round hits the external tier
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # Third round: the prompts grow (a step loads their prefix and stores new blocks), and
+    # one entry is corrupted between the lookup and the worker's read (a failed load).
+    store = llm.llm_engine.engine_core.kv_connector.stores[0]
+    real_get, broke = store.get_many, []
+
+    def get_many(keys):
+        if not broke:
+            b = bytearray(store._data[keys[-1]])
+            b[-1] ^= 1
+            store._data[keys[-1]] = bytes(b)
+            broke.append(keys[-1])
+        return real_get(keys)
+    store.get_many = get_many
+    llm.generate([{"prompt_token_ids": p + [11, 12, 13, 14, 15, 16, 17, 18]} for p in prompts],
+                 params, use_tqdm=False)
+    assert broke
     kinds = {cls for cls, _ in seen}
     assert kinds == {SchedulerOutput, ModelRunnerOutput}
     sos = [m for cls, m in seen if cls is SchedulerOutput]
     assert any(so.preempted_req_ids for so in sos)
     assert any(so.scheduled_spec_decode_tokens for so in sos)
-    assert any(so.kv_connector_metadata is not None and so.kv_connector_metadata.loads
-               for so in sos)
+    metas = [so.kv_connector_metadata for so in sos if so.kv_connector_metadata is not None]
+    assert any(m.loads and m.stores for m in metas)  # one step loads and stores
     assert any(any(so.scheduled_cached_reqs.resumed_from_preemption) for so in sos)
     outs = [m for cls, m in seen if cls is ModelRunnerOutput]
     assert any(o.logprobs is not None for o in outs) and any(o.prompt_logprobs for o in outs)
     assert any(o.spec_token_ids and any(o.spec_token_ids) for o in outs)
+    assert any(o.invalid_block_ids for o in outs)  # the failed load, reported
     for cls, msg in seen:
         data = serial.encode(msg)
         assert isinstance(data, bytes)
         back = serial.decode(data, cls)
         assert same(msg, back), first_difference(msg, back)
+
+
+def test_connector_metadata_round_trips():
+    """A step's KV connector work (loads and stores: ids, hashes, store indices) and the
+    runner's report of the blocks that did not load round-trip as they are."""
+    meta = KVConnectorMetadata(
+        loads=[KVLoad("a", 2, [7, 9], [bytes(range(32)), bytes(32)], [[0], [1, 0]]),
+               KVLoad("b", 0, [3], [b"\xff" * 32], [[1]])],
+        stores=[("a", 11, b"\x01" * 32, (0, 1)), ("c", 4, b"\x02" * 32, (1,))])
+    so = SchedulerOutput([], CachedRequestData(["a", "b", "c"], [False] * 3, [None] * 3,
+                                               [16, 0, 40]),
+                         {"a": 5, "b": 8, "c": 1}, 14, kv_connector_metadata=meta)
+    back = serial.decode(serial.encode(so), SchedulerOutput)
+    assert same(so, back), first_difference(so, back)
+    assert isinstance(back.kv_connector_metadata.loads[0], KVLoad)
+    assert back.kv_connector_metadata.stores[0] == ("a", 11, b"\x01" * 32, (0, 1))
+    out = ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[], [5]], invalid_block_ids={9})
+    back = serial.decode(serial.encode(out), ModelRunnerOutput)
+    assert same(out, back) and back.invalid_block_ids == {9}
 
 
 def test_grammar_output_round_trips():

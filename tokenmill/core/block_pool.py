@@ -129,6 +129,16 @@ class BlockPool:
         self.block_key[block_id] = key
         return True
 
+    def uncache_block(self, block_id: int) -> None:
+        """Drop the block's key (its contents are not what the key says); held or free."""
+        key = self.block_key[block_id]
+        if key is not None:
+            self.block_key[block_id] = None
+            if self.cached.get(key) == block_id:
+                del self.cached[key]
+            if self.ref_cnt[block_id] == 0 and self.enable_caching:
+                self._free.move_to_end(block_id, last=False)  # worth nothing: reuse first
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached key (blocks in use keep working, unshared). Returns
         how many were dropped."""

@@ -25,6 +25,13 @@ class KVCacheManager:
     the longest cached prefix of its tokens (`get_computed_blocks`), leaving at
     least its last token to compute. Requests asking for prompt logprobs skip
     the lookup (they need every prompt position computed).
+
+    Blocks the external KV tier loads are registered like computed ones, but they
+    are *loading* until the step that loads them comes back (`loads_done`): the
+    schedule call that loads them may hand them to other requests (the runner
+    loads before the forward, and samples nothing for any row over a block that
+    did not load), later ones may not (a step already scheduled could not be
+    undone). A block that did not load leaves the cache; its holders recompute it.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = False):
@@ -38,6 +45,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[list[int]]] = {}
         # Per request: how many of its leading blocks are registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # External loads not confirmed: those of the schedule call under way, and those
+        # of steps in flight.
+        self._loading_now: set[int] = set()
+        self._loading: set[int] = set()
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -74,7 +85,7 @@ class KVCacheManager:
             group_hits = hits[gid]
             for i in range(num):
                 b = self.pool.get_cached_block((gid, hashes[i]))
-                if b is None:
+                if b is None or b in self._loading:
                     break
                 group_hits.append(b)
             num = len(group_hits)
@@ -146,6 +157,55 @@ class KVCacheManager:
                 self.pool.cache_block(group_blocks[i], (gid, hashes[i]))
         self.num_cached_blocks[rid] = end
 
+    # ---- external loads (tokenmill.kv_connector) --------------------------------------
+    def mark_loading(self, block_ids: list[int]) -> None:
+        """The external tier loads these (freshly allocated) blocks in this step."""
+        self._loading_now.update(block_ids)
+
+    def holds_loading(self, block_ids: list[int]) -> bool:
+        """Whether these blocks (a cache hit) include one this step loads."""
+        return bool(self._loading_now) and not self._loading_now.isdisjoint(block_ids)
+
+    def loading_scheduled(self) -> None:
+        """The schedule call is over: its loads are in flight, hit by no later call."""
+        if self._loading_now:
+            self._loading |= self._loading_now
+            self._loading_now = set()
+
+    def loads_done(self, block_ids: list[int], invalid: set[int]) -> None:
+        """The step loading `block_ids` came back; `invalid`: those that do not hold their
+        KV, dropped from the prefix cache (their holders recompute them: `rollback`)."""
+        for b in block_ids:
+            if b in self._loading:
+                self._loading.discard(b)
+                if b in invalid:
+                    self.pool.uncache_block(b)
+
+    def first_block_among(self, request_id: str, block_ids: set[int]) -> int | None:
+        """Index of the request's first block (first attention group) in `block_ids`."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return None
+        return next((i for i, b in enumerate(blocks[self.first_block_group])
+                     if b in block_ids), None)
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """The request's KV ends at `num_tokens` (a load failed): its blocks from there are
+        registered again once recomputed."""
+        rid = request.request_id
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid],
+                                              num_tokens // self.block_size)
+
+    def _forget_loading(self, block_ids: list[int]) -> None:
+        """Blocks freed while their load is unconfirmed (the step may never come back:
+        aborted, preempted, a failed step): out of the cache, to be safe."""
+        for b in block_ids:
+            if b in self._loading or b in self._loading_now:
+                self._loading.discard(b)
+                self._loading_now.discard(b)
+                self.pool.uncache_block(b)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (the benchmark's cold runs); returns how many."""
         return self.pool.reset_prefix_cache()
@@ -168,4 +228,6 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             for group_blocks in blocks:
+                if self._loading or self._loading_now:
+                    self._forget_loading(group_blocks)
                 self.pool.free(group_blocks)

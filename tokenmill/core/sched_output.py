@@ -42,14 +42,30 @@ class CachedRequestData:
 
 
 @dataclass
+class KVLoad:
+    """Blocks of one request that the external KV tier loads this step: ids only, the
+    worker half reads and verifies the entries itself (tokenmill.kv_connector)."""
+
+    req_id: str
+    # Index, in the request's block list, of block_ids[0]: the request's first
+    # block_ids[k] that does not load is where its recomputation starts.
+    first_block: int
+    block_ids: list[int]
+    block_hashes: list[bytes]  # each block's chained hash: its key in every store
+    # Per block: indices of the stores the lookup found it in, in search order (the
+    # first is read; the next ones if it cannot be read whole).
+    store_ids: list[list[int]]
+
+
+@dataclass
 class KVConnectorMetadata:
     """One step's connector work, built by the scheduler half (tokenmill.kv_connector)
-    for the worker half."""
+    for the worker half: which blocks to load before the forward, which to store after
+    it. Ids and hashes only, never KV bytes."""
 
-    # (block id, verified payload, index of the store it came from)
-    loads: list[tuple[int, memoryview, int]] = field(default_factory=list)
-    # (block id, block hash, indices of the stores to write)
-    stores: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
+    # (request id, block id, block hash, indices of the stores to write)
+    stores: list[tuple[str, int, bytes, tuple[int, ...]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores)
@@ -70,7 +86,8 @@ class SchedulerOutput:
     # Requests preempted in this schedule call: drop them from the batch.
     preempted_req_ids: set[str] = field(default_factory=set)
     # The KV connector's work for this step (tokenmill.kv_connector): blocks to load
-    # before the forward, blocks to store after it. None without a connector.
+    # before the forward, blocks to store after it (ids and hashes). None without a
+    # connector, or with nothing to do.
     kv_connector_metadata: KVConnectorMetadata | None = None
     # Speculative decoding: request id -> the draft tokens scheduled after its last
     # token this step (they count in num_scheduled_tokens); absent: none.
@@ -132,6 +149,11 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the drafts proposed for its next step (None:
     # no drafter, or nothing proposed).
     spec_token_ids: list[list[int]] | None = None
+    # The external KV tier: blocks of this step's loads that do not hold their KV (an
+    # entry evicted, torn or corrupted since the lookup, a store down or too slow). The
+    # requests owning them sampled nothing this step; the scheduler recomputes them from
+    # their first such block (vLLM's invalid_block_ids).
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 def logprobs_row_starts(sampled_token_ids: list[list[int]]) -> list[int]:

@@ -148,6 +148,8 @@ class Scheduler:
             self._preempt(self.running.pop())
         for req in self.requests.values():
             req.num_output_placeholders = 0
+        if self.connector is not None:
+            self.connector.forget_loads()  # (the failed steps' loads come back never)
         self._resend_as_new.update(r for r in requeued + list(new_req_ids) if r in self.requests)
         self.admit_only_preempted = True
         return requeued
@@ -206,6 +208,8 @@ class Scheduler:
         donor = self.requests.get(req.share_prompt_with)
         if donor is None or donor.is_finished:
             return None
+        if self._loading(donor):
+            return _WAIT  # its external blocks are not confirmed loaded yet
         # Its prompt KV is written once a step counted it computed and has run.
         if donor.status == RequestStatus.RUNNING and \
                 donor.num_computed_tokens >= donor.num_prompt_tokens:
@@ -220,6 +224,12 @@ class Scheduler:
         n = req.num_output_placeholders
         return (len(req.output_token_ids) + n >= req.sampling_params.max_tokens
                 or req.num_tokens + n >= self.config.max_model_len)
+
+    def _loading(self, req: Request) -> bool:
+        """Blocks it holds are loaded by the external KV tier in a step that has not come
+        back: it waits (async scheduling) - a failed load rolls it back, nothing may
+        build on it."""
+        return self.connector is not None and self.connector.is_loading(req.request_id)
 
     def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
         """How many of the request's drafts this step verifies: only with its one decode
@@ -256,8 +266,13 @@ class Scheduler:
         (an n > 1 sibling's cache hit on its sibling's prompt counts as shared below)."""
         req.num_computed_tokens += num_hit + num_ext
         if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                req, self.kv_cache_manager.get_block_ids(req.request_id), num_hit, num_ext)
+            kvm = self.kv_cache_manager
+            block_ids = kvm.get_block_ids(req.request_id)
+            self.connector.update_state_after_alloc(req, block_ids, num_hit, num_ext)
+            blocks, bs = block_ids[kvm.first_block_group], kvm.block_size
+            if kvm.holds_loading(blocks[:num_hit // bs]):
+                self.connector.mark_loading(req.request_id)  # it hit blocks this step loads
+            kvm.mark_loading(blocks[num_hit // bs:(num_hit + num_ext) // bs])
 
     @staticmethod
     def _grammar_ready(req: Request) -> bool:
@@ -283,7 +298,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens,
                           budget)
-            if num_new <= 0 or self._limit_reached_in_flight(req):
+            if num_new <= 0 or self._limit_reached_in_flight(req) or self._loading(req):
                 i += 1
                 continue
             num_drafts = self._num_drafts(req, num_new, budget)
@@ -393,10 +408,44 @@ class Scheduler:
         if self.connector is not None:  # the one field known only now; then out is final
             out = dataclasses.replace(
                 out, kv_connector_metadata=self.connector.build_connector_meta(out, self))
+            self.kv_cache_manager.loading_scheduled()
         return out
+
+    def _finish_kv_loads(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """The step's external loads came back. A block that did not load
+        (`invalid_block_ids`) leaves the prefix cache, and each request of the step
+        holding it (its loader, and those that hit it in the same schedule call) is
+        computed again from that block: the runner sampled nothing for it, it keeps its
+        blocks, and it was scheduled in no later step (`_loading`)."""
+        kvm = self.kv_cache_manager
+        invalid = runner_output.invalid_block_ids
+        waited = self.connector.loads_returned(so)  # its loaders, and who hit their blocks
+        redo: dict[str, int] = {}
+        if invalid:
+            for rid in waited:
+                i = kvm.first_block_among(rid, invalid)
+                if i is not None:
+                    redo[rid] = i * kvm.block_size
+            self.connector.loads_failed(so.kv_connector_metadata, invalid, redo)
+        kvm.loads_done([b for load in so.kv_connector_metadata.loads for b in load.block_ids],
+                       invalid)
+        for rid in waited:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            idx = runner_output.req_id_to_index.get(rid)
+            if idx is None or not runner_output.sampled_token_ids[idx]:
+                # No token from this step, its only one in flight: a placeholder is void.
+                req.num_output_placeholders = 0
+            if rid in redo:
+                req.spec_token_ids = []
+                req.num_computed_tokens = min(req.num_computed_tokens, redo[rid])
+                kvm.rollback(req, redo[rid])
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if self.connector is not None and scheduler_output.kv_connector_metadata is not None:
+            self._finish_kv_loads(scheduler_output, runner_output)
         if runner_output.errored:
             self.fail_requests(runner_output.errored)
         outputs = []  # (the failed ones: take_failed_outputs, by the engine core)

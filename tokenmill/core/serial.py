@@ -5,8 +5,10 @@ the contract's dataclasses) into bytes; `decode(data, cls)` gives back an equal
 object of that class, typed all the way down (msgspec reads the dataclasses'
 annotations). What msgpack has no type for travels as:
 
-- numpy arrays (logprobs, the grammar bitmask): [dtype, shape, raw bytes];
-- memoryviews (a KV payload): bytes, read back as a memoryview.
+- numpy arrays (logprobs, the grammar bitmask): [dtype, shape, raw bytes].
+
+KV never travels: the connector's metadata names blocks by id and hash, and the
+worker half reads the entries from the stores itself.
 
 SamplingParams is a dataclass like the rest: its fields travel as they are, those
 the engine derived when it took the request in (the stop token ids with EOS, the
@@ -30,20 +32,16 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         return [arr.dtype.str, list(arr.shape), arr.tobytes()]
-    if isinstance(obj, memoryview):
-        return obj.tobytes()
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(f"{type(obj).__name__} is not part of the scheduler/runner contract "
-                    f"(no tensors, callables or other objects in a message)")
+                    f"(no tensors, buffers, callables or other objects in a message)")
 
 
 def _dec_hook(cls: type, obj: Any) -> Any:
     if cls is np.ndarray:
         dtype, shape, raw = obj
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
-    if cls is memoryview:
-        return memoryview(obj)
     raise TypeError(f"cannot decode {cls.__name__}")
 
 

@@ -44,6 +44,13 @@ class KVConnectorConfig:
     redis_timeout_s: float = 2.0  # connect and socket timeout
     redis_retry_s: float = 5.0  # after a Redis error, how long to recompute before retrying
     redis_ttl_s: int | None = None  # expiry of Redis entries (None: Redis' own eviction)
+    # The scheduler's existence lookup waits this long for a store; a store that has not
+    # answered by then answers as a miss (the step goes on; its blocks are computed).
+    lookup_timeout_s: float = 0.1
+    # The worker's reads of a step's loads wait this long (from the start of the step;
+    # the step waits with them); a block not read and verified by then is a load
+    # failure: it is recomputed. Raise it for long prompts over a slow link.
+    load_timeout_s: float = 2.0
 
     @classmethod
     def from_any(cls, value) -> "KVConnectorConfig | None":
@@ -87,6 +94,10 @@ class KVConnectorConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"kv_connector: {name} must be a number >= 0, got {v!r}")
+        for name in ("lookup_timeout_s", "load_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"kv_connector: {name} must be a number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

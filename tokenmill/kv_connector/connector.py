@@ -6,19 +6,32 @@ ConnectorLoadExternalKv / ConnectorStorePromptKv):
 * Scheduler half (`KVConnectorScheduler`), called by the Scheduler when it
   admits a request with nothing computed, after the local prefix-cache lookup:
   `get_num_new_matched_tokens` says how many prompt tokens after the local hit
-  the external tier holds, `update_state_after_alloc` records the blocks
-  allocated for them as loads, and `build_connector_meta` attaches this step's
-  work to the SchedulerOutput: the loads, and the prompt blocks that become
+  the external tier holds - an existence lookup only (a dict lookup, a stat, a
+  pipeline of Redis EXISTS), bounded in time (`lookup_timeout_s`: a store that
+  has not answered by then answers as a miss, see calls.py) - and
+  `update_state_after_alloc` records the blocks allocated for them as loads.
+  `build_connector_meta` attaches this step's work to the SchedulerOutput as
+  `KVConnectorMetadata`, ids and hashes only: the loads (request, block ids,
+  block hashes, the stores holding each), and the prompt blocks that become
   complete with this step and that some store lacks (each block once).
-* Worker half (`worker.KVConnectorWorker`, torch): copies the loads into the
-  KV cache before the forward, and writes the stores after it.
+* Worker half (`worker.KVConnectorWorker`, torch): `start_load_kv` reads the
+  loads' entries and verifies them (header, length, checksum, geometry) on the
+  stores' loader threads; `wait_for_load` (before the forward) waits for them
+  (`load_timeout_s`), copies the whole ones into the KV cache and reports the
+  blocks that did not load (ModelRunnerOutput.invalid_block_ids); `save_kv`
+  queues the stores for its writer thread after the forward.
 
-The lookup reads and verifies the entries it counts as hits (header, length,
-checksum) before the scheduler commits to them, so an entry that the stores
-list but that cannot be read whole (evicted, torn, corrupted, written for
-another geometry) shortens the hit: those tokens are recomputed, never loaded
-wrong, and the failure is counted. The verified bytes travel to the worker
-half in the metadata. A store that is down (Redis) answers as a miss.
+An entry the lookup found may be gone or damaged by the time it is read
+(evicted, torn, corrupted, the store down or too slow: `load_timeout_s`). Such a
+block is never used: the runner samples nothing for any request whose blocks
+include it that step (the forward ran over a block without its KV), and the
+scheduler rolls those requests back to the start of it (`loads_returned`,
+`loads_failed`, Scheduler._finish_kv_loads). Until a step's loads come back,
+their blocks may be hit only by admissions of the same schedule call, and the
+requests holding them are not scheduled again (an async step in flight must not
+build on them). The failure is counted, the entry is a miss for later lookups
+until this process writes it again, and nothing the failed requests computed in
+that step is stored.
 """
 from __future__ import annotations
 
@@ -28,15 +41,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokenmill.core.kv_cache_utils import request_block_hashes
-from tokenmill.core.sched_output import KVConnectorMetadata  # noqa: F401 (the contract's)
+from tokenmill.core.sched_output import KVConnectorMetadata, KVLoad
+from tokenmill.kv_connector.calls import StoreCaller
 from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, kv_namespace,
                                            namespace_digest)
-from tokenmill.kv_connector.stores import (EntryError, KVStore, StoreUnavailable, decode_entry,
-                                           make_store)
+from tokenmill.kv_connector.stores import KVStore, StoreUnavailable, make_store
 
 logger = logging.getLogger(__name__)
 
-# Keys whose presence in each store this process knows (lookups and its own writes).
+# Keys whose presence in each store this process knows (lookups and its own writes),
+# and entries known to be unreadable (a failed load) until written again.
 RECENT_KEYS = 1 << 16
 
 
@@ -45,14 +59,14 @@ STORE_COUNTERS = ("hit_blocks", "hit_tokens", "bytes_loaded", "blocks_stored", "
 
 
 class ConnectorStats:
-    """Counters per store (thread-safe: the worker half may run on another thread)."""
+    """Counters per store (thread-safe: the worker half may run on another thread).
+    A hit is a block loaded into the KV cache and used (counted by the worker half)."""
 
     def __init__(self, store_names: list[str]):
         self._lock = threading.Lock()
         self.per_store = {name: dict.fromkeys(STORE_COUNTERS, 0) for name in store_names}
         self.lookups = 0  # admissions that asked the tier
         self.lookup_tokens = 0  # prompt tokens past the local hit that were asked for
-        self.hit_tokens = 0
 
     def add(self, store: str, counter: str, n: int = 1) -> None:
         with self._lock:
@@ -62,14 +76,15 @@ class ConnectorStats:
         with self._lock:
             per_store = {k: dict(v) for k, v in self.per_store.items()}
             out = {"lookups": self.lookups, "lookup_tokens": self.lookup_tokens,
-                   "hit_tokens": self.hit_tokens, "stores": per_store}
+                   "stores": per_store}
         for c in STORE_COUNTERS:
             out[c] = sum(s[c] for s in per_store.values())
         return out
 
 
 class KVConnector:
-    """What both halves share: the stores, the namespace, the geometry, the stats."""
+    """What both halves share: the stores, the namespace, the geometry, the stats, and
+    the threads that bound store calls in time."""
 
     def __init__(self, config: KVConnectorConfig, model_id: str, geometry: KVGeometry,
                  stores: list[KVStore] | None = None):
@@ -89,20 +104,59 @@ class KVConnector:
             names.append(name)
         self.store_names = names
         self.stats = ConnectorStats(names)
+        self._callers: dict[tuple[str, int], StoreCaller] = {}
         logger.info("KV connector: stores %s, namespace %s", ", ".join(names), self.namespace)
 
+    def caller(self, purpose: str, si: int) -> StoreCaller:
+        """The thread that runs store `si`'s calls for `purpose` ("lookup", "load")."""
+        c = self._callers.get((purpose, si))
+        if c is None:
+            c = self._callers[(purpose, si)] = StoreCaller(
+                f"tokenmill-kv-{purpose}-{self.store_names[si]}",
+                blocking=getattr(self.stores[si], "blocking", True))
+        return c
+
     def close(self) -> None:
+        for c in self._callers.values():
+            c.close()
         for s in self.stores:
             s.close()
+
+
+class _LRUSets:
+    """block hash -> set of store indices, bounded (least recently used dropped)."""
+
+    def __init__(self, limit: int = RECENT_KEYS):
+        self.limit = limit
+        self._d: OrderedDict[bytes, set[int]] = OrderedDict()
+
+    def get(self, block_hash: bytes) -> set[int]:
+        """The set (created empty), marked recently used."""
+        s = self._d.get(block_hash)
+        if s is None:
+            s = self._d[block_hash] = set()
+            if len(self._d) > self.limit:
+                self._d.popitem(last=False)
+        else:
+            self._d.move_to_end(block_hash)
+        return s
+
+    def peek(self, block_hash: bytes) -> set[int]:
+        return self._d.get(block_hash) or set()
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 @dataclass
 class _ReqState:
     stored_upto: int = 0  # prompt blocks handed to the store pass
-    # Verified payloads for blocks [staged_start, staged_start + len) and their stores,
-    # kept while the request waits for blocks (not fetched again each step).
-    staged_start: int = -1
-    staged: list[tuple[memoryview, int]] = field(default_factory=list)
+    # The lookup's answer for blocks [found_start, found_start + len(found)): per block
+    # the stores holding it; kept while the request waits for blocks (not asked again).
+    found_start: int = -1
+    found: list[list[int]] = field(default_factory=list)
+    # Its loads are in a step whose output has not come back: not scheduled meanwhile.
+    loading: bool = False
 
 
 class KVConnectorScheduler:
@@ -111,28 +165,62 @@ class KVConnectorScheduler:
         self.block_size = block_size
         self.group_id = group_id
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_loads: list[tuple[int, memoryview, int]] = []
-        # block hash -> indices of stores known to hold it (bounded LRU)
-        self._known: OrderedDict[bytes, set[int]] = OrderedDict()
-
-    # ---- what this process knows is stored ------------------------------------------
-    def _known_set(self, block_hash: bytes) -> set[int]:
-        s = self._known.get(block_hash)
-        if s is None:
-            s = self._known[block_hash] = set()
-            if len(self._known) > RECENT_KEYS:
-                self._known.popitem(last=False)
-        else:
-            self._known.move_to_end(block_hash)
-        return s
+        self._pending_loads: list[KVLoad] = []
+        # block hash -> indices of stores known to hold it
+        self._known = _LRUSets()
+        # block hash -> indices of stores whose entry failed to load: a miss for the
+        # lookup until this process writes the block there again
+        self._bad = _LRUSets()
 
     # ---- admission --------------------------------------------------------------------
+    def is_loading(self, request_id: str) -> bool:
+        """Its external blocks are loading in a step not yet come back: do not schedule
+        it (nor share its blocks) until loads_returned."""
+        state = self._reqs.get(request_id)
+        return state is not None and state.loading
+
+    def forget_loads(self) -> None:
+        """Every step in flight was void (a failed step, a reset batch): none comes back."""
+        for state in self._reqs.values():
+            state.loading = False
+
+    def _lookup(self, hashes: list[bytes]) -> tuple[list[list[bool]], list[list[bool]]]:
+        """Per store, which of `hashes` it holds usable entries of, and which it holds at
+        all: one existence call per store, waiting at most lookup_timeout_s; a store
+        down, busy or slower answers as a miss. An entry that failed to load is not
+        usable until this process writes it again."""
+        conn = self.connector
+        keys = [h.hex() for h in hashes]
+        timeout = conn.config.lookup_timeout_s
+        usable, held = [], []
+        for si, store in enumerate(conn.stores):
+            try:
+                found = conn.caller("lookup", si).call(lambda s=store: s.contains_many(keys),
+                                                       timeout)
+            except StoreUnavailable as e:
+                logger.debug("KV connector: %s lookup: %s", conn.store_names[si], e)
+                # No answer: what it holds is unknown (not absent), and nothing is used.
+                usable.append([False] * len(keys))
+                held.append([False] * len(keys))
+                continue
+            ok = [hit and si not in self._bad.peek(h) for h, hit in zip(hashes, found)]
+            for h, good in zip(hashes, ok):
+                known = self._known.get(h)
+                if good:
+                    known.add(si)
+                else:
+                    known.discard(si)  # (a bad entry is written again when recomputed)
+            usable.append(ok)
+            held.append(list(found))
+        return usable, held
+
     def get_num_new_matched_tokens(self, request, num_local_tokens: int) -> int:
-        """Prompt tokens after the local hit whose verified KV the tier holds (whole
-        blocks; never the last token of the request, which is always computed)."""
+        """Prompt tokens after the local hit that the tier holds (whole blocks; never the
+        last token of the request, which is always computed)."""
         rid = request.request_id
         state = self._reqs[rid] = self._reqs.get(rid) or _ReqState()
         state.stored_upto = 0
+        state.loading = False
         if request.sampling_params.prompt_logprobs is not None:
             return 0  # every prompt position is computed (its logprobs are asked for)
         bs = self.block_size
@@ -140,29 +228,15 @@ class KVConnectorScheduler:
         num_prompt_blocks = min(request.num_prompt_tokens // bs, len(hashes))
         max_load = min(num_prompt_blocks, (request.num_tokens - 1) // bs)
         start = num_local_tokens // bs
-        if state.staged_start == start and state.staged:
-            return len(state.staged) * bs  # verified on an earlier try
-        state.staged_start, state.staged = -1, []
+        if state.found_start == start and state.found:
+            return len(state.found) * bs  # looked up on an earlier try
+        state.found_start, state.found = -1, []
         if num_prompt_blocks == 0:
             return 0
-        conn = self.connector
-        stats = conn.stats
-        keys = [h.hex() for h in hashes[:num_prompt_blocks]]
-        present = []
-        for si, store in enumerate(conn.stores):
-            try:
-                found = store.contains_many(keys)
-            except StoreUnavailable:
-                found = [False] * len(keys)
-            present.append(found)
-            for i, hit in enumerate(found):
-                known = self._known_set(hashes[i])
-                if hit:
-                    known.add(si)
-                else:
-                    known.discard(si)
+        present, held = self._lookup(hashes[:num_prompt_blocks])
         if start >= max_load:
             return 0
+        stats = self.connector.stats
         stats.lookups += 1
         stats.lookup_tokens += (max_load - start) * bs
         end = start
@@ -170,59 +244,13 @@ class KVConnectorScheduler:
             end += 1
         # A chain entry missing while a later one is there was lost (evicted, deleted).
         if end < max_load:
-            for si, found in enumerate(present):
+            for si, found in enumerate(held):
                 if not found[end] and any(found[end + 1:num_prompt_blocks]):
-                    stats.add(conn.store_names[si], "load_failures")
-        staged = self._fetch(hashes, present, start, end)
-        if staged:
-            state.staged_start, state.staged = start, staged
-        return len(staged) * bs
-
-    def _fetch(self, hashes, present, start: int, end: int) -> list[tuple[memoryview, int]]:
-        """Read and verify blocks [start, end) from the first store holding each;
-        stop at the first block no store can give whole."""
-        conn = self.connector
-        first = {}
-        for i in range(start, end):
-            first[i] = next(si for si, p in enumerate(present) if p[i])
-        fetched: dict[int, bytes | None] = {}
-        for si, store in enumerate(conn.stores):
-            idx = [i for i in range(start, end) if first[i] == si]
-            if not idx:
-                continue
-            try:
-                values = store.get_many([hashes[i].hex() for i in idx])
-            except StoreUnavailable:
-                values = [None] * len(idx)
-            fetched.update(zip(idx, values))
-        out = []
-        payload_bytes = conn.geometry.payload_bytes
-        for i in range(start, end):
-            candidates = [first[i]] + [si for si, p in enumerate(present)
-                                       if p[i] and si != first[i]]
-            payload = None
-            for si in candidates:
-                data = fetched.get(i) if si == first[i] else self._get_one(si, hashes[i])
-                try:
-                    payload = decode_entry(data, conn.ns_digest, hashes[i], payload_bytes)
-                except EntryError as e:
-                    name = conn.store_names[si]
-                    conn.stats.add(name, "load_failures")
-                    self._known_set(hashes[i]).discard(si)  # re-stored once recomputed
-                    logger.warning("KV connector: %s entry %s… not loaded (%s); recomputing",
-                                   name, hashes[i].hex()[:16], e)
-                    continue
-                out.append((payload, si))
-                break
-            if payload is None:
-                break
-        return out
-
-    def _get_one(self, si: int, block_hash: bytes):
-        try:
-            return self.connector.stores[si].get_many([block_hash.hex()])[0]
-        except StoreUnavailable:
-            return None
+                    stats.add(self.connector.store_names[si], "load_failures")
+        found = [[si for si, p in enumerate(present) if p[i]] for i in range(start, end)]
+        if found:
+            state.found_start, state.found = start, found
+        return len(found) * bs
 
     def update_state_after_alloc(self, request, block_ids: list[list[int]],
                                  num_local_tokens: int, num_external_tokens: int) -> None:
@@ -233,16 +261,13 @@ class KVConnectorScheduler:
         n = num_external_tokens // self.block_size
         if n:
             start = num_local_tokens // self.block_size
-            assert state.staged_start == start and len(state.staged) >= n
-            ids = block_ids[self.group_id][start:start + n]
-            stats = self.connector.stats
-            for b, (payload, si) in zip(ids, state.staged[:n]):
-                self._pending_loads.append((b, payload, si))
-                name = self.connector.store_names[si]
-                stats.add(name, "hit_blocks")
-                stats.add(name, "hit_tokens", self.block_size)
-            stats.hit_tokens += n * self.block_size
-        state.staged_start, state.staged = -1, []
+            assert state.found_start == start and len(state.found) >= n
+            hashes = request_block_hashes(request, self.block_size)
+            self._pending_loads.append(KVLoad(
+                request.request_id, start, list(block_ids[self.group_id][start:start + n]),
+                list(hashes[start:start + n]), [list(s) for s in state.found[:n]]))
+            state.loading = True
+        state.found_start, state.found = -1, []
 
     # ---- each step ---------------------------------------------------------------------
     def build_connector_meta(self, so, scheduler) -> KVConnectorMetadata | None:
@@ -267,10 +292,52 @@ class KVConnectorScheduler:
             blocks = kvm.req_to_blocks[rid][self.group_id]
             complete = min(complete, len(hashes), len(blocks))
             for i in range(state.stored_upto, complete):
-                known = self._known_set(hashes[i])
+                known = self._known.get(hashes[i])
                 targets = tuple(sorted(all_stores - known))
                 if targets:
-                    meta.stores.append((blocks[i], hashes[i], targets))
+                    meta.stores.append((rid, blocks[i], hashes[i], targets))
                     known.update(targets)
+                    self._bad.peek(hashes[i]).difference_update(targets)  # written anew
             state.stored_upto = complete
         return meta if meta else None
+
+    def mark_loading(self, request_id: str) -> None:
+        """It hit blocks that this step loads: it waits for them like their loader."""
+        state = self._reqs.get(request_id)
+        if state is not None:
+            state.loading = True
+
+    def loads_returned(self, so) -> set[str]:
+        """The step `so` came back: the requests that were waiting for its loads (their
+        loaders, and those that hit their blocks) may be scheduled again."""
+        waited = set()
+        for rid in so.num_scheduled_tokens:
+            state = self._reqs.get(rid)
+            if state is not None and state.loading:
+                state.loading = False
+                waited.add(rid)
+        return waited
+
+    def loads_failed(self, meta: KVConnectorMetadata, invalid_block_ids: set[int],
+                     redo: dict[str, int]) -> None:
+        """Blocks of `meta`'s loads did not load (ModelRunnerOutput.invalid_block_ids), and
+        the scheduler computes the requests in `redo` again from there (request id ->
+        tokens that keep their KV). Each failed entry is a miss until written again;
+        nothing was stored for a request in `redo` this step (the worker half skipped it:
+        its KV was computed over the failed block)."""
+        for load in meta.loads:
+            k = next((k for k, b in enumerate(load.block_ids) if b in invalid_block_ids), None)
+            if k is None:
+                continue
+            # Its entries could not be read whole: not used until written again (the
+            # recomputed block is stored there).
+            h, where = load.block_hashes[k], load.store_ids[k]
+            self._bad.get(h).update(where)
+            self._known.get(h).difference_update(where)
+        for rid in redo:
+            state = self._reqs.get(rid)
+            if state is not None:
+                state.stored_upto = 0  # listed again against what the stores hold
+        for rid, _, h, targets in meta.stores:
+            if rid in redo:  # not written: the stores lack them
+                self._known.get(h).difference_update(targets)

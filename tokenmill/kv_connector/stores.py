@@ -9,9 +9,12 @@ tensors. Every value is an entry:
     payload: for each attention layer in order, the block's K then V pages
 
 `decode_entry` refuses an entry whose namespace, block hash, length or checksum
-disagrees (another model or geometry, a torn or corrupted write): the caller
-recomputes that block instead. A store that cannot be reached raises
-StoreUnavailable; the connector treats it as a miss.
+disagrees (another model or geometry, a torn or corrupted write): the worker
+half recomputes that block instead. A store that cannot be reached raises
+StoreUnavailable; the connector treats it as a miss (a lookup) or a load
+failure (a read). `contains_many` is the cheap existence check the scheduler
+half asks (a dict lookup, a stat, a pipeline of Redis EXISTS); `get_many` the
+read the worker half does.
 """
 from __future__ import annotations
 
@@ -76,6 +79,9 @@ class KVStore:
     """Base: keys are block hashes in hex, values entry bytes."""
 
     kind = "?"
+    # Whether a call can take long (I/O): the connector bounds those calls in time
+    # (calls.StoreCaller); one that cannot is called directly.
+    blocking = True
 
     def __init__(self, namespace: str):
         self.namespace = namespace
@@ -101,6 +107,7 @@ class CPUStore(KVStore):
     """In-process memory with an LRU byte budget (lookups refresh an entry)."""
 
     kind = "cpu"
+    blocking = False
 
     def __init__(self, namespace: str, max_bytes: int):
         super().__init__(namespace)

@@ -1,36 +1,68 @@
 """The worker half of the KV connector: moves block KV between the cache and bytes.
 
-`load_kv` runs before the forward: it copies the step's verified payloads into
-their freshly allocated blocks (every attention layer). `save_kv` runs after
-the forward: it copies the blocks the scheduler half listed (prompt blocks just
-completed) to host memory - the one part that must happen before the blocks can
-be reused - and queues them; a writer thread encodes them as entries and writes
-them to the stores that lack them, off the step's critical path, so a slow store
-(Redis across a network, a busy disk) delays no step. The queue is bounded
-(MAX_PENDING_STORES batches): when the stores fall that far behind, a step's
-blocks are dropped (counted as store failures) rather than waiting. `flush()`
-waits for the queue to drain (the engine calls it when it goes idle, so an offline
-generate() returns with its blocks stored). It refuses to start when the KV cache
-it was given does not have the geometry the connector's keys name (the reference
-runner's identity check).
+Loads (vLLM's start_load_kv / wait_for_layer_load, here one wait for all layers):
+`start_load_kv` submits the step's reads to the stores' loader threads (one per
+store, calls.StoreCaller) as soon as the runner takes the step; each thread reads
+its blocks (one get_many per store) and verifies every entry (magic, version,
+namespace digest - the model and the KV geometry -, block hash, length, CRC-32).
+`wait_for_load`, before the forward, waits for them up to `load_timeout_s` after
+the start, tries the next store that holds a block whose entry failed (and has
+the writer thread put it back where it failed), copies
+each request's blocks into the KV cache up to its first block that did not load,
+and returns what did not: those block ids (ModelRunnerOutput.invalid_block_ids)
+and their requests, whose rows the runner samples nothing for (the forward ran
+over a block without its KV). Each entry that failed is counted as a load
+failure of its store, with a warning naming why (missing, torn, corrupted,
+foreign, the store down or too slow).
+
+Stores (vLLM's save_kv_layer / wait_for_save): `save_kv` runs after the
+forward: it copies the blocks the scheduler half listed (prompt blocks just
+completed; none of a request whose load failed this step) to host memory - the
+one part that must happen before the blocks can be reused - and queues them; a
+writer thread encodes them as entries and writes them to the stores that lack
+them, off the step's critical path, so a slow store (Redis across a network, a
+busy disk) delays no step. The queue is bounded (MAX_PENDING_STORES batches):
+when the stores fall that far behind, a step's blocks are dropped (counted as
+store failures) rather than waiting. `flush()` waits for the queue to drain (the
+engine calls it when it goes idle, so an offline generate() returns with its
+blocks stored).
+
+It refuses to start when the KV cache it was given does not have the geometry
+the connector's keys name (the reference runner's identity check).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
-from collections import Counter
 import threading
 import time
+from collections import Counter
 
 import torch
 
 from tokenmill.kv_connector.connector import KVConnector, KVConnectorMetadata
-from tokenmill.kv_connector.stores import StoreUnavailable, encode_entry
+from tokenmill.kv_connector.stores import (EntryError, StoreUnavailable, decode_entry,
+                                           encode_entry)
 from tokenmill.worker.kv_cache import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_STORES = 32  # steps' worth of blocks waiting for the writer thread
+
+
+class _LoadJob:
+    """One step's reads: per block (load index, block index), the store tried now and
+    the outcome of every try; futures of the reads in flight."""
+
+    def __init__(self, meta: KVConnectorMetadata, deadline: float):
+        self.loads = meta.loads
+        self.deadline = deadline
+        self.next_try = {(j, k): 0 for j, load in enumerate(self.loads)
+                         for k in range(len(load.block_ids))}
+        # (j, k) -> payload (memoryview) or the reason it failed, for the store tried now
+        self.result: dict[tuple[int, int], object] = {}
+        self.inflight: list[tuple[concurrent.futures.Future, int, list[tuple[int, int]]]] = []
 
 
 class KVConnectorWorker:
@@ -51,49 +83,180 @@ class KVConnectorWorker:
         self.block_shape = (g.num_layers,) + want
         self._pending: queue.Queue = queue.Queue(MAX_PENDING_STORES)
         self._writer: threading.Thread | None = None
+        self._job: _LoadJob | None = None
 
-    @torch.inference_mode()
-    def load_kv(self, meta: KVConnectorMetadata | None) -> None:
+    # ---- loads -------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        """Start reading this step's loads (the stores' loader threads); wait_for_load
+        finishes them before the forward."""
+        self._job = None
         if meta is None or not meta.loads:
             return
-        n = len(meta.loads)
+        job = _LoadJob(meta, time.monotonic() + self.connector.config.load_timeout_s)
+        self._job = job
+        self._submit(job, list(job.next_try))
+
+    def _submit(self, job: _LoadJob, blocks: list[tuple[int, int]]) -> None:
+        """Read `blocks`, each from the store it tries now: one call per store."""
+        conn = self.connector
+        per_store: dict[int, list[tuple[int, int]]] = {}
+        for j, k in blocks:
+            si = job.loads[j].store_ids[k][job.next_try[(j, k)]]
+            per_store.setdefault(si, []).append((j, k))
+        for si, items in per_store.items():
+            hashes = [job.loads[j].block_hashes[k] for j, k in items]
+            try:
+                fut = conn.caller("load", si).submit(lambda si=si, h=hashes: self._read(si, h))
+            except StoreUnavailable as e:  # still busy with a read it gave up on
+                for key in items:
+                    job.result[key] = str(e)
+                continue
+            job.inflight.append((fut, si, items))
+
+    def _read(self, si: int, hashes: list[bytes]) -> list:
+        """On store si's loader thread: each entry's verified payload, or why not."""
+        conn = self.connector
+        values = conn.stores[si].get_many([h.hex() for h in hashes])
+        out = []
+        for h, data in zip(hashes, values):
+            try:
+                out.append(decode_entry(data, conn.ns_digest, h, conn.geometry.payload_bytes))
+            except EntryError as e:
+                out.append(str(e))
+        return out
+
+    def _collect(self, job: _LoadJob) -> None:
+        """Wait for the reads in flight, until the deadline; a read still running then
+        failed (it is left to finish on its thread)."""
+        futures = [f for f, _, _ in job.inflight]
+        done, _ = concurrent.futures.wait(futures, max(0.0, job.deadline - time.monotonic()))
+        timeout = self.connector.config.load_timeout_s
+        for fut, si, items in job.inflight:
+            if fut in done:
+                try:
+                    values = fut.result()
+                except StoreUnavailable as e:
+                    values = [str(e)] * len(items)
+                except Exception as e:  # noqa: BLE001 - a store's bug fails its blocks only
+                    logger.exception("KV connector: reading from %s failed",
+                                     self.connector.store_names[si])
+                    values = [f"{type(e).__name__}: {e}"] * len(items)
+            else:
+                values = [f"no answer within {timeout:g} s"] * len(items)
+            job.result.update(zip(items, values))
+        job.inflight = []
+
+    @torch.inference_mode()
+    def wait_for_load(self) -> set[int]:
+        """Finish the loads start_load_kv started: copy each request's blocks up to its
+        first one that did not load into the KV cache. Returns the ids of the blocks
+        that do not hold their KV (from each request's first failure on)."""
+        job, self._job = self._job, None
+        invalid: set[int] = set()
+        if job is None:
+            return invalid
+        conn, bs = self.connector, self.connector.geometry.block_size
+        names, stats = conn.store_names, conn.stats
+        pos = [0] * len(job.loads)  # per load: its blocks before this one are read whole
+        open_ = set(range(len(job.loads)))  # loads not settled yet
+        while True:
+            self._collect(job)
+            retry = []
+            for j in sorted(open_):
+                load = job.loads[j]
+                while pos[j] < len(load.block_ids):
+                    key = (j, pos[j])
+                    got = job.result[key]
+                    if isinstance(got, memoryview):
+                        pos[j] += 1
+                        continue
+                    k = pos[j]
+                    si = load.store_ids[k][job.next_try[key]]
+                    stats.add(names[si], "load_failures")
+                    logger.warning("KV connector: %s entry %s… of request %s not loaded (%s); "
+                                   "recomputing from its block %d", names[si],
+                                   load.block_hashes[k].hex()[:16], load.req_id, got,
+                                   load.first_block + k)
+                    job.next_try[key] += 1
+                    if job.next_try[key] < len(load.store_ids[k]) and \
+                            time.monotonic() < job.deadline:
+                        retry.append(key)  # another store holds it: read it there
+                    else:
+                        open_.discard(j)
+                    break
+                else:
+                    open_.discard(j)
+            if not retry:
+                break
+            self._submit(job, retry)
+        copies = []  # (block id, payload, store index)
+        repairs = []  # (payload, block hash, stores whose entry failed)
+        for j, load in enumerate(job.loads):
+            for k in range(pos[j]):
+                tried = job.next_try[(j, k)]
+                copies.append((load.block_ids[k], job.result[(j, k)], load.store_ids[k][tried]))
+                if tried:  # read from a later store: write it back where it failed
+                    repairs.append((job.result[(j, k)], load.block_hashes[k],
+                                    tuple(load.store_ids[k][:tried])))
+            invalid.update(load.block_ids[pos[j]:])
+        if repairs:
+            self._queue([p for p, _, _ in repairs],
+                        [("", 0, h, targets) for _, h, targets in repairs])
+        if copies:
+            self._copy_in(copies)
+            size = conn.geometry.payload_bytes
+            for _, _, si in copies:
+                stats.add(names[si], "hit_blocks")
+                stats.add(names[si], "hit_tokens", bs)
+                stats.add(names[si], "bytes_loaded", size)
+        return invalid
+
+    def _copy_in(self, copies: list[tuple[int, memoryview, int]]) -> None:
+        n = len(copies)
         size = self.connector.geometry.payload_bytes
         buf = bytearray(n * size)
-        for j, (_, payload, _) in enumerate(meta.loads):
+        for j, (_, payload, _) in enumerate(copies):
             buf[j * size:(j + 1) * size] = payload
         data = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(n, *self.block_shape)
         device = self.layers[0].device
         data = data.to(device)
-        ids = torch.tensor([b for b, _, _ in meta.loads], dtype=torch.long, device=device)
+        ids = torch.tensor([b for b, _, _ in copies], dtype=torch.long, device=device)
         for layer, cache in enumerate(self.layers):
             cache.index_copy_(0, ids, data[:, layer])
-        stats, names = self.connector.stats, self.connector.store_names
-        for _, _, si in meta.loads:
-            stats.add(names[si], "bytes_loaded", size)
 
+    # ---- stores ------------------------------------------------------------------------
     @torch.inference_mode()
-    def save_kv(self, meta: KVConnectorMetadata | None) -> None:
+    def save_kv(self, meta: KVConnectorMetadata | None, skip_req_ids=()) -> None:
+        """Queue the blocks `meta` lists for the writer thread, but none of the requests in
+        `skip_req_ids` (their load failed this step: what they computed over it is wrong)."""
         if meta is None or not meta.stores:
             return
-        conn = self.connector
-        ids = torch.tensor([b for b, _, _ in meta.stores], dtype=torch.long,
+        stores = [s for s in meta.stores if s[0] not in skip_req_ids] if skip_req_ids \
+            else list(meta.stores)
+        if not stores:
+            return
+        ids = torch.tensor([b for _, b, _, _ in stores], dtype=torch.long,
                            device=self.layers[0].device)
         # [n, layers, 2, block_size, heads, head_size] -> host bytes, one row per block (a
         # copy: the blocks may be reused as soon as this step is over)
         blocks = torch.stack([cache.index_select(0, ids) for cache in self.layers], dim=1)
-        raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(meta.stores), -1).numpy()
+        raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(stores), -1).numpy()
+        self._queue(raw, stores)
+
+    def _queue(self, raw, stores) -> None:
+        """Hand blocks (`raw[j]`: the payload of `stores[j]`) to the writer thread."""
+        conn = self.connector
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name="tokenmill-kv-store")
             self._writer.start()
         try:
-            self._pending.put_nowait((raw, list(meta.stores)))
+            self._pending.put_nowait((raw, stores))
         except queue.Full:  # the stores are that far behind: skip rather than wait
-            dropped = Counter(si for _, _, targets in meta.stores for si in targets)
+            dropped = Counter(si for _, _, _, targets in stores for si in targets)
             for si, n in dropped.items():
                 conn.stats.add(conn.store_names[si], "store_failures", n)
-            logger.debug("KV connector: store queue full, %d blocks not stored",
-                         len(meta.stores))
+            logger.debug("KV connector: store queue full, %d blocks not stored", len(stores))
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued block is written (or `timeout_s` passed): -> drained."""
@@ -109,6 +272,7 @@ class KVConnectorWorker:
 
     def close(self) -> None:
         """Write what is queued (bounded wait), then stop the writer thread."""
+        self._job = None
         if self._writer is not None:
             self.flush()
             try:
@@ -134,7 +298,7 @@ class KVConnectorWorker:
         """Encode one step's blocks and write them to each store that should hold them."""
         conn = self.connector
         per_store: dict[int, list[tuple[str, bytes]]] = {}
-        for j, (_, block_hash, targets) in enumerate(stores):
+        for j, (_, _, block_hash, targets) in enumerate(stores):
             entry = encode_entry(conn.ns_digest, block_hash, raw[j])
             key = block_hash.hex()
             for si in targets:

@@ -155,6 +155,8 @@ class ModelRunner:
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
         # The worker half of the KV connector (initialize_kv_cache), or None.
         self.kv_connector = None
+        # This step's external loads that did not land (ModelRunnerOutput.invalid_block_ids).
+        self._kv_invalid_block_ids: set[int] = set()
         # All-greedy steps of up to greedy_head_max_rows sampling rows take their tokens
         # from the int8-screened lm_head (layers/greedy_head.py), where the platform says
         # so, for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
@@ -443,6 +445,7 @@ class ModelRunner:
         self._grammar = None
         self._step_hidden = self._step_meta = None
         self._spec_write_slots = {}
+        self._kv_invalid_block_ids = set()
 
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
@@ -459,6 +462,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Forward for the scheduled tokens; logits wait for sample_tokens()."""
+        kv_meta = so.kv_connector_metadata if self.kv_connector is not None else None
+        self._kv_invalid_block_ids = set()
+        if kv_meta is not None:  # external prefix hits: their reads start now
+            self.kv_connector.start_load_kv(kv_meta)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
@@ -467,13 +474,19 @@ class ModelRunner:
                               spec_tokens=so.scheduled_spec_decode_tokens)
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
         dev = self.device
-        kv_meta = so.kv_connector_metadata if self.kv_connector is not None else None
-        if kv_meta is not None:  # external prefix hits into their blocks, before they are read
-            self.kv_connector.load_kv(kv_meta)
+        kv_failed = set()
+        if kv_meta is not None:  # ... and are in their blocks before any layer reads them
+            invalid = self._kv_invalid_block_ids = self.kv_connector.wait_for_load()
+            if invalid:  # a row over a block without its KV samples nothing this step
+                batch, gid = self.input_batch, self.attn_group_id
+                for r, rid in enumerate(batch.req_ids[:batch.num_reqs()]):
+                    if not invalid.isdisjoint(self.requests[rid].block_ids[gid]):
+                        discard[r] = True
+                        kv_failed.add(rid)
         hidden = self.model(torch.from_numpy(input_ids.astype(np.int64)).to(dev),
                             torch.from_numpy(positions).to(dev), meta)
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
-            self.kv_connector.save_kv(kv_meta)
+            self.kv_connector.save_kv(kv_meta, kv_failed)
         if self.draft_model is not None:
             self._step_hidden, self._step_meta = hidden, meta
         # Only the rows that sample reach lm_head.
@@ -631,7 +644,7 @@ class ModelRunner:
                 spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
                                                       batch.num_tokens_no_spec[:n], eligible)
         return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
-                                 errored, spec_token_ids)
+                                 errored, spec_token_ids, self._kv_invalid_block_ids)
 
     def _emitted_logprobs(self, pending, tokens: np.ndarray,
                           num_emitted: np.ndarray) -> LogprobsLists:
