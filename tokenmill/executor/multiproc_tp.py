@@ -238,6 +238,7 @@ class MultiprocTPExecutor:
         if self._closing:
             return
         rank = sentinels[ready[0]]
+        self._procs[rank - 1].join(1.0)  # reap it: its exit code
         self._dead = (f"tensor-parallel rank {rank} exited (code "
                       f"{self._procs[rank - 1].exitcode}){self._reason(rank)}")
         logger.error("%s: the engine is dead", self._dead)
