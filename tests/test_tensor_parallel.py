@@ -181,3 +181,13 @@ def test_platform_with_tp():
     assert not p.decode_layers and p.lm_head == "full" and p.greedy_head_max_rows == 0
     assert "tensor parallel over 2 ranks" in p.describe()
     assert "tensor parallel" not in CpuPlatform.create("cpu", None).describe()
+
+
+def test_cli_flag():
+    from tokenmill.entrypoints.cli import build_parser, engine_kwargs
+    for argv in (["serve", "--tensor-parallel-size", "2"],
+                 ["bench", "latency", "--tensor-parallel-size", "2"]):
+        args = build_parser().parse_args(argv)
+        assert args.tensor_parallel_size == 2
+    assert engine_kwargs(build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2"]))["tensor_parallel_size"] == 2
