@@ -191,3 +191,16 @@ def test_cli_flag():
         assert args.tensor_parallel_size == 2
     assert engine_kwargs(build_parser().parse_args(
         ["serve", "--tensor-parallel-size", "2"]))["tensor_parallel_size"] == 2
+
+
+def test_forgotten_engine_stops_its_workers(tp_model):
+    """An engine dropped without shutdown: the executor's finalizer stops the ranks."""
+    import gc
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    _greedy(llm, 2)
+    del llm
+    gc.collect()
+    for p in procs:
+        p.join(15)
+    assert not any(p.is_alive() for p in procs)

@@ -26,4 +26,7 @@ def make_executor(model_config, platform, runner_kwargs: dict, tensor_parallel_s
     from tokenmill.executor.multiproc_tp import MultiprocTPExecutor
     from tokenmill.models.tensor_parallel import check_divisible
     check_divisible(model_config.hf_config, tensor_parallel_size)  # before any rank starts
+    if model_config.device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size > 1 runs on CPU (gloo) only for now, not on "
+                         f"{model_config.device}")
     return MultiprocTPExecutor(model_config, platform, tensor_parallel_size, runner_kwargs)

@@ -131,6 +131,19 @@ def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:
         conn.close()
 
 
+def _watch_workers(executor_ref) -> None:
+    """Notice a worker that exits, even while the engine is idle."""
+    executor = executor_ref()
+    if executor is None:
+        return
+    sentinels = {p.sentinel: rank for rank, p in enumerate(executor._procs, start=1)}
+    del executor
+    ready = mpc.wait(list(sentinels))
+    executor = executor_ref()
+    if executor is not None:
+        executor._worker_exited(sentinels[ready[0]])
+
+
 class MultiprocTPExecutor:
     """The runner interface EngineCore calls (execute_model, sample_tokens,
     get_kv_cache_spec, initialize_kv_cache, remove_requests, reset_batch), over
@@ -168,8 +181,10 @@ class MultiprocTPExecutor:
         except BaseException:
             self._finalizer()
             raise
-        self._watcher = threading.Thread(target=self._watch, name="tokenmill-tp-watch",
-                                         daemon=True)
+        # (a weak reference: the thread must not keep a forgotten executor, and so its
+        # workers, alive)
+        self._watcher = threading.Thread(target=_watch_workers, args=(weakref.ref(self),),
+                                         name="tokenmill-tp-watch", daemon=True)
         self._watcher.start()
         logger.info("tensor parallel: %d ranks (rank 0 in the engine process, %d workers), "
                     "gloo on 127.0.0.1:%d, %d torch threads per rank", size, size - 1, port,
@@ -231,13 +246,9 @@ class MultiprocTPExecutor:
                 pass
         return self._reasons.get(rank, "")
 
-    def _watch(self) -> None:
-        """Notice a worker that exits, even while the engine is idle."""
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs, start=1)}
-        ready = mpc.wait(list(sentinels))
+    def _worker_exited(self, rank: int) -> None:
         if self._closing:
             return
-        rank = sentinels[ready[0]]
         self._procs[rank - 1].join(1.0)  # reap it: its exit code
         self._dead = (f"tensor-parallel rank {rank} exited (code "
                       f"{self._procs[rank - 1].exitcode}){self._reason(rank)}")
@@ -267,7 +278,7 @@ class MultiprocTPExecutor:
             else:
                 self._dead = f"a tensor-parallel step failed on rank 0: {exc!r}"
 
-        self.shutdown()
+        self.shutdown(timeout_s=1.0)  # a rank waiting in a collective will not quit
         raise EngineDeadError(f"the engine failed: {self._dead}") from exc
 
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -305,6 +316,10 @@ class MultiprocTPExecutor:
         self._send(RESET)
         self.runner.reset_batch()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the workers to quit, terminate those still there after `timeout_s`."""
         self._closing = True
-        self._finalizer()
+        stop = self._finalizer.detach()
+        if stop is not None:
+            _, fn, args, _ = stop
+            fn(*args, timeout_s=timeout_s)
