@@ -4,7 +4,8 @@ Two ranks, one torch thread each (conftest): greedy fp32 output with
 tensor_parallel_size=2 equals tensor_parallel_size=1 token for token for a dense
 (Qwen3), an MoE (Qwen3-MoE) and a hybrid (Qwen3-Next: Gated DeltaNet + gated
 attention + MoE with a shared expert, its grouped checkpoint layout) tiny model,
-with chunked prefill (16-token budget) and preemption (few KV blocks) in the mix;
+and for one KV head (replicated), biases (row-parallel ones added once) and
+Phi-3's fused checkpoint tensors, with chunked prefill (16-token budget) and preemption (few KV blocks) in the mix;
 a killed rank takes the engine down with EngineDeadError, no hang; bad sizes are
 refused naming tensor_parallel_size.
 """
@@ -29,6 +30,14 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 TP_SPECS = {
     "qwen3": ("qwen3", dict(tie_word_embeddings=False)),
     "qwen3_moe": ("qwen3_moe", dict(MOE, norm_topk_prob=True, tie_word_embeddings=False)),
+    # One KV head for two ranks (replicated); tied embedding / lm_head shard.
+    "qwen3_mqa": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # q/k/v/o and gate/up/down biases: a row-parallel bias is added by rank 0 only.
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True,
+                                 tie_word_embeddings=False)),
+    # q/k/v and gate/up fused in the checkpoint: each segment split in place.
+    "phi3_fused": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                tie_word_embeddings=False)),
     "qwen3_next": ("qwen3_next", dict(HYBRID, **MOE, shared_expert_intermediate_size=48,
                                       decoder_sparse_step=1, norm_topk_prob=True,
                                       tie_word_embeddings=True)),
@@ -79,7 +88,7 @@ def test_tp2_greedy_equals_tp1(tp_model, name):
         # Each rank's KV cache holds its half of the KV heads.
         spec = runner_of(llm).get_kv_cache_spec(4)
         heads = {s.num_kv_heads for s in spec.values() if hasattr(s, "num_kv_heads")}
-        assert heads == {1}
+        assert heads == {1}  # 2 KV heads split, or 1 replicated
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert not any(p.is_alive() for p in procs)
@@ -204,3 +213,17 @@ def test_forgotten_engine_stops_its_workers(tp_model):
     for p in procs:
         p.join(15)
     assert not any(p.is_alive() for p in procs)
+
+
+def test_slices():
+    """What a rank reads: its piece of each segment; a vocabulary shard past the end
+    is zero-padded."""
+    import torch
+
+    from tokenmill.models.tensor_parallel import Split, VocabSplit
+    w = torch.arange(24.0).view(12, 2)
+    # q (8 rows) and k (4 rows) packed: rank 1 of 2 takes q rows 4..7 and k rows 10..11
+    assert Split(0, ((8, 2, 1), (4, 2, 1))).take(w)[:, 0].tolist() == [8, 10, 12, 14, 20, 22]
+    assert Split(1, ((2, 2, 0),)).take(w).shape == (12, 1)
+    last = VocabSplit(vocab=11, shard=4, rank=2).take(w[:11])  # rows 8..10 + one pad row
+    assert last[:, 0].tolist() == [16, 18, 20, 0]
