@@ -63,7 +63,9 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
             if not isinstance(budget, int) or budget <= 0:
                 raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {budget!r}")
         else:
-            budget = int(available_memory_bytes(device) * cache.memory_fraction)
+            # Tensor-parallel ranks on this host share its memory: each takes its part.
+            budget = (int(available_memory_bytes(device) * cache.memory_fraction)
+                      // getattr(runner, "ranks_per_host", 1))
         budget -= config.state_bytes()  # the recurrent state comes out of the same budget
         num_blocks = min(max(budget, 0) // per_block, useful)
     if num_blocks - 1 < cdiv(max_model_len, cache.block_size):

@@ -154,6 +154,7 @@ class MultiprocTPExecutor:
     def __init__(self, model_config, platform, size: int, runner_kwargs: dict,
                  timeout_s: float = 300.0):
         self.size = size
+        self.ranks_per_host = size  # every rank is a process here: the KV budget is shared
         self._dead: str | None = None
         self._closing = False
         self._reasons: dict[int, str] = {}
