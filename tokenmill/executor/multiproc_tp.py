@@ -131,13 +131,19 @@ def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:
         conn.close()
 
 
-def _watch_workers(executor_ref) -> None:
-    """Notice a worker that exits, even while the engine is idle."""
-    executor = executor_ref()
-    if executor is None:
-        return
-    sentinels = {p.sentinel: rank for rank, p in enumerate(executor._procs, start=1)}
-    del executor
+def _exit_code(proc, timeout_s: float = 1.0):
+    """The exit code of a process that exited (None if it did not within timeout_s).
+    Another thread reaping it at the same moment makes one poll read None: retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proc.join(0.05)
+        code = proc.exitcode
+        if code is not None or time.monotonic() > deadline:
+            return code
+
+
+def _watch_workers(executor_ref, sentinels: dict[int, int]) -> None:
+    """Notice a worker that exits, even while the engine is idle (sentinel -> rank)."""
     ready = mpc.wait(list(sentinels))
     executor = executor_ref()
     if executor is not None:
@@ -184,7 +190,9 @@ class MultiprocTPExecutor:
             raise
         # (a weak reference: the thread must not keep a forgotten executor, and so its
         # workers, alive)
-        self._watcher = threading.Thread(target=_watch_workers, args=(weakref.ref(self),),
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs, start=1)}
+        self._watcher = threading.Thread(target=_watch_workers,
+                                         args=(weakref.ref(self), sentinels),
                                          name="tokenmill-tp-watch", daemon=True)
         self._watcher.start()
         logger.info("tensor parallel: %d ranks (rank 0 in the engine process, %d workers), "
@@ -232,7 +240,7 @@ class MultiprocTPExecutor:
         for rank, proc in enumerate(self._procs, start=1):
             if not proc.is_alive():
                 raise EngineDeadError(f"tensor parallel: rank {rank} exited (code "
-                                      f"{proc.exitcode}) {when}{self._reason(rank)}")
+                                      f"{_exit_code(proc)}) {when}{self._reason(rank)}")
 
     def _reason(self, rank: int) -> str:
         """The traceback a failed rank sent, read once and kept ("" if none)."""
@@ -250,9 +258,8 @@ class MultiprocTPExecutor:
     def _worker_exited(self, rank: int) -> None:
         if self._closing:
             return
-        self._procs[rank - 1].join(1.0)  # reap it: its exit code
-        self._dead = (f"tensor-parallel rank {rank} exited (code "
-                      f"{self._procs[rank - 1].exitcode}){self._reason(rank)}")
+        code = _exit_code(self._procs[rank - 1])
+        self._dead = f"tensor-parallel rank {rank} exited (code {code}){self._reason(rank)}"
         logger.error("%s: the engine is dead", self._dead)
 
     # ---- per step ---------------------------------------------------------------------
@@ -268,13 +275,12 @@ class MultiprocTPExecutor:
     def _fail(self, exc: BaseException | None):
         """The ranks are out of step or one is gone: stop them all and raise."""
         if self._dead is None:
-            for p in self._procs:  # a rank that died explains the error: give it a moment
-                p.join(0.5)
-            for rank, p in enumerate(self._procs, start=1):
+            # A rank that died explains the error: give it a moment.
+            codes = [_exit_code(p, 0.5) for p in self._procs]
+            for rank, code in enumerate(codes, start=1):
                 reason = self._reason(rank)
-                if reason or not p.is_alive():
-                    self._dead = (f"tensor-parallel rank {rank} failed (exit code "
-                                  f"{p.exitcode}){reason}")
+                if reason or code is not None:
+                    self._dead = f"tensor-parallel rank {rank} failed (exit code {code}){reason}"
                     break
             else:
                 self._dead = f"a tensor-parallel step failed on rank 0: {exc!r}"

@@ -83,6 +83,11 @@ def rank_config(hf_config: dict, size: int) -> dict:
     return c
 
 
+def _is_attention(m: nn.Module) -> bool:
+    """Llama's Attention or the hybrids' GatedAttention: qkv_proj -> heads -> o_proj."""
+    return hasattr(m, "qkv_proj") and hasattr(m, "o_proj") and hasattr(m, "attn")
+
+
 # ---- which slice of each checkpoint tensor --------------------------------------------
 @dataclass(frozen=True)
 class Split:
@@ -186,7 +191,7 @@ class ShardPlan:
 
         for mod_name, m in model.named_modules():
             p = mod_name + "." if mod_name else ""
-            if hasattr(m, "qkv_proj") and hasattr(m, "o_proj") and hasattr(m, "attn"):
+            if _is_attention(m):
                 d = m.head_dim
                 # q rows (a gated attention's q_proj: q and gate rows per head)
                 q = (m.qkv_proj.out_features - 2 * m.kv_size) * size
@@ -271,8 +276,7 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
               if isinstance(m, SparseMoeBlock) and m.shared_expert is not None}
     for m in list(model.modules()):
         if isinstance(m, (GatedDeltaNet, SparseMoeBlock)) or (
-                isinstance(m, GatedMLP) and id(m) not in shared) or (
-                hasattr(m, "qkv_proj") and hasattr(m, "o_proj") and hasattr(m, "attn")):
+                isinstance(m, GatedMLP) and id(m) not in shared) or _is_attention(m):
             m.register_forward_hook(reduce)
     emb = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(emb.weight, group.rank * emb.num_embeddings,
