@@ -229,3 +229,18 @@ def test_slices():
     assert Split(1, ((2, 2, 0),)).take(w).shape == (12, 1)
     last = VocabSplit(vocab=11, shard=4, rank=2).take(w[:11])  # rows 8..10 + one pad row
     assert last[:, 0].tolist() == [16, 18, 20, 0]
+
+
+def test_worker_exception_is_reported(tp_model, monkeypatch):
+    """A rank that raises (a fault armed in the workers only: they read TOKENMILL_FAULTS
+    when they start) sends its traceback, exits, and the engine dies naming it."""
+    monkeypatch.setenv("TOKENMILL_FAULTS", "input=token:383")
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    try:
+        with pytest.raises(EngineDeadError, match="(?s)rank 1.*InjectedFault"):
+            llm.generate([{"prompt_token_ids": [383, 5, 6]}],
+                         SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
