@@ -180,6 +180,10 @@ class CpuPlatform:
     greedy_head_max_rows: int       # rows that take greedy_int8 (0: lm_head is full)
     decode_layers: bool             # the native decode-layer loop
     linear_f32_max_rows: int = 0    # fp32 model: rows that take packed_f32 (0: never)
+    # Ranks the model is sharded over (tokenmill/executor): above 1, the native
+    # decode-layer loop and the greedy lm_head are off (neither can all-reduce or
+    # gather inside its native call; TP on CPU is a correctness path).
+    tensor_parallel_size: int = 1
     # The native kernels module of `capability`, or None (the PyTorch path).
     ops: object = field(default=None, compare=False, repr=False)
 
@@ -189,7 +193,7 @@ class CpuPlatform:
                cpu_capability: str | None = None,
                linear_bf16_max_rows: int | None = None,
                greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS,
-               decode_layers: bool = True) -> CpuPlatform:
+               decode_layers: bool = True, tensor_parallel_size: int = 1) -> CpuPlatform:
         """The platform for a model of `model_dtype` (default fp32) on `device`."""
         import torch
 
@@ -244,7 +248,8 @@ class CpuPlatform:
             weights = "packed bf16 only"
         else:
             weights = "packed bf16 + " + ("fp32 copy" if widen else dense)
-        greedy = ((packed or packed_f32) and greedy_head_max_rows > 0
+        sharded = tensor_parallel_size > 1  # lm_head and layers need collectives inside
+        greedy = ((packed or packed_f32) and greedy_head_max_rows > 0 and not sharded
                   and getattr(ops, "has_greedy_lm_head", False))
         packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
         native = "native" if ops is not None else "torch"
@@ -262,10 +267,10 @@ class CpuPlatform:
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, packed_rows) if greedy else 0,
-            decode_layers=bool((packed or packed_f32) and decode_layers
+            decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
-            ops=ops)
+            tensor_parallel_size=tensor_parallel_size, ops=ops)
 
     @classmethod
     def from_engine_args(cls, args, device, model_dtype) -> CpuPlatform:
@@ -273,7 +278,8 @@ class CpuPlatform:
                           cpu_capability=args.cpu_capability,
                           linear_bf16_max_rows=args.linear_bf16_max_rows,
                           greedy_head_max_rows=args.greedy_head_max_rows,
-                          decode_layers=args.decode_layers)
+                          decode_layers=args.decode_layers,
+                          tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
     # ---- what it decided ---------------------------------------------------------------
     @property
@@ -336,7 +342,10 @@ class CpuPlatform:
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
                 f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
                 f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
-                f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}")
+                f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
+                + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "
+                   f"layers and lm_head off the native paths (no collectives inside them)"
+                   if self.tensor_parallel_size > 1 else ""))
 
     # ---- handing the decisions to the layers ------------------------------------------
     def prepare_model(self, model) -> None:

@@ -23,6 +23,7 @@ from tokenmill.kv_connector.setup import kv_cache_stats, make_kv_connector, reso
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.loading import load_draft_model
 from tokenmill.worker.kv_cache import available_memory_bytes
+from tokenmill.executor import make_executor
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
             if not isinstance(budget, int) or budget <= 0:
                 raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {budget!r}")
         else:
-            budget = int(available_memory_bytes(device) * cache.memory_fraction)
+            # Tensor-parallel ranks on this host share its memory: each takes its part.
+            budget = (int(available_memory_bytes(device) * cache.memory_fraction)
+                      // getattr(runner, "ranks_per_host", 1))
         budget -= config.state_bytes()  # the recurrent state comes out of the same budget
         num_blocks = min(max(budget, 0) // per_block, useful)
     if num_blocks - 1 < cdiv(max_model_len, cache.block_size):
@@ -80,8 +83,11 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
                  kv_connector_config=None, platform: CpuPlatform | None = None,
-                 speculative_config=None, structured_output=None):
-        """`structured_output`: the StructuredOutputManager (None: no grammars)."""
+                 speculative_config=None, structured_output=None,
+                 tensor_parallel_size: int = 1):
+        """`structured_output`: the StructuredOutputManager (None: no grammars).
+        `tensor_parallel_size` > 1: the model sharded over that many ranks
+        (tokenmill/executor); `self.runner` is then their executor."""
         self.model_config = model_config
         # Which kernels run (tokenmill/cpu_platform.py): the engine's, or this device's defaults.
         self.platform = platform or CpuPlatform.create(model_config.device, model_config.dtype)
@@ -89,17 +95,20 @@ class EngineCore:
         # One worker thread runs the steps in order when scheduling is async.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
-        if model is None:
-            model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
-                               model_config.device, self.platform)
-        draft_model = load_draft_model(speculative_config, model_config, model, self.platform)
-        self.runner = ModelRunner(
-            model, dtype=model_config.dtype, device=model_config.device,
-            max_num_reqs=scheduler_config.max_num_seqs,
-            max_model_len=model_config.max_model_len,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            platform=self.platform, speculative_config=speculative_config,
-            draft_model=draft_model)
+        draft_model = None
+        if tensor_parallel_size == 1:  # (with more ranks, each loads its own shard)
+            if model is None:
+                model = load_model(model_config.path, model_config.hf_config,
+                                   model_config.dtype, model_config.device, self.platform)
+            draft_model = load_draft_model(speculative_config, model_config, model,
+                                           self.platform)
+        # The ModelRunner (one rank) or the executor over the ranks: the same calls.
+        self.runner = make_executor(
+            model_config, self.platform,
+            dict(max_num_reqs=scheduler_config.max_num_seqs,
+                 max_model_len=model_config.max_model_len,
+                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens),
+            tensor_parallel_size, model, speculative_config, draft_model)
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device,
@@ -248,6 +257,8 @@ class EngineCore:
         failed (finish_reason "error", blocks freed); every other running request is
         recomputed from a clean batch, and the retry step admits nothing new. With
         nobody to blame, or when the retry fails too, the engine is dead."""
+        if isinstance(exc, EngineDeadError):  # e.g. a tensor-parallel rank died
+            raise exc
         sched = self.scheduler
         if isinstance(exc, RequestFault):
             culprits = [r for r in exc.request_ids if r in sched.requests]
@@ -278,6 +289,9 @@ class EngineCore:
             self._in_flight[1].result()
             self._in_flight = None
         self._worker.shutdown(wait=True)
+        stop_ranks = getattr(self.runner, "shutdown", None)  # tensor parallel: the workers
+        if stop_ranks is not None:
+            stop_ranks()
         self._worker = None
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.close()

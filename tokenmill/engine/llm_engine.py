@@ -82,6 +82,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     # How the engine processes start: "mp" (local processes) or "ray" (Ray actors).
     distributed_executor_backend: str = "mp"
+    # Ranks the model is sharded over (tokenmill/executor: one process each, gloo).
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -105,6 +107,14 @@ class EngineArgs:
         self.cpu_capability = check_cpu_args(self.cpu_kernels, self.cpu_capability,
                                              self.linear_bf16_max_rows,
                                              self.greedy_head_max_rows, self.decode_layers)
+        from tokenmill.models.tensor_parallel import check_tensor_parallel_size
+        if check_tensor_parallel_size(self.tensor_parallel_size) > 1:
+            if self.kv_connector is not None:
+                raise ValueError("tensor_parallel_size > 1 does not support the external KV "
+                                 "tier (kv_connector) yet")
+            if self.speculative_config is not None:
+                raise ValueError("tensor_parallel_size > 1 does not support speculative "
+                                 "decoding (speculative_config) yet")
         for name in ("block_size", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -208,7 +218,8 @@ def build_engine_core(args: EngineArgs, setup: EngineSetup | None = None) -> Eng
                       async_scheduling=resolve_async(args.async_scheduling,
                                                      setup.model_config.device, spec),
                       kv_connector_config=args.kv_connector, platform=setup.platform,
-                      speculative_config=spec, structured_output=setup.structured_output())
+                      speculative_config=spec, structured_output=setup.structured_output(),
+                      tensor_parallel_size=args.tensor_parallel_size)
 
 
 class LLMEngine:

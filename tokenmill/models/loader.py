@@ -76,7 +76,8 @@ def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
     return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
 
 
-def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = False) -> None:
+def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = False,
+                 shard_plan=None) -> None:
     """Fill every parameter of `model` from the checkpoint, or raise naming what is missing.
 
     `tensors`: the (name, tensor) pairs to load instead of every tensor in `model_dir`
@@ -89,6 +90,9 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
     "...experts.{target}" [E, ...], at shard i of its dim 1 (equal-sized shards), as
     they arrive). A checkpoint that already stores the stacked tensors under the
     parameter's own name (HF's fused "experts.gate_up_proj") loads as is.
+
+    `shard_plan` (tensor parallelism, models/tensor_parallel.py): the (lazily read)
+    checkpoint tensors are cut to this rank's slice before they are copied.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
@@ -124,6 +128,8 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
             if e >= param.shape[0]:
                 raise ValueError(f"weight {ckpt_name}: expert {e} out of range (the model "
                                  f"has {param.shape[0]} experts)")
+            if shard_plan is not None:
+                tensor = shard_plan.take(name, shard, tensor)
             n_shards = num_expert_shards[name.rsplit(".", 1)[-1]]
             rows = param.shape[1] // n_shards
             _copy(param[e, shard * rows:(shard + 1) * rows], tensor, ckpt_name)
@@ -136,6 +142,8 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
         if name not in params:
             unknown(ckpt_name)
             continue
+        if shard_plan is not None:
+            tensor = shard_plan.take(name, shard, tensor)
         if shard is None:
             _copy(params[name], tensor, ckpt_name)
             loaded.add(name)
@@ -180,19 +188,35 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device, platform=None) -> nn.Module:
+               device: torch.device, platform=None, tp_group=None) -> nn.Module:
     """Build and fill the model, then let `platform` (a tokenmill.cpu_platform.CpuPlatform;
     None: this device's defaults) hand its kernel decisions to the layers: packed bf16
-    weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels."""
+    weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels.
+    `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
+    of the model (models/tensor_parallel.py)."""
     cls = resolve_model_class(hf_config)
+    tp = tp_group is not None and tp_group.size > 1
+    if tp:
+        from tokenmill.models import tensor_parallel
+        tensor_parallel.check_divisible(hf_config, tp_group.size)
+        if platform is None or platform.tensor_parallel_size != tp_group.size:
+            raise ValueError("a tensor-parallel model needs a platform made for "
+                             f"{tensor_parallel.TP_FIELD}={tp_group.size}")
     torch_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config)
+            model = cls(tensor_parallel.rank_config(hf_config, tp_group.size) if tp
+                        else hf_config)
     finally:
         torch.set_default_dtype(torch_default)
-    load_weights(model, model_dir)
+    if tp:
+        plan = tensor_parallel.ShardPlan(model, hf_config, tp_group.rank, tp_group.size)
+        load_weights(model, model_dir, tensor_parallel.iter_checkpoint_lazy(model_dir),
+                     shard_plan=plan)
+        tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
+    else:
+        load_weights(model, model_dir)
     (platform or CpuPlatform.create(device, dtype)).prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

@@ -211,9 +211,11 @@ class Qwen3NextForCausalLM(nn.Module):
     def _split_qkvz(self, name, w):
         """Qwen3-Next groups rows per key head: [q_h, k_h, v_h (rep heads), z_h (rep heads)]."""
         c = self.config
-        hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        rep = c.linear_num_value_heads // hk
-        g = w.view(hk, 2 * dk + 2 * rep * dv, -1)
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        rep = c.linear_num_value_heads // c.linear_num_key_heads
+        # The key heads counted from the tensor (a tensor-parallel rank's config has its
+        # share of the heads only; the checkpoint has all of them).
+        g = w.view(-1, 2 * dk + 2 * rep * dv, w.shape[-1])
         q, k, v, z = g.split([dk, dk, rep * dv, rep * dv], dim=1)
         flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
         base = name[:-len("in_proj_qkvz.weight")]
@@ -222,9 +224,8 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def _split_ba(self, name, w):
         c = self.config
-        hk = c.linear_num_key_heads
-        rep = c.linear_num_value_heads // hk
-        b, a = w.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
+        rep = c.linear_num_value_heads // c.linear_num_key_heads
+        b, a = w.view(-1, 2 * rep, w.shape[-1]).split([rep, rep], dim=1)
         base = name[:-len("in_proj_ba.weight")]
         yield base + "in_proj_b.weight", b.reshape(-1, w.shape[-1])
         yield base + "in_proj_a.weight", a.reshape(-1, w.shape[-1])

@@ -447,6 +447,29 @@ class ModelRunner:
         self._spec_write_slots = {}
         self._kv_invalid_block_ids = set()
 
+    def apply_sampled_tokens(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """A rank that does not sample (tensor parallelism, tokenmill/executor): the
+        tokens rank 0 sampled for the step this rank ran (the ModelRunnerOutput's rows),
+        written into the batch as sample_tokens() writes its own: the next step's
+        input ids read them."""
+        self._pending = None
+        self._prompt_logprobs_ready = {}
+        counts = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
+        total = int(counts.sum())
+        if not total:
+            return
+        batch = self.input_batch
+        index = batch.req_id_to_index
+        rows = np.fromiter((index[rid] for rid in req_ids), dtype=np.int64, count=len(req_ids))
+        flat = np.fromiter((t for toks in sampled for t in toks), dtype=np.int64, count=total)
+        each = np.repeat(rows, counts)
+        j = self._arange_upto(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        batch.token_ids_cpu[each, batch.num_tokens_no_spec[each] + j] = flat
+        batch.num_tokens_no_spec[rows] += counts.astype(batch.num_tokens_no_spec.dtype)
+        for rid, toks in zip(req_ids, sampled):
+            if toks:
+                self.requests[rid].output_token_ids.extend(toks)
+
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
         for rid in req_ids:

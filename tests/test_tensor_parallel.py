@@ -1,0 +1,246 @@
+"""Tensor parallelism over gloo on CPU (tokenmill/executor, models/tensor_parallel.py).
+
+Two ranks, one torch thread each (conftest): greedy fp32 output with
+tensor_parallel_size=2 equals tensor_parallel_size=1 token for token for a dense
+(Qwen3), an MoE (Qwen3-MoE) and a hybrid (Qwen3-Next: Gated DeltaNet + gated
+attention + MoE with a shared expert, its grouped checkpoint layout) tiny model,
+and for one KV head (replicated), biases (row-parallel ones added once) and
+Phi-3's fused checkpoint tensors, with chunked prefill (16-token budget) and preemption (few KV blocks) in the mix;
+a killed rank takes the engine down with EngineDeadError, no hang; bad sizes are
+refused naming tensor_parallel_size.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from conftest import build_checkpoint, make_llm, make_prompts, runner_of, scheduler_of
+from tokenmill import SamplingParams
+from tokenmill.errors import EngineDeadError
+
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# Heads, KV heads, intermediate sizes and key heads all divide by 2; untied heads.
+TP_SPECS = {
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False)),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, norm_topk_prob=True, tie_word_embeddings=False)),
+    # One KV head for two ranks (replicated); tied embedding / lm_head shard.
+    "qwen3_mqa": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # q/k/v/o and gate/up/down biases: a row-parallel bias is added by rank 0 only.
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True,
+                                 tie_word_embeddings=False)),
+    # q/k/v and gate/up fused in the checkpoint: each segment split in place.
+    "phi3_fused": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                tie_word_embeddings=False)),
+    "qwen3_next": ("qwen3_next", dict(HYBRID, **MOE, shared_expert_intermediate_size=48,
+                                      decoder_sparse_step=1, norm_topk_prob=True,
+                                      tie_word_embeddings=True)),
+}
+# Chunked prefill (a 16-token budget splits the 33- and 40-token prompts) and
+# preemption (24 blocks of 4 tokens cannot hold all six requests at full length).
+ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=64)
+PROMPT_LENGTHS = [5, 17, 33, 8, 40, 3]
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            arch, overrides = TP_SPECS[name]
+            path = str(tmp_path_factory.mktemp(f"tp_{name}"))
+            build_checkpoint(path, arch, overrides)
+            cache[name] = path
+        return cache[name]
+    return get
+
+
+def _greedy(llm, n: int = 12):
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(PROMPT_LENGTHS, 384)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _workers(llm):
+    return list(runner_of(llm)._procs)
+
+
+@pytest.mark.parametrize("name", list(TP_SPECS))
+def test_tp2_greedy_equals_tp1(tp_model, name):
+    path = tp_model(name)
+    ref_llm = make_llm(path, **ENGINE)
+    ref = _greedy(ref_llm)
+    assert scheduler_of(ref_llm).num_preemptions > 0  # the mix the test is about
+    llm = make_llm(path, tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    try:
+        assert llm.llm_engine.platform.decode_layers is False
+        assert _greedy(llm) == ref
+        assert scheduler_of(llm).num_preemptions > 0
+        # Each rank's KV cache holds its half of the KV heads.
+        spec = runner_of(llm).get_kv_cache_spec(4)
+        heads = {s.num_kv_heads for s in spec.values() if hasattr(s, "num_kv_heads")}
+        assert heads == {1}  # 2 KV heads split, or 1 replicated
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_tp2_async_scheduling(tp_model):
+    """The worker thread of async scheduling drives the ranks the same way."""
+    path = tp_model("qwen3")
+    ref = _greedy(make_llm(path, **ENGINE))
+    llm = make_llm(path, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    try:
+        assert _greedy(llm) == ref
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_killed_rank_kills_the_engine(tp_model):
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    try:
+        _greedy(llm, 2)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        result = {}
+
+        def run():
+            try:
+                _greedy(llm, 4)
+                result["ok"] = True
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                result["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the engine hung after a rank was killed"
+        err = result.get("error")
+        assert isinstance(err, EngineDeadError), result
+        assert "rank 1" in str(err) and "-9" in str(err)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_rank_killed_mid_step(tp_model, monkeypatch):
+    """A rank that dies while rank 0 waits in a collective fails that collective."""
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    runner = runner_of(llm).runner
+    model = runner.model
+    orig = model.forward
+
+    def forward(*args, **kw):  # kill the peer just before this rank's collectives
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(model, "forward", forward)
+    try:
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            _greedy(llm, 2)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.0, "2", True, None])
+def test_bad_tensor_parallel_size(tp_model, size):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        make_llm(tp_model("qwen3"), tensor_parallel_size=size)
+
+
+def test_heads_not_divisible(tp_model):
+    # 4 attention heads, 2 KV heads: 3 ranks split neither; refused before any rank starts.
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 .*num_attention_heads"):
+        make_llm(tp_model("qwen3"), tensor_parallel_size=3)
+
+
+def test_unsupported_with_tp(tp_model):
+    path = tp_model("qwen3")
+    with pytest.raises(ValueError, match="tensor_parallel_size.*kv_connector"):
+        make_llm(path, tensor_parallel_size=2, kv_connector="cpu")
+    with pytest.raises(ValueError, match="tensor_parallel_size.*speculative"):
+        make_llm(path, tensor_parallel_size=2,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_tp1_runs_the_runner_itself(tp_model):
+    """One rank: no executor layer between the engine and its ModelRunner."""
+    from tokenmill.worker.model_runner import ModelRunner
+    llm = make_llm(tp_model("qwen3"))
+    assert type(runner_of(llm)) is ModelRunner
+    assert llm.llm_engine.platform.tensor_parallel_size == 1
+
+
+def test_platform_with_tp():
+    from tokenmill.cpu_platform import CpuPlatform
+    p = CpuPlatform.create("cpu", None, tensor_parallel_size=2)
+    assert not p.decode_layers and p.lm_head == "full" and p.greedy_head_max_rows == 0
+    assert "tensor parallel over 2 ranks" in p.describe()
+    assert "tensor parallel" not in CpuPlatform.create("cpu", None).describe()
+
+
+def test_cli_flag():
+    from tokenmill.entrypoints.cli import build_parser, engine_kwargs
+    for argv in (["serve", "--tensor-parallel-size", "2"],
+                 ["bench", "latency", "--tensor-parallel-size", "2"]):
+        args = build_parser().parse_args(argv)
+        assert args.tensor_parallel_size == 2
+    assert engine_kwargs(build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2"]))["tensor_parallel_size"] == 2
+
+
+def test_forgotten_engine_stops_its_workers(tp_model):
+    """An engine dropped without shutdown: the executor's finalizer stops the ranks."""
+    import gc
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    _greedy(llm, 2)
+    del llm
+    for _ in range(40):
+        gc.collect()
+        if not any(p.is_alive() for p in procs):
+            break
+        procs[0].join(0.5)
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_slices():
+    """What a rank reads: its piece of each segment; a vocabulary shard past the end
+    is zero-padded."""
+    import torch
+
+    from tokenmill.models.tensor_parallel import Split, VocabSplit
+    w = torch.arange(24.0).view(12, 2)
+    # q (8 rows) and k (4 rows) packed: rank 1 of 2 takes q rows 4..7 and k rows 10..11
+    assert Split(0, ((8, 2, 1), (4, 2, 1))).take(w)[:, 0].tolist() == [8, 10, 12, 14, 20, 22]
+    assert Split(1, ((2, 2, 0),)).take(w).shape == (12, 1)
+    last = VocabSplit(vocab=11, shard=4, rank=2).take(w[:11])  # rows 8..10 + one pad row
+    assert last[:, 0].tolist() == [16, 18, 20, 0]
+
+
+def test_worker_exception_is_reported(tp_model, monkeypatch):
+    """A rank that raises (a fault armed in the workers only: they read TOKENMILL_FAULTS
+    when they start) sends its traceback, exits, and the engine dies naming it."""
+    monkeypatch.setenv("TOKENMILL_FAULTS", "input=token:383")
+    llm = make_llm(tp_model("qwen3"), tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    try:
+        with pytest.raises(EngineDeadError, match="(?s)rank 1.*InjectedFault"):
+            llm.generate([{"prompt_token_ids": [383, 5, 6]}],
+                         SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
