@@ -21,6 +21,7 @@ vocabulary is never allowed by a grammar); both runs skip detokenizing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -118,6 +119,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="also run the same workload with every request's output constrained "
                         "to a JSON schema (structured output) and print structured / "
                         "unstructured. A model without a tokenizer borrows the demo model's")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="run tokenmill as N engine replicas (one process each, an equal share "
+                        "of the CPUs), then as one replica on one share and as one replica "
+                        "on every CPU, and print the ratios")
     from tokenmill.entrypoints.cli import add_cpu_platform_args
     add_cpu_platform_args(p)
 
@@ -222,6 +227,55 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
     seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return llm, sum(len(t) for t in token_ids) / seconds, seconds, token_ids
+
+
+def run_dp_baselines(model_path: str, workload: Workload, warmup: Workload, args,
+                     max_model_len: int, dp: int, dp_tok_s: float, dp_ids) -> dict:
+    """tokenmill with one replica, on one replica's share of the CPUs (DP's scaling) and
+    on all of them (what DP gains over not using it); the same greedy tokens."""
+    from tokenmill.engine.launchers import cpu_shares
+    cpus, threads = cpu_shares(dp)[0]
+    out = {"data_parallel_size": dp, "tok_s": dp_tok_s, "replica_cpus": cpus}
+    for key, pin in (("one_share", cpus), ("all_cpus", None)):
+        with pinned(pin, threads):
+            llm, tok_s, seconds, ids = run_tokenmill(model_path, workload, warmup, args,
+                                                     max_model_len)
+        del llm
+        gc.collect()
+        if ids != dp_ids:
+            logger.warning("DP=%d and DP=1 (%s) disagree on some greedy tokens", dp, key)
+        logger.info("tokenmill, one replica (%s): %.1f output tok/s (%.1f s)", key, tok_s,
+                    seconds)
+        out[key] = {"tok_s": tok_s, "ratio": dp_tok_s / tok_s}
+    return out
+
+
+@contextlib.contextmanager
+def pinned(cpus, threads):
+    """This process (and the threads it starts) on `cpus` with `threads` intra-op
+    threads, restored after; None: as it is."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    import torch
+    old_cpus, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old_cpus)
+        torch.set_num_threads(old_threads)
+
+
+def format_data_parallel(dp: dict) -> str:
+    n = dp["data_parallel_size"]
+    return "\n".join([
+        f"data parallel: {n} replicas, {dp['tok_s']:.1f} output tok/s",
+        f"  / one replica on one replica's CPUs {dp['replica_cpus']}: "
+        f"{dp['one_share']['tok_s']:.1f} tok/s -> {dp['one_share']['ratio']:.2f}x",
+        f"  / one replica on every CPU: {dp['all_cpus']['tok_s']:.1f} tok/s -> "
+        f"{dp['all_cpus']['ratio']:.2f}x"])
 
 
 def platform_kwargs(args) -> dict:
@@ -478,6 +532,9 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
         tokenizer = bench_tokenizer(model_path)
         if tokenizer is not None:
             extra["tokenizer"] = tokenizer
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp > 1:
+        extra["data_parallel_size"] = dp
     llm, tm_tok_s, tm_seconds, tm_ids = run_tokenmill(model_path, workload, warmup, args,
                                                       max_model_len, **extra)
     device = llm.llm_engine.model_config.device
@@ -503,8 +560,14 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
         logger.info("tokenmill unstructured again: %.1f output tok/s (%.1f s)", warm_tok_s,
                     warm_seconds)
         structured = structured + (warm_tok_s,)
+    if dp > 1:
+        llm.llm_engine.shutdown()
     del llm  # free its weights and KV cache before the baseline loads
     gc.collect()
+    data_parallel = None
+    if dp > 1:
+        data_parallel = run_dp_baselines(model_path, workload, warmup, args, max_model_len,
+                                         dp, tm_tok_s, tm_ids)
 
     hf = None
     hf_n = args.hf_num_prompts or args.num_prompts
@@ -522,6 +585,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
 
     print(format_platform(platform))
     print(format_table(tm_tok_s, hf[0] if hf else None, more["hf_cb_tok_s"]))
+    if data_parallel is not None:
+        print(format_data_parallel(data_parallel))
     if more["roofline"] is not None:
         from tokenmill.bench.roofline import format_roofline
         print(format_roofline(more["roofline"]))
@@ -532,6 +597,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                               (tm_tok_s, tm_seconds), hf, hf_n)
         result.update(more)
         result["platform"] = platform
+        if data_parallel is not None:
+            result["data_parallel"] = data_parallel
         if structured is not None:
             result["structured"] = {
                 "kind": args.structured, "schema": BENCH_JSON_SCHEMA,
