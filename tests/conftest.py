@@ -58,6 +58,10 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # the context (so full attention); untied.
     "mistral_window": ("mistral", dict(head_dim=32, sliding_window=4096,
                                        tie_word_embeddings=False)),
+    # Mistral with a sliding window (12) shorter than most prompts: windowed attention,
+    # blocks before the window given back while the request runs.
+    "mistral_swa": ("mistral", dict(head_dim=32, sliding_window=12,
+                                    tie_word_embeddings=False)),
     # Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, partial rotary
     # (0.75 of head_dim), a sliding window past the context; untied.
     "phi3_partial": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
@@ -67,6 +71,17 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
 }
 
 PARITY_MODELS = list(MODEL_SPECS)
+
+# Models with sliding layers give blocks back as the windows move: the
+# preemption tests need a smaller pool to force preemption (and, for the smallest
+# pool a sequence may have, smaller prompt chunks). (name, block_size) -> overrides
+SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
+                   ("mistral_swa", 4): dict(num_kv_blocks=13)}
+
+
+def preempt_pool(name: str, config: dict) -> dict:
+    """A preemption test's engine arguments for model `name`."""
+    return {**config, **SLIDING_PREEMPT.get((name, config["block_size"]), {})}
 
 
 def _classes(arch: str):
