@@ -66,6 +66,11 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # (0.75 of head_dim), a sliding window past the context; untied.
     "phi3_partial": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
                                   tie_word_embeddings=False)),
+    # Gemma 3: local (window 12) and global layers alternating (4 layers: two KV cache
+    # groups of two), head_dim 32, local rope base, q/k norms, tied; soft-capped logits.
+    "gemma3": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
+                              sliding_window_pattern=2, query_pre_attn_scalar=24,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
@@ -76,7 +81,8 @@ PARITY_MODELS = list(MODEL_SPECS)
 # preemption tests need a smaller pool to force preemption (and, for the smallest
 # pool a sequence may have, smaller prompt chunks). (name, block_size) -> overrides
 SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
-                   ("mistral_swa", 4): dict(num_kv_blocks=13)}
+                   ("mistral_swa", 4): dict(num_kv_blocks=13),
+                   ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:
@@ -90,6 +96,7 @@ def _classes(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

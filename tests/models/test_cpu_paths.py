@@ -28,7 +28,7 @@ from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
 TOP = 5
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3"])
 def test_pytorch_path_matches_hf(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     prompts = tm.prompts[:4]
