@@ -142,6 +142,20 @@ def test_equal_specs_share_a_group_cut_to_equal_sizes():
     assert config.bytes_per_block() == 2 * full.page_size_bytes
 
 
+def test_a_draft_models_own_group_is_never_the_targets():
+    """An EAGLE drafter's full-attention layers beside an all-sliding target."""
+    full = FullAttentionSpec(4, 2, 16, "float32")
+    swa = SlidingWindowSpec(4, 2, 16, "float32", 8)
+    groups = group_layer_specs({"layers.0.attn": swa, "layers.1.attn": swa,
+                                "draft.0.attn": full})
+    config = KVCacheConfig(10, groups)
+    assert groups[0].is_draft and groups[0].layer_names == ["draft.0.attn"]
+    assert config.attention_group_id == 1
+    # With the target's spec, the drafter's layers join its group (as before).
+    groups = group_layer_specs({"layers.0.attn": full, "draft.0.attn": full})
+    assert len(groups) == 1 and not groups[0].is_draft
+
+
 def test_groups_of_different_head_dims_share_buffers_at_the_largest_page():
     """Per-layer head_dim (Gemma 4: sliding layers one head_dim, global another)."""
     from tokenmill.worker.kv_cache import allocate_kv_caches
@@ -277,3 +291,27 @@ def test_request_far_longer_than_its_window(long_mistral, cpu_kernels):
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 60)
     assert len(held) >= 50 and max(held) <= math.ceil(10 / 4) + 1
     assert kvm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "gemma3"])
+def test_prefix_caching_with_sliding_groups_matches_hf(tiny_model_factory, name):
+    """Prompts sharing a 60-token prefix (five windows), run twice: the second run hits
+    the cache in every group (the sliding groups only for their windows' blocks) and
+    gives HF's tokens, as the first did."""
+    import random
+    tm = tiny_model_factory(name)
+    rng = random.Random(3)
+    prefix = [rng.randrange(1, tm.vocab_size) for _ in range(60)]
+    prompts = [prefix + [rng.randrange(1, tm.vocab_size) for _ in range(k)] for k in (3, 9, 17)]
+    prompts.append(list(prefix))
+    llm = make_llm(tm.path, block_size=4, max_model_len=128, max_num_batched_tokens=32)
+    kvm = scheduler_of(llm).kv_cache_manager
+    assert kvm.enable_caching and kvm.sliding
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    refs = [hf_greedy(tm.hf, p, 12) for p in prompts]
+    for run in range(2):
+        hits = kvm.prefix_cache_stats.hits
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == refs, f"run {run}"
+        assert kvm.num_used_blocks == 0
+    assert kvm.prefix_cache_stats.hits - hits >= 4 * 56  # every prompt hit on run 2

@@ -181,6 +181,10 @@ class KVCacheConfig:
                    for g in self.groups if not g.is_attention)
 
 
+# The runner names a draft model's attention layers "draft.<i>.attn".
+DRAFT_LAYER_PREFIX = "draft."
+
+
 def group_layer_specs(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
     """KV cache groups from per-layer specs: layers with equal specs share a group (one
     block table). Full-attention groups come first (the first is the target's
@@ -206,7 +210,10 @@ def group_layer_specs(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
     if attention:
         size = min(len(names) for _, names in attention)
         for spec, names in attention:
-            groups += [KVCacheGroup(names[i:i + size], spec)
+            # A group of a draft model's layers alone (its spec differs from every
+            # target layer's) is never the target's attention group.
+            draft = all(n.startswith(DRAFT_LAYER_PREFIX) for n in names)
+            groups += [KVCacheGroup(names[i:i + size], spec, is_draft=draft)
                        for i in range(0, len(names), size)]
     groups += [KVCacheGroup(names, spec) for spec, names in state]
     return groups
