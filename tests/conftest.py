@@ -71,6 +71,13 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     "gemma3": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
                               sliding_window_pattern=2, query_pre_attn_scalar=24,
                               final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 4 (text, no per-layer inputs): local layers of head_dim 16 (window 12),
+    # global ones of head_dim 32 with proportional rope: two KV cache groups of
+    # different page layouts sharing buffers; tied.
+    "gemma4": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                              sliding_window=12, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
@@ -82,7 +89,8 @@ PARITY_MODELS = list(MODEL_SPECS)
 # pool a sequence may have, smaller prompt chunks). (name, block_size) -> overrides
 SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
                    ("mistral_swa", 4): dict(num_kv_blocks=13),
-                   ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+                   ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:
@@ -97,6 +105,7 @@ def _classes(arch: str):
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

@@ -315,3 +315,26 @@ def test_prefix_caching_with_sliding_groups_matches_hf(tiny_model_factory, name)
         assert [o.outputs[0].token_ids for o in outs] == refs, f"run {run}"
         assert kvm.num_used_blocks == 0
     assert kvm.prefix_cache_stats.hits - hits >= 4 * 56  # every prompt hit on run 2
+
+
+def test_gemma4_groups_allocate_each_layer_at_its_own_head_dim(tiny_model_factory):
+    """Gemma 4's local layers (head_dim 16, a window) and global ones (head_dim 32): two
+    groups of different page layouts, each layer's cache viewed at its own head_dim over
+    buffers of the larger page; HF's tokens (the parity suite runs the rest)."""
+    from conftest import runner_of
+    tm = tiny_model_factory("gemma4")
+    llm = make_llm(tm.path, block_size=4)
+    config = llm.llm_engine.engine_core.kv_cache_config
+    specs = {g.spec.head_size: g for g in config.groups}
+    assert set(specs) == {16, 32}
+    assert specs[16].sliding_window == 12 and specs[32].sliding_window is None
+    assert specs[32].layer_names == ["layers.1.attn", "layers.3.attn"]
+    assert config.attention_group_id == config.groups.index(specs[32])
+    assert config.bytes_per_block() == 2 * specs[32].spec.page_size_bytes
+    caches = runner_of(llm).kv_caches
+    assert caches["layers.0.attn"].shape[-1] == 16 and caches["layers.1.attn"].shape[-1] == 32
+    prompt = tm.prompts[4]  # 70 tokens: past the window
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == tm.reference(prompt)
