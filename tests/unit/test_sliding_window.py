@@ -58,7 +58,6 @@ def test_windowed_decode_matches_dense(ops, d, window):
     g = torch.Generator().manual_seed(window)
     bs, hkv, hq = 4, 2, 6
     seq_lens = [1, 4, 5, 9, 17, 30]
-    caches, tables = [], []
     cache = torch.randn(64, 2, bs, hkv, d, generator=g)
     perm = (torch.randperm(63, generator=g) + 1).tolist()
     width = -(-max(seq_lens) // bs)
