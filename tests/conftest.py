@@ -78,6 +78,10 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
                               sliding_window=12, hidden_size_per_layer_input=0,
                               layer_types=["sliding_attention", "full_attention"] * 2,
                               final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
+    # sliding: two KV cache groups of one spec layout each); untied.
+    "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
+                                max_window_layers=1, tie_word_embeddings=False)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
