@@ -337,3 +337,33 @@ def test_gemma4_groups_allocate_each_layer_at_its_own_head_dim(tiny_model_factor
                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == tm.reference(prompt)
+
+
+def test_eagle3_draft_beside_a_sliding_target(tiny_model_factory, tmp_path):
+    """An EAGLE-3 drafter's full-attention layer has a spec no layer of an all-sliding
+    target has: its own KV group (is_draft), whose block table its K/V steps use. The
+    output is the target's alone."""
+    import json
+    import os
+
+    from conftest import runner_of
+    from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
+    tm = tiny_model_factory("mistral_swa")
+    draft = str(tmp_path / "eagle3")
+    os.makedirs(draft)
+    build_eagle3_checkpoint(draft, json.load(open(os.path.join(tm.path, "config.json"))))
+    prompts = [tm.prompts[4], tm.prompts[2], tm.prompts[0]]
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": draft}
+    llm = make_llm(tm.path, speculative_config=spec, block_size=4,
+                   max_num_batched_tokens=32)
+    config = llm.llm_engine.engine_core.kv_cache_config
+    runner = runner_of(llm)
+    assert runner.draft_group_id != runner.attn_group_id
+    assert config.groups[runner.draft_group_id].is_draft
+    assert config.groups[runner.attn_group_id].sliding_window == 12
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tm.reference(p) for p in prompts]
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0
+    assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0

@@ -34,6 +34,12 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> dict[str,
     return caches
 
 
+def _allocate_layer(spec: AttentionSpec, num_blocks: int, device) -> torch.Tensor:
+    """One layer's cache over a buffer of its own (a drafter's cache in the tests)."""
+    raw = torch.zeros(num_blocks, spec.page_size_bytes, dtype=torch.uint8, device=device)
+    return _view_layer(spec, raw, num_blocks)
+
+
 def _view_layer(spec: AttentionSpec, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
     dtype = TORCH_DTYPES[spec.dtype]
     pages = raw[:, :spec.real_page_size_bytes].view(dtype)

@@ -122,6 +122,7 @@ class ModelRunner:
         self.state_slots: StateSlots | None = None
         self.attn_group_id = 0
         self.attn_group_ids: list[int] = [0]
+        self.draft_group_id = 0
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         # Hybrid models under speculation: per verifying request, the slot holding its
@@ -223,6 +224,12 @@ class ModelRunner:
                 layers[name].kv_cache = cache
         # Several attention groups: each layer reads its group's metadata.
         self.attn_group_ids = config.attention_group_ids
+        # An EAGLE-style drafter's layers: in the target's group, or their own (beside
+        # a sliding-window target) whose block table its K/V steps use.
+        self.draft_group_id = next(
+            (gid for gid in self.attn_group_ids
+             if any(n.startswith("draft.") for n in config.groups[gid].layer_names)),
+            self.attn_group_id)
         multi = len(self.attn_group_ids) > 1
         for gid in self.attn_group_ids:
             for name in config.groups[gid].layer_names:
