@@ -58,15 +58,48 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # the context (so full attention); untied.
     "mistral_window": ("mistral", dict(head_dim=32, sliding_window=4096,
                                        tie_word_embeddings=False)),
+    # Mistral with a sliding window (12) shorter than most prompts: windowed attention,
+    # blocks before the window given back while the request runs.
+    "mistral_swa": ("mistral", dict(head_dim=32, sliding_window=12,
+                                    tie_word_embeddings=False)),
     # Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint, partial rotary
     # (0.75 of head_dim), a sliding window past the context; untied.
     "phi3_partial": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
                                   tie_word_embeddings=False)),
+    # Gemma 3: local (window 12) and global layers alternating (4 layers: two KV cache
+    # groups of two), head_dim 32, local rope base, q/k norms, tied; soft-capped logits.
+    "gemma3": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
+                              sliding_window_pattern=2, query_pre_attn_scalar=24,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 4 (text, no per-layer inputs): local layers of head_dim 16 (window 12),
+    # global ones of head_dim 32 with proportional rope: two KV cache groups of
+    # different page layouts sharing buffers; tied.
+    "gemma4": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                              sliding_window=12, hidden_size_per_layer_input=0,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
+    # sliding: two KV cache groups of one spec layout each); untied.
+    "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
+                                max_window_layers=1, tie_word_embeddings=False)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
 
 PARITY_MODELS = list(MODEL_SPECS)
+
+# Models with sliding layers give blocks back as the windows move: the
+# preemption tests need a smaller pool to force preemption (and, for the smallest
+# pool a sequence may have, smaller prompt chunks). (name, block_size) -> overrides
+SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
+                   ("mistral_swa", 4): dict(num_kv_blocks=13),
+                   ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+
+
+def preempt_pool(name: str, config: dict) -> dict:
+    """A preemption test's engine arguments for model `name`."""
+    return {**config, **SLIDING_PREEMPT.get((name, config["block_size"]), {})}
 
 
 def _classes(arch: str):
@@ -75,6 +108,8 @@ def _classes(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),

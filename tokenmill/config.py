@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 
@@ -11,8 +10,6 @@ import torch
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -73,8 +70,8 @@ def resolve_model_path(model: str) -> str:
 
 
 def sliding_window(hf_config: dict) -> int | None:
-    """The tokens a query attends back over when the model uses a sliding window
-    (Mistral, Phi-3), else None. Qwen2 / Qwen3 configs carry a window they do not use
+    """The positions a query of a sliding-window layer sees, its own included (Mistral,
+    Phi-3, Gemma 3's local layers), else None. Qwen2 / Qwen3 configs carry a window they do not use
     (use_sliding_window false)."""
     window = hf_config.get("sliding_window")
     if not window or hf_config.get("use_sliding_window", True) is False:
@@ -112,27 +109,13 @@ class ModelConfig:
                 gen_cfg = json.load(f)
         dev = resolve_device(device)
         limit = hf_config.get("max_position_embeddings", 2048)
-        window = sliding_window(hf_config)
         if max_model_len is None:
             max_model_len = limit
-            if window is not None and window < limit:
-                # Sliding-window attention is not built yet: within the window it is
-                # full attention, so the context stops there (as vLLM did without it).
-                logger.warning("this model attends within a sliding window of %d tokens, "
-                               "which tokenmill does not implement yet: max_model_len is "
-                               "capped to %d (full attention is the same up to there)",
-                               window, window)
-                max_model_len = window
         elif not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         elif max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
-        elif window is not None and max_model_len > window:
-            raise ValueError(f"max_model_len {max_model_len} exceeds this model's sliding "
-                             f"window of {window} tokens, past which its attention differs "
-                             f"from full attention (not implemented yet): use at most "
-                             f"{window}")
         return cls(model, path, hf_config, resolve_dtype(dtype, hf_config, dev), dev,
                    max_model_len, gen_cfg)
 

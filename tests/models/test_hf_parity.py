@@ -4,7 +4,9 @@ Every config in conftest.MODEL_SPECS (Llama / Qwen2 / Qwen3; GQA and MQA; a
 Qwen3 head_dim that is not hidden / heads; tied and untied embeddings; llama3,
 linear and yarn rope scaling) must reproduce HF `generate(do_sample=False)`
 token for token: one prompt, a batch of mixed lengths, forced chunked prefill,
-forced preemption, and a sharded checkpoint. The rope inverse frequencies are
+forced preemption, and a sharded checkpoint. Mistral with a sliding window shorter
+than most prompts and Gemma 3 (local and global layers: two KV cache groups) run
+through all of it. The rope inverse frequencies are
 also compared with HF's ROPE_INIT_FUNCTIONS directly.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import (MODEL_SPECS, NUM_NEW, PARITY_MODELS, TinyModel, build_checkpoint,
-                      hf_greedy, make_llm, scheduler_of)
+                      hf_greedy, make_llm, preempt_pool, scheduler_of)
 from tokenmill import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -110,7 +112,7 @@ def test_preemption(tiny_model_factory, name, config):
 def check_preemption(tm, config: str) -> None:
     """Greedy tokens equal HF's under a KV pool that forces preemption."""
     prompts = tm.prompts
-    llm = make_llm(tm.path, **PREEMPT_CONFIGS[config])
+    llm = make_llm(tm.path, **preempt_pool(tm.name, PREEMPT_CONFIGS[config]))
     got = run_greedy(llm, prompts)
     sched = scheduler_of(llm)
     assert sched.num_preemptions > 0, "the config was meant to force preemption"
@@ -331,26 +333,22 @@ def test_unsupported_rope_type_is_rejected():
                                                          "rope_theta": 1e4}})
 
 
-# ---- a sliding window tokenmill does not implement yet: the context stops at it ----------
+# ---- sliding windows: no cap on the context --------------------------------------------
 
-def test_sliding_window_caps_max_model_len(tmp_path, caplog):
-    """A Phi-3 whose sliding window (48) is shorter than its positions: max_model_len is
-    capped to the window by default (with a warning; within it the attention is full
-    attention, so HF's tokens), and a larger max_model_len is refused, naming it."""
-    import logging
+def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
+    """A Phi-3 whose sliding window (48) is shorter than its positions runs to its
+    max_position_embeddings, HF's tokens past the window; Qwen2's unused window
+    (use_sliding_window false) stays full attention."""
     path = str(tmp_path / "phi3_window")
     hf = build_checkpoint(path, "phi3", dict(sliding_window=48, tie_word_embeddings=False))
     from tokenmill import LLM
-    with caplog.at_level(logging.WARNING, logger="tokenmill"):
-        llm = LLM(path, dtype="float32", device="cpu")
-    assert llm.llm_engine.model_config.max_model_len == 48
-    assert any("sliding window of 48" in r.getMessage() for r in caplog.records)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8)
+    assert llm.llm_engine.model_config.max_model_len == 256
     tm = TinyModel("phi3_window", path, "phi3", hf)
-    prompts = [p[:20] for p in tm.prompts[:3]]
+    prompts = [tm.prompts[4], tm.prompts[1]]  # 70 tokens (past the window) and 17
     assert run_greedy(llm, prompts) == [tm.reference(p) for p in prompts]
-    with pytest.raises(ValueError, match="max_model_len 64 exceeds this model's sliding window"):
-        LLM(path, dtype="float32", device="cpu", max_model_len=64)
+    assert scheduler_of(llm).kv_cache_manager.sliding  # a sliding group
     qwen2 = str(tmp_path / "qwen2_unused_window")  # Qwen2 keeps a window it does not use
     build_checkpoint(qwen2, "qwen2", dict(sliding_window=32, use_sliding_window=False))
-    assert LLM(qwen2, dtype="float32", device="cpu").llm_engine.model_config.max_model_len \
-        == 256
+    llm = LLM(qwen2, dtype="float32", device="cpu")
+    assert not scheduler_of(llm).kv_cache_manager.sliding

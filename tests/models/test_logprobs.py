@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_llm, make_prompts, scheduler_of
+from conftest import make_llm, make_prompts, preempt_pool, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
-MODELS = ["llama_gqa_tied", "qwen3_headdim"]
+MODELS = ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3", "gemma4"]
 TOL = 1e-4
 
 
@@ -276,7 +276,7 @@ def test_prompt_logprobs_survive_preemption(tiny_model_factory, name, config):
     params = [SamplingParams(temperature=0, prompt_logprobs=3 if i != 3 else None,
                              logprobs=1 if i % 2 else None, max_tokens=n_new, ignore_eos=True)
               for i in range(len(prompts))]
-    llm = make_llm(tm.path, **PREEMPT_CONFIGS[config])
+    llm = make_llm(tm.path, **preempt_pool(name, PREEMPT_CONFIGS[config]))
     rec = Recorder(llm)
     outs = generate(llm, prompts, params)
     assert scheduler_of(llm).num_preemptions > 0, "the config was meant to force preemption"

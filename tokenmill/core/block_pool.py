@@ -87,6 +87,8 @@ class BlockPool:
     def share(self, block_ids: list[int]) -> None:
         """Take one more reference on blocks someone already holds."""
         for b in block_ids:
+            if b == self.NULL_BLOCK:
+                continue
             if self.ref_cnt[b] <= 0:
                 raise RuntimeError(f"block {b} is free and cannot be shared")
             self.ref_cnt[b] += 1
@@ -94,6 +96,8 @@ class BlockPool:
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks, held or free (a free one leaves the queue)."""
         for b in block_ids:
+            if b == self.NULL_BLOCK:  # (a sliding group's entry before its window)
+                continue
             if self.ref_cnt[b] == 0:
                 del self._free[b]
             self.ref_cnt[b] += 1

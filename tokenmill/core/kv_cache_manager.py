@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tokenmill.core.block_pool import BlockPool
-from tokenmill.core.kv_cache_spec import KVCacheConfig
+from tokenmill.core.kv_cache_spec import KVCacheConfig, SlidingWindowSpec
 from tokenmill.core.kv_cache_utils import PrefixCacheStats, request_block_hashes
 from tokenmill.core.request import Request
 
@@ -12,12 +12,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Full-attention groups: each request holds a growing list of blocks per group.
+    """Attention groups: each request holds a growing list of blocks per group, entry i
+    for its positions [i * block_size, (i + 1) * block_size).
 
     All groups draw from one pool (a block id indexes the same page in every
     layer of its group, and groups never share ids). A recurrent-state
     (MambaSpec) group takes no blocks: its list stays empty, the runner keeps
     the state in a slot keyed on the request id.
+
+    Sliding-window groups give back, whenever a request is scheduled, the blocks
+    that lie entirely before the window of its next token (they become the null
+    block in its list; indices keep their meaning), so a running request holds
+    about window / block_size + 1 blocks there, plus its step's new tokens.
 
     With `enable_caching`, full blocks are registered in the pool's prefix
     cache under (group, chained block hash) as soon as the step that writes
@@ -40,6 +46,12 @@ class KVCacheManager:
         self.num_groups = len(kv_cache_config.groups)
         self.block_groups = [i for i, g in enumerate(kv_cache_config.groups) if g.is_attention]
         self.first_block_group = self.block_groups[0]
+        # group id -> its SlidingWindowSpec, for the sliding groups.
+        self.sliding = {i: g.spec for i, g in enumerate(kv_cache_config.groups)
+                        if isinstance(g.spec, SlidingWindowSpec)}
+        if any(kv_cache_config.groups[i].spec.block_size != self.block_size
+               for i in self.block_groups):
+            raise ValueError("every attention group needs the same block size (one pool)")
         self.enable_caching = enable_caching
         self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[list[int]]] = {}
@@ -79,18 +91,41 @@ class KVCacheManager:
         hashes = request_block_hashes(request, self.block_size)
         # The last token is always computed: its logits give the next token.
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        hits = empty
+        ids = {gid: [] for gid in self.block_groups}
         num = max_blocks
+        # Full groups: the longest run of cached blocks from the start (each group
+        # can only shorten it).
         for gid in self.block_groups:
-            group_hits = hits[gid]
+            if gid in self.sliding:
+                continue
             for i in range(num):
                 b = self.pool.get_cached_block((gid, hashes[i]))
                 if b is None or b in self._loading:
                     break
-                group_hits.append(b)
-            num = len(group_hits)
-        for gid in self.block_groups:  # every group must hold the same prefix
-            del hits[gid][num:]
+                ids[gid].append(b)
+            num = len(ids[gid])
+        # Sliding groups need only the blocks inside the window of the first token
+        # to compute. The rule: a hit of n blocks needs, in each sliding group, blocks
+        # first_needed_block(n * block_size) .. n - 1 cached (those before stay null);
+        # the hit is the largest n, no longer than the full groups', that every
+        # sliding group can serve.
+        valid = [True] * (num + 1)
+        for gid, spec in self.sliding.items():
+            found = [self.pool.get_cached_block((gid, hashes[i])) for i in range(num)]
+            run = 0  # cached blocks ending at block i
+            for i, b in enumerate(found):
+                run = run + 1 if b is not None else 0
+                if i + 1 - run > spec.first_needed_block((i + 1) * self.block_size):
+                    valid[i + 1] = False
+            ids[gid] = [BlockPool.NULL_BLOCK if b is None else b for b in found]
+        num = max(n for n in range(num + 1) if valid[n])
+        hits = [[] for _ in range(self.num_groups)]
+        for gid in self.block_groups:
+            group = ids[gid][:num]
+            if gid in self.sliding:
+                first = self.sliding[gid].first_needed_block(num * self.block_size)
+                group[:first] = [BlockPool.NULL_BLOCK] * first
+            hits[gid] = group
         return hits, num * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -116,6 +151,8 @@ class KVCacheManager:
                                                [[] for _ in range(self.num_groups)])
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens
                       + num_external_tokens + num_new_tokens)
+        # Blocks before the window of the step's first token are not read again.
+        self._free_outside_window(blocks, request.num_computed_tokens)
         needed_per_group = cdiv(num_tokens + num_lookahead_tokens, self.block_size)
         have = len(blocks[self.first_block_group])
         num_touch_free = 0
@@ -123,7 +160,14 @@ class KVCacheManager:
             have += len(new_computed_blocks[self.first_block_group])
             num_touch_free = sum(self.pool.num_free_among(ids) for ids in new_computed_blocks)
         num_new = max(0, needed_per_group - have)
-        if num_new * len(self.block_groups) + num_touch_free > self.pool.num_free_blocks:
+        # A sliding group need not allocate the new blocks its window has already left
+        # (a long cached prefix): those entries are the null block. (Blocks the external
+        # tier loads into are always allocated.)
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        skip = {gid: min(num_new, max(0, spec.first_needed_block(num_local) - have))
+                for gid, spec in self.sliding.items()}
+        total_new = num_new * len(self.block_groups) - sum(skip.values())
+        if total_new + num_touch_free > self.pool.num_free_blocks:
             if not any(blocks):
                 del self.req_to_blocks[request.request_id]
             return None
@@ -133,13 +177,33 @@ class KVCacheManager:
             for group_blocks, ids in zip(blocks, new_computed_blocks):
                 self.pool.touch(ids)  # before allocating: allocation must not evict them
                 group_blocks.extend(ids)
-        new_ids = [self.pool.allocate(num_new) if i in self.block_groups else []
-                   for i in range(self.num_groups)]
-        for group_blocks, ids in zip(blocks, new_ids):
-            group_blocks.extend(ids)
+        new_ids = [[] for _ in range(self.num_groups)]
+        for gid in self.block_groups:
+            k = skip.get(gid, 0)
+            new_ids[gid] = [BlockPool.NULL_BLOCK] * k + self.pool.allocate(num_new - k)
+            blocks[gid].extend(new_ids[gid])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return new_ids
+
+    def _free_outside_window(self, blocks: list[list[int]], num_computed: int) -> None:
+        """Give back each sliding group's blocks that lie entirely before the window of
+        the token at `num_computed` (the next one computed); their entries become the
+        null block. A cached one keeps its key in the free queue (a later hit may use it)."""
+        for gid, spec in self.sliding.items():
+            group = blocks[gid]
+            first = min(spec.first_needed_block(num_computed), len(group))
+            gone = [b for b in group[:first] if b != BlockPool.NULL_BLOCK]
+            if gone:
+                self.pool.free(gone)
+                group[:first] = [BlockPool.NULL_BLOCK] * first
+
+    def num_blocks_held(self, request_id: str, group_id: int) -> int:
+        """Blocks `request_id` holds in a group (null entries not counted)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return 0
+        return sum(1 for b in blocks[group_id] if b != BlockPool.NULL_BLOCK)
 
     def _cache_full_blocks(self, request: Request, blocks: list[list[int]],
                            num_tokens: int) -> None:
@@ -154,7 +218,8 @@ class KVCacheManager:
         for gid in self.block_groups:
             group_blocks = blocks[gid]
             for i in range(start, end):
-                self.pool.cache_block(group_blocks[i], (gid, hashes[i]))
+                if group_blocks[i] != BlockPool.NULL_BLOCK:  # (a window left it unwritten)
+                    self.pool.cache_block(group_blocks[i], (gid, hashes[i]))
         self.num_cached_blocks[rid] = end
 
     # ---- external loads (tokenmill.kv_connector) --------------------------------------
@@ -218,6 +283,13 @@ class KVCacheManager:
         if not donor or len(donor[self.first_block_group]) < num_blocks or num_blocks <= 0:
             return 0
         shared = [list(group[:num_blocks]) for group in donor]
+        for gid, spec in self.sliding.items():
+            # The donor went on past the prompt: its window may have left blocks this
+            # request's next token still reads. Then it prefills alone.
+            first = spec.first_needed_block(num_blocks * self.block_size)
+            if BlockPool.NULL_BLOCK in shared[gid][first:]:
+                return 0
+            shared[gid][:first] = [BlockPool.NULL_BLOCK] * first
         for ids in shared:
             self.pool.share(ids)
         self.req_to_blocks[request.request_id] = shared

@@ -18,16 +18,14 @@ def dtype_size(dtype: str) -> int:
         raise ValueError(f"unsupported KV cache dtype {dtype!r}") from None
 
 
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    """One full-attention layer: K and V pages of `block_size` tokens."""
+class _PagedSpec:
+    """K and V pages of `block_size` tokens: the byte arithmetic every attention spec shares."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str
-    sliding_window: int | None = None
-    page_size_padded: int | None = None
+    page_size_padded: int | None
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -41,6 +39,43 @@ class FullAttentionSpec:
                 raise ValueError("page_size_padded is smaller than the real page size")
             return self.page_size_padded
         return self.real_page_size_bytes
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(_PagedSpec):
+    """One full-attention layer: every position of the sequence stays in the cache."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    page_size_padded: int | None = None
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(_PagedSpec):
+    """One sliding-window layer: a query at position p attends keys in (p - window, p]
+    (HF's mask: `window` positions, its own included). Blocks that fall entirely before
+    the window of a request's next token are given back to the pool while it runs."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    sliding_window: int
+    page_size_padded: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """The first block the next token (at position `num_computed`) reads: every
+        block before it lies entirely outside its window."""
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+
+AttentionSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -69,7 +104,7 @@ class MambaSpec:
         return total
 
 
-KVCacheSpec = FullAttentionSpec | MambaSpec
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 
 
 @dataclass(frozen=True)
@@ -83,7 +118,11 @@ class KVCacheGroup:
 
     @property
     def is_attention(self) -> bool:
-        return isinstance(self.spec, FullAttentionSpec)
+        return isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec))
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.spec.sliding_window if isinstance(self.spec, SlidingWindowSpec) else None
 
 
 @dataclass
@@ -113,12 +152,68 @@ class KVCacheConfig:
     def block_size(self) -> int:
         return self.groups[self.attention_group_id].spec.block_size
 
+    @property
+    def attention_group_ids(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.is_attention]
+
+    def buffer_page_sizes(self) -> list[int]:
+        """Page bytes of each KV buffer. Layer j of every attention group views buffer j:
+        a block id belongs to one group, so the groups' layers never touch the same
+        page, and a buffer's page is the largest of the specs that view it (each
+        layer views the first `real_page_size_bytes` of a page)."""
+        pages: list[int] = []
+        for g in self.groups:
+            if not g.is_attention:
+                continue
+            for j in range(len(g.layer_names)):
+                if j == len(pages):
+                    pages.append(0)
+                pages[j] = max(pages[j], g.spec.page_size_bytes)
+        return pages
+
     def bytes_per_block(self) -> int:
-        """Bytes one block id costs across every attention layer of every group."""
-        return sum(len(g.layer_names) * g.spec.page_size_bytes
-                   for g in self.groups if g.is_attention)
+        """Bytes one block id costs: one page of every KV buffer."""
+        return sum(self.buffer_page_sizes())
 
     def state_bytes(self) -> int:
         """Bytes of every recurrent layer's state slots."""
         return sum(len(g.layer_names) * g.spec.page_size_bytes * self.num_state_slots
                    for g in self.groups if not g.is_attention)
+
+
+# The runner names a draft model's attention layers "draft.<i>.attn".
+DRAFT_LAYER_PREFIX = "draft."
+
+
+def group_layer_specs(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
+    """KV cache groups from per-layer specs: layers with equal specs share a group (one
+    block table). Full-attention groups come first (the first is the target's
+    `attention_group_id`), then sliding-window groups, then the recurrent state.
+
+    Attention groups are cut into groups of at most as many layers as the smallest
+    one has, so every group views the same KV buffers (layer j of a group views
+    buffer j, KVCacheConfig.buffer_page_sizes): a block id costs one page per buffer
+    whatever group holds it. E.g. 1 full + 5 sliding layers make six groups of one
+    layer (one buffer), not two groups whose full-attention blocks would leave five
+    sliding layers' pages unused.
+    """
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    full = [(s, n) for s, n in by_spec.items() if isinstance(s, FullAttentionSpec)]
+    sliding = [(s, n) for s, n in by_spec.items() if isinstance(s, SlidingWindowSpec)]
+    state = [(s, n) for s, n in by_spec.items() if isinstance(s, MambaSpec)]
+    if len(state) > 1:
+        raise ValueError("recurrent layers with different state shapes are not supported")
+    attention = full + sliding
+    groups = []
+    if attention:
+        size = min(len(names) for _, names in attention)
+        for spec, names in attention:
+            # A group of a draft model's layers alone (its spec differs from every
+            # target layer's) is never the target's attention group.
+            draft = all(n.startswith(DRAFT_LAYER_PREFIX) for n in names)
+            groups += [KVCacheGroup(names[i:i + size], spec, is_draft=draft)
+                       for i in range(0, len(names), size)]
+    groups += [KVCacheGroup(names, spec) for spec, names in state]
+    return groups

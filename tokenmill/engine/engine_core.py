@@ -12,7 +12,8 @@ import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.kv_cache_manager import cdiv
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec
+from tokenmill.core.kv_cache_spec import (KVCacheConfig, MambaSpec, SlidingWindowSpec,
+                                         group_layer_specs)
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
@@ -39,22 +40,24 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
     """`state_slots_per_seq`: recurrent-state slots each sequence owns (1 + the drafts
     of a step under speculative decoding: one state after each verified token)."""
     specs = runner.get_kv_cache_spec(cache.block_size)
-    # Every attention layer has the same spec: one group, one block table. Recurrent
-    # layers form a second group whose state lives in one slot per live sequence.
-    attn = [n for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
-    state = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
-    odd = [n for n in attn if specs[n] != specs[attn[0]]]
-    if odd:  # a draft model's layers share the target's group: same page layout needed
-        raise ValueError(f"attention layer {odd[0]} has KV spec {specs[odd[0]]}, unlike "
-                         f"{attn[0]}'s {specs[attn[0]]}: one KV cache group needs one layout")
-    groups = [KVCacheGroup(attn, specs[attn[0]])]
-    if state:
-        groups.append(KVCacheGroup(state, specs[state[0]]))
+    # Layers with equal specs share a group and its block table (full attention,
+    # each sliding window, the recurrent state: kv_cache_spec.group_layer_specs).
+    groups = group_layer_specs(specs)
+    state = any(isinstance(g.spec, MambaSpec) for g in groups)
     config = KVCacheConfig(1, groups,
                            num_state_slots=max_num_seqs * state_slots_per_seq if state else 0)
     per_block = config.bytes_per_block()
+    # Blocks one sequence of max_model_len holds at once, over every group: all of its
+    # positions in a full-attention group; in a sliding group the window before the
+    # step's first token plus the step's tokens (the blocks before are given back).
+    full_len = cdiv(max_model_len, cache.block_size)
+    per_seq = sum(
+        min(full_len, cdiv(g.spec.sliding_window - 1 + runner.max_num_batched_tokens,
+                           cache.block_size) + 1)
+        if isinstance(g.spec, SlidingWindowSpec) else full_len
+        for g in groups if g.is_attention)
     # Enough for every sequence at full length, plus the null block: more is waste.
-    useful = max_num_seqs * cdiv(max_model_len, cache.block_size) + 1
+    useful = max_num_seqs * per_seq + 1
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
         if not isinstance(num_blocks, int) or num_blocks < 2:
@@ -70,11 +73,11 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
                       // getattr(runner, "ranks_per_host", 1))
         budget -= config.state_bytes()  # the recurrent state comes out of the same budget
         num_blocks = min(max(budget, 0) // per_block, useful)
-    if num_blocks - 1 < cdiv(max_model_len, cache.block_size):
+    if num_blocks - 1 < per_seq:
         raise ValueError(
             f"the KV cache holds {num_blocks - 1} blocks of {cache.block_size} tokens, fewer "
-            f"than one sequence of max_model_len={max_model_len} needs; raise num_kv_blocks / "
-            f"kv_cache_memory or lower max_model_len")
+            f"than one sequence of max_model_len={max_model_len} needs ({per_seq}); raise "
+            f"num_kv_blocks / kv_cache_memory or lower max_model_len")
     config.num_blocks = num_blocks
     return config
 

@@ -7,7 +7,10 @@
 #include "vec.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
+  m.def("paged_decode", &paged_decode,
+        "decode attention over a paged KV cache (window > 0: the last `window` positions)",
+        pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0);
   m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] weights in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
   m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");

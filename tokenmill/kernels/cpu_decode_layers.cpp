@@ -22,7 +22,8 @@ enum Slot {
 
 // x [T, hidden] bf16 (packed bf16 linears) or fp32 (packed fp32 linears): the residual
 // stream, updated in place and returned.
-// dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate);
+// dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate[, window]),
+// window > 0: every layer attends over a sliding window of that many positions;
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
 // K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
@@ -32,10 +33,10 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             torch::Tensor seq_lens) {
   TORCH_CHECK(weights.size() % NUM_SLOTS == 0, "decode_layers: ", NUM_SLOTS,
               " tensors per layer");
-  TORCH_CHECK(dims.size() == 6, "decode_layers: 6 dims");
+  TORCH_CHECK(dims.size() == 6 || dims.size() == 7, "decode_layers: 6 or 7 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be [T, hidden]");
   const int64_t hq = dims[0], hkv = dims[1], d = dims[2], rd = dims[3], hidden = dims[4],
-                inter = dims[5];
+                inter = dims[5], window = dims.size() == 7 ? dims[6] : 0;
   const int64_t t = x.size(0), q_size = hq * d, kv_size = hkv * d;
   const size_t num_layers = weights.size() / NUM_SLOTS;
   // fp32 models (packed fp32 linears): the Python layers' fp32 norms are PyTorch's
@@ -60,7 +61,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     // PagedAttention.forward, decode-only.
     kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset);
     torch::Tensor attn =
-        paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale).view({t, -1});
+        paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale, window)
+            .view({t, -1});
     torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
     // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
     h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);

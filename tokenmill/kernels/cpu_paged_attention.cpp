@@ -206,31 +206,34 @@ inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems)
 }
 
 // Row r, kv heads [h0, h1), g query heads per kv head, head_dim d (= NV * W when
-// NV > 0): qf / out hold those heads' (h1 - h0) * g query / output rows (qf scaled).
+// NV > 0), over the row's tokens [first, len) (first > 0: a sliding window; the
+// blocks before it are never read, they may have been given back): qf / out hold
+// those heads' (h1 - h0) * g query / output rows (qf scaled).
 // Blocks are walked once for all the heads: every head's K (then V) of a block is
 // used while its lines are hot, and the next block's are prefetched.
 template <int NV, typename T>
 void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1, int64_t g,
-            int64_t d, int64_t len, float* scores, float* out) {
-  const int64_t nh = h1 - h0, nb = (len + c.bs - 1) / c.bs;
+            int64_t d, int64_t first, int64_t len, float* scores, float* out) {
+  const int64_t nh = h1 - h0, nb = (len + c.bs - 1) / c.bs, span = len - first;
   for (int phase = 0; phase < 2; ++phase) {
     const bool value = phase == 1;
     if (value) {
-      for (int64_t i = 0; i < nh * g; ++i) softmax_row(scores + i * len, len);
+      for (int64_t i = 0; i < nh * g; ++i) softmax_row(scores + i * span, span);
       std::fill(out, out + nh * g * d, 0.f);
     }
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t start = b * c.bs, n = std::min(c.bs, len - start);
+    for (int64_t b = first / c.bs; b < nb; ++b) {
+      const int64_t lo = std::max(b * c.bs, first), n = std::min((b + 1) * c.bs, len) - lo;
+      const int64_t skip = lo - b * c.bs;
       if (b + 1 < nb)
-        prefetch_tokens(c.at(r, b + 1, h0, value), std::min(c.bs, len - start - c.bs), c.s_tok,
-                        (nh - 1) * c.s_head + d);
+        prefetch_tokens(c.at(r, b + 1, h0, value), std::min(c.bs, len - (b + 1) * c.bs),
+                        c.s_tok, (nh - 1) * c.s_head + d);
       for (int64_t i = 0; i < nh; ++i) {
-        const T* p = c.at(r, b, h0 + i, value);
-        float* s = scores + i * g * len + start;
+        const T* p = c.at(r, b, h0 + i, value) + skip * c.s_tok;
+        float* s = scores + i * g * span + (lo - first);
         if (value) {
-          values_of_group<NV>(s, len, p, c.s_tok, n, g, d, out + i * g * d);
+          values_of_group<NV>(s, span, p, c.s_tok, n, g, d, out + i * g * d);
         } else {
-          scores_of_group<NV>(qf + i * g * d, p, c.s_tok, n, g, d, s, len);
+          scores_of_group<NV>(qf + i * g * d, p, c.s_tok, n, g, d, s, span);
         }
       }
     }
@@ -239,10 +242,11 @@ void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h
 
 template <typename T>
 void attend_any_d(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1,
-                  int64_t g, int64_t d, int64_t len, float* scores, float* out) {
-  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, len, scores, out);
-  if (d == 128) return attend<128 / W>(qf, c, r, h0, h1, g, d, len, scores, out);
-  attend<0>(qf, c, r, h0, h1, g, d, len, scores, out);
+                  int64_t g, int64_t d, int64_t first, int64_t len, float* scores,
+                  float* out) {
+  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, first, len, scores, out);
+  if (d == 128) return attend<128 / W>(qf, c, r, h0, h1, g, d, first, len, scores, out);
+  attend<0>(qf, c, r, h0, h1, g, d, first, len, scores, out);
 }
 
 // dst[i] = src[i] * scale in fp32, and back (rounded as a c10 cast rounds).
@@ -262,7 +266,7 @@ inline void narrow(const float* src, T* dst, int64_t n) {
 
 template <typename T>
 void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
-            int64_t hq, int64_t hkv, int64_t d, float scale) {
+            int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window) {
   const int64_t g = hq / hkv;
   // Enough rows to keep every thread busy: one job per row, all its heads (each
   // block visited once); else one per (row, kv head). The results are the same.
@@ -273,10 +277,13 @@ void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int6
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / jobs_per_row, h0 = job % jobs_per_row * heads;
       const int64_t len = seq_lens[r];
+      // A sliding window sees the last `window` positions, its own included.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t q_off = (r * hq + h0 * g) * d;
-      scores.resize(heads * g * len);
+      scores.resize(heads * g * (len - first));
       widen_scaled(q + q_off, qf.data(), width, scale);
-      attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, len, scores.data(), acc.data());
+      attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, scores.data(),
+                   acc.data());
       narrow(acc.data(), out + q_off, width);
     }
   });
@@ -286,8 +293,9 @@ void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int6
 
 // q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (dim 0 may be padded);
 // block_table [nd, max_nb] int32; seq_lens [nd] int32 -> out [nd, Hq, D].
+// window > 0: row r attends its last `window` positions only (a sliding window).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                           torch::Tensor seq_lens, double scale) {
+                           torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [nd, Hq, D] tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
               "kv cache must be [num_blocks, 2, block_size, Hkv, D] with contiguous heads");
@@ -303,7 +311,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
                kv.stride(3)};
     decode<T>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
               reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3), q.size(2),
-              static_cast<float>(scale));
+              static_cast<float>(scale), window);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;

@@ -25,7 +25,7 @@ using namespace at;  // NOLINT: as torch/types.h
 #define TOKENMILL_CPU_LEVEL_NAME TOKENMILL_STR(TOKENMILL_CPU_LEVEL)
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                           torch::Tensor seq_lens, double scale);
+                           torch::Tensor seq_lens, double scale, int64_t window);
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
 // The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.config import sliding_window
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.decode_layers import DecodeLayers
 from tokenmill.models.layers.linear import Linear
@@ -39,12 +40,20 @@ class DecoderConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         self.rope_params = rope_parameters_from_config(cfg)
         self.rotary_dim = int(self.head_dim * self.rope_params.get("partial_rotary_factor", 1.0))
+        # Each layer's sliding window (None: full attention): every layer's (Mistral,
+        # Phi-3), or the "sliding_attention" ones of `layer_types` (Qwen2's upper layers).
+        window = sliding_window(cfg)
+        types = cfg.get("layer_types")
+        self.layer_windows = ([window if t == "sliding_attention" else None for t in types]
+                              if window is not None and types else [window] * self.num_layers)
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DecoderConfig, input_size: int | None = None):
+    def __init__(self, c: DecoderConfig, input_size: int | None = None,
+                 sliding_window: int | None = None):
         """`input_size`: the width of x (default hidden_size; an EAGLE-3 drafter's
-        attention reads [embedding | hidden], twice that)."""
+        attention reads [embedding | hidden], twice that); `sliding_window`: this
+        layer's window (None: full attention)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
@@ -54,7 +63,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
+                                   sliding_window=sliding_window)
         self._no_norm = torch.empty(0)
 
     def write_kv(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata) -> None:
@@ -102,10 +112,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DecoderConfig, mlp: nn.Module):
+    def __init__(self, c: DecoderConfig, mlp: nn.Module, sliding_window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp
 
@@ -132,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         c = self.config = self.config_class(hf_config, qkv_bias=self.qkv_bias,
                                             qk_norm=self.qk_norm)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, self.make_mlp(c, i))
+        self.layers = nn.ModuleList(DecoderLayer(c, self.make_mlp(c, i), c.layer_windows[i])
                                     for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
@@ -198,13 +208,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's decoder; its sliding window caps max_model_len (tokenmill/config.py)."""
+    """Llama's decoder with a sliding window on every layer where configured."""
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Llama's decoder as Phi-3 / Phi-4-mini checkpoints store it: q/k/v already fused in
     qkv_proj and gate/up in gate_up_proj (loaded as they are: the same layout as ours),
-    partial rotary where configured; the sliding window caps max_model_len."""
+    partial rotary and a sliding window where configured."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
+from tokenmill.models.gemma4 import Gemma4ForCausalLM
 from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
 from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -11,6 +13,8 @@ from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForCondition
                                          Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -145,7 +145,7 @@ class EagleProposer:
         rows_t = target[torch.from_numpy(step_rows).to(dev)]
         hidden = rows_t if e_hidden is None else torch.cat([e_hidden, rows_t])
         combined = self.model.combine_target_hidden(hidden)
-        table = runner.input_batch.block_tables[runner.attn_group_id]
+        table = runner.input_batch.block_tables[runner.draft_group_id]
         bs = table.block_size
         meta = AttentionMetadata(
             num_decodes=0,
@@ -162,7 +162,7 @@ class EagleProposer:
 
     def _decode_meta(self, runner, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """One decode query per row at `positions` (a draft step's own K/V slot)."""
-        table = runner.input_batch.block_tables[runner.attn_group_id]
+        table = runner.input_batch.block_tables[runner.draft_group_id]
         bs = table.block_size
         dev = self.device
         block_ids = table.block_table[rows, positions // bs].astype(np.int64)

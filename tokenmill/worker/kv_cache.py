@@ -1,8 +1,11 @@
 """KV cache memory: allocated from the specs, viewed per layer.
 
-Every layer gets `num_blocks * spec.page_size_bytes` raw bytes. Its view is
-[num_blocks, 2, block_size, num_kv_heads, head_size] over the first
-`real_page_size_bytes` of each page, so a padded page keeps its padding.
+One raw buffer of `num_blocks` pages per layer position: layer j of every
+attention group views buffer j (a block id belongs to one group, so no two
+layers ever use the same page; KVCacheConfig.buffer_page_sizes). A layer's view
+is [num_blocks, 2, block_size, num_kv_heads, head_size] over the first
+`real_page_size_bytes` of each page, so a padded page keeps its padding and
+groups of different head sizes share buffers of the largest page.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import os
 
 import torch
 
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig
+from tokenmill.core.kv_cache_spec import AttentionSpec, KVCacheConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,18 +23,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    buffers = [torch.zeros(config.num_blocks, page, dtype=torch.uint8, device=device)
+               for page in config.buffer_page_sizes()]
     caches = {}
     for group in config.groups:
         if not group.is_attention:
             continue
-        spec = group.spec
-        for name in group.layer_names:
-            caches[name] = _allocate_layer(spec, config.num_blocks, device)
+        for j, name in enumerate(group.layer_names):
+            caches[name] = _view_layer(group.spec, buffers[j], config.num_blocks)
     return caches
 
 
-def _allocate_layer(spec: FullAttentionSpec, num_blocks: int, device) -> torch.Tensor:
+def _allocate_layer(spec: AttentionSpec, num_blocks: int, device) -> torch.Tensor:
+    """One layer's cache over a buffer of its own (a drafter's cache in the tests)."""
     raw = torch.zeros(num_blocks, spec.page_size_bytes, dtype=torch.uint8, device=device)
+    return _view_layer(spec, raw, num_blocks)
+
+
+def _view_layer(spec: AttentionSpec, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
     dtype = TORCH_DTYPES[spec.dtype]
     pages = raw[:, :spec.real_page_size_bytes].view(dtype)
     return pages.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tokenmill import faults
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
+from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
+                                          MambaSpec, SlidingWindowSpec)
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
@@ -120,6 +121,8 @@ class ModelRunner:
         self.state_caches: dict[str, tuple[torch.Tensor, ...]] = {}
         self.state_slots: StateSlots | None = None
         self.attn_group_id = 0
+        self.attn_group_ids: list[int] = [0]
+        self.draft_group_id = 0
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         # Hybrid models under speculation: per verifying request, the slot holding its
@@ -188,10 +191,16 @@ class ModelRunner:
         return {f"layers.{i}.state": layer for i, layer in enumerate(layers)}
 
     def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
-        specs: dict[str, KVCacheSpec] = {
-            name: FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
-                                    dtype_name(self.dtype))
-            for name, layer in self.attention_layers().items()}
+        specs: dict[str, KVCacheSpec] = {}
+        for name, layer in self.attention_layers().items():
+            window = getattr(layer, "sliding_window", None)
+            if window is not None and window < self.max_model_len:
+                specs[name] = SlidingWindowSpec(block_size, layer.num_kv_heads,
+                                                layer.head_size, dtype_name(self.dtype),
+                                                window)
+            else:  # (a window no sequence outgrows is full attention)
+                specs[name] = FullAttentionSpec(block_size, layer.num_kv_heads,
+                                                layer.head_size, dtype_name(self.dtype))
         for name, layer in self.state_layers().items():
             shapes = layer.state_shapes()
             specs[name] = MambaSpec(tuple(tuple(s) for s in shapes),
@@ -215,6 +224,19 @@ class ModelRunner:
         for name, cache in self.kv_caches.items():
             if name in layers:  # a draft model's layers are bound by its own runner
                 layers[name].kv_cache = cache
+        # Several attention groups: each layer reads its group's metadata.
+        self.attn_group_ids = config.attention_group_ids
+        # An EAGLE-style drafter's layers: in the target's group, or their own (beside
+        # a sliding-window target) whose block table its K/V steps use.
+        self.draft_group_id = next(
+            (gid for gid in self.attn_group_ids
+             if any(n.startswith("draft.") for n in config.groups[gid].layer_names)),
+            self.attn_group_id)
+        multi = len(self.attn_group_ids) > 1
+        for gid in self.attn_group_ids:
+            for name in config.groups[gid].layer_names:
+                if name in layers:
+                    layers[name].kv_group = gid if multi else None
         self.state_caches = allocate_state_caches(config, self.device)
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
@@ -314,11 +336,6 @@ class ModelRunner:
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
         positions = computed[req_indices] + offsets
         input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
-        table = batch.block_tables[self.attn_group_id]
-        bs = table.block_size
-        block_ids = table.block_table.reshape(-1)[
-            req_indices * table.max_num_blocks_per_req + positions // bs]
-        slot_offset = positions % bs
         seq_lens = computed + num_sched
         discard = seq_lens < batch.num_tokens_no_spec[:n]
         cu_num_logits = None
@@ -339,39 +356,67 @@ class ModelRunner:
         single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
         not_single = np.nonzero(~single)[0]
         nd = int(not_single[0]) if not_single.size else n
-        nd_tokens = int(query_start_loc[nd])
-        dev = self.device
-        meta = AttentionMetadata(
-            num_decodes=nd_tokens,
-            slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
-            slot_offset=torch.from_numpy(slot_offset).to(dev),
-            native_ops=self.native_ops)
-        if nd:
-            nb = -(-int(seq_lens[:nd].max()) // bs)
-            if nd_tokens == nd:
-                meta.decode_block_table = torch.from_numpy(
-                    table.block_table[:nd, :nb].copy()).to(dev)
-                meta.decode_seq_lens = torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev)
-            else:
-                meta.decode_block_table = torch.from_numpy(
-                    np.repeat(table.block_table[:nd, :nb], num_sched[:nd], axis=0)).to(dev)
-                meta.decode_seq_lens = torch.from_numpy(
-                    (positions[:nd_tokens] + 1).astype(np.int32)).to(dev)
-        for r in range(nd, n):
-            nb = -(-int(seq_lens[r]) // bs)
-            meta.prefills.append(PrefillChunk(
-                int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
-                torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        groups = {gid: self._group_metadata(gid, req_indices, positions, seq_lens, computed,
+                                            num_sched, query_start_loc, nd)
+                  for gid in self.attn_group_ids}
+        meta = groups[self.attn_group_id]
+        if len(groups) > 1:
+            meta.by_group = groups
+        table = batch.block_tables[self.attn_group_id]
+        bs = table.block_size
+        slot_mapping = (table.block_table.reshape(-1)[
+            req_indices * table.max_num_blocks_per_req + positions // bs].astype(np.int64) * bs
+            + positions % bs)
         if self.state_slots is not None:
             meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts)
         self.last_step = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
-            seq_lens=seq_lens, slot_mapping=block_ids.astype(np.int64) * bs + slot_offset,
+            seq_lens=seq_lens, slot_mapping=slot_mapping,
             logits_indices=logits_indices, discard_mask=discard,
             block_table=table.block_table[:n].copy(), cu_num_logits=cu_num_logits,
             num_drafts=num_drafts)
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
+
+    def _group_metadata(self, gid: int, req_indices: np.ndarray, positions: np.ndarray,
+                        seq_lens: np.ndarray, computed: np.ndarray, num_sched: np.ndarray,
+                        query_start_loc: np.ndarray, nd: int) -> AttentionMetadata:
+        """One KV cache group's attention metadata: where the step's K/V go (slot
+        mapping through the group's block table) and the decode / prefill tables."""
+        batch = self.input_batch
+        table = batch.block_tables[gid]
+        bs = table.block_size
+        window = self.kv_cache_config.groups[gid].sliding_window
+        block_ids = table.block_table.reshape(-1)[
+            req_indices * table.max_num_blocks_per_req + positions // bs]
+        nd_tokens = int(query_start_loc[nd])
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=nd_tokens,
+            slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
+            slot_offset=torch.from_numpy(positions % bs).to(dev),
+            native_ops=self.native_ops)
+        if nd:
+            nb = -(-int(seq_lens[:nd].max()) // bs)
+            rows = table.block_table[:nd, :nb].copy()  # (a later step edits the table)
+            if nd_tokens == nd:
+                lens = seq_lens[:nd]
+            else:
+                rows = np.repeat(rows, num_sched[:nd], axis=0)
+                lens = positions[:nd_tokens] + 1
+            if window is not None:
+                # Blocks before a row's window may be back in the pool (a stale id in
+                # this table): the null block stands in, so nothing unowned is read.
+                first = np.maximum(lens - window, 0) // bs  # (query at lens - 1)
+                rows = np.where(np.arange(nb)[None, :] < first[:, None], 0, rows)
+            meta.decode_block_table = torch.from_numpy(rows).to(dev)
+            meta.decode_seq_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
+        for r in range(nd, batch.num_reqs()):
+            nb = -(-int(seq_lens[r]) // bs)
+            meta.prefills.append(PrefillChunk(
+                int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
+                torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        return meta
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
                         computed: np.ndarray, num_drafts: np.ndarray | None = None

@@ -5,6 +5,13 @@ view (K at index 0, V at 1) over bytes the runner allocated from the layer's
 spec. New K/V are written through the slot mapping; reads go through the block
 table. Rows come decode-first (the runner reorders the batch), so the decodes
 form one batched call and each prompt chunk gets its own causal call.
+
+A sliding-window layer (`sliding_window` = w) lets a query at position p see
+keys in (p - w, p], as HF's mask does; its blocks before that window may have
+been given back to the pool (the null block or a stale id in the table), so
+neither path reads them: the native decode kernel starts at the window, the
+PyTorch decode path masks them, a prompt chunk gathers from the first block
+its window reaches.
 """
 from __future__ import annotations
 
@@ -58,28 +65,47 @@ class AttentionMetadata:
     # Native kernels (tokenmill.kernels.cpu_ops()) or None for the PyTorch path.
     native_ops: object = None
     state: StateMetadata | None = None
+    # Models with several KV cache groups: each group's own metadata (block tables and
+    # slot mapping), by group id; a layer bound to group g reads by_group[g].
+    by_group: dict[int, "AttentionMetadata"] | None = None
     _decode_mask: torch.Tensor | None = None
 
-    def decode_mask(self, block_size: int) -> torch.Tensor:
-        """[nd, 1, 1, L] additive mask hiding each decode row's padded tail (built once a step)."""
+    def for_group(self, group_id: int | None) -> "AttentionMetadata":
+        if self.by_group is None or group_id is None:
+            return self
+        return self.by_group[group_id]
+
+    def decode_mask(self, block_size: int, window: int | None = None) -> torch.Tensor:
+        """[nd, 1, 1, L] additive mask hiding each decode row's padded tail and, with a
+        sliding `window`, the positions before it (built once a step: one window per
+        group)."""
         if self._decode_mask is None:
             width = self.decode_block_table.shape[1] * block_size
             pos = torch.arange(width, device=self.decode_seq_lens.device)
             visible = pos[None, :] < self.decode_seq_lens[:, None]
+            if window is not None:
+                visible &= pos[None, :] >= self.decode_seq_lens[:, None] - window
             mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
             self._decode_mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
         return self._decode_mask
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
+        """`sliding_window`: keys in (p - w, p] only (None: full attention);
+        `logit_softcap`: scores become cap * tanh(scores / cap) (Gemma 2), PyTorch path."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        self.kv_group: int | None = None  # its KV cache group (bound by the runner)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k/v [T, Hkv, D] into the paged cache at the step's slots."""
+        meta = meta.for_group(self.kv_group)
         cache = self.kv_cache
         ops = meta.native_ops
         if ops is not None and k.dtype == cache.dtype:
@@ -92,6 +118,7 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         cache = self.kv_cache
+        meta = meta.for_group(self.kv_group)
         self.write_kv(k, v, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: one call, no output copy
@@ -105,9 +132,10 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
-        if meta.native_ops is not None:
+        if meta.native_ops is not None and self.logit_softcap is None:
             return meta.native_ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
-                                                meta.decode_seq_lens, self.scale)
+                                                meta.decode_seq_lens, self.scale,
+                                                self.sliding_window or 0)
         # PyTorch path: gather the rows' blocks, then one batched grouped-query matmul.
         nd, hkv, d = q.shape[0], self.num_kv_heads, self.head_size
         blocks = cache[meta.decode_block_table.long()]  # [nd, nb, 2, bs, Hkv, D]
@@ -115,26 +143,53 @@ class PagedAttention(nn.Module):
         keys = kv[:, 0].permute(0, 2, 3, 1)  # [nd, Hkv, D, L]
         values = kv[:, 1].transpose(1, 2)  # [nd, Hkv, L, D]
         qg = q.view(nd, hkv, -1, d)  # [nd, Hkv, G, D]
-        scores = torch.matmul(qg, keys).float() * self.scale + meta.decode_mask(cache.shape[2])
+        scores = self._softcap(torch.matmul(qg, keys).float() * self.scale)
+        scores = scores + meta.decode_mask(cache.shape[2], self.sliding_window)
         probs = scores.softmax(dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(nd, self.num_heads, d)
+
+    def _softcap(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.logit_softcap is None:
+            return scores
+        return torch.tanh(scores / self.logit_softcap) * self.logit_softcap
 
     def _prefill(self, q, k, v, cache, p: PrefillChunk):
         n = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if p.context_len == 0:
+        window = self.sliding_window
+        gqa = self.num_heads != self.num_kv_heads
+        if p.context_len == 0 and window is None and self.logit_softcap is None:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
+                                               enable_gqa=gqa)
+            return o.squeeze(0).transpose(0, 1)
+        seq_len = p.context_len + n
+        # Keys from the first block the chunk's first query can see (a sliding window's
+        # earlier blocks may be given back already).
+        first = 0 if window is None else max(0, p.context_len - window + 1) // cache.shape[2]
+        start = first * cache.shape[2]
+        if p.context_len == 0:
+            kh, vh = k, v
         else:
-            seq_len = p.context_len + n
-            blocks = cache[p.block_table]  # [nb, 2, bs, Hkv, D]
+            blocks = cache[p.block_table[first:]]  # [nb, 2, bs, Hkv, D]
             kv = blocks.transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_size)
-            kh = kv[0, :seq_len].transpose(0, 1).unsqueeze(0)
-            vh = kv[1, :seq_len].transpose(0, 1).unsqueeze(0)
-            # Query i sits at position context_len + i and sees keys 0..context_len + i.
-            mask = (torch.arange(seq_len, device=q.device)[None, :]
-                    <= torch.arange(p.context_len, seq_len, device=q.device)[:, None])
+            kh, vh = kv[0, :seq_len - start], kv[1, :seq_len - start]
+        kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
+        # Query i sits at position context_len + i and sees keys start..context_len + i
+        # (and, with a window w, only those after context_len + i - w).
+        kpos = torch.arange(start, seq_len, device=q.device)[None, :]
+        qpos = torch.arange(p.context_len, seq_len, device=q.device)[:, None]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        if self.logit_softcap is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
+                                               enable_gqa=gqa)
+        else:  # soft-capped scores: the attention written out
+            if gqa:
+                rep = self.num_heads // self.num_kv_heads
+                kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+            scores = self._softcap(torch.matmul(qh, kh.transpose(-1, -2)).float() * self.scale)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1).to(vh.dtype), vh)
         return o.squeeze(0).transpose(0, 1)

@@ -34,12 +34,18 @@ class DecodeLayers:
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
                      c.hidden_size, c.intermediate_size]
+        # One sliding window for every layer (Mistral) is the kernel's 7th dim.
+        windows = {layer.self_attn.attn.sliding_window for layer in model.layers}
+        window = next(iter(windows))
+        if window is not None:
+            self.dims.append(window)
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
         # The activations' dtype the loop serves: bf16 (packed bf16 linears) or fp32.
         self.dtype = torch.float32 if model.layers[0].self_attn.qkv_proj._linear_f32 \
             is not None else torch.bfloat16
-        self.supported = all(self._layer_supported(layer, self.dtype) for layer in model.layers)
+        self.supported = len(windows) == 1 and all(
+            self._layer_supported(layer, self.dtype) for layer in model.layers)
 
     @staticmethod
     def _layer_supported(layer, dtype: torch.dtype) -> bool:
@@ -60,7 +66,8 @@ class DecodeLayers:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU where every layer would take its native path."""
         return (meta.native_ops is not None and not meta.prefills
-                and meta.state is None and meta.num_decodes == x.shape[0]
+                and meta.state is None and meta.by_group is None
+                and meta.num_decodes == x.shape[0]
                 and x.dtype == self.dtype and x.shape[0] <= self.max_rows
                 and self._caches_ok(x.dtype))
 

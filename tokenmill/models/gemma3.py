@@ -1,0 +1,194 @@
+"""Gemma 3 text model (Gemma3ForCausalLM, transformers' Gemma3TextConfig).
+
+What sets it apart from the Llama family:
+* local and global layers interleaved (`layer_types`, or every `sliding_window_pattern`-th
+  layer global): local layers attend over a sliding window and rotate with their own
+  rope base (`rope_local_base_freq`, or rope_parameters["sliding_attention"]); each kind
+  is its own KV cache group (tokenmill/core/kv_cache_spec.py: group_layer_specs);
+* Gemma's RMSNorm, x / rms(x) * (1 + weight) in fp32, on q and k per head too, and
+  four norms per layer: after attention and around the MLP;
+* the embedding scaled by sqrt(hidden_size) (in the weights' dtype), the lm_head tied
+  to it; queries scaled by query_pre_attn_scalar ** -0.5;
+* a gelu-tanh gated MLP; attention scores and final logits soft-capped where configured.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in fp32, rounded once (HF's Gemma3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Config:
+    """The fields the decoder needs, read from an HF config dict."""
+
+    def __init__(self, cfg: dict):
+        self.vocab_size = cfg["vocab_size"]
+        self.hidden_size = cfg["hidden_size"]
+        self.intermediate_size = cfg["intermediate_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or 256
+        self.rms_norm_eps = cfg.get("rms_norm_eps", 1e-6)
+        self.max_position_embeddings = cfg.get("max_position_embeddings", 131072)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        self.attention_bias = bool(cfg.get("attention_bias", False))
+        self.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar", 256)
+        self.final_logit_softcapping = cfg.get("final_logit_softcapping")
+        self.attn_logit_softcapping = cfg.get("attn_logit_softcapping")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+        self.sliding_window = cfg.get("sliding_window")
+        types = cfg.get("layer_types")
+        if not types:
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(self.num_layers)]
+        if len(types) != self.num_layers or set(types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types must name {self.num_layers} layers as "
+                             f"{SLIDING!r} or {FULL!r}, got {types!r}")
+        if self.sliding_window is None and SLIDING in types:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        self.layer_types = list(types)
+        self.rope = {kind: self._rope_params(cfg, kind) for kind in (SLIDING, FULL)}
+
+    @staticmethod
+    def _rope_params(cfg: dict, kind: str) -> dict:
+        """transformers 5 writes rope_parameters per layer kind; older configs carry
+        rope_theta (global), rope_local_base_freq (local) and rope_scaling (global)."""
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and kind in params:
+            return rope_parameters_from_config({"rope_parameters": params[kind]})
+        if kind == SLIDING:
+            return rope_parameters_from_config({"rope_theta": cfg.get("rope_local_base_freq",
+                                                                      10000.0)})
+        return rope_parameters_from_config({"rope_theta": cfg.get("rope_theta", 1e6),
+                                            "rope_scaling": cfg.get("rope_scaling")})
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, c: Gemma3Config, kind: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.kind = kind
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=c.attention_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                   c.query_pre_attn_scalar ** -0.5,
+                                   sliding_window=c.sliding_window if kind == SLIDING else None,
+                                   logit_softcap=c.attn_logit_softcapping)
+
+    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GeluTanhMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, c: Gemma3Config, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Gemma3Attention(c, kind)
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GeluTanhMLP(c.hidden_size, c.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, rotary, meta):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config: dict):
+        super().__init__()
+        c = self.config = Gemma3Config(hf_config)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_scale = c.hidden_size ** 0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, kind) for kind in c.layer_types)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        # One rope table per layer kind (local layers have their own base).
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(c.head_dim, c.head_dim,
+                                                           c.max_position_embeddings,
+                                                           c.rope[kind])
+                                     for kind in (SLIDING, FULL)})
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # The runner's greedy head may stand in for lm_head only without soft-capping
+        # (tanh is monotonic, but the capped logits are what logprobs report).
+        self.plain_lm_head = c.final_logit_softcapping is None
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # HF multiplies by the scale cast to the weights' dtype.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
+        for layer in self.layers:
+            cos, sin = cos_sin[layer.kind]
+            x = layer(x, cos, sin, self.rotary[layer.kind], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
