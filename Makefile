@@ -30,8 +30,13 @@ run: install
 
 # The external-KV tests run a real redis-server (Debian's package), installed here
 # when missing; the tests start their own on a free port and stop it.
+# The server suite runs twice: once more with every server's engine core inside the
+# server's process (TOKENMILL_ENGINE_PROCESS=0; the default is a process of its own:
+# the live servers and the in-process app read it).
+SERVER_TESTS := $(wildcard tests/test_server*.py) tests/test_web_ui_server.py
 test: install redis-server cross-tools web-browser
 	$(PY) -m pytest -q tests
+	TOKENMILL_ENGINE_PROCESS=0 $(PY) -m pytest -q $(SERVER_TESTS)
 
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \

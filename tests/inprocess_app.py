@@ -3,7 +3,6 @@ a server app built on it (no socket): for route tests that need no live server."
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx
 import pytest
@@ -23,9 +22,10 @@ def async_llm(demo_path):
 
 
 def engine_process_mode() -> bool:
-    """TOKENMILL_ENGINE_PROCESS=1 runs the server tests' engines in a process of their own
-    (the server reads the same variable): `make test` runs the server suite both ways."""
-    return os.environ.get("TOKENMILL_ENGINE_PROCESS") == "1"
+    """As the server decides it: TOKENMILL_ENGINE_PROCESS (0 / 1), else the server's
+    default. `make test` runs the server suite both ways."""
+    from tokenmill.entrypoints.openai.server import resolve_engine_process
+    return resolve_engine_process(None)
 
 
 def call(app, *requests):

@@ -13,11 +13,25 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        """`model`: a local HF folder or hub id; None serves the built-in demo model."""
+        """`model`: a local HF folder or hub id; None serves the built-in demo model.
+
+        With engine_process=True, data_parallel_size > 1 or tensor_parallel_size > 1 the
+        engine starts processes with multiprocessing's spawn method, which imports the
+        calling script again: a script needs the `if __name__ == "__main__":` guard."""
         if model is None:
             from tokenmill.demo_model import ensure_demo_model
             model = ensure_demo_model()
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its processes, if it has any) now rather than at exit."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -324,7 +324,6 @@ class AsyncLLM:
                 self._step_started = None
                 if self._dead is not None:  # the watchdog gave up on this step
                     break
-                self.stats.steps_total += 1
                 new_tokens = engine.step_num_new_tokens
                 self.stats.generation_tokens_total += sum(new_tokens.values())
                 # Timings follow the tokens, whatever output kind a request streams.
@@ -425,6 +424,7 @@ class AsyncLLM:
         s.num_running = core.num_running
         s.num_waiting = core.num_waiting
         s.num_preemptions_total = core.num_preemptions
+        s.steps_total = core.num_steps
         s.kv_cache_usage = core.kv_cache_usage
         s.num_used_blocks = core.num_used_blocks
         s.prefix_cache_queries_total = core.prefix_cache_queries

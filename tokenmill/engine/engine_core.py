@@ -98,6 +98,7 @@ class EngineCore:
         # One worker thread runs the steps in order when scheduling is async.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        self.num_steps = 0
         draft_model = None
         if tensor_parallel_size == 1:  # (with more ranks, each loads its own shard)
             if model is None:
@@ -182,6 +183,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One step; the outputs include requests that failed (finish_reason "error")."""
+        self.num_steps += 1
         if self.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
@@ -327,7 +329,8 @@ class EngineCore:
         kv = sched.kv_cache_manager
         return CoreStats(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_preemptions=sched.num_preemptions, kv_cache_usage=kv.usage,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            kv_cache_usage=kv.usage,
             num_used_blocks=kv.num_used_blocks, num_kv_blocks=kv.pool.num_usable_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
