@@ -117,6 +117,9 @@ def test_a_dead_core_ends_the_engine_without_a_hang(demo_path):
         os.kill(engine.engine_core.replicas[0].info.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError):
+            time.sleep(0.5)  # gone: a send to it must not block for good
+            for i in range(3):
+                engine.add_request(f"after{i}", PROMPTS[1], SamplingParams(max_tokens=4))
             while engine.has_unfinished_requests():
                 engine.step()
         assert time.monotonic() - start < 10

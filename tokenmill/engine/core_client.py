@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # the longest one step() waits for outputs (liveness is checked between)
 # An idle caller looks at the cores this often (stats, a replica that died).
 IDLE_REFRESH_S = 0.5
+HEALTH_CHECK_S = 0.5  # how often the cores' processes are looked at while messages flow
+SEND_CHECK_MS = 1000  # a send that waits this long checks that its core is alive
 STARTUP_TIMEOUT_S = 900.0  # loading a large checkpoint on a slow disk
 SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -84,7 +86,7 @@ class MPEngineCoreClient:
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._replica_of: dict[str, _Replica] = {}
-        self._last_message = time.monotonic()
+        self._last_message = self._last_health_check = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -102,6 +104,7 @@ class MPEngineCoreClient:
             for i in range(self.num_replicas):
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, SEND_CHECK_MS)
                 addr = self._bind(sock, f"in{i}")
                 handle = self._launcher.start(i, args, addr, self._out_addr)
                 self.replicas.append(_Replica(i, sock, handle))
@@ -207,8 +210,19 @@ class MPEngineCoreClient:
         return out
 
     def _send(self, replica: _Replica, kind: bytes, payload) -> None:
-        if replica.alive:
-            replica.socket.send_multipart([kind, serial.encode(payload)], copy=False)
+        """Send, waiting while the core is alive but behind (backpressure); a PUSH whose
+        core died would block for good, so each wait is short and checks the process."""
+        import zmq
+        frames = [kind, serial.encode(payload)]
+        while replica.alive:
+            try:
+                replica.socket.send_multipart(frames, copy=False)
+                return
+            except zmq.Again:
+                if not replica.handle.is_alive():
+                    with self._lock:
+                        replica.death = replica.death or f"exit code {replica.handle.exitcode()}"
+                        self._replica_died(replica)
 
     # ---- outputs ------------------------------------------------------------------
     def wakeup(self) -> None:
@@ -221,10 +235,10 @@ class MPEngineCoreClient:
     def step(self) -> list[EngineCoreOutput]:
         """The outputs the cores sent since the last call, waiting up to POLL_S for
         the first; [] when woken up or when nothing came."""
-        if not self._outputs:
-            with self._lock:
+        with self._lock:
+            if not self._outputs:
                 self._read(POLL_S)
-        outputs, self._outputs = self._outputs, []
+            outputs, self._outputs = self._outputs, []
         return outputs
 
     def _read(self, timeout_s: float) -> None:
@@ -247,9 +261,12 @@ class MPEngineCoreClient:
                     break
                 got = True
                 self._on_message(self.replicas[int(tag)], kind, self._decoders[kind](payload))
+        now = time.monotonic()
         if got:
-            self._last_message = time.monotonic()
-        else:
+            self._last_message = now
+        # Also while messages flow: one busy replica must not hide a dead one.
+        if not got or now - self._last_health_check > HEALTH_CHECK_S:
+            self._last_health_check = now
             self._check_health()
 
     def _on_message(self, replica: _Replica, kind: bytes, msg) -> None:
