@@ -49,10 +49,35 @@ def test_bench_serve_end_to_end(tmp_path, monkeypatch, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
+def test_bench_serve_compares_engine_process(tmp_path, monkeypatch, capsys):
+    model = ensure_demo_model(str(tmp_path / DEMO_MODEL_NAME))
+    cmds: list[list[str]] = []
+
+    class RecordingPopen(subprocess.Popen):
+        def __init__(self, cmd, *a, **kw):
+            super().__init__(cmd, *a, **kw)
+            cmds.append(cmd)
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", RecordingPopen)
+    out = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--model", model, "--num-prompts", "4", "--input-len", "8:16",
+               "--output-len", "4:8", "--concurrency", "2", "--dtype", "float32",
+               "--num-kv-blocks", "64", "--compare-engine-process", "--output-json", str(out)])
+    assert rc == 0
+    # One server each way, in that order.
+    assert [c[-1] for c in cmds] == ["--no-engine-process", "--engine-process"]
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["in_process"]["completed"] == 4
+    assert result["engine_process_ratio"]["output_tok_s"] > 0
+    assert "own process / in process" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--url", "localhost:8000"], "--url must start with"),
     (["--url", "http://127.0.0.1:1", "--dtype", "float32"], "--dtype: only for the server"),
     (["--api-key", "k"], "--api-key only applies with --url"),
+    (["--url", "http://127.0.0.1:1", "--compare-engine-process"],
+     "--compare-engine-process: only for the server"),
 ])
 def test_bench_serve_bad_args(argv, message, capsys):
     assert main(["bench", "serve", *argv]) == 2

@@ -104,3 +104,17 @@ def test_bench_throughput_bad_cb_prompts(llama_tiny, capsys):
     assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS,
                  "--hf-cb-num-prompts", "5"]) == 2
     assert "--hf-cb-num-prompts (5) exceeds --num-prompts (4)" in capsys.readouterr().err
+
+
+def test_bench_throughput_data_parallel(llama_tiny, tmp_path, capsys):
+    """DP=2, then one replica on one replica's CPU share and on every CPU, with ratios."""
+    out = tmp_path / "dp.json"
+    assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
+                 "--skip-hf-cb", "--skip-roofline", "--data-parallel-size", "2",
+                 "--output-json", str(out)]) == 0
+    dp = json.loads(out.read_text())["data_parallel"]
+    assert dp["data_parallel_size"] == 2 and dp["tok_s"] > 0
+    for key in ("one_share", "all_cpus"):
+        assert dp[key]["tok_s"] > 0
+        assert dp[key]["ratio"] == pytest.approx(dp["tok_s"] / dp[key]["tok_s"])
+    assert "data parallel: 2 replicas" in capsys.readouterr().out

@@ -321,27 +321,26 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     # Untimed: two requests of the same shape (shortest outputs), from another seed.
     warmup = make_workload(2, args.input_len, (args.output_len[0],) * 2, vocab, args.seed + 1)
 
+    # --compare-engine-process: first the same workload on a server whose engine core
+    # shares its process; the last run is the one reported in full.
+    modes = ([False, True] if getattr(args, "compare_engine_process", False)
+             else [getattr(args, "engine_process", None)])
     in_process = None
-    if getattr(args, "compare_engine_process", False):
-        # The same workload on a server whose engine core shares its process first.
-        args.engine_process = False
+    for mode in modes:
+        args.engine_process = mode
         try:
             results, seconds = _bench_once(args, model_path, model_name, max_model_len,
                                            workload, warmup)
         except RuntimeError as e:
             logger.error("%s", e)
             return 1
-        in_process = summarize(results, seconds)
-        print("engine core in the server's process:")
-        print(format_table(in_process))
-        args.engine_process = True
-        print("engine core in its own process:")
-    try:
-        results, seconds = _bench_once(args, model_path, model_name, max_model_len,
-                                       workload, warmup)
-    except RuntimeError as e:
-        logger.error("%s", e)
-        return 1
+        if len(modes) > 1:
+            if mode is False:
+                in_process = summarize(results, seconds)
+                print("engine core in the server's process:")
+                print(format_table(in_process))
+            else:
+                print("engine core in its own process:")
 
     summary = summarize(results, seconds)
     for i, r in enumerate(results):
