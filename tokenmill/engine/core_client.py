@@ -76,6 +76,8 @@ class MPEngineCoreClient:
         self.platform = setup.platform
         self.num_replicas = args.data_parallel_size
         self.backend = args.distributed_executor_backend
+        from tokenmill.engine.launchers import make_launcher
+        self._launcher = make_launcher(self.backend, self.num_replicas)  # (Ray: connects)
         self._ctx = zmq.Context()
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-zmq-")
         self._out = self._ctx.socket(zmq.PULL)
@@ -95,8 +97,6 @@ class MPEngineCoreClient:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._closed = False
         self._decoders = {kind: serial.decoder(t) for kind, t in OUTPUT_TYPES.items()}
-        from tokenmill.engine.launchers import make_launcher
-        self._launcher = make_launcher(self.backend, self.num_replicas)
         self.replicas: list[_Replica] = []
         # The processes go with this object, or at exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _cleanup, self._launcher, self._ipc_dir)
@@ -120,15 +120,14 @@ class MPEngineCoreClient:
                     ", ".join(f"pid {r.info.pid}" for r in self.replicas))
 
     def _bind(self, sock, name: str) -> str:
-        if self._launcher_needs_tcp():
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            return f"tcp://127.0.0.1:{port}"
+        if self.backend == "ray":  # an actor may run on another node: TCP on this node's IP
+            import ray
+            host = ray.util.get_node_ip_address()
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
         addr = f"ipc://{self._ipc_dir}/{name}"
         sock.bind(addr)
         return addr
-
-    def _launcher_needs_tcp(self) -> bool:
-        return self.backend == "ray"  # an actor may not share this machine's files
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
