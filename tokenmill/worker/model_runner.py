@@ -156,6 +156,14 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # Native attention (and q/k norm + rope) kernels for every step, or None.
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
+        # CUDA: the Triton attention kernels (imported only here: triton is optional).
+        self.triton_ops = None
+        if self.platform.attention == "triton":
+            from tokenmill.ops import triton_attention
+            self.triton_ops = triton_attention
+        # CUDA graphs of pure-decode steps (worker/cuda_graph.py), captured at
+        # initialize_kv_cache where the platform says so; None: every step eager.
+        self.cuda_graphs = None
         # The worker half of the KV connector (initialize_kv_cache), or None.
         self.kv_connector = None
         # This step's external loads that did not land (ModelRunnerOutput.invalid_block_ids).
@@ -416,7 +424,29 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        if self.triton_ops is not None:
+            self._triton_metadata(meta, table, block_ids, positions, seq_lens,
+                                  query_start_loc, nd)
         return meta
+
+    def _triton_metadata(self, meta: AttentionMetadata, table, block_ids: np.ndarray,
+                         positions: np.ndarray, seq_lens: np.ndarray,
+                         query_start_loc: np.ndarray, nd: int) -> None:
+        """The flat inputs of the Triton kernels (CUDA): the slot mapping and every
+        prompt chunk's query range, length and block table in one tensor each."""
+        dev, bs = self.device, table.block_size
+        meta.triton_ops = self.triton_ops
+        meta.slot_mapping = torch.from_numpy(block_ids.astype(np.int64) * bs
+                                             + positions % bs).to(dev)
+        n = self.input_batch.num_reqs()
+        if n > nd:
+            qsl = query_start_loc[nd:n + 1] - query_start_loc[nd]
+            lens = seq_lens[nd:n]
+            nb = -(-int(lens.max()) // bs)
+            meta.prefill_query_start_loc = torch.from_numpy(qsl.astype(np.int64)).to(dev)
+            meta.prefill_seq_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
+            meta.prefill_block_table = torch.from_numpy(table.block_table[nd:n, :nb].copy()).to(dev)
+            meta.prefill_max_query_len = int(np.diff(qsl).max())
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
                         computed: np.ndarray, num_drafts: np.ndarray | None = None
