@@ -256,6 +256,18 @@ class ModelRunner:
                                       [g.spec.block_size if g.is_attention else 1
                                        for g in config.groups], self.device,
                                       self.model.config.vocab_size)
+        if self._cuda_graphs_apply():
+            from tokenmill.worker.cuda_graph import DecodeGraphRunner
+            self.cuda_graphs = DecodeGraphRunner.build(self)
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
+        attention, not enforce_eager), for models whose decode step is all in the graph:
+        no recurrent state (its slots would need an inert pad slot), no drafter (its
+        proposals read the step's hidden states after the next replay)."""
+        return (self.platform.cuda_graphs and self.device.type == "cuda"
+                and self.triton_ops is not None and not self.state_caches
+                and self.drafter is None)
 
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -581,8 +593,14 @@ class ModelRunner:
                     if not invalid.isdisjoint(self.requests[rid].block_ids[gid]):
                         discard[r] = True
                         kv_failed.add(rid)
-        hidden = self.model(torch.from_numpy(input_ids.astype(np.int64)).to(dev),
-                            torch.from_numpy(positions).to(dev), meta)
+        ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
+        pos_t = torch.from_numpy(positions).to(dev)
+        if (self.cuda_graphs is not None and not meta.prefills
+                and self.last_step.cu_num_logits is None
+                and self.cuda_graphs.can_run(len(input_ids))):
+            hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # a pure-decode step
+        else:
+            hidden = self.model(ids_t, pos_t, meta)
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
             self.kv_connector.save_kv(kv_meta, kv_failed)
         if self.draft_model is not None:
