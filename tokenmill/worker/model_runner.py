@@ -796,7 +796,11 @@ class ModelRunner:
             vocab = logits.shape[1]
             md = self._sampling_metadata(discard)
             sampler_out = self.sampler(logits.float(), md)
-            sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
+            ids = sampler_out.sampled_token_ids.to(torch.int64)
+            if ids.device.type != "cpu":  # one device -> host copy for the ids and flags
+                both = torch.stack([ids.view(-1), nan_rows.to(torch.int64)]).cpu().numpy()
+                ids, nan_rows = torch.from_numpy(both[0]), torch.from_numpy(both[1] != 0)
+            sampled_np = ids.numpy()
             if sampler_out.logprobs is not None:
                 lt = sampler_out.logprobs
                 logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
