@@ -143,3 +143,23 @@ def test_triton_kernels_on_the_gpu_match_the_interpreter_reference():
                 p = (torch.einsum("hd,nhd->hn", q[r].float(), k) * d ** -0.5).softmax(-1)
                 ref = torch.einsum("hn,nhd->hd", p, v)
                 torch.testing.assert_close(out[r].float(), ref, atol=tol, rtol=tol)
+
+
+def test_sync_free_moe_on_the_gpu():
+    """The CUDA experts (torch._grouped_mm in bf16 on compute capability 9.0+, else the
+    gathered bmm) against the fp32 stacked-expert path on the CPU."""
+    from tokenmill.models.layers.moe import FusedMoE, route
+    g = torch.Generator().manual_seed(0)
+    moe = FusedMoE(16, 256, 128)
+    with torch.no_grad():
+        moe.gate_up_proj.copy_(torch.randn(moe.gate_up_proj.shape, generator=g) * 0.05)
+        moe.down_proj.copy_(torch.randn(moe.down_proj.shape, generator=g) * 0.05)
+    x = torch.randn(77, 256, generator=g)
+    weights, ids = route(torch.randn(77, 16, generator=g), 4, True)
+    ref = moe(x, weights, ids)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        gpu = FusedMoE(16, 256, 128).to("cuda", dtype)
+        gpu.load_state_dict(moe.state_dict())
+        gpu.sync_free = True
+        got = gpu(x.to("cuda", dtype), weights.to("cuda", dtype), ids.cuda())
+        torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)

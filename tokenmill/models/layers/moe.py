@@ -21,12 +21,14 @@ copy (no fp32 copy of the experts).
 
 On CUDA (`FusedMoE.sync_free`, set by the platform) the expert groups never reach
 the host: the sorted pairs go through `torch._grouped_mm` with the groups' end
-offsets (bf16 / fp16 where this torch has it), else through a batched matmul
+offsets (bf16 on compute capability 9.0+), else through a batched matmul
 over each pair's gathered expert weights in chunks of bounded size. No
 per-expert `.tolist()`, so the step can run under async scheduling without a
 stall and be captured in a CUDA graph.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -103,15 +105,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 GATHER_BYTES = 256 << 20
 
 
+@functools.cache
+def _has_grouped_mm(device: torch.device) -> bool:
+    """torch._grouped_mm (bf16, offsets) runs on CUDA devices of compute capability 9.0+."""
+    return (device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def _sync_free_mm(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
                   sorted_ids: torch.Tensor) -> torch.Tensor:
     """out[p] = xs[p] @ w[sorted_ids[p]]^T for pairs sorted by expert, without reading
     the group sizes on the host."""
-    grouped = getattr(torch, "_grouped_mm", None)
-    if (grouped is not None and xs.is_cuda and xs.dtype in (torch.bfloat16, torch.float16)
-            and xs.dtype == w.dtype):
+    if xs.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _has_grouped_mm(xs.device):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # each group's end
-        return grouped(xs, w.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
     # Fallback (fp32, or no grouped GEMM): each pair's expert matrix gathered, a
     # bounded number of pairs at a time (the count is the tensor's shape: no sync).
     out = xs.new_empty(xs.shape[0], w.shape[1])
