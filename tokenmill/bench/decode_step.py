@@ -29,9 +29,9 @@ def time_decode_steps(engine, batch: int, context_len: int, steps: int, vocab: i
     for _ in range(batch):
         engine.add_request(None, {"prompt_token_ids": rng.integers(
             0, vocab, size=context_len).tolist()}, params)
-    started = 0
-    while started < batch:  # prefill (chunked) until every request has its first token
-        started += sum(1 for o in engine.step() if o.outputs[0].token_ids)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every request has its first token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     engine.step()  # one more: an async engine's pipeline is full of decode steps now
     start = time.perf_counter()
     for _ in range(steps):
