@@ -197,3 +197,36 @@ def test_bad_cache_layout_is_refused():
     with pytest.raises(ValueError, match="head_size"):
         ta.paged_decode(torch.zeros(1, 2, 12), cache, torch.zeros(1, 1, dtype=torch.int32),
                         torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("head_size,softcap", [(24, None), (16, 30.0)])
+def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap):
+    """A head size that is not a power of two (K/V write and attention) or soft-capped
+    scores (attention only) stay on the PyTorch path even where Triton is picked."""
+    from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+
+    class Spy:
+        calls = []
+
+        def __getattr__(self, name):
+            fn = getattr(ta, name)
+
+            def wrapped(*a, **k):
+                Spy.calls.append(name)
+                return fn(*a, **k)
+            return wrapped
+
+    layer = PagedAttention(2, 1, head_size, 0.3, logit_softcap=softcap)
+    layer.kv_cache = torch.zeros(4, 2, 4, 1, head_size)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, head_size, generator=g) for h in (2, 1, 1))
+    base = dict(num_decodes=1, slot_block=torch.tensor([1]), slot_offset=torch.tensor([2]),
+                decode_block_table=torch.tensor([[1]], dtype=torch.int32),
+                decode_seq_lens=torch.tensor([3], dtype=torch.int32))
+    ref = layer(q, k, v, AttentionMetadata(**base))
+    layer.kv_cache.zero_()
+    got = layer(q, k, v, AttentionMetadata(**base, triton_ops=Spy(),
+                                           slot_mapping=torch.tensor([6])))
+    torch.testing.assert_close(got, ref)
+    assert Spy.calls == ([] if head_size == 24 else ["write_kv"])
+    assert (layer.triton_kv, layer.triton_attention) == (head_size == 16, False)

@@ -264,10 +264,13 @@ class ModelRunner:
         """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
         attention, not enforce_eager), for models whose decode step is all in the graph:
         no recurrent state (its slots would need an inert pad slot), no drafter (its
-        proposals read the step's hidden states after the next replay)."""
+        proposals read the step's hidden states after the next replay), every attention
+        layer on the Triton kernels (the PyTorch decode path sizes its mask per step)."""
         return (self.platform.cuda_graphs and self.device.type == "cuda"
                 and self.triton_ops is not None and not self.state_caches
-                and self.drafter is None)
+                and self.drafter is None
+                and all(getattr(layer, "triton_attention", False)
+                        for layer in self.attention_layers().values()))
 
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

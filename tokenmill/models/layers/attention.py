@@ -110,6 +110,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # The Triton kernels take head sizes that are powers of two up to 256 and no
+        # soft-capping; other layers keep the PyTorch path on CUDA.
+        self.triton_kv = head_size & (head_size - 1) == 0 and head_size <= 256
+        self.triton_attention = self.triton_kv and logit_softcap is None
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
         self.kv_group: int | None = None  # its KV cache group (bound by the runner)
 
@@ -117,7 +121,7 @@ class PagedAttention(nn.Module):
         """k/v [T, Hkv, D] into the paged cache at the step's slots."""
         meta = meta.for_group(self.kv_group)
         cache = self.kv_cache
-        if meta.triton_ops is not None:
+        if meta.triton_ops is not None and self.triton_kv:
             meta.triton_ops.write_kv(k, v, cache, meta.slot_mapping)
             return
         ops = meta.native_ops
@@ -133,7 +137,7 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         meta = meta.for_group(self.kv_group)
         self.write_kv(k, v, meta)
-        if meta.triton_ops is not None and self.logit_softcap is None:
+        if meta.triton_ops is not None and self.triton_attention:
             return self._forward_triton(q, cache, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: one call, no output copy
