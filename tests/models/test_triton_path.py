@@ -80,10 +80,13 @@ def test_triton_attention_engine_matches_pytorch_path(tiny_model_factory, triton
         assert g == tm.reference(p, len(g)), name
 
 
-def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, eager_graphs):
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "gemma3"])
+def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, eager_graphs,
+                                                          name):
     """Three requests decode together: each step pads 3 -> 4 rows (an inert pad row
-    beside them) and, as they finish at different lengths, 2 -> 2 and 1 -> 1."""
-    tm = tiny_model_factory("llama_gqa_tied")
+    beside them) and, as they finish at different lengths, 2 -> 2 and 1 -> 1. Gemma 3:
+    two KV cache groups (local and global layers), each with its own static buffers."""
+    tm = tiny_model_factory(name)
     prompts = [tm.prompts[0][:5], tm.prompts[1][:9], tm.prompts[2][:7]]
     llm = make_llm(tm.path, cpu_kernels="torch", max_num_seqs=4)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
@@ -91,6 +94,8 @@ def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, ea
     runner = llm.llm_engine.engine_core.runner
     graphs = runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert set(graphs.buffers.groups) == set(runner.attn_group_ids)
+    assert len(runner.attn_group_ids) == (2 if name == "gemma3" else 1)
     assert graphs.graphs[4][0].replays > 0  # the padded size ran
     for cache in runner.kv_caches.values():  # pad rows wrote nowhere, not even the null block
         assert not cache[0].any()
