@@ -101,3 +101,21 @@ def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, ea
         assert not cache[0].any()
     for p, o, sp in zip(prompts, outs, params):
         assert o.outputs[0].token_ids == tm.reference(p, sp.max_tokens)
+
+
+def test_triton_decode_serves_rows_verifying_drafts(tiny_model_factory, triton_platform,
+                                                    monkeypatch):
+    """n-gram speculation: a verifying row's tokens are decode queries of their own
+    lengths (the block table repeated per token): same tokens as without drafts."""
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    tm = tiny_model_factory("llama_gqa_tied")
+    motif = tm.prompts[3][:3]
+    prompts = [tm.prompts[0][:4] + motif * 3, tm.prompts[1][:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(tm.path, cpu_kernels="torch",
+                   speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                           prompt_lookup_max=3, prompt_lookup_min=1))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == tm.reference(p, 10)
