@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from conftest import make_llm  # noqa: E402
+from conftest import TINY, make_llm, make_prompts  # noqa: E402
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.cpu_platform import CpuPlatform  # noqa: E402
 
@@ -64,6 +64,7 @@ def eager_graphs(monkeypatch, triton_platform):
 
     monkeypatch.setattr(cuda_graph.DecodeGraphRunner, "capture", capture)
     monkeypatch.setattr(ModelRunner, "_cuda_graphs_apply", lambda self: True)
+    return monkeypatch
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "mistral_swa"])
@@ -119,3 +120,30 @@ def test_triton_decode_serves_rows_verifying_drafts(tiny_model_factory, triton_p
     assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == tm.reference(p, 10)
+
+
+def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
+    """Qwen3.5 (Gated DeltaNet + attention): the pad rows' recurrent state goes to the
+    scratch slot after the real ones; same tokens as the PyTorch path without graphs,
+    and no live request's state is touched by a pad row."""
+    from test_hybrid_parity import HYBRID_SPECS, build_hybrid
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    build_hybrid(str(tmp_path), arch, overrides)
+    prompts = make_prompts([5, 9, 3], TINY["vocab_size"], seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
+
+    def run(**kw):
+        llm = make_llm(str(tmp_path), cpu_kernels="torch", max_num_seqs=4, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.engine_core.runner
+
+    got, runner = run()
+    graphs = runner.cuda_graphs
+    assert graphs is not None and graphs.buffers.pad_state_slot == 4 * 1  # 4 seqs, width 1
+    assert all(t[0].shape[0] == 5 for t in runner.state_caches.values())  # 4 + scratch
+    assert graphs.graphs[4][0].replays > 0
+    eager_graphs.undo()  # the PyTorch path, no Triton, no graphs
+    want, runner = run()
+    assert runner.cuda_graphs is None
+    assert got == want

@@ -73,3 +73,18 @@ def test_fill_refuses_a_step_larger_than_its_graph():
     buf = DecodeGraphBuffers(4, {0: 2}, "cpu")
     with pytest.raises(ValueError, match="cannot be padded"):
         buf.fill(2, torch.arange(3), torch.arange(3), _meta(3, 2, seed=0))
+
+
+def test_pad_rows_of_a_hybrid_model_use_the_scratch_state_slot():
+    from tokenmill.models.layers.attention import StateMetadata
+    buf = DecodeGraphBuffers(8, {0: 2}, "cpu", pad_state_slot=12)
+    meta = _meta(3, 2, seed=4)
+    meta.state = StateMetadata(3, torch.tensor([4, 0, 7]))
+    buf.fill(4, torch.arange(3), torch.arange(3), meta)
+    assert buf.state_indices[:4].tolist() == [4, 0, 7, 12]
+    static = buf.metadata(4)
+    assert static.state.num_decodes == 4 and not static.state.prefills
+    assert static.state.state_indices.data_ptr() == buf.state_indices.data_ptr()
+    buf.make_inert(8)
+    assert buf.state_indices.tolist() == [12] * 8
+    assert DecodeGraphBuffers(2, {0: 1}, "cpu").metadata(2).state is None

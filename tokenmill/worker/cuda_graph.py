@@ -7,11 +7,12 @@ graph runs the whole forward (embedding, layers, final norm) with no Python and
 no kernel launches of its own. The pad rows n..B-1 are inert: slot_mapping -1
 (their K/V is written nowhere), seq_len 0 and the null block in their block
 table (decode attention reads nothing and returns zeros for them), token 0 at
-position 0; their hidden rows come out of the graph and are never read (the
-runner keeps rows [:n]).
+position 0, and in a hybrid model the scratch state slot after the real ones
+(allocated for them, never a request's); their hidden rows come out of the
+graph and are never read (the runner keeps rows [:n]).
 
-Prefill and mixed steps, steps verifying drafts, recurrent (hybrid) models and
-batches above the largest size run eagerly; so does every step where the
+Prefill and mixed steps, steps verifying drafts and batches above the largest
+size run eagerly; so does every step where the
 platform says no (CPU, `enforce_eager`, no Triton). The capture sizes follow
 vLLM's: 1, 2, 4, then every multiple of 8 up to 256, then of 16, up to
 max_num_seqs (at most MAX_CAPTURE_SIZE). Capture goes largest first into one
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.models.layers.attention import AttentionMetadata, StateMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,10 @@ class GroupBuffers:
 class DecodeGraphBuffers:
     """The static inputs every captured graph reads, and how a step fills them."""
 
-    def __init__(self, max_size: int, blocks_per_req: dict[int, int], device, triton_ops=None):
-        """`blocks_per_req`: group id -> the width of its block table."""
+    def __init__(self, max_size: int, blocks_per_req: dict[int, int], device, triton_ops=None,
+                 pad_state_slot: int | None = None):
+        """`blocks_per_req`: group id -> the width of its block table; `pad_state_slot`:
+        the scratch recurrent-state slot of the pad rows (None: no recurrent layers)."""
         self.max_size = max_size
         self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
@@ -78,6 +81,10 @@ class DecodeGraphBuffers:
             for gid, width in blocks_per_req.items()}
         self.primary = next(iter(self.groups))
         self.triton_ops = triton_ops
+        self.pad_state_slot = pad_state_slot
+        self.state_indices = (None if pad_state_slot is None else
+                              torch.full((max_size,), pad_state_slot, dtype=torch.long,
+                                         device=device))
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The static AttentionMetadata a graph of `size` rows is captured with."""
@@ -90,6 +97,8 @@ class DecodeGraphBuffers:
         meta = metas[self.primary]
         if len(metas) > 1:
             meta.by_group = metas
+        if self.state_indices is not None:
+            meta.state = StateMetadata(size, self.state_indices[:size])
         return meta
 
     def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -115,6 +124,9 @@ class DecodeGraphBuffers:
             g.block_table[n:size].zero_()
             g.seq_lens[:n].copy_(m.decode_seq_lens)
             g.seq_lens[n:size].zero_()
+        if self.state_indices is not None:
+            self.state_indices[:n].copy_(meta.state.state_indices[:n])
+            self.state_indices[n:size].fill_(self.pad_state_slot)
 
     def make_inert(self, size: int) -> None:
         """Every row a pad row (what the graphs are warmed up and captured with)."""
@@ -124,6 +136,8 @@ class DecodeGraphBuffers:
             g.slot_mapping[:size].fill_(-1)
             g.block_table[:size].zero_()
             g.seq_lens[:size].zero_()
+        if self.state_indices is not None:
+            self.state_indices[:size].fill_(self.pad_state_slot)
 
 
 class DecodeGraphRunner:
@@ -143,7 +157,10 @@ class DecodeGraphRunner:
         widths = {gid: batch.block_tables[gid].max_num_blocks_per_req
                   for gid in runner.attn_group_ids}
         sizes = capture_sizes(runner.max_num_reqs)
-        buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, runner.triton_ops)
+        # (the scratch slot allocate_state_caches added after the config's slots)
+        pad_slot = runner.kv_cache_config.num_state_slots if runner.state_caches else None
+        buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, runner.triton_ops,
+                                     pad_slot)
         graphs = cls(runner.model, buffers, sizes)
         graphs.capture()
         return graphs

@@ -245,7 +245,9 @@ class ModelRunner:
             for name in config.groups[gid].layer_names:
                 if name in layers:
                     layers[name].kv_group = gid if multi else None
-        self.state_caches = allocate_state_caches(config, self.device)
+        graphs = self._cuda_graphs_apply()
+        # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
+        self.state_caches = allocate_state_caches(config, self.device, int(graphs))
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
             state_layers[name].state = tensors
@@ -256,18 +258,19 @@ class ModelRunner:
                                       [g.spec.block_size if g.is_attention else 1
                                        for g in config.groups], self.device,
                                       self.model.config.vocab_size)
-        if self._cuda_graphs_apply():
+        if graphs:
             from tokenmill.worker.cuda_graph import DecodeGraphRunner
             self.cuda_graphs = DecodeGraphRunner.build(self)
 
     def _cuda_graphs_apply(self) -> bool:
         """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
         attention, not enforce_eager), for models whose decode step is all in the graph:
-        no recurrent state (its slots would need an inert pad slot), no drafter (its
-        proposals read the step's hidden states after the next replay), every attention
-        layer on the Triton kernels (the PyTorch decode path sizes its mask per step)."""
+        no drafter (its proposals read the step's hidden states after the next replay),
+        every attention layer on the Triton kernels (the PyTorch decode path sizes its
+        mask per step). Recurrent layers are in the graph: their pad rows use a scratch
+        state slot."""
         return (self.platform.cuda_graphs and self.device.type == "cuda"
-                and self.triton_ops is not None and not self.state_caches
+                and self.triton_ops is not None
                 and self.drafter is None
                 and all(getattr(layer, "triton_attention", False)
                         for layer in self.attention_layers().values()))
