@@ -151,8 +151,10 @@ class DecodeGraphRunner:
         self.metas = {}
 
     @classmethod
-    def build(cls, runner) -> "DecodeGraphRunner":
-        """Graphs for `runner`'s model at every capture size up to its max_num_reqs."""
+    def build(cls, runner) -> "DecodeGraphRunner | None":
+        """Graphs for `runner`'s model at every capture size up to its max_num_reqs;
+        None (every step eager, said in a warning) where capturing fails, e.g. a kernel
+        of an optional library that syncs with the host."""
         batch = runner.input_batch
         widths = {gid: batch.block_tables[gid].max_num_blocks_per_req
                   for gid in runner.attn_group_ids}
@@ -162,7 +164,13 @@ class DecodeGraphRunner:
         buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, runner.triton_ops,
                                      pad_slot)
         graphs = cls(runner.model, buffers, sizes)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 (any failure: eager is always correct)
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s: %s",
+                           type(e).__name__, e)
+            torch.cuda.synchronize()
+            return None
         return graphs
 
     @torch.inference_mode()
