@@ -211,7 +211,7 @@ def test_sparse_moe_block_matches_hf(kind, norm):
 def test_sync_free_experts_match_reference_without_host_reads(tokens, num_experts, top_k,
                                                               renorm, monkeypatch):
     """The CUDA path (FusedMoE.sync_free): the same sums, and the expert groups never
-    reach the host (no tolist / item / nonzero: those stall a CUDA stream and cannot be
+    reach the host (no tolist / item / nonzero / bincount: those stall a CUDA stream and cannot be
     captured in a graph); chunked gathers (a tiny GATHER_BYTES) change nothing."""
     from tokenmill.models.layers import moe as moe_mod
     torch.manual_seed(tokens)
@@ -223,5 +223,6 @@ def test_sync_free_experts_match_reference_without_host_reads(tokens, num_expert
     monkeypatch.setattr(moe_mod, "GATHER_BYTES", 3 * 24 * 24 * 4)  # 3 pairs per bmm
     for name in ("tolist", "item"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host {_n}"))
-    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("host nonzero"))
+    for name in ("nonzero", "bincount"):  # (CUDA's bincount reads the max on the host)
+        monkeypatch.setattr(torch, name, lambda *a, _n=name, **k: pytest.fail(f"host {_n}"))
     torch.testing.assert_close(moe(x, weights, ids), ref, atol=1e-5, rtol=1e-5)

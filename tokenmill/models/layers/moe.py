@@ -70,8 +70,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + slot, by expert
     token_idx = order // top_k
-    counts = torch.bincount(flat_ids, minlength=num_experts)
     if sync_free:
+        # (bincount on CUDA reads the largest id on the host: an index_add instead)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
         xs = x[token_idx].to(gemm_dtype)
         gate_up = _sync_free_mm(xs, w13, counts, flat_ids[order]).to(x.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -79,6 +81,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         down = _sync_free_mm(act, w2, counts, flat_ids[order]).to(x.dtype)
         down = down * topk_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token_idx, down)
+    counts = torch.bincount(flat_ids, minlength=num_experts)
     ends = torch.cumsum(counts, 0)
     hit = torch.nonzero(counts).flatten()
     # (expert, start, end) of every expert that received tokens: one host sync per layer.
