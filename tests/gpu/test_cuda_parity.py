@@ -117,7 +117,7 @@ def test_cuda_preemption_equals_cpu(checkpoint, name):
 
 def test_triton_kernels_on_the_gpu_match_the_interpreter_reference():
     """The kernel tests of tests/unit/test_triton_attention.py, compiled for the GPU (bf16
-    included, which the interpreter cannot check)."""
+    included, which the interpreter cannot check); 4 rows x 2 KV heads take split-K."""
     from tokenmill.ops import triton_attention as ta
     dev = "cuda"
     bs, hkv, hq, d, nb = 16, 2, 8, 128, 64
@@ -127,8 +127,8 @@ def test_triton_kernels_on_the_gpu_match_the_interpreter_reference():
         lens = torch.tensor([1, 37, 200, 0], dtype=torch.int32, device=dev)
         table = torch.randperm(nb - 1, generator=g)[:4 * 13].add(1).view(4, 13).to(dev, torch.int32)
         q = torch.randn(4, hq, d, generator=g).to(dev, dtype)
-        for window in (0, 24):
-            out = ta.paged_decode(q, cache, table, lens, d ** -0.5, window)
+        for window, splits in ((0, None), (24, None), (0, 1), (24, 1)):  # None: split-K here
+            out = ta.paged_decode(q, cache, table, lens, d ** -0.5, window, num_splits=splits)
             for r, n in enumerate(lens.tolist()):
                 if n == 0:
                     assert out[r].abs().max() == 0

@@ -230,3 +230,33 @@ def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap
     torch.testing.assert_close(got, ref)
     assert Spy.calls == ([] if head_size == 24 else ["write_kv"])
     assert (layer.triton_kv, layer.triton_attention) == (head_size == 16, False)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_split_k_decode_matches_the_single_pass(splits):
+    """Split-K (what batch 1 takes on a GPU): the keys in `splits` parts, combined; a
+    part may be empty (short rows, a pad row, a window)."""
+    bs, hkv, hq, d = 4, 2, 4, 16
+    cache = _cache(24, bs, hkv, d, torch.float32)
+    lens = [1, 7, 45, 0]
+    table = _table(lens, bs, 24)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(9))
+    sl = torch.tensor(lens, dtype=torch.int32)
+    for window in (0, 10):
+        one = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=1)
+        got = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=splits)
+        torch.testing.assert_close(got, one, atol=2e-6, rtol=1e-5)
+        for r, n in enumerate(lens):
+            if n:
+                ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), 0.25,
+                                  window)
+                torch.testing.assert_close(got[r], ref[0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+def test_decode_splits_only_on_cuda():
+    assert ta.decode_splits(1, 8, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="power of two"):
+        ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 1, 16),
+                        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                        1.0, num_splits=3)

@@ -24,6 +24,8 @@ to rounding. Imported only where the platform picks Triton: it imports triton.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,6 +141,68 @@ def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale,
 
 
 @triton.jit
+def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr, ml_ptr,
+                               scale, window,
+                               stride_qt, stride_qh,
+                               stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
+                               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                               IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """Split-K decode: split s of a row's keys -> its unnormalised output and (m, l)
+    per query head, in part [N, Hq, S, D] and ml [N, Hq, S, 2] (fp32)."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    in_group = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=in_group[:, None], other=0.0)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Splits of whole BLOCK_N tiles, so a split's tiles are the single pass's tiles.
+    tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    per = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+    k_start = first + split * per
+    k_end = tl.minimum(k_start + per, seq_len)
+    qpos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + row * stride_bt, kvh,
+                                 k_start, k_end, qpos, window, scale,
+                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, USE_DOT)
+    at = (row * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split  # (row, head, split)
+    tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=in_group[:, None])
+    tl.store(ml_ptr + at * 2, m_i, mask=in_group)
+    tl.store(ml_ptr + at * 2 + 1, l_i, mask=in_group)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[row, head] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS + sp
+    m = tl.load(ml_ptr + base * 2)
+    l_s = tl.load(ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_safe)  # a split that saw no key: m = -inf, weight 0
+    total = tl.sum(w * l_s, axis=0)
+    part = tl.load(part_ptr + base[:, None] * HEAD_DIM + d[None, :])
+    acc = tl.sum(w[:, None] * part, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
                           scale, window,
                           stride_qt, stride_qh, stride_ot, stride_oh,
@@ -211,11 +275,34 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                                *_cache_strides(cache), BLOCK_SIZE=cache.shape[2], HEAD_DIM=d)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many splits of the keys a decode step takes: enough programs to fill the
+    GPU's SMs twice when rows x KV heads alone do not (batch 1 has 8 programs for 8
+    KV heads), at most MAX_DECODE_SPLITS; 1 off CUDA. Depends on the shapes only, so
+    a captured CUDA graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    programs = max(num_rows * num_kv_heads, 1)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+
+
+MAX_DECODE_SPLITS = 16
+
+
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int = 0,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_splits: int | None = None
+                 ) -> torch.Tensor:
     """q [N, Hq, D], block_table [N, >= blocks of the longest row] (int32),
-    seq_lens [N] (int32; 0: a pad row) -> [N, Hq, D]."""
+    seq_lens [N] (int32; 0: a pad row) -> [N, Hq, D]. `num_splits` (a power of two;
+    None: `decode_splits`): the keys of each row in that many parts run by programs
+    of their own, then combined (split-K, for batches too small to fill the GPU)."""
     _check_cache(cache)
     n, hq, d = q.shape
     hkv = cache.shape[3]
@@ -227,6 +314,21 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
     if n == 0:
         return out
     group = hq // hkv
+    splits = decode_splits(n, hkv, q.device) if num_splits is None else num_splits
+    if splits & (splits - 1) or splits < 1:
+        raise ValueError(f"num_splits must be a power of two, got {splits}")
+    if splits > 1:
+        part = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
+        _paged_decode_split_kernel[(n, hkv, splits)](
+            q, cache, block_table, seq_lens, part, ml, float(scale), int(window or 0),
+            q.stride(0), q.stride(1), *_cache_strides(cache), block_table.stride(0),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+            BLOCK_SIZE=cache.shape[2], BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits,
+            **_flags(cache))
+        _combine_splits_kernel[(n, hq)](part, ml, out, out.stride(0), out.stride(1),
+                                        NUM_SPLITS=splits, HEAD_DIM=d)
+        return out
     _paged_decode_kernel[(n, hkv)](
         q, cache, block_table, seq_lens, out, float(scale), int(window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
