@@ -229,7 +229,10 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
         if rep > 1:  # each q/k head serves `rep` consecutive value heads
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            # (expand, not repeat_interleave: that one builds its repeats tensor on the
+            # host, a copy a CUDA graph cannot capture)
+            q, k = (x.unsqueeze(2).expand(t, self.num_k_heads, rep, self.head_k_dim)
+                    .reshape(t, self.num_v_heads, self.head_k_dim) for x in (q, k))
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
