@@ -123,4 +123,4 @@ def test_decode_step_bench_runs_on_cpu(llama_tiny, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [s["batch"] for s in doc["steps"]] == [1, 2]
     assert all(s["measured_s"] > 0 and s["bound_s"] > 0 for s in doc["steps"])
-    assert "HBM bound" in capsys.readouterr().out
+    assert "bandwidth bound" in capsys.readouterr().out

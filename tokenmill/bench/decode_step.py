@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                               bandwidth["gbps"], s)
         rows.append(row)
         print(f"batch {b:4d}: {1e3 * s:8.3f} ms/step, bound {1e3 * row['bound_s']:7.3f} ms "
-              f"({100 * row['bound_fraction']:5.1f}% of the HBM bound; "
+              f"({100 * row['bound_fraction']:5.1f}% of the bandwidth bound; "
               f"{row['bytes']['total'] / 1e6:.0f} MB/step at {bandwidth['gbps']:.0f} GB/s)",
               flush=True)
     result = {"model": path, "device": str(device), "dtype": args.dtype,
