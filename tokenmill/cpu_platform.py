@@ -262,7 +262,7 @@ class CpuPlatform:
         cuda = {}
         if device.type == "cuda":
             from tokenmill.cuda_platform import cuda_decisions
-            cuda = cuda_decisions(enforce_eager)
+            cuda = cuda_decisions(enforce_eager, half)
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
             torch_capability=str(torch.backends.cpu.get_cpu_capability()),

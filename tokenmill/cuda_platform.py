@@ -6,7 +6,9 @@ pure-decode steps replay CUDA graphs. Kept apart so the CPU rules stay readable.
   and prefill over the block table) where triton imports, else "torch" (the
   PyTorch gather + SDPA path the CPU runs without native kernels);
 - linear_attention: "fla" (flash-linear-attention's chunked / fused-recurrent
-  Gated DeltaNet and causal_conv1d kernels) where `fla` imports, else "torch";
+  Gated DeltaNet kernels) for bf16 / fp16 models where `fla` imports, else
+  "torch" (an fp32 model keeps the exact PyTorch path: fla's kernels may
+  multiply in TF32);
 - cuda_graphs: decode steps replay graphs captured at start (worker/cuda_graph.py)
   unless `enforce_eager`, and only with Triton attention (the PyTorch decode path
   builds its masks with host-sized shapes per step).
@@ -25,11 +27,12 @@ def module_available(name: str) -> bool:
         return False
 
 
-def cuda_decisions(enforce_eager: bool = False) -> dict:
-    """The fields of CpuPlatform that differ on a CUDA device."""
+def cuda_decisions(enforce_eager: bool = False, half: bool = True) -> dict:
+    """The fields of CpuPlatform that differ on a CUDA device (`half`: a bf16 / fp16
+    model)."""
     triton = module_available("triton")
     return dict(attention="triton" if triton else "torch",
-                linear_attention="fla" if module_available("fla") else "torch",
+                linear_attention="fla" if half and module_available("fla") else "torch",
                 cuda_graphs=bool(triton and not enforce_eager))
 
 

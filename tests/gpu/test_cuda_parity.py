@@ -162,3 +162,33 @@ def test_sync_free_moe_on_the_gpu():
         gpu.sync_free = True
         got = gpu(x.to("cuda", dtype), weights.to("cuda", dtype), ids.cuda())
         torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
+
+
+def test_fla_kernels_match_the_pytorch_delta_rule():
+    """flash-linear-attention's kernels through the layer's wrappers (what a bf16 / fp16
+    hybrid model runs on CUDA) against the PyTorch delta rule, in fp32 inputs."""
+    from tokenmill.models.layers import gated_deltanet as gdn
+    kernels = gdn.load_fla_kernels()
+    if kernels is None:
+        pytest.skip("flash-linear-attention (fla) is not installed")
+    chunk, fused = kernels
+    gen = torch.Generator().manual_seed(0)
+    t, h, dk, dv = 150, 4, 64, 64
+    q = gdn.l2_normalize(torch.randn(t, h, dk, generator=gen)) * dk ** -0.5
+    k = gdn.l2_normalize(torch.randn(t, h, dk, generator=gen))
+    v, g, beta = (torch.randn(t, h, dv, generator=gen), -torch.rand(t, h, generator=gen),
+                  torch.rand(t, h, generator=gen))
+    state = torch.randn(h, dv, dk, generator=gen) * 0.1
+    ref_out, ref_final = gdn.delta_rule_chunked(q, k, v, g, beta, state)
+    out, final = gdn.fla_chunked(chunk, *(x.cuda() for x in (q, k, v, g, beta, state)))
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(final.float().cpu(), ref_final, atol=2e-2, rtol=2e-2)
+    states = torch.randn(5, h, dv, dk, generator=gen) * 0.1
+    slots = torch.tensor([3, 0, 4])
+    ref_states = states.clone()
+    ref = gdn.delta_rule_decode(q[:3], k[:3], v[:3], g[:3], beta[:3], ref_states, slots)
+    got_states = states.cuda()
+    got = gdn.fla_decode(fused, *(x.cuda() for x in (q[:3], k[:3], v[:3], g[:3], beta[:3])),
+                         got_states, slots.cuda())
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_states.cpu(), ref_states, atol=2e-2, rtol=2e-2)

@@ -187,6 +187,8 @@ def test_cuda_device_decisions(no_cpu_ops, monkeypatch):
     p = CpuPlatform.create("cuda", BF16)
     assert (p.attention, p.linear_attention, p.cuda_graphs) == ("torch", "fla", False)
     assert "eager (no Triton)" in p.describe()
+    # an fp32 model keeps the exact PyTorch Gated DeltaNet (fla may multiply in TF32)
+    assert CpuPlatform.create("cuda", torch.float32).linear_attention == "torch"
 
 
 def test_native_bf16_detection(monkeypatch):
