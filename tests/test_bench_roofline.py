@@ -84,3 +84,43 @@ def test_gemm_peak_measures_every_shape():
     assert [s["shape_mkn"] for s in p["per_shape"]] == [list(s) for s in shapes]
     assert p["peak_gflops"] == max(s["gflops"] for s in p["per_shape"]) > 0
     assert p["peak_shape_mkn"] in [list(s) for s in shapes]
+
+
+def test_decode_bytes_by_hand(llama_tiny):
+    """A decode step reads every layer weight (norms too), the lm_head (the tied
+    embedding) and each row's K/V: 2 layers x 2 KV heads x 16 x (K and V) per token."""
+    c = rl.count_decode_bytes(llama_tiny.path)
+    per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128) + 2 * 64  # + 2 norms
+    assert c.dense_params == 2 * per_layer
+    assert (c.expert_params, c.num_experts, c.lm_head_params) == (0, 0, 384 * 64)
+    assert c.kv_per_token == 2 * 2 * 2 * 16
+    step = c.step(batch=3, context_len=10, dtype_bytes=2)
+    assert step["weights"] == (2 * per_layer + 384 * 64) * 2
+    assert step["kv"] == 128 * 3 * 10 * 2
+    bound = rl.decode_bound(c, 3, 10, "bfloat16", bandwidth_gbps=1.0, measured_s=1.0)
+    assert bound["bound_s"] == pytest.approx(step["total"] / 1e9)
+    assert bound["bound_fraction"] == pytest.approx(bound["bound_s"])
+
+
+def test_decode_bytes_count_the_experts_a_batch_touches():
+    c = rl.DecodeBytes(dense_params=10, expert_params=800, num_experts=8, top_k=2,
+                       lm_head_params=0, kv_per_token=0)
+    assert c.step(1, 0, 1)["weights"] == pytest.approx(10 + 800 * 2 / 8)
+    assert c.step(64, 0, 1)["weights"] == pytest.approx(10 + 800, rel=1e-6)
+
+
+def test_measure_bandwidth_on_cpu():
+    bw = rl.measure_bandwidth("cpu", nbytes=1 << 20, reps=2)
+    assert bw["bytes"] == 2 << 20 and bw["gbps"] > 0
+
+
+def test_decode_step_bench_runs_on_cpu(llama_tiny, tmp_path, capsys):
+    from tokenmill.bench import decode_step
+    out = tmp_path / "d.json"
+    assert decode_step.main(["--model", llama_tiny.path, "--device", "cpu", "--dtype",
+                             "float32", "--batch", "1,2", "--context", "8", "--steps", "2",
+                             "--output-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [s["batch"] for s in doc["steps"]] == [1, 2]
+    assert all(s["measured_s"] > 0 and s["bound_s"] > 0 for s in doc["steps"])
+    assert "bandwidth bound" in capsys.readouterr().out

@@ -184,6 +184,11 @@ class CpuPlatform:
     # decode-layer loop and the greedy lm_head are off (neither can all-reduce or
     # gather inside its native call; TP on CPU is a correctness path).
     tensor_parallel_size: int = 1
+    # CUDA (tokenmill/cuda_platform.py): Gated DeltaNet kernels ("fla" / "torch"),
+    # decode steps as CUDA graphs, and whether eager was asked for.
+    linear_attention: str = "torch"
+    cuda_graphs: bool = False
+    enforce_eager: bool = False
     # The native kernels module of `capability`, or None (the PyTorch path).
     ops: object = field(default=None, compare=False, repr=False)
 
@@ -193,7 +198,8 @@ class CpuPlatform:
                cpu_capability: str | None = None,
                linear_bf16_max_rows: int | None = None,
                greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS,
-               decode_layers: bool = True, tensor_parallel_size: int = 1) -> CpuPlatform:
+               decode_layers: bool = True, tensor_parallel_size: int = 1,
+               enforce_eager: bool = False) -> CpuPlatform:
         """The platform for a model of `model_dtype` (default fp32) on `device`."""
         import torch
 
@@ -253,6 +259,10 @@ class CpuPlatform:
                   and getattr(ops, "has_greedy_lm_head", False))
         packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
         native = "native" if ops is not None else "torch"
+        cuda = {}
+        if device.type == "cuda":
+            from tokenmill.cuda_platform import cuda_decisions
+            cuda = cuda_decisions(enforce_eager, half)
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
             torch_capability=str(torch.backends.cpu.get_cpu_capability()),
@@ -263,14 +273,18 @@ class CpuPlatform:
             linear="packed_bf16" if packed else "packed_f32" if packed_f32 else "torch",
             linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
             gemm="onednn_prepacked" if prepack else "torch", weights=weights,
-            attention=native, norm=native if ops is not None and half else "torch",
+            attention=cuda.get("attention", native),
+            norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, packed_rows) if greedy else 0,
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
-            tensor_parallel_size=tensor_parallel_size, ops=ops)
+            tensor_parallel_size=tensor_parallel_size,
+            linear_attention=cuda.get("linear_attention", "torch"),
+            cuda_graphs=cuda.get("cuda_graphs", False), enforce_eager=bool(enforce_eager),
+            ops=ops)
 
     @classmethod
     def from_engine_args(cls, args, device, model_dtype) -> CpuPlatform:
@@ -279,7 +293,8 @@ class CpuPlatform:
                           linear_bf16_max_rows=args.linear_bf16_max_rows,
                           greedy_head_max_rows=args.greedy_head_max_rows,
                           decode_layers=args.decode_layers,
-                          tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                          tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                          enforce_eager=getattr(args, "enforce_eager", False))
 
     # ---- what it decided ---------------------------------------------------------------
     @property
@@ -316,6 +331,9 @@ class CpuPlatform:
 
     def describe(self) -> str:
         """One line for the start-up log."""
+        if self.device.startswith("cuda"):
+            from tokenmill.cuda_platform import describe_cuda
+            return describe_cuda(self)
         if self.capability is None:
             return (f"{self.device}: not a CPU device; PyTorch kernels, "
                     f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}")
@@ -387,6 +405,13 @@ class CpuPlatform:
             if n:
                 logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
                             n, self.gemm_dtype, self.model_dtype)
+        if self.device.startswith("cuda"):
+            for module in model.modules():
+                if isinstance(module, FusedMoE):
+                    module.sync_free = True  # no per-expert host sync (CUDA graphs, async)
+                set_la = getattr(module, "set_linear_attention", None)
+                if set_la is not None:
+                    set_la(self.linear_attention)
         for module in model.modules():
             set_ops = getattr(module, "set_native_ops", None)
             if set_ops is not None:

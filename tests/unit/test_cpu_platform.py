@@ -163,11 +163,32 @@ def test_arguments_that_turn_kernels_off(ops, kernel_level, widened):
 
 
 def test_not_a_cpu_device(no_cpu_ops):
-    p = CpuPlatform.create("cuda", BF16)
+    p = CpuPlatform.create("meta", BF16)
     assert p.capability is None and p.ops is None and p.gemm_dtype == "bfloat16"
     assert (p.linear, p.attention, p.lm_head, p.decode_layers) == ("torch", "torch", "full",
                                                                    False)
+    assert not p.cuda_graphs
     assert "not a CPU device" in p.describe()
+
+
+def test_cuda_device_decisions(no_cpu_ops, monkeypatch):
+    """CUDA (decided without a GPU: only imports are looked at): Triton attention and
+    decode graphs where triton imports, fla where it imports; --enforce-eager and a
+    missing triton turn the graphs off; no CPU kernel anywhere."""
+    from tokenmill import cuda_platform
+    have = {"triton": True, "fla": False}
+    monkeypatch.setattr(cuda_platform, "module_available", lambda name: have[name])
+    p = CpuPlatform.create("cuda", BF16)
+    assert (p.attention, p.linear_attention, p.cuda_graphs) == ("triton", "torch", True)
+    assert (p.linear, p.lm_head, p.decode_layers, p.ops) == ("torch", "full", False, None)
+    assert p.gemm_dtype == "bfloat16" and "CUDA graphs" in p.describe()
+    assert not CpuPlatform.create("cuda", BF16, enforce_eager=True).cuda_graphs
+    have.update(triton=False, fla=True)
+    p = CpuPlatform.create("cuda", BF16)
+    assert (p.attention, p.linear_attention, p.cuda_graphs) == ("torch", "fla", False)
+    assert "eager (no Triton)" in p.describe()
+    # an fp32 model keeps the exact PyTorch Gated DeltaNet (fla may multiply in TF32)
+    assert CpuPlatform.create("cuda", torch.float32).linear_attention == "torch"
 
 
 def test_native_bf16_detection(monkeypatch):

@@ -205,3 +205,24 @@ def test_sparse_moe_block_matches_hf(kind, norm):
         ref = hf(x)
         got = ours(x.view(-1, 32)).view_as(ref)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,renorm", CASES)
+def test_sync_free_experts_match_reference_without_host_reads(tokens, num_experts, top_k,
+                                                              renorm, monkeypatch):
+    """The CUDA path (FusedMoE.sync_free): the same sums, and the expert groups never
+    reach the host (no tolist / item / nonzero / bincount: those stall a CUDA stream and cannot be
+    captured in a graph); chunked gathers (a tiny GATHER_BYTES) change nothing."""
+    from tokenmill.models.layers import moe as moe_mod
+    torch.manual_seed(tokens)
+    moe = _experts(num_experts, 24, 12, seed=num_experts)
+    moe.sync_free = True
+    x = torch.randn(tokens, 24)
+    weights, ids = route(torch.randn(tokens, num_experts), top_k, renorm)
+    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids)
+    monkeypatch.setattr(moe_mod, "GATHER_BYTES", 3 * 24 * 24 * 4)  # 3 pairs per bmm
+    for name in ("tolist", "item"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host {_n}"))
+    for name in ("nonzero", "bincount"):  # (CUDA's bincount reads the max on the host)
+        monkeypatch.setattr(torch, name, lambda *a, _n=name, **k: pytest.fail(f"host {_n}"))
+    torch.testing.assert_close(moe(x, weights, ids), ref, atol=1e-5, rtol=1e-5)

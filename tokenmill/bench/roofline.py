@@ -212,3 +212,92 @@ def format_roofline(block: dict) -> str:
         lines.append(f"{name:<{width}}  {s['model_flops']['total'] / 1e9:>9.1f}  "
                      f"{s['achieved_gflops']:>9.2f}{ratios}")
     return "\n".join(lines)
+
+
+# ---- the memory-bandwidth bound of a decode step ----------------------------------
+# A decode step of B rows reads every weight of the layers once (MoE: the experts its
+# rows route to), the lm_head, and each row's K/V; at small B nothing else comes close,
+# so its time is bounded below by those bytes over the device's memory bandwidth.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class DecodeBytes:
+    dense_params: int        # layer weights every step reads (norms included; no experts)
+    expert_params: int       # all routed-expert weights
+    num_experts: int
+    top_k: int
+    lm_head_params: int
+    kv_per_token: int        # K/V elements per cached token over all full-attention layers
+
+    def step(self, batch: int, context_len: int, dtype_bytes: int) -> dict[str, float]:
+        """Bytes a decode step of `batch` rows at `context_len` cached tokens each reads:
+        the experts as the expected share a uniform router touches."""
+        touched = 1.0
+        if self.num_experts:
+            touched = 1.0 - (1.0 - self.top_k / self.num_experts) ** batch
+        weights = (self.dense_params + self.expert_params * touched + self.lm_head_params) \
+            * dtype_bytes
+        kv = self.kv_per_token * batch * context_len * dtype_bytes
+        return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def count_decode_bytes(model_path: str) -> DecodeBytes:
+    """From the checkpoint's safetensors headers and config.json (no weights read)."""
+    cfg = _text_config(model_path)
+    shapes = _checkpoint_shapes(model_path)
+    dense = experts = lm_head = embed = 0
+    for name, shape in shapes.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        if name.endswith("lm_head.weight"):
+            lm_head = numel
+        elif name.endswith("embed_tokens.weight"):
+            embed = numel
+        elif ".layers." in name and not any(s in name for s in ("visual", "vision", "mtp")):
+            if ".experts." in name and "shared_expert" not in name:
+                experts += numel
+            else:
+                dense += numel
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    layer_types = cfg.get("layer_types")
+    attention_layers = (sum(t == "full_attention" for t in layer_types) if layer_types
+                        else cfg["num_hidden_layers"])
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    return DecodeBytes(dense, experts, num_experts, cfg.get("num_experts_per_tok") or 0,
+                       lm_head or embed, 2 * attention_layers * kv_heads * head_dim)
+
+
+def measure_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> dict:
+    """Device memory bandwidth from the best of `reps` timed copies of `nbytes` (1 GiB on
+    CUDA, 256 MiB elsewhere): (bytes read + bytes written) / seconds, in GB/s."""
+    import torch
+    device = torch.device(device)
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return {"bytes": 2 * src.numel() * 4, "gbps": 2 * src.numel() * 4 / best / 1e9,
+            "reps": reps}
+
+
+def decode_bound(counts: DecodeBytes, batch: int, context_len: int, dtype: str,
+                 bandwidth_gbps: float, measured_s: float | None = None) -> dict:
+    """The bound of one decode step and, with `measured_s`, the fraction of it reached."""
+    step = counts.step(batch, context_len, DTYPE_BYTES[dtype])
+    bound = step["total"] / (bandwidth_gbps * 1e9)
+    out = {"batch": batch, "context_len": context_len, "bytes": step, "bound_s": bound,
+           "bandwidth_gbps": bandwidth_gbps}
+    if measured_s:
+        out.update(measured_s=measured_s, bound_fraction=bound / measured_s)
+    return out

@@ -38,11 +38,17 @@ BENCH_MODEL_CONFIG = dict(
     hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
     head_dim=64, intermediate_size=1536, vocab_size=32000, tie_word_embeddings=False,
     max_position_embeddings=2048)
+# nano-vllm's benchmark model: Qwen3-0.6B's architecture (random weights here).
+QWEN3_0_6B_CONFIG = dict(
+    hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 # Built-in benchmark models (random bf16 weights, built locally once): name ->
 # (transformers config class, model class, config). The hybrid is the dense
 # model's size class with three Gated DeltaNet layers per full-attention layer.
 BENCH_MODELS = {
     BENCH_MODEL_NAME: ("Qwen3Config", "Qwen3ForCausalLM", BENCH_MODEL_CONFIG),
+    "bench-qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_0_6B_CONFIG),
     "bench-qwen3.5-512": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         BENCH_MODEL_CONFIG, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
@@ -100,6 +106,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int_range, default=(32, 256), metavar="A:B",
                    help="output lengths, uniform integers in [A, B] (default 32:256)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or auto (CUDA where torch sees a GPU; default auto)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
@@ -216,6 +224,7 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
                   max_model_len: int, **engine_kwargs):
     """-> (LLM, output tok/s, seconds, generated token ids per request)."""
     from tokenmill import LLM
+    engine_kwargs.setdefault("device", getattr(args, "device", "auto"))
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **platform_kwargs(args), **engine_kwargs)

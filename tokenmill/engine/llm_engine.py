@@ -84,6 +84,8 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     # Ranks the model is sharded over (tokenmill/executor: one process each, gloo).
     tensor_parallel_size: int = 1
+    # CUDA: no CUDA graphs, every decode step eager (worker/cuda_graph.py).
+    enforce_eager: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -119,6 +121,8 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
         dp = self.data_parallel_size

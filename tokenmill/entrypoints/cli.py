@@ -80,6 +80,9 @@ def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps run every decoder layer in one native call where each "
                         "layer would go native anyway (--no-decode-layers: the Python layers; "
                         "default: on)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
+                        "captured at start-up (no effect on CPU)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the model over N ranks, one process each (rank 0 is the engine "
                         "process), joined by torch.distributed gloo on 127.0.0.1; the heads and "
@@ -91,7 +94,8 @@ def cpu_platform_kwargs(args: argparse.Namespace) -> dict:
     return dict(cpu_kernels=args.cpu_kernels, cpu_capability=args.cpu_capability,
                 linear_bf16_max_rows=args.linear_bf16_max_rows,
                 greedy_head_max_rows=args.greedy_head_max_rows, decode_layers=args.decode_layers,
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enforce_eager=getattr(args, "enforce_eager", False))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:

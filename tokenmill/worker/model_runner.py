@@ -156,6 +156,14 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # Native attention (and q/k norm + rope) kernels for every step, or None.
         self.native_ops = self.platform.ops if self.platform.attention == "native" else None
+        # CUDA: the Triton attention kernels (imported only here: triton is optional).
+        self.triton_ops = None
+        if self.platform.attention == "triton":
+            from tokenmill.ops import triton_attention
+            self.triton_ops = triton_attention
+        # CUDA graphs of pure-decode steps (worker/cuda_graph.py), captured at
+        # initialize_kv_cache where the platform says so; None: every step eager.
+        self.cuda_graphs = None
         # The worker half of the KV connector (initialize_kv_cache), or None.
         self.kv_connector = None
         # This step's external loads that did not land (ModelRunnerOutput.invalid_block_ids).
@@ -237,7 +245,9 @@ class ModelRunner:
             for name in config.groups[gid].layer_names:
                 if name in layers:
                     layers[name].kv_group = gid if multi else None
-        self.state_caches = allocate_state_caches(config, self.device)
+        graphs = self._cuda_graphs_apply()
+        # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
+        self.state_caches = allocate_state_caches(config, self.device, int(graphs))
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
             state_layers[name].state = tensors
@@ -248,6 +258,22 @@ class ModelRunner:
                                       [g.spec.block_size if g.is_attention else 1
                                        for g in config.groups], self.device,
                                       self.model.config.vocab_size)
+        if graphs:
+            from tokenmill.worker.cuda_graph import DecodeGraphRunner
+            self.cuda_graphs = DecodeGraphRunner.build(self)
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
+        attention, not enforce_eager), for models whose decode step is all in the graph:
+        no drafter (its proposals read the step's hidden states after the next replay),
+        every attention layer on the Triton kernels (the PyTorch decode path sizes its
+        mask per step). Recurrent layers are in the graph: their pad rows use a scratch
+        state slot."""
+        return (self.platform.cuda_graphs and self.device.type == "cuda"
+                and self.triton_ops is not None
+                and self.drafter is None
+                and all(getattr(layer, "triton_attention", False)
+                        for layer in self.attention_layers().values()))
 
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -416,7 +442,29 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
+        if self.triton_ops is not None:
+            self._triton_metadata(meta, table, block_ids, positions, seq_lens,
+                                  query_start_loc, nd)
         return meta
+
+    def _triton_metadata(self, meta: AttentionMetadata, table, block_ids: np.ndarray,
+                         positions: np.ndarray, seq_lens: np.ndarray,
+                         query_start_loc: np.ndarray, nd: int) -> None:
+        """The flat inputs of the Triton kernels (CUDA): the slot mapping and every
+        prompt chunk's query range, length and block table in one tensor each."""
+        dev, bs = self.device, table.block_size
+        meta.triton_ops = self.triton_ops
+        meta.slot_mapping = torch.from_numpy(block_ids.astype(np.int64) * bs
+                                             + positions % bs).to(dev)
+        n = self.input_batch.num_reqs()
+        if n > nd:
+            qsl = query_start_loc[nd:n + 1] - query_start_loc[nd]
+            lens = seq_lens[nd:n]
+            nb = -(-int(lens.max()) // bs)
+            meta.prefill_query_start_loc = torch.from_numpy(qsl.astype(np.int64)).to(dev)
+            meta.prefill_seq_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
+            meta.prefill_block_table = torch.from_numpy(table.block_table[nd:n, :nb].copy()).to(dev)
+            meta.prefill_max_query_len = int(np.diff(qsl).max())
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
                         computed: np.ndarray, num_drafts: np.ndarray | None = None
@@ -551,8 +599,14 @@ class ModelRunner:
                     if not invalid.isdisjoint(self.requests[rid].block_ids[gid]):
                         discard[r] = True
                         kv_failed.add(rid)
-        hidden = self.model(torch.from_numpy(input_ids.astype(np.int64)).to(dev),
-                            torch.from_numpy(positions).to(dev), meta)
+        ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
+        pos_t = torch.from_numpy(positions).to(dev)
+        if (self.cuda_graphs is not None and not meta.prefills
+                and self.last_step.cu_num_logits is None
+                and self.cuda_graphs.can_run(len(input_ids))):
+            hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # a pure-decode step
+        else:
+            hidden = self.model(ids_t, pos_t, meta)
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
             self.kv_connector.save_kv(kv_meta, kv_failed)
         if self.draft_model is not None:
@@ -748,7 +802,11 @@ class ModelRunner:
             vocab = logits.shape[1]
             md = self._sampling_metadata(discard)
             sampler_out = self.sampler(logits.float(), md)
-            sampled_np = sampler_out.sampled_token_ids.to("cpu", dtype=torch.int64).numpy()
+            ids = sampler_out.sampled_token_ids.to(torch.int64)
+            if ids.device.type != "cpu":  # one device -> host copy for the ids and flags
+                both = torch.stack([ids.view(-1), nan_rows.to(torch.int64)]).cpu().numpy()
+                ids, nan_rows = torch.from_numpy(both[0]), torch.from_numpy(both[1] != 0)
+            sampled_np = ids.numpy()
             if sampler_out.logprobs is not None:
                 lt = sampler_out.logprobs
                 logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),

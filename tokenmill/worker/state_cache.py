@@ -15,15 +15,17 @@ from tokenmill.core.kv_cache_spec import KVCacheConfig, MambaSpec
 from tokenmill.worker.kv_cache import TORCH_DTYPES
 
 
-def allocate_state_caches(config: KVCacheConfig, device: torch.device
+def allocate_state_caches(config: KVCacheConfig, device: torch.device, extra_slots: int = 0
                           ) -> dict[str, tuple[torch.Tensor, ...]]:
+    """`extra_slots`: scratch slots after the config's, never handed to a request (the
+    pad rows of a CUDA graph read and write one: worker/cuda_graph.py)."""
     caches = {}
     for group in config.groups:
         if not isinstance(group.spec, MambaSpec):
             continue
         for name in group.layer_names:
             caches[name] = tuple(
-                torch.zeros((config.num_state_slots, *shape), dtype=TORCH_DTYPES[dtype],
+                torch.zeros((config.num_state_slots + extra_slots, *shape), dtype=TORCH_DTYPES[dtype],
                             device=device)
                 for shape, dtype in zip(group.spec.shapes, group.spec.dtypes, strict=True))
     return caches

@@ -64,6 +64,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Native kernels (tokenmill.kernels.cpu_ops()) or None for the PyTorch path.
     native_ops: object = None
+    # On CUDA: the Triton kernels (tokenmill/ops/triton_attention.py), or None. They
+    # read the flat fields below, which the runner fills only for them.
+    triton_ops: object = None
+    slot_mapping: torch.Tensor | None = None  # [T] block id * block_size + offset (-1: pad)
+    # The prompt chunks at once: query_start_loc [P + 1] from the first chunk's first
+    # query, seq_lens [P] (cached + chunk), block_table [P, widest] int32.
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
+    prefill_max_query_len: int = 0
     state: StateMetadata | None = None
     # Models with several KV cache groups: each group's own metadata (block tables and
     # slot mapping), by group id; a layer bound to group g reads by_group[g].
@@ -100,6 +110,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # The Triton kernels take head sizes that are powers of two up to 256 and no
+        # soft-capping; other layers keep the PyTorch path on CUDA.
+        self.triton_kv = head_size & (head_size - 1) == 0 and head_size <= 256
+        self.triton_attention = self.triton_kv and logit_softcap is None
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
         self.kv_group: int | None = None  # its KV cache group (bound by the runner)
 
@@ -107,6 +121,9 @@ class PagedAttention(nn.Module):
         """k/v [T, Hkv, D] into the paged cache at the step's slots."""
         meta = meta.for_group(self.kv_group)
         cache = self.kv_cache
+        if meta.triton_ops is not None and self.triton_kv:
+            meta.triton_ops.write_kv(k, v, cache, meta.slot_mapping)
+            return
         ops = meta.native_ops
         if ops is not None and k.dtype == cache.dtype:
             ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset)
@@ -120,6 +137,8 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         meta = meta.for_group(self.kv_group)
         self.write_kv(k, v, meta)
+        if meta.triton_ops is not None and self.triton_attention:
+            return self._forward_triton(q, cache, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: one call, no output copy
             return self._decode(q, cache, meta).view(q.shape[0], -1)
@@ -129,6 +148,22 @@ class PagedAttention(nn.Module):
         for p in meta.prefills:
             s, e = p.query_start, p.query_end
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], cache, p)
+        return out.view(q.shape[0], -1)
+
+    def _forward_triton(self, q, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """CUDA: one decode kernel over the decode rows, one prefill kernel over every
+        prompt chunk (their K/V are in the cache already)."""
+        ops, nd, window = meta.triton_ops, meta.num_decodes, self.sliding_window or 0
+        if not meta.prefills:
+            return ops.paged_decode(q, cache, meta.decode_block_table, meta.decode_seq_lens,
+                                    self.scale, window).view(q.shape[0], -1)
+        out = torch.empty_like(q)
+        if nd:
+            ops.paged_decode(q[:nd], cache, meta.decode_block_table, meta.decode_seq_lens,
+                             self.scale, window, out=out[:nd])
+        ops.paged_prefill(q[nd:], cache, meta.prefill_block_table, meta.prefill_query_start_loc,
+                          meta.prefill_seq_lens, meta.prefill_max_query_len, self.scale, window,
+                          out=out[nd:])
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):

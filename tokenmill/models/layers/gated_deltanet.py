@@ -12,8 +12,17 @@ system, so a chunk costs a few matmuls and only the chunks are sequential.
 Before either, q/k/v pass a depthwise causal conv1d whose last kernel-1
 inputs are carried per sequence (the conv state), so a prompt split across
 steps, even into chunks shorter than the kernel, convolves exactly as whole.
+
+On CUDA the platform may hand the layer flash-linear-attention's kernels
+(`set_linear_attention("fla")`, where `fla` imports): the fused recurrent step
+for decode rows and the chunked rule for prompt chunks, over the same fp32
+inputs and the same per-slot state (fla keeps its state as [H, Dk, Dv], the
+transpose of ours). The conv1d stays in PyTorch (one small depthwise conv per
+chunk; fla's causal_conv1d signature has changed across releases).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +115,36 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     return out, s
 
 
+def load_fla_kernels():
+    """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from
+    flash-linear-attention, or None where it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
+                                              fused_recurrent_gated_delta_rule)
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_decode(fused, q, k, v, g, beta, ssm_state, slots, write_slots=None):
+    """delta_rule_decode through fla's fused recurrent kernel (one token per row)."""
+    init = ssm_state[slots].float().transpose(-1, -2).contiguous()  # [n, H, Dk, Dv]
+    out, final = fused(q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1),
+                       g=g.unsqueeze(1), beta=beta.unsqueeze(1), scale=1.0,
+                       initial_state=init, output_final_state=True)
+    ssm_state[slots if write_slots is None else write_slots] = \
+        final.transpose(-1, -2).to(ssm_state.dtype)
+    return out[:, 0].float()
+
+
+def fla_chunked(chunk, q, k, v, g, beta, state):
+    """delta_rule_chunked through fla's chunked kernel (one sequence)."""
+    init = state.float().transpose(-1, -2).unsqueeze(0).contiguous()  # [1, H, Dk, Dv]
+    out, final = chunk(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None],
+                       scale=1.0, initial_state=init, output_final_state=True)
+    return out[0].float(), final[0].transpose(-1, -2)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's output, then times silu(z)."""
 
@@ -150,6 +189,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
+        self.fla = None  # flash-linear-attention's kernels (set_linear_attention)
+
+    def set_linear_attention(self, kind: str) -> None:
+        """"fla": flash-linear-attention's kernels where installed (CUDA); else PyTorch."""
+        self.fla = load_fla_kernels() if kind == "fla" else None
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.conv_dim, self.conv_kernel - 1),
@@ -185,23 +229,31 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
         if rep > 1:  # each q/k head serves `rep` consecutive value heads
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            # (expand, not repeat_interleave: that one builds its repeats tensor on the
+            # host, a copy a CUDA graph cannot capture)
+            q, k = (x.unsqueeze(2).expand(t, self.num_k_heads, rep, self.head_k_dim)
+                    .reshape(t, self.num_v_heads, self.head_k_dim) for x in (q, k))
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
         core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
                            device=x.device)
+        if self.fla is not None:
+            chunked = functools.partial(fla_chunked, self.fla[0])
+            decode = functools.partial(fla_decode, self.fla[1])
+        else:
+            chunked, decode = delta_rule_chunked, delta_rule_decode
         if sm.decode_steps is not None:
             for rows, read, write in sm.decode_steps:
-                core[rows] = delta_rule_decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                               ssm_state, read, write)
+                core[rows] = decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                    ssm_state, read, write)
         elif nd:
-            core[:nd] = delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
-                                          sm.state_indices[:nd])
+            core[:nd] = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
+                               sm.state_indices[:nd])
         for start, end, slot in sm.prefills:
-            out, final = delta_rule_chunked(q[start:end], k[start:end], v[start:end],
-                                            g[start:end], beta[start:end], ssm_state[slot])
+            out, final = chunked(q[start:end], k[start:end], v[start:end],
+                                 g[start:end], beta[start:end], ssm_state[slot])
             core[start:end] = out
             ssm_state[slot] = final.to(ssm_state.dtype)
         core = self.norm(core.to(x.dtype), z.reshape(t, self.num_v_heads, self.head_v_dim))

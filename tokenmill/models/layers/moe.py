@@ -18,8 +18,17 @@ On the CPU the experts of a bf16 model take the packed bf16 kernel the way a
 slice of up to `bf16_max_rows` rows runs `linear_bf16` over the expert's packed
 weights. Without native bf16 every slice does and the packed weights are the only
 copy (no fp32 copy of the experts).
+
+On CUDA (`FusedMoE.sync_free`, set by the platform) the expert groups never reach
+the host: the sorted pairs go through `torch._grouped_mm` with the groups' end
+offsets (bf16 on compute capability 9.0+), else through a batched matmul
+over each pair's gathered expert weights in chunks of bounded size. No
+per-expert `.tolist()`, so the step can run under async scheduling without a
+stall and be captured in a CUDA graph.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +54,8 @@ def route(router_logits: torch.Tensor, top_k: int,
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   compute_dtype: torch.dtype | None = None,
-                  packed: "PackedExperts | None" = None) -> torch.Tensor:
+                  packed: "PackedExperts | None" = None,
+                  sync_free: bool = False) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t.
 
     x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. The GEMMs
@@ -60,6 +70,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair p = token * top_k + slot, by expert
     token_idx = order // top_k
+    if sync_free:
+        # (bincount on CUDA reads the largest id on the host: an index_add instead)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
+        xs = x[token_idx].to(gemm_dtype)
+        gate_up = _sync_free_mm(xs, w13, counts, flat_ids[order]).to(x.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(gemm_dtype)
+        down = _sync_free_mm(act, w2, counts, flat_ids[order]).to(x.dtype)
+        down = down * topk_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token_idx, down)
     counts = torch.bincount(flat_ids, minlength=num_experts)
     ends = torch.cumsum(counts, 0)
     hit = torch.nonzero(counts).flatten()
@@ -81,6 +102,34 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         down = packed.grouped(act, packed.w2, n2, groups, w2, gemm_dtype)
     down = down * topk_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, token_idx, down)
+
+
+# Bytes of gathered expert weights one batched matmul of the sync-free fallback reads.
+GATHER_BYTES = 256 << 20
+
+
+@functools.cache
+def _has_grouped_mm(device: torch.device) -> bool:
+    """torch._grouped_mm (bf16, offsets) runs on CUDA devices of compute capability 9.0+."""
+    return (device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _sync_free_mm(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                  sorted_ids: torch.Tensor) -> torch.Tensor:
+    """out[p] = xs[p] @ w[sorted_ids[p]]^T for pairs sorted by expert, without reading
+    the group sizes on the host."""
+    if xs.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and _has_grouped_mm(xs.device):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # each group's end
+        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
+    # Fallback (fp32, or no grouped GEMM): each pair's expert matrix gathered, a
+    # bounded number of pairs at a time (the count is the tensor's shape: no sync).
+    out = xs.new_empty(xs.shape[0], w.shape[1])
+    step = max(1, GATHER_BYTES // (w.shape[1] * w.shape[2] * w.element_size()))
+    for lo in range(0, xs.shape[0], step):
+        hi = min(lo + step, xs.shape[0])
+        torch.bmm(w[sorted_ids[lo:hi]], xs[lo:hi].unsqueeze(-1), out=out[lo:hi].unsqueeze(-1))
+    return out
 
 
 def _grouped_mm(xs: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
@@ -120,6 +169,7 @@ class FusedMoE(nn.Module):
 
     compute_dtype: torch.dtype | None = None
     packed: PackedExperts | None = None  # set by pack_bf16
+    sync_free: bool = False  # CUDA: no host sync on the expert groups (set by the platform)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -165,7 +215,8 @@ class FusedMoE(nn.Module):
                 topk_ids: torch.Tensor) -> torch.Tensor:
         packed = self.packed if x.dtype in (torch.bfloat16, torch.float32) else None
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                             self.compute_dtype, packed)
+                             self.compute_dtype, None if self.sync_free else packed,
+                             self.sync_free)
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: the GPU tests, then a short GPU benchmark, results
+# into OUTDIR. Meant to finish within 5 minutes on one H200 (each stage has its own
+# time limit, and a failing stage does not stop the next ones).
+#
+#   scripts/gpu_check.sh OUTDIR        (PYTHON=... to pick the interpreter)
+#
+# OUTDIR gets: env.txt (torch / CUDA / triton / GPU), gpu_tests.log + .xml (tests/gpu:
+# CUDA greedy == CPU fp32 for dense, sliding, multi-group, MoE, hybrid models, with and
+# without CUDA graphs, chunked prefill, preemption; the Triton kernels compiled, bf16
+# included), throughput.json/.log (nano-vllm's workload on a Qwen3-0.6B-architecture
+# model with random bf16 weights: 256 requests, prompt and output lengths uniform in
+# [100, 1024], ignore_eos; tokenmill vs HF generate on its first 16 requests; roofline),
+# decode_step*.json/.log (decode-step time vs the HBM bandwidth bound, CUDA graphs and
+# eager), summary.txt (each stage's exit status and headline lines).
+set -u
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENMILL_CACHE=${TOKENMILL_CACHE:-$OUT/cache}  # the bench model is built here
+unset TRITON_INTERPRET  # compiled Triton kernels, not the CPU interpreter
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, record the status
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
+    return $rc
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)" 2>&1
+  "$PY" -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
+} > "$OUT/env.txt"
+cat "$OUT/env.txt" >> "$SUMMARY"
+
+# 1. The GPU tests (alone in their process: the interpreter tests set TRITON_INTERPRET).
+stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
+    --junitxml "$OUT/gpu_tests.xml"
+tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
+
+# 2. Throughput: nano-vllm's workload (the model is built on first use, ~1 min).
+stage throughput 130 "$PY" -m tokenmill.entrypoints.cli bench throughput \
+    --model bench-qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 256 \
+    --input-len 100:1024 --output-len 100:1024 --seed 0 --max-num-seqs 256 \
+    --hf-num-prompts 16 --hf-batch-size 16 --skip-hf-cb --output-json "$OUT/throughput.json"
+grep -E "tok/s|tokenmill|HF generate|roofline" "$OUT/throughput.log" | tail -n 8 >> "$SUMMARY"
+
+# 3. Decode-step time against the HBM bound, with CUDA graphs and eager.
+stage decode_step 40 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+    --device cuda --batch 1,8,32,128 --context 512 --steps 32 \
+    --output-json "$OUT/decode_step.json"
+stage decode_step_eager 25 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+    --device cuda --batch 1,32 --context 512 --steps 16 --enforce-eager \
+    --output-json "$OUT/decode_step_eager.json"
+grep -h "ms/step" "$OUT/decode_step.log" "$OUT/decode_step_eager.log" >> "$SUMMARY"
+cat "$SUMMARY"
+grep -q "rc=[^0]" "$SUMMARY" && exit 1
+exit 0

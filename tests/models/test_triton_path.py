@@ -1,0 +1,149 @@
+"""The CUDA path's plumbing, proven on the CPU: the engine with the Triton attention
+kernels (run by Triton's interpreter on CPU tensors) and with the decode-graph runner
+(its graphs "replayed" eagerly over the static, padded buffers) gives the same greedy
+tokens as the PyTorch path. Tiny model, few tokens: the interpreter is slow."""
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import TINY, make_llm, make_prompts  # noqa: E402
+from tokenmill import SamplingParams  # noqa: E402
+from tokenmill.cpu_platform import CpuPlatform  # noqa: E402
+
+pytest.importorskip("triton")
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _generate(path, prompts, **kw):
+    llm = make_llm(path, cpu_kernels="torch", **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture
+def triton_platform(monkeypatch):
+    """The CPU platform with the attention decision CUDA makes."""
+    make = CpuPlatform.from_engine_args.__func__
+
+    def with_triton(cls, args, device, dtype):
+        return dataclasses.replace(make(cls, args, device, dtype), attention="triton")
+
+    monkeypatch.setattr(CpuPlatform, "from_engine_args", classmethod(with_triton))
+
+
+class _EagerGraph:
+    """Stands in for a captured graph: replay runs the model over the static buffers."""
+
+    def __init__(self, model, ids, pos, meta, out):
+        self.model, self.ids, self.pos, self.meta, self.out = model, ids, pos, meta, out
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.model(self.ids, self.pos, self.meta))
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch, triton_platform):
+    from tokenmill.worker import cuda_graph
+    from tokenmill.worker.model_runner import ModelRunner
+
+    def capture(self, progress=False):
+        buf = self.buffers
+        hidden = self.model.config.hidden_size
+        for size in self.sizes:
+            meta = buf.metadata(size)
+            out = torch.empty(size, hidden, dtype=self.model.embed_tokens.weight.dtype)
+            self.graphs[size] = (_EagerGraph(self.model, buf.input_ids[:size],
+                                             buf.positions[:size], meta, out), out)
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphRunner, "capture", capture)
+    monkeypatch.setattr(ModelRunner, "_cuda_graphs_apply", lambda self: True)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "mistral_swa"])
+def test_triton_attention_engine_matches_pytorch_path(tiny_model_factory, triton_platform,
+                                                      name):
+    """Mixed steps (decodes beside prompt chunks of 8 tokens: chunked prefill over a
+    cached prefix) and, for mistral_swa, a window of 12 smaller than the sequences."""
+    tm = tiny_model_factory(name)
+    prompts = [tm.prompts[0][:5], tm.prompts[1][:19], tm.prompts[2][:11]]
+    got, llm = _generate(tm.path, prompts, max_num_batched_tokens=8)
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.triton_ops is not None and runner.last_attn_meta.slot_mapping is not None
+    for p, g in zip(prompts, got):
+        assert g == tm.reference(p, len(g)), name
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "gemma3"])
+def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, eager_graphs,
+                                                          name):
+    """Three requests decode together: each step pads 3 -> 4 rows (an inert pad row
+    beside them) and, as they finish at different lengths, 2 -> 2 and 1 -> 1. Gemma 3:
+    two KV cache groups (local and global layers), each with its own static buffers."""
+    tm = tiny_model_factory(name)
+    prompts = [tm.prompts[0][:5], tm.prompts[1][:9], tm.prompts[2][:7]]
+    llm = make_llm(tm.path, cpu_kernels="torch", max_num_seqs=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.engine_core.runner
+    graphs = runner.cuda_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert set(graphs.buffers.groups) == set(runner.attn_group_ids)
+    assert len(runner.attn_group_ids) == (2 if name == "gemma3" else 1)
+    assert graphs.graphs[4][0].replays > 0  # the padded size ran
+    for cache in runner.kv_caches.values():  # pad rows wrote nowhere, not even the null block
+        assert not cache[0].any()
+    for p, o, sp in zip(prompts, outs, params):
+        assert o.outputs[0].token_ids == tm.reference(p, sp.max_tokens)
+
+
+def test_triton_decode_serves_rows_verifying_drafts(tiny_model_factory, triton_platform,
+                                                    monkeypatch):
+    """n-gram speculation: a verifying row's tokens are decode queries of their own
+    lengths (the block table repeated per token): same tokens as without drafts."""
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    tm = tiny_model_factory("llama_gqa_tied")
+    motif = tm.prompts[3][:3]
+    prompts = [tm.prompts[0][:4] + motif * 3, tm.prompts[1][:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(tm.path, cpu_kernels="torch",
+                   speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                           prompt_lookup_max=3, prompt_lookup_min=1))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == tm.reference(p, 10)
+
+
+def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
+    """Qwen3.5 (Gated DeltaNet + attention): the pad rows' recurrent state goes to the
+    scratch slot after the real ones; same tokens as the PyTorch path without graphs,
+    and no live request's state is touched by a pad row."""
+    from test_hybrid_parity import HYBRID_SPECS, build_hybrid
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    build_hybrid(str(tmp_path), arch, overrides)
+    prompts = make_prompts([5, 9, 3], TINY["vocab_size"], seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
+
+    def run(**kw):
+        llm = make_llm(str(tmp_path), cpu_kernels="torch", max_num_seqs=4, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.engine_core.runner
+
+    got, runner = run()
+    graphs = runner.cuda_graphs
+    assert graphs is not None and graphs.buffers.pad_state_slot == 4 * 1  # 4 seqs, width 1
+    assert all(t[0].shape[0] == 5 for t in runner.state_caches.values())  # 4 + scratch
+    assert graphs.graphs[4][0].replays > 0
+    eager_graphs.undo()  # the PyTorch path, no Triton, no graphs
+    want, runner = run()
+    assert runner.cuda_graphs is None
+    assert got == want

@@ -1,0 +1,262 @@
+"""The Triton paged-attention kernels (tokenmill/ops/triton_attention.py) against a
+plain PyTorch reference, on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1
+must be set before triton is imported: it decides at decoration time). Tiny shapes:
+the interpreter runs each program in Python."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+ta = pytest.importorskip("tokenmill.ops.triton_attention")
+
+
+def _cache(num_blocks, block_size, hkv, d, dtype, pad=0, seed=0):
+    """A [nb, 2, bs, Hkv, D] view over pages of `pad` extra elements (as a padded spec's)."""
+    g = torch.Generator().manual_seed(seed)
+    page = 2 * block_size * hkv * d
+    raw = torch.randn(num_blocks, page + pad, generator=g).to(dtype)
+    return raw[:, :page].view(num_blocks, 2, block_size, hkv, d)
+
+
+def _table(lens, block_size, num_blocks, seed=1):
+    """Distinct random block ids (never 0, the null block) for each row."""
+    g = torch.Generator().manual_seed(seed)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(-(-n // block_size) for n in lens) + 1  # a spare column: rows are cut wider
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for r, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            table[r, j] = perm.pop()
+    return table
+
+
+def _ref_attend(q, cache, table_row, qpos, scale, window):
+    """q [M, Hq, D] at positions qpos [M] over the request's keys 0..max(qpos)."""
+    bs, hkv = cache.shape[2], cache.shape[3]
+    n = int(qpos.max()) + 1
+    pos = torch.arange(n)
+    blocks = table_row[pos // bs].long()
+    k = cache[blocks, 0, pos % bs].float()  # [n, Hkv, D]
+    v = cache[blocks, 1, pos % bs].float()
+    rep = q.shape[1] // hkv
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    visible = pos[None, :] <= qpos[:, None]
+    if window:
+        visible &= pos[None, :] > qpos[:, None] - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
+
+
+def test_interpreter_runs_a_trivial_kernel():
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x, n, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.arange(5, dtype=torch.float32)
+    add_one[(1,)](x, 5, B=8)
+    assert x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_through_slot_mapping_skips_pad_slots(dtype):
+    bs, hkv, d = 4, 2, 16
+    page = 2 * bs * hkv * d
+    raw = torch.randn(6, page + 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    raw_before = raw.clone()
+    cache = raw[:, :page].view(6, 2, bs, hkv, d)  # a padded page, as a padded spec's
+    before = cache.clone()
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(5, hkv, d, generator=g).to(dtype)
+    v = torch.randn(5, hkv, d, generator=g).to(dtype)
+    slots = torch.tensor([9, 10, -1, 21, 4], dtype=torch.int64)  # -1: a pad row
+    ta.write_kv(k, v, cache, slots)
+    expect = before.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expect[s // bs, 0, s % bs] = k[t]
+            expect[s // bs, 1, s % bs] = v[t]
+    assert torch.equal(cache, expect)
+    assert torch.equal(raw[:, page:], raw_before[:, page:])  # the padding untouched
+
+
+@pytest.mark.parametrize("hq,hkv,d,window", [
+    (4, 2, 16, 0),    # GQA
+    (4, 4, 32, 0),    # MHA
+    (6, 2, 8, 0),     # group of 3 (padded), head_dim below tl.dot's 16
+    (4, 1, 16, 5),    # MQA, sliding window
+])
+def test_paged_decode_matches_reference(hq, hkv, d, window):
+    bs, nb = 4, 24
+    cache = _cache(nb, bs, hkv, d, torch.float32)
+    lens = [1, 7, 13, 0]  # the last: a pad row of a CUDA graph (null block, length 0)
+    table = _table(lens, bs, nb)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(5))
+    scale = d ** -0.5
+    out = ta.paged_decode(q, cache, table, torch.tensor(lens, dtype=torch.int32), scale,
+                          window)
+    for r, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[r], torch.zeros_like(out[r]))
+            continue
+        ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), scale, window)
+        torch.testing.assert_close(out[r], ref[0], atol=2e-5, rtol=1e-5)
+
+
+def test_paged_decode_window_never_reads_blocks_before_it():
+    """Blocks before the window may be back in the pool: poison them, same output."""
+    bs, hkv, d, hq, window = 4, 2, 16, 4, 6
+    cache = _cache(16, bs, hkv, d, torch.float32)
+    lens = [14]
+    table = _table(lens, bs, 16)
+    q = torch.randn(1, hq, d, generator=torch.Generator().manual_seed(2))
+    sl = torch.tensor(lens, dtype=torch.int32)
+    out = ta.paged_decode(q, cache, table, sl, 0.25, window)
+    first_needed = (14 - window) // bs
+    poisoned = cache.clone()
+    for j in range(first_needed):
+        poisoned[table[0, j].long()] = float("nan")
+    torch.testing.assert_close(ta.paged_decode(q, poisoned, table, sl, 0.25, window), out)
+
+
+def test_paged_decode_half_close_to_reference():
+    """fp16 (the interpreter's tl.dot gets bf16 wrong: numpy has no bf16; bf16 waits for
+    tests/gpu)."""
+    bs, hkv, d, hq = 8, 2, 32, 4
+    cache = _cache(12, bs, hkv, d, torch.float16)
+    lens = [5, 19]
+    table = _table(lens, bs, 12)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(1)).half()
+    out = ta.paged_decode(q, cache, table, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
+    for r, n in enumerate(lens):
+        ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), d ** -0.5, 0)
+        torch.testing.assert_close(out[r].float(), ref[0], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("hq,hkv,d,window", [(4, 2, 16, 0), (2, 1, 32, 7)])
+def test_paged_prefill_with_cached_prefix_matches_reference(hq, hkv, d, window):
+    """Three chunks in one step: a fresh prompt, one continuing after 9 cached tokens
+    (a chunked prefill / prefix hit), one of 20 tokens after 3 (spans several query
+    tiles); their K/V were written first, as the layer does."""
+    bs, nb = 4, 40
+    cache = _cache(nb, bs, hkv, d, torch.float32)
+    q_lens, ctx = [5, 3, 20], [0, 9, 3]
+    lens = [a + b for a, b in zip(q_lens, ctx)]
+    table = _table(lens, bs, nb)
+    qsl = torch.tensor([0, 5, 8, 28], dtype=torch.int64)
+    q = torch.randn(28, hq, d, generator=torch.Generator().manual_seed(4))
+    out = ta.paged_prefill(q, cache, table, qsl, torch.tensor(lens, dtype=torch.int32),
+                           max(q_lens), d ** -0.5, window)
+    for r in range(3):
+        s, e = int(qsl[r]), int(qsl[r + 1])
+        qpos = torch.arange(ctx[r], lens[r])
+        ref = _ref_attend(q[s:e], cache, table[r], qpos, d ** -0.5, window)
+        torch.testing.assert_close(out[s:e], ref, atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_and_decode_agree_with_the_cpu_layer():
+    """The CPU path's PagedAttention (PyTorch) on the same cache and metadata."""
+    from tokenmill.models.layers.attention import (AttentionMetadata, PagedAttention,
+                                                   PrefillChunk)
+    bs, hkv, d, hq = 4, 2, 16, 4
+    cache = _cache(20, bs, hkv, d, torch.float32)
+    layer = PagedAttention(hq, hkv, d, d ** -0.5)
+    layer.kv_cache = cache
+    table = _table([6, 11], bs, 20)
+    g = torch.Generator().manual_seed(7)
+    # one decode row at length 6, then a 4-token chunk after 7 cached tokens
+    q = torch.randn(5, hq, d, generator=g)
+    k = torch.randn(5, hkv, d, generator=g)
+    v = torch.randn(5, hkv, d, generator=g)
+    pos = torch.tensor([5, 7, 8, 9, 10])
+    rows = torch.tensor([0, 1, 1, 1, 1])
+    blocks = table[rows, pos // bs].long()
+    meta = AttentionMetadata(num_decodes=1, slot_block=blocks, slot_offset=pos % bs,
+                             decode_block_table=table[:1], decode_seq_lens=torch.tensor(
+                                 [6], dtype=torch.int32),
+                             prefills=[PrefillChunk(1, 5, 7, table[1, :3].long())])
+    ref = layer(q, k, v, meta).view(5, hq, d)
+    cache2 = _cache(20, bs, hkv, d, torch.float32)  # same seed: the same starting cache
+    ta.write_kv(k, v, cache2, blocks * bs + pos % bs)
+    torch.testing.assert_close(cache2, cache)
+    dec = ta.paged_decode(q[:1], cache2, table[:1], torch.tensor([6], dtype=torch.int32),
+                          d ** -0.5)
+    pre = ta.paged_prefill(q[1:], cache2, table[1:], torch.tensor([0, 4]),
+                           torch.tensor([11], dtype=torch.int32), 4, d ** -0.5)
+    torch.testing.assert_close(torch.cat([dec, pre]), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_cache_layout_is_refused():
+    cache = torch.zeros(4, 2, 4, 2, 12)
+    with pytest.raises(ValueError, match="head_size"):
+        ta.paged_decode(torch.zeros(1, 2, 12), cache, torch.zeros(1, 1, dtype=torch.int32),
+                        torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("head_size,softcap", [(24, None), (16, 30.0)])
+def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap):
+    """A head size that is not a power of two (K/V write and attention) or soft-capped
+    scores (attention only) stay on the PyTorch path even where Triton is picked."""
+    from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+
+    class Spy:
+        calls = []
+
+        def __getattr__(self, name):
+            fn = getattr(ta, name)
+
+            def wrapped(*a, **k):
+                Spy.calls.append(name)
+                return fn(*a, **k)
+            return wrapped
+
+    layer = PagedAttention(2, 1, head_size, 0.3, logit_softcap=softcap)
+    layer.kv_cache = torch.zeros(4, 2, 4, 1, head_size)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, head_size, generator=g) for h in (2, 1, 1))
+    base = dict(num_decodes=1, slot_block=torch.tensor([1]), slot_offset=torch.tensor([2]),
+                decode_block_table=torch.tensor([[1]], dtype=torch.int32),
+                decode_seq_lens=torch.tensor([3], dtype=torch.int32))
+    ref = layer(q, k, v, AttentionMetadata(**base))
+    layer.kv_cache.zero_()
+    got = layer(q, k, v, AttentionMetadata(**base, triton_ops=Spy(),
+                                           slot_mapping=torch.tensor([6])))
+    torch.testing.assert_close(got, ref)
+    assert Spy.calls == ([] if head_size == 24 else ["write_kv"])
+    assert (layer.triton_kv, layer.triton_attention) == (head_size == 16, False)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_split_k_decode_matches_the_single_pass(splits):
+    """Split-K (what batch 1 takes on a GPU): the keys in `splits` parts, combined; a
+    part may be empty (short rows, a pad row, a window)."""
+    bs, hkv, hq, d = 4, 2, 4, 16
+    cache = _cache(24, bs, hkv, d, torch.float32)
+    lens = [1, 7, 45, 0]
+    table = _table(lens, bs, 24)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(9))
+    sl = torch.tensor(lens, dtype=torch.int32)
+    for window in (0, 10):
+        one = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=1)
+        got = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=splits)
+        torch.testing.assert_close(got, one, atol=2e-6, rtol=1e-5)
+        for r, n in enumerate(lens):
+            if n:
+                ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), 0.25,
+                                  window)
+                torch.testing.assert_close(got[r], ref[0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+def test_decode_splits_only_on_cuda():
+    assert ta.decode_splits(1, 8, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="power of two"):
+        ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 1, 16),
+                        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                        1.0, num_splits=3)

@@ -1,0 +1,367 @@
+"""Paged attention in Triton: the KV write, batched decode and prefill over a cache prefix.
+
+The cache of one layer is the CPU path's view (worker/kv_cache.py):
+[num_blocks, 2, block_size, num_kv_heads, head_size], K at index 0, V at 1, the
+last dim contiguous; a page may be padded (the block stride is whatever the view
+says), so every kernel takes the strides. Token t of a request sits at block
+block_table[t // block_size], offset t % block_size; block 0 is the null block.
+
+* `write_kv`: k/v [T, Hkv, D] into the cache through `slot_mapping` (block id *
+  block_size + offset); a slot of -1 writes nothing (the pad rows of a CUDA graph).
+* `paged_decode`: one query token per row (GQA: one program per row and KV head
+  takes the group's query heads as the rows of its tiles), keys 0..seq_len-1, or
+  with a sliding `window` w only the last w of them (HF's mask: (p - w, p]). A row
+  with seq_len 0 (a pad row) outputs zeros.
+* `paged_prefill`: the prompt chunks of a step, flat: request r's queries are rows
+  query_start_loc[r]..[r+1]-1, at positions seq_len - query_len + i; each attends
+  causally over everything its request has in the cache (the chunk's own K/V was
+  written first), through the block table; with a window only the keys in it, so
+  a block given back before the window is never read.
+
+Scores and the softmax run in fp32 (online softmax, one pass over the keys); the
+products of an fp32 model use IEEE fp32 (no TF32), so they follow the CPU path
+to rounding. Imported only where the platform picks Triton: it imports triton.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_ckv, stride_ct, stride_ch,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    valid = (d * 0 + slot) >= 0  # -1: a pad row, nothing to write
+    safe = tl.maximum(slot, 0)
+    blk = safe // BLOCK_SIZE
+    off = safe % BLOCK_SIZE
+    key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
+    val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
+    dst = cache_ptr + blk * stride_cb + off * stride_ct + h * stride_ch + d
+    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=valid)
+    tl.store(dst + stride_ckv, val.to(cache_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _scores(q, k, IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """q [M, D] . k [N, D]^T -> [M, N] fp32."""
+    if USE_DOT:
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+    else:  # head_dim below tl.dot's minimum of 16
+        s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+    return s
+
+
+@triton.jit
+def _weighted(p, v, IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """p [M, N] fp32 . v [N, D] -> [M, D] fp32 (p rounded to v's dtype first, as the
+    PyTorch path rounds its probabilities)."""
+    if USE_DOT:
+        if IEEE:
+            o = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v)
+    else:
+        o = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v[None, :, :].to(tl.float32),
+                   axis=1)
+    return o
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
+                 qpos, window, scale, stride_cb, stride_ckv, stride_ct, stride_ch,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """Online softmax over keys k_start..k_end-1 for queries at positions qpos [M]
+    (causal; a window > 0 keeps keys in (qpos - window, qpos])."""
+    d = tl.arange(0, HEAD_DIM)
+    for s in range(k_start, k_end, BLOCK_N):
+        kpos = s + tl.arange(0, BLOCK_N)
+        kin = kpos < k_end
+        blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=kin, other=0).to(tl.int64)
+        base = blk * stride_cb + (kpos % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+        k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=kin[:, None], other=0.0)
+        v = tl.load(cache_ptr + stride_ckv + base[:, None] + d[None, :], mask=kin[:, None],
+                    other=0.0)
+        visible = kin[None, :] & (kpos[None, :] <= qpos[:, None])
+        if window > 0:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
+        scores = tl.where(visible, _scores(q, k, IEEE, USE_DOT) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _weighted(p, v, IEEE, USE_DOT)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale, window,
+                         stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    in_group = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=in_group[:, None], other=0.0)
+    k_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    qpos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + row * stride_bt, kvh,
+                                 k_start, seq_len, qpos, window, scale,
+                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, USE_DOT)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a pad row (seq_len 0): zeros
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+
+
+@triton.jit
+def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr, ml_ptr,
+                               scale, window,
+                               stride_qt, stride_qh,
+                               stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
+                               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                               IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """Split-K decode: split s of a row's keys -> its unnormalised output and (m, l)
+    per query head, in part [N, Hq, S, D] and ml [N, Hq, S, 2] (fp32)."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    in_group = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=in_group[:, None], other=0.0)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Splits of whole BLOCK_N tiles, so a split's tiles are the single pass's tiles.
+    tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    per = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+    k_start = first + split * per
+    k_end = tl.minimum(k_start + per, seq_len)
+    qpos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + row * stride_bt, kvh,
+                                 k_start, k_end, qpos, window, scale,
+                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, USE_DOT)
+    at = (row * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split  # (row, head, split)
+    tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=in_group[:, None])
+    tl.store(ml_ptr + at * 2, m_i, mask=in_group)
+    tl.store(ml_ptr + at * 2 + 1, l_i, mask=in_group)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[row, head] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS + sp
+    m = tl.load(ml_ptr + base * 2)
+    l_s = tl.load(ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_safe)  # a split that saw no key: m = -inf, weight 0
+    total = tl.sum(w * l_s, axis=0)
+    part = tl.load(part_ptr + base[:, None] * HEAD_DIM + d[None, :])
+    acc = tl.sum(w[:, None] * part, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+                          scale, window,
+                          stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    if mb * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r)
+    context = seq_len - q_len
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_chunk = i < q_len
+    qpos = context + i
+    d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=in_chunk[:, None], other=0.0)
+    kvh = h // GROUP
+    first_q = context + mb * BLOCK_M
+    k_end = tl.minimum(seq_len, first_q + BLOCK_M)  # causal: nothing past the tile's last query
+    # With a window the tile's first query sees nothing before first_q - window + 1.
+    k_start = tl.where(window > 0, tl.maximum(first_q - window + 1, 0), 0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + r * stride_bt, kvh,
+                                 k_start, k_end, qpos, window, scale,
+                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, USE_DOT)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=in_chunk[:, None])
+
+
+def _check_cache(cache: torch.Tensor) -> None:
+    if cache.dim() != 5 or cache.shape[1] != 2 or cache.stride(4) != 1:
+        raise ValueError(f"kv cache must be a [num_blocks, 2, block_size, num_kv_heads, "
+                         f"head_size] view with a contiguous last dim, got "
+                         f"{tuple(cache.shape)} strides {cache.stride()}")
+    head = cache.shape[4]
+    if head & (head - 1) or head > 256:
+        raise ValueError(f"head_size must be a power of two up to 256, got {head}")
+
+
+def _cache_strides(cache: torch.Tensor):
+    return cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)
+
+
+def _flags(cache: torch.Tensor) -> dict:
+    return dict(IEEE=cache.dtype == torch.float32, USE_DOT=cache.shape[4] >= 16)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] -> cache at slot_mapping [T] (int64; -1: skipped)."""
+    _check_cache(cache)
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    _kv_write_kernel[(t, hkv)](k, v, cache, slot_mapping,
+                               k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               *_cache_strides(cache), BLOCK_SIZE=cache.shape[2], HEAD_DIM=d)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many splits of the keys a decode step takes: enough programs to fill the
+    GPU's SMs twice when rows x KV heads alone do not (batch 1 has 8 programs for 8
+    KV heads), at most MAX_DECODE_SPLITS; 1 off CUDA. Depends on the shapes only, so
+    a captured CUDA graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    programs = max(num_rows * num_kv_heads, 1)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+
+
+MAX_DECODE_SPLITS = 16
+
+
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int = 0,
+                 out: torch.Tensor | None = None, num_splits: int | None = None
+                 ) -> torch.Tensor:
+    """q [N, Hq, D], block_table [N, >= blocks of the longest row] (int32),
+    seq_lens [N] (int32; 0: a pad row) -> [N, Hq, D]. `num_splits` (a power of two;
+    None: `decode_splits`): the keys of each row in that many parts run by programs
+    of their own, then combined (split-K, for batches too small to fill the GPU)."""
+    _check_cache(cache)
+    n, hq, d = q.shape
+    hkv = cache.shape[3]
+    if hq % hkv:
+        raise ValueError(f"num_heads {hq} must be a multiple of num_kv_heads {hkv}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if n == 0:
+        return out
+    group = hq // hkv
+    splits = decode_splits(n, hkv, q.device) if num_splits is None else num_splits
+    if splits & (splits - 1) or splits < 1:
+        raise ValueError(f"num_splits must be a power of two, got {splits}")
+    if splits > 1:
+        part = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
+        _paged_decode_split_kernel[(n, hkv, splits)](
+            q, cache, block_table, seq_lens, part, ml, float(scale), int(window or 0),
+            q.stride(0), q.stride(1), *_cache_strides(cache), block_table.stride(0),
+            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+            BLOCK_SIZE=cache.shape[2], BLOCK_N=32 if d <= 128 else 16, NUM_SPLITS=splits,
+            **_flags(cache))
+        _combine_splits_kernel[(n, hq)](part, ml, out, out.stride(0), out.stride(1),
+                                        NUM_SPLITS=splits, HEAD_DIM=d)
+        return out
+    _paged_decode_kernel[(n, hkv)](
+        q, cache, block_table, seq_lens, out, float(scale), int(window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(cache), block_table.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_SIZE=cache.shape[2], BLOCK_N=32 if d <= 128 else 16, **_flags(cache))
+    return out
+
+
+def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
+                  scale: float, window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (the chunks' queries, flat), block_table [R, >= blocks of the
+    longest request] (int32), query_start_loc [R + 1], seq_lens [R] (int32; the
+    cached tokens + this chunk) -> [T, Hq, D]."""
+    _check_cache(cache)
+    t, hq, d = q.shape
+    hkv = cache.shape[3]
+    if hq % hkv:
+        raise ValueError(f"num_heads {hq} must be a multiple of num_kv_heads {hkv}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    num_reqs = seq_lens.shape[0]
+    if t == 0 or num_reqs == 0:
+        return out
+    block_m = 16 if max_query_len <= 16 or d > 128 else 32
+    grid = (num_reqs, hq, triton.cdiv(max_query_len, block_m))
+    _paged_prefill_kernel[grid](
+        q, cache, block_table, query_start_loc, seq_lens, out, float(scale), int(window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(cache), block_table.stride(0),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=cache.shape[2], BLOCK_M=block_m,
+        BLOCK_N=32 if d <= 128 else 16, **_flags(cache))
+    return out
