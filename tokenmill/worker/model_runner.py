@@ -193,6 +193,10 @@ class ModelRunner:
     def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.attention_layers().items():
+            own_spec = getattr(layer, "kv_cache_spec", None)
+            if own_spec is not None:  # a layer with its own page layout (MLA's latent)
+                specs[name] = own_spec(block_size, dtype_name(self.dtype))
+                continue
             window = getattr(layer, "sliding_window", None)
             if window is not None and window < self.max_model_len:
                 specs[name] = SlidingWindowSpec(block_size, layer.num_kv_heads,
