@@ -79,6 +79,23 @@ def test_pytorch_decode_path_matches_hf(tiny_model_factory, name):
     assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_native_mqa_decode_matches_hf(tiny_model_factory, name, monkeypatch):
+    """The opt-in route of decode rows through the native paged decode kernel as MQA."""
+    from tokenmill.models.layers.mla import PagedMLAAttention
+    tm = tiny_model_factory(name)
+    monkeypatch.setattr(PagedMLAAttention, "native_decode", True)
+    llm = make_llm(tm.path, block_size=4)
+    if runner_of(llm).native_ops is None:
+        pytest.skip("no native CPU kernels")
+    views = []
+    orig = PagedMLAAttention._as_mqa
+    monkeypatch.setattr(PagedMLAAttention, "_as_mqa",
+                        lambda self, cache: views.append(1) or orig(self, cache))
+    assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+    assert views
+
+
 # ---- prefix caching ---------------------------------------------------------------------
 
 PC_BS = 8

@@ -153,8 +153,13 @@ def test_native_kernel_as_mqa_equals_torch_path(ops, dtype, tol):
     attn, kv_b = _layer(dtype)
     cache, tables = _filled_cache(SEQ_LENS, dtype)
     q = torch.randn(len(SEQ_LENS), H, NOPE + ROPE).to(dtype)
-    torch_out = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
+    torch_out = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    calls = []
+    orig = attn._as_mqa
+    attn._as_mqa = lambda c: calls.append(1) or orig(c)
+    attn.native_decode = True
     native = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    assert calls  # the kernel really ran
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
     if dtype == torch.float32:
         ref = _dense_reference(q, cache, tables, SEQ_LENS, kv_b, attn.scale)

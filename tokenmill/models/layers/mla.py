@@ -15,9 +15,17 @@ head.
   latent rows directly (scores = [q_lat | q_pe] . latent), the latent output is
   taken through W_UV afterwards. Nothing per head is expanded, so a step reads
   each cached token's kv_lora_rank + rope_dim values once for all heads: one
-  batched matmul pair over the rows' gathered blocks, or the native paged decode
-  kernel used as MQA (one KV head of width kv_lora_rank + rope_dim, V the same
-  rows: the first kv_lora_rank output columns are the latent output).
+  batched matmul pair over the rows' gathered blocks.
+
+The native paged decode kernel can serve the absorbed form as MQA: one KV head
+of width kv_lora_rank + rope_dim, and V the same rows (a view whose K/V plane
+stride is 0), the first kv_lora_rank output columns being the latent output
+(`native_decode`, off by default). Its signature allows that unchanged, but
+all the query heads share the one KV head, which makes the step a small GEMM
+per row, and the kernel's any-head-dim path computes it as dot products over
+one job per row: on the 2-vCPU test machine it was 1.2-2.2x slower than the
+batched matmuls at one thread (see the report in the commit log), so the
+PyTorch form is the default.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ class PagedMLAAttention(nn.Module):
     # The runner's view of a paged layer: full attention over one latent "head".
     sliding_window = None
     num_kv_heads = 1
+    # Decode rows through the native paged decode kernel as MQA (see the docstring).
+    native_decode = False
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, scale: float):
@@ -94,7 +104,7 @@ class PagedMLAAttention(nn.Module):
         q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [H, nd, r]
         qa = torch.cat([q_lat.transpose(0, 1), q[..., self.nope:]], dim=-1)  # [nd, H, r + rope]
         ops = meta.native_ops
-        if ops is not None and cache.dtype == q.dtype:
+        if self.native_decode and ops is not None and cache.dtype == q.dtype:
             o = ops.paged_decode(qa, self._as_mqa(cache), meta.decode_block_table,
                                  meta.decode_seq_lens, self.scale, 0)[..., :r]
         else:
