@@ -166,3 +166,37 @@ def test_logprobs_match_hf(tiny_model_factory, name):
         assert comp.token_ids == tm.reference(p)[:12]
         check_completion(tm, p, comp, 3, name)
         check_prompt_logprobs(tm, p, out.prompt_logprobs, 2, name)
+
+
+# ---- the external KV tier ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_kv_connector_moves_latent_blocks(tiny_model_factory, name):
+    """The CPU store keeps MLA blocks (latent rows, no V): outputs identical with
+    external hits, and a connector of the K/V layout is refused."""
+    from tokenmill.kv_connector.config import KVConnectorConfig, KVGeometry
+    from tokenmill.kv_connector.connector import KVConnector
+    from tokenmill.kv_connector.worker import KVConnectorWorker
+    tm = tiny_model_factory(name)
+    prompts = shared_prefix_prompts(tm.vocab_size, prefix_len=60, n=3, suffix=(1, 20))
+    llm = make_llm(tm.path, block_size=PC_BS, kv_connector=["cpu"])
+    core = llm.llm_engine.engine_core
+    geo = core.kv_connector.geometry
+    c = tm.hf_config
+    width = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    assert geo.latent and geo.tag.endswith("-MLA")
+    assert geo.payload_bytes == c["num_hidden_layers"] * PC_BS * width * 4
+    first = _greedy(llm, prompts, 12)
+    scheduler_of(llm).kv_cache_manager.reset_prefix_cache()  # served by the store now
+    again = _greedy(llm, prompts, 12)
+    ext = core.kv_cache_stats()["external"]
+    assert ext["hit_blocks"] > 0 and ext["load_failures"] == 0
+    for p, a, b in zip(prompts, first, again):
+        assert a == b == tm.reference(p, 12)
+    assert_idle(llm)
+    kv_layout = KVGeometry(geo.num_layers, geo.num_kv_heads, geo.head_size, geo.dtype,
+                           geo.block_size)
+    conn = KVConnector(KVConnectorConfig(["cpu"]), "m", kv_layout)
+    with pytest.raises(ValueError, match="refusing"):
+        KVConnectorWorker(conn, core.runner.kv_caches,
+                          core.kv_cache_config.groups[0].layer_names)
