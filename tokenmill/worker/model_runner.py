@@ -17,7 +17,7 @@ from torch import nn
 
 from tokenmill import faults
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                          MambaSpec, SlidingWindowSpec)
+                                          MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
@@ -193,9 +193,9 @@ class ModelRunner:
     def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.attention_layers().items():
-            own_spec = getattr(layer, "kv_cache_spec", None)
-            if own_spec is not None:  # a layer with its own page layout (MLA's latent)
-                specs[name] = own_spec(block_size, dtype_name(self.dtype))
+            if getattr(layer, "latent_cache", False):  # MLA: one latent row per token
+                specs[name] = MLAAttentionSpec(block_size, layer.kv_lora_rank,
+                                               layer.rope_dim, dtype_name(self.dtype))
                 continue
             window = getattr(layer, "sliding_window", None)
             if window is not None and window < self.max_model_len:

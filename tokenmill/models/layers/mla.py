@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.core.kv_cache_spec import MLAAttentionSpec
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 
 
 class PagedMLAAttention(nn.Module):
-    # The runner's view of a paged layer: full attention over one latent "head".
+    # The runner's view of a paged layer: full attention over one latent "head"; it
+    # reports an MLAAttentionSpec of (kv_lora_rank, rope_dim) for a `latent_cache` layer.
+    latent_cache = True
     sliding_window = None
     num_kv_heads = 1
     # Decode rows through the native paged decode kernel as MQA (see the docstring).
@@ -48,7 +49,7 @@ class PagedMLAAttention(nn.Module):
                  v_head_dim: int, kv_lora_rank: int, scale: float):
         super().__init__()
         self.num_heads = num_heads
-        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.head_size = kv_lora_rank + qk_rope_head_dim
         self.scale = scale
@@ -57,9 +58,6 @@ class PagedMLAAttention(nn.Module):
         # (W_UK [H, nope, r], W_UV [H, r, v]) from kv_b_proj, built at the first decode.
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mqa_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (cache, its view)
-
-    def kv_cache_spec(self, block_size: int, dtype: str) -> MLAAttentionSpec:
-        return MLAAttentionSpec(block_size, self.kv_lora_rank, self.rope, dtype)
 
     def write_latent(self, latent: torch.Tensor, meta: AttentionMetadata) -> None:
         """latent [T, kv_lora_rank + rope_dim] into the paged cache at the step's slots."""
@@ -134,7 +132,7 @@ class PagedMLAAttention(nn.Module):
         r, h = self.kv_lora_rank, self.num_heads
         kv = kv_b_proj(latent[:, :r]).view(seq_len, h, self.nope + self.v_dim)
         k = torch.cat([kv[..., :self.nope],
-                       latent[:, None, r:].expand(seq_len, h, self.rope)], dim=-1)
+                       latent[:, None, r:].expand(seq_len, h, self.rope_dim)], dim=-1)
         qh, kh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
         vh = kv[..., self.nope:].transpose(0, 1).unsqueeze(0)
         if p.context_len == 0:
