@@ -23,8 +23,8 @@ stride is 0), the first kv_lora_rank output columns being the latent output
 (`native_decode`, off by default). Its signature allows that unchanged, but
 all the query heads share the one KV head, which makes the step a small GEMM
 per row, and the kernel's any-head-dim path computes it as dot products over
-one job per row: on the 2-vCPU test machine it was 1.2-2.2x slower than the
-batched matmuls at one thread (see the report in the commit log), so the
+one job per row: on the 2-vCPU test machine it was 1.1-2.3x slower than the
+batched matmuls at one thread (ARCHITECTURE.md, "Attention on CPU"), so the
 PyTorch form is the default.
 """
 from __future__ import annotations
