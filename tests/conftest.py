@@ -31,6 +31,14 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.2, rms_norm_eps=1e-6,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# What both DeepSeek configs share: MLA widths (kv_lora_rank 32, rope 16, nope 16,
+# v 16), 3 layers (first_k_dense_replace 1), 8 routed experts + 1 shared. HF's MLA
+# attention repeats K/V by num_attention_heads / num_key_value_heads: equal here.
+DEEPSEEK_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                    num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    n_shared_experts=1, tie_word_embeddings=False)
+
 # name -> (architecture, config overrides). Every parity config lives here.
 MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Llama, GQA (4 q heads / 2 kv heads), tied embeddings, default rope.
@@ -84,6 +92,20 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
                                 max_window_layers=1, tie_word_embeddings=False)),
     # Qwen3, MQA, tied.
     "qwen3_mqa_tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # DeepSeek-V2: MLA with a plain q_proj (q_lora_rank None), latent cache of 32 + 16;
+    # layer 0 dense, 1-2 MoE (top-2 of 8, softmax, group_limited_greedy: 2 of 4 groups,
+    # scaled weights) plus a shared expert; default rope; untied.
+    "deepseek_v2": ("deepseek_v2", dict(
+        DEEPSEEK_MLA, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+        topk_group=2, routed_scaling_factor=1.5)),
+    # DeepSeek-V3: MLA with the low-rank q (q_lora_rank 24), yarn with mscale /
+    # mscale_all_dim (softmax scale corrected); sigmoid routing with a (randomised)
+    # e_score_correction_bias over 2 of 4 groups, renormalised and scaled; untied.
+    "deepseek_v3": ("deepseek_v3", dict(
+        DEEPSEEK_MLA, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                      "original_max_position_embeddings": 64})),
 }
 
 PARITY_MODELS = list(MODEL_SPECS)
@@ -116,6 +138,8 @@ def _classes(arch: str):
         "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[arch]
 
 
@@ -136,6 +160,9 @@ def build_checkpoint(path: str, arch: str, overrides: dict | None = None, seed: 
                 p.normal_(0.0, 0.2)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias
+                b.normal_(0.0, 0.1)
     save_kw = {}
     if max_shard_size is not None:
         save_kw["max_shard_size"] = max_shard_size

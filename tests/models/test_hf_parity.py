@@ -5,8 +5,9 @@ Qwen3 head_dim that is not hidden / heads; tied and untied embeddings; llama3,
 linear and yarn rope scaling) must reproduce HF `generate(do_sample=False)`
 token for token: one prompt, a batch of mixed lengths, forced chunked prefill,
 forced preemption, and a sharded checkpoint. Mistral with a sliding window shorter
-than most prompts and Gemma 3 (local and global layers: two KV cache groups) run
-through all of it. The rope inverse frequencies are
+than most prompts, Gemma 3 (local and global layers: two KV cache groups) and
+DeepSeek-V2 / V3 (multi-head latent attention over a latent KV cache, DeepSeek
+MoE routing) run through all of it. The rope inverse frequencies are
 also compared with HF's ROPE_INIT_FUNCTIONS directly.
 """
 from __future__ import annotations

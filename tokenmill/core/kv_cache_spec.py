@@ -40,6 +40,10 @@ class _PagedSpec:
             return self.page_size_padded
         return self.real_page_size_bytes
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of one layer's cache view: K at [:, 0], V at [:, 1]."""
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_size)
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(_PagedSpec):
@@ -75,7 +79,44 @@ class SlidingWindowSpec(_PagedSpec):
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
 
-AttentionSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True)
+class MLAAttentionSpec(_PagedSpec):
+    """One multi-head latent attention layer (DeepSeek-V2 / V3): every head's K and V
+    are recomputed from one latent per token, [normed compressed kv (kv_lora_rank) |
+    roped k_pe (rope_dim)], so a page holds one `head_size` = kv_lora_rank + rope_dim
+    wide row per token and no V: half the K+V factor of a one-head page. Full
+    attention otherwise (grouped with, and handled as, full-attention layers)."""
+
+    block_size: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+    page_size_padded: int | None = None
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "rope_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_size(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        # One latent row per token: [block_size, kv_lora_rank + rope_dim], no V.
+        return self.block_size * self.head_size * dtype_size(self.dtype)
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.head_size)
+
+
+AttentionSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -104,7 +145,7 @@ class MambaSpec:
         return total
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec | MambaSpec
 
 
 @dataclass(frozen=True)
@@ -118,7 +159,7 @@ class KVCacheGroup:
 
     @property
     def is_attention(self) -> bool:
-        return isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec))
+        return isinstance(self.spec, (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec))
 
     @property
     def sliding_window(self) -> int | None:
@@ -200,7 +241,9 @@ def group_layer_specs(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
         by_spec.setdefault(spec, []).append(name)
-    full = [(s, n) for s, n in by_spec.items() if isinstance(s, FullAttentionSpec)]
+    # MLA layers keep every position too: full attention over their latent pages.
+    full = [(s, n) for s, n in by_spec.items()
+            if isinstance(s, (FullAttentionSpec, MLAAttentionSpec))]
     sliding = [(s, n) for s, n in by_spec.items() if isinstance(s, SlidingWindowSpec)]
     state = [(s, n) for s, n in by_spec.items() if isinstance(s, MambaSpec)]
     if len(state) > 1:

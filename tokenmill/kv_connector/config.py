@@ -6,7 +6,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field, fields
 
-from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, dtype_size
+from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, MLAAttentionSpec,
+                                          dtype_size)
 
 DEFAULT_CPU_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 10 << 30
@@ -109,19 +110,31 @@ class KVGeometry:
     head_size: int
     dtype: str
     block_size: int
+    # MLA (DeepSeek): one latent row per token, no separate V (MLAAttentionSpec).
+    latent: bool = False
 
     @classmethod
     def from_kv_cache_config(cls, config: KVCacheConfig) -> "KVGeometry":
         group = config.groups[config.attention_group_id]
         spec = group.spec
-        assert isinstance(spec, FullAttentionSpec)
+        assert isinstance(spec, (FullAttentionSpec, MLAAttentionSpec))
         return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                   spec.block_size)
+                   spec.block_size, latent=isinstance(spec, MLAAttentionSpec))
+
+    @property
+    def layer_block_shape(self) -> tuple[int, ...]:
+        """One block of one layer's cache view (the spec's cache_shape past dim 0)."""
+        if self.latent:
+            return (self.block_size, self.head_size)
+        return (2, self.block_size, self.num_kv_heads, self.head_size)
 
     @property
     def layer_bytes(self) -> int:
-        """K and V of one block in one layer."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        """K and V (MLA: the latent rows) of one block in one layer."""
+        n = dtype_size(self.dtype)
+        for d in self.layer_block_shape:
+            n *= d
+        return n
 
     @property
     def payload_bytes(self) -> int:
@@ -130,7 +143,7 @@ class KVGeometry:
     @property
     def tag(self) -> str:
         return (f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_size}-{self.dtype}"
-                f"-B{self.block_size}")
+                f"-B{self.block_size}" + ("-MLA" if self.latent else ""))
 
 
 def model_fingerprint(path: str, extra: str = "", sample_bytes: int = 64 << 10,

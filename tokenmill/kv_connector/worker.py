@@ -70,7 +70,7 @@ class KVConnectorWorker:
                  layer_names: list[str]):
         g = connector.geometry
         layers = [kv_caches[n] for n in layer_names]
-        want = (2, g.block_size, g.num_kv_heads, g.head_size)
+        want = g.layer_block_shape
         bad = [n for n, t in zip(layer_names, layers)
                if tuple(t.shape[1:]) != want or dtype_name(t.dtype) != g.dtype]
         if len(layers) != g.num_layers or bad:
@@ -237,7 +237,7 @@ class KVConnectorWorker:
             return
         ids = torch.tensor([b for _, b, _, _ in stores], dtype=torch.long,
                            device=self.layers[0].device)
-        # [n, layers, 2, block_size, heads, head_size] -> host bytes, one row per block (a
+        # [n, layers, *layer_block_shape] -> host bytes, one row per block (a
         # copy: the blocks may be reused as soon as this step is over)
         blocks = torch.stack([cache.index_select(0, ids) for cache in self.layers], dim=1)
         raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(stores), -1).numpy()

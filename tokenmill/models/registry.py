@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.gemma4 import Gemma4ForCausalLM
 from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
@@ -13,6 +14,8 @@ from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForCondition
                                          Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

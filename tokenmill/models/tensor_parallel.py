@@ -49,6 +49,10 @@ def check_tensor_parallel_size(size) -> int:
 def check_divisible(hf_config: dict, size: int) -> None:
     """The model's heads and sizes split evenly over `size` ranks, or a ValueError
     naming tensor_parallel_size and the field that does not."""
+    if hf_config.get("kv_lora_rank"):  # one latent row per token serves every head
+        raise ValueError(f"{TP_FIELD}={size}: multi-head latent attention (kv_lora_rank: "
+                         f"DeepSeek-V2 / V3) is not sharded yet; run it with "
+                         f"{TP_FIELD}=1")
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]

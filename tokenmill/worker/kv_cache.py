@@ -3,9 +3,10 @@
 One raw buffer of `num_blocks` pages per layer position: layer j of every
 attention group views buffer j (a block id belongs to one group, so no two
 layers ever use the same page; KVCacheConfig.buffer_page_sizes). A layer's view
-is [num_blocks, 2, block_size, num_kv_heads, head_size] over the first
-`real_page_size_bytes` of each page, so a padded page keeps its padding and
-groups of different head sizes share buffers of the largest page.
+is its spec's `cache_shape` ([num_blocks, 2, block_size, num_kv_heads, head_size];
+an MLA layer's latent rows [num_blocks, block_size, kv_lora_rank + rope_dim]) over
+the first `real_page_size_bytes` of each page, so a padded page keeps its padding
+and groups of different head sizes share buffers of the largest page.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _allocate_layer(spec: AttentionSpec, num_blocks: int, device) -> torch.Tenso
 def _view_layer(spec: AttentionSpec, raw: torch.Tensor, num_blocks: int) -> torch.Tensor:
     dtype = TORCH_DTYPES[spec.dtype]
     pages = raw[:, :spec.real_page_size_bytes].view(dtype)
-    return pages.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return pages.view(spec.cache_shape(num_blocks))
 
 
 def available_memory_bytes(device: torch.device) -> int:

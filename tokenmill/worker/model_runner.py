@@ -17,7 +17,7 @@ from torch import nn
 
 from tokenmill import faults
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                          MambaSpec, SlidingWindowSpec)
+                                          MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
@@ -201,6 +201,10 @@ class ModelRunner:
     def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.attention_layers().items():
+            if getattr(layer, "latent_cache", False):  # MLA: one latent row per token
+                specs[name] = MLAAttentionSpec(block_size, layer.kv_lora_rank,
+                                               layer.rope_dim, dtype_name(self.dtype))
+                continue
             window = getattr(layer, "sliding_window", None)
             if window is not None and window < self.max_model_len:
                 specs[name] = SlidingWindowSpec(block_size, layer.num_kv_heads,

@@ -51,6 +51,39 @@ def route(router_logits: torch.Tensor, top_k: int,
     return weights.to(router_logits.dtype), ids
 
 
+def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                 num_groups: int = 1, topk_groups: int = 1,
+                 correction_bias: torch.Tensor | None = None, renormalize: bool = False,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, in fp32: scores (softmax, or sigmoid for V3), then top-k among
+    the experts of the `topk_groups` best of `num_groups` equal expert groups.
+
+    A group's score is its best expert's score (softmax scoring, V2's
+    group_limited_greedy) or, with a `correction_bias` (V3), the sum of its two best
+    bias-corrected scores. The bias only chooses: the weights are the uncorrected
+    scores of the chosen experts, renormalised to sum to 1 when asked, then scaled
+    by `scaling` (routed_scaling_factor). Returns (weights [T, k] fp32, ids [T, k]).
+    """
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, num_groups, e // num_groups)
+        group_scores = (grouped.max(dim=-1).values if correction_bias is None
+                        else grouped.topk(2, dim=-1).values.sum(dim=-1))
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(group_scores, topk_groups, dim=-1).indices, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, e)
+        # As DeepSeek: dropped experts score 0 (softmax) or -inf (bias-corrected).
+        choice = choice.masked_fill(~keep, 0.0 if correction_bias is None else float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   compute_dtype: torch.dtype | None = None,

@@ -1,0 +1,146 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3) over a paged latent cache.
+
+The cache of one layer is a [num_blocks, block_size, kv_lora_rank + rope_dim]
+view (MLAAttentionSpec): per token one latent row, [normed compressed kv |
+roped k_pe], shared by every head. Head h's key is [W_UK[h] c | k_pe] and its
+value W_UV[h] c, where c is the compressed kv and kv_b_proj = [W_UK; W_UV] per
+head.
+
+* Prompt chunks run the naive form: the chunk's keys and values (its context's
+  too, gathered through the block table) are expanded per head with one
+  kv_b_proj GEMM, then scaled_dot_product_attention as for any other layer.
+  A chunk has many queries per key, so expanding once is the cheaper side.
+* Decode rows run the weight-absorbed form: q_nope is folded through W_UK into
+  the latent space (q_lat[h] = W_UK[h]^T q_nope[h]), each head attends over the
+  latent rows directly (scores = [q_lat | q_pe] . latent), the latent output is
+  taken through W_UV afterwards. Nothing per head is expanded, so a step reads
+  each cached token's kv_lora_rank + rope_dim values once for all heads: one
+  batched matmul pair over the rows' gathered blocks.
+
+The native paged decode kernel can serve the absorbed form as MQA: one KV head
+of width kv_lora_rank + rope_dim, and V the same rows (a view whose K/V plane
+stride is 0), the first kv_lora_rank output columns being the latent output
+(`native_decode`, off by default). Its signature allows that unchanged, but
+all the query heads share the one KV head, which makes the step a small GEMM
+per row, and the kernel's any-head-dim path computes it as dot products over
+one job per row: on the 2-vCPU test machine it was 1.1-2.3x slower than the
+batched matmuls at one thread (ARCHITECTURE.md, "Attention on CPU"), so the
+PyTorch form is the default.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
+
+
+class PagedMLAAttention(nn.Module):
+    # The runner's view of a paged layer: full attention over one latent "head"; it
+    # reports an MLAAttentionSpec of (kv_lora_rank, rope_dim) for a `latent_cache` layer.
+    latent_cache = True
+    sliding_window = None
+    num_kv_heads = 1
+    # Decode rows through the native paged decode kernel as MQA (see the docstring).
+    native_decode = False
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, kv_lora_rank: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        self.head_size = kv_lora_rank + qk_rope_head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        self.kv_group: int | None = None
+        # (W_UK [H, nope, r], W_UV [H, r, v]) from kv_b_proj, built at the first decode.
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mqa_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (cache, its view)
+
+    def write_latent(self, latent: torch.Tensor, meta: AttentionMetadata) -> None:
+        """latent [T, kv_lora_rank + rope_dim] into the paged cache at the step's slots."""
+        meta = meta.for_group(self.kv_group)
+        self.kv_cache[meta.slot_block, meta.slot_offset] = latent
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, kv_b_proj: nn.Module,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, nope + rope] (q_pe roped), latent [T, kv_lora_rank + rope] (the normed
+        compressed kv, then the roped k_pe) -> [T, H * v_head_dim]."""
+        meta = meta.for_group(self.kv_group)
+        cache = self.kv_cache
+        self.write_latent(latent, meta)
+        t, nd = q.shape[0], meta.num_decodes
+        if not meta.prefills:
+            return self._decode(q, cache, meta, kv_b_proj).reshape(t, -1)
+        out = q.new_empty(t, self.num_heads, self.v_dim)
+        if nd:
+            out[:nd] = self._decode(q[:nd], cache, meta, kv_b_proj)
+        for p in meta.prefills:
+            s, e = p.query_start, p.query_end
+            out[s:e] = self._prefill(q[s:e], latent[s:e], cache, p, kv_b_proj)
+        return out.view(t, -1)
+
+    # ---- decode: the absorbed form -------------------------------------------------
+    def absorbed_weights(self, kv_b_proj: nn.Module,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's K part as [H, nope, r] and its V part as [H, r, v], in `dtype`."""
+        if self._absorbed is None or self._absorbed[0].dtype != dtype:
+            w = kv_b_proj.dense_weight() if hasattr(kv_b_proj, "dense_weight") \
+                else kv_b_proj.weight.detach()
+            w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank).to(dtype)
+            self._absorbed = (w[:, :self.nope].contiguous(),
+                              w[:, self.nope:].transpose(1, 2).contiguous())
+        return self._absorbed
+
+    def _decode(self, q, cache, meta: AttentionMetadata, kv_b_proj) -> torch.Tensor:
+        """Absorbed decode of the first nd rows (one query token each) -> [nd, H, v]."""
+        w_uk, w_uv = self.absorbed_weights(kv_b_proj, q.dtype)
+        r = self.kv_lora_rank
+        nd = q.shape[0]
+        q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [H, nd, r]
+        qa = torch.cat([q_lat.transpose(0, 1), q[..., self.nope:]], dim=-1)  # [nd, H, r + rope]
+        ops = meta.native_ops
+        if self.native_decode and ops is not None and cache.dtype == q.dtype:
+            o = ops.paged_decode(qa, self._as_mqa(cache), meta.decode_block_table,
+                                 meta.decode_seq_lens, self.scale, 0)[..., :r]
+        else:
+            latents = cache[meta.decode_block_table.long()].view(nd, -1, self.head_size)
+            scores = torch.bmm(qa, latents.transpose(1, 2)).float() * self.scale
+            scores = scores + meta.decode_mask(cache.shape[1])[:, 0]  # [nd, 1, L]
+            probs = scores.softmax(dim=-1).to(latents.dtype)
+            o = torch.bmm(probs, latents[..., :r])  # [nd, H, r]
+        return torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)  # [nd, H, v]
+
+    def _as_mqa(self, cache: torch.Tensor) -> torch.Tensor:
+        """The latent cache as the native kernel's [num_blocks, 2, block_size, 1, D]
+        K/V cache: V is the same rows as K (stride 0 between the two)."""
+        if self._mqa_view is None or self._mqa_view[0] is not cache:
+            nb, bs, d = cache.shape
+            view = cache.as_strided((nb, 2, bs, 1, d), (cache.stride(0), 0, d, d, 1))
+            self._mqa_view = (cache, view)
+        return self._mqa_view[1]
+
+    # ---- prompt chunks: the naive form ---------------------------------------------
+    def _prefill(self, q, latent, cache, p: PrefillChunk, kv_b_proj) -> torch.Tensor:
+        """One request's chunk of n queries -> [n, H, v], over K/V expanded per head."""
+        n = q.shape[0]
+        seq_len = p.context_len + n
+        if p.context_len:
+            latent = cache[p.block_table].view(-1, self.head_size)[:seq_len]
+        r, h = self.kv_lora_rank, self.num_heads
+        kv = kv_b_proj(latent[:, :r]).view(seq_len, h, self.nope + self.v_dim)
+        k = torch.cat([kv[..., :self.nope],
+                       latent[:, None, r:].expand(seq_len, h, self.rope_dim)], dim=-1)
+        qh, kh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0)
+        vh = kv[..., self.nope:].transpose(0, 1).unsqueeze(0)
+        if p.context_len == 0:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:
+            # Query i sits at position context_len + i and sees keys 0..context_len + i.
+            kpos = torch.arange(seq_len, device=q.device)[None, :]
+            qpos = torch.arange(p.context_len, seq_len, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=kpos <= qpos,
+                                               scale=self.scale)
+        return o.squeeze(0).transpose(0, 1)
