@@ -214,9 +214,10 @@ class MRotaryEmbedding(RotaryEmbedding):
             table = torch.stack([self.cos_cache, self.sin_cache]).to(dtype)
             self._tables = {key: table}
         # column j of token i reads the table at the position of column j's axis
-        idx = positions[self.column_axis].t()  # [T, rotary_dim]
-        cos_sin = table[:, idx, self.columns].unsqueeze(2)
-        return cos_sin[0], cos_sin[1]
+        # (flat offsets: one contiguous [T, rotary_dim] gather per table)
+        flat = (positions[self.column_axis].t() * table.shape[2] + self.columns).contiguous()
+        return (table[0].reshape(-1)[flat].unsqueeze(1),
+                table[1].reshape(-1)[flat].unsqueeze(1))
 
 
 def mrope_text_config(hf_config: dict) -> dict:
