@@ -90,6 +90,9 @@ class EngineArgs:
     # and encoder output rows kept for reuse (None: twice that).
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
+    # Offline chat: image_url parts may name file:// images inside this folder (None:
+    # never; the server takes --allowed-local-media-path).
+    allowed_local_media_path: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":

@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the prompts in the per-request log lines")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (rendered in jinja2's sandbox)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="chat image_url parts may name file:// images inside DIR (default: "
+                        "none; data: URLs are always taken, http(s) URLs never fetched)")
     s.add_argument("--no-web-ui", action="store_true",
                    help="no web playground and dashboard at / (the JSON routes stay, "
                         "/stats included)")
