@@ -123,14 +123,21 @@ def test_mrope_positions_match_get_rope_index(vl):
     # chunked prefill through the images: 8-token chunks split every placeholder run
     dict(max_num_batched_tokens=8),
     dict(max_num_batched_tokens=24, block_size=8, enable_prefix_caching=True),
-], ids=["whole", "chunked", "chunked_prefix"])
+    dict(max_num_batched_tokens=16, async_scheduling=True),
+    # the engine core in its own process: the images cross as msgpack messages
+    dict(max_num_batched_tokens=16, engine_process=True),
+], ids=["whole", "chunked", "chunked_prefix", "async", "engine_process"])
 def test_mixed_batch_parity(vl, config):
     llm = make_llm(vl.path, **config)
-    got = run(llm, vl, CASES)
-    for (text, images), tokens in zip(CASES, got):
-        assert tokens == vl.reference(text, images), (text[:30], images)
-    # three distinct images among five requests: each encoded once
-    assert runner_of(llm).num_encoded_images == 3
+    try:
+        got = run(llm, vl, CASES)
+        for (text, images), tokens in zip(CASES, got):
+            assert tokens == vl.reference(text, images), (text[:30], images)
+        if not config.get("engine_process"):
+            # three distinct images among five requests: each encoded once
+            assert runner_of(llm).num_encoded_images == 3
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_preemption_parity_and_no_reencoding(vl):
