@@ -100,6 +100,47 @@ def build_vl_checkpoint(path: str, seed: int = 0):
     return model
 
 
+QWEN3_VL_TEXT = dict(VL_TEXT, head_dim=16,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+# Qwen3-VL's tower: no windows, a learned 4 x 4 position grid resampled to each
+# image, LayerNorm, gelu-tanh MLP, deepstack features from blocks 0 and 1.
+QWEN3_VL_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                       out_hidden_size=64, num_position_embeddings=16,
+                       deepstack_visual_indexes=[0, 1], initializer_range=0.2)
+
+
+def build_qwen3_vl_checkpoint(path: str, seed: int = 0):
+    """The tiny Qwen3-VL counterpart of build_vl_checkpoint (same tokenizer and image
+    processor)."""
+    import transformers as tf
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tf.Qwen3VLConfig(
+            text_config=dict(QWEN3_VL_TEXT, bos_token_id=None, eos_token_id=None),
+            vision_config=dict(QWEN3_VL_VISION),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+        model = tf.Qwen3VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "visual" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR).save_pretrained(path)
+    return model
+
+
 def hf_processor(path: str):
     import transformers as tf
     return tf.AutoProcessor.from_pretrained(path)

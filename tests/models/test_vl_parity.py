@@ -17,7 +17,7 @@ import torch
 from conftest import make_llm, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.errors import ParamError
-from vl_checkpoint import build_vl_checkpoint, make_image
+from vl_checkpoint import build_qwen3_vl_checkpoint, build_vl_checkpoint, make_image
 
 pytest.importorskip("PIL")
 
@@ -32,10 +32,10 @@ TEXT = "what is the color of the sky ?"
 
 
 class VL:
-    def __init__(self, path):
+    def __init__(self, path, build=build_vl_checkpoint):
         import transformers as tf
         self.path = path
-        self.hf = build_vl_checkpoint(path)
+        self.hf = build(path)
         self.tok = tf.AutoTokenizer.from_pretrained(path)
         self.ip = tf.AutoImageProcessor.from_pretrained(path)
         self.image_token_id = self.hf.config.image_token_id
@@ -81,6 +81,11 @@ def vl(tmp_path_factory):
     return VL(str(tmp_path_factory.mktemp("qwen2_5_vl")))
 
 
+@pytest.fixture(scope="module")
+def vl3(tmp_path_factory):
+    return VL(str(tmp_path_factory.mktemp("qwen3_vl")), build_qwen3_vl_checkpoint)
+
+
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 # (text, images) of a batch that mixes text-only and image requests
 CASES = [(ONE, [0]), (TEXT, []), (TWO, [0, 1]), (LONG, [2]), (TWO, [1, 2])]
@@ -91,7 +96,9 @@ def run(llm, vl, cases):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_mrope_positions_match_get_rope_index(vl):
+@pytest.mark.parametrize("which", ["qwen2_5_vl", "qwen3_vl"])
+def test_mrope_positions_match_get_rope_index(vl, vl3, which):
+    vl = vl if which == "qwen2_5_vl" else vl3
     from tokenmill.models.loader import load_model
     import json
     cfg = json.load(open(f"{vl.path}/config.json"))
@@ -113,9 +120,26 @@ def test_mrope_positions_match_get_rope_index(vl):
     x = vl.ip(images=vl.img[:2], return_tensors="pt")
     with torch.inference_mode():
         ref = vl.hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"]).pooler_output
+        hf_out = vl.hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"])
+        ref = hf_out.pooler_output
+        deep = getattr(hf_out, "deepstack_features", None)
+        if deep:  # Qwen3-VL: each image's rows carry its DeepStack features after it
+            deep = [torch.cat(d) if isinstance(d, (tuple, list)) else d for d in deep]
+            bounds = np.cumsum([0] + [r.shape[0] for r in ref])
+            ref = [torch.cat([r] + [d[a:b] for d in deep], dim=1)
+                   for r, a, b in zip(ref, bounds[:-1], bounds[1:])]
         got = model.encode_images(x["pixel_values"], [tuple(g) for g in x["image_grid_thw"].tolist()])
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r, atol=2e-4, rtol=1e-4)
+    # M-RoPE's cos / sin against HF's rotary for the same 3-D positions
+    ids, kw = vl.hf_inputs(TWO, vl.img[:2])
+    pos, _ = vl.hf.model.get_rope_index(torch.tensor([ids]), kw["mm_token_type_ids"],
+                                        image_grid_thw=kw["image_grid_thw"])
+    dummy = torch.zeros(1, dtype=torch.float32)
+    ref_cos, ref_sin = vl.hf.model.language_model.rotary_emb(dummy, pos)
+    cos, sin = model.rotary.cos_sin(pos[:, 0], torch.float32)
+    torch.testing.assert_close(cos[:, 0], ref_cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[:, 0], ref_sin[0], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("config", [
@@ -225,3 +249,19 @@ def test_bad_multimodal_input_names_the_field(vl):
                      use_tqdm=False)
     assert ei.value.param == "multi_modal_data"
     assert run(llm, vl, [(ONE, [0])])[0] == vl.reference(ONE, [0])  # still serving
+
+
+@pytest.mark.parametrize("config", [dict(), dict(max_num_batched_tokens=8),
+                                    dict(block_size=8, num_kv_blocks=18,
+                                         max_num_batched_tokens=32)],
+                         ids=["whole", "chunked", "preempt"])
+def test_qwen3_vl_parity(vl3, config):
+    """Qwen3-VL (DeepStack, interleaved M-RoPE, Qwen3 text): a mixed batch, whole,
+    in chunks through the images, and under preemption."""
+    llm = make_llm(vl3.path, **config)
+    got = run(llm, vl3, CASES)
+    for (text, images), tokens in zip(CASES, got):
+        assert tokens == vl3.reference(text, images), (text[:30], images)
+    if "num_kv_blocks" in config:
+        assert scheduler_of(llm).num_preemptions > 0
+    assert runner_of(llm).num_encoded_images == 3

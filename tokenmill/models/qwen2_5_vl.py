@@ -90,9 +90,9 @@ def window_order(grid_thw: list[tuple[int, int, int]], merge: int, window: int):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, c: VisionConfig):
+    def __init__(self, c):
         super().__init__()
-        self.num_heads, self.head_dim = c.num_heads, c.head_dim
+        self.num_heads, self.head_dim = c.num_heads, c.hidden_size // c.num_heads
         self.qkv = Linear(c.hidden_size, 3 * c.hidden_size, bias=True)
         self.proj = Linear(c.hidden_size, c.hidden_size, bias=True)
 
@@ -132,16 +132,16 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, c: VisionConfig):
+    def __init__(self, c, bias: bool = False):
         super().__init__()
         k = (c.temporal_patch_size, c.patch_size, c.patch_size)
-        self.proj = nn.Conv3d(c.in_channels, c.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.proj = nn.Conv3d(c.in_channels, c.hidden_size, kernel_size=k, stride=k, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # A convolution whose stride is its kernel, over inputs one kernel in size: a
         # matmul of the flattened (C, T, P, P) patches with the flattened kernels.
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1))
+        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -192,15 +192,23 @@ class VisionTransformer(nn.Module):
 
 class MRotaryEmbedding(RotaryEmbedding):
     """RoPE whose frequencies are split in `mrope_section` parts, rotated by the
-    temporal, height and width position ids in turn; positions [3, T] (or [T]: the
-    same id on all three)."""
+    temporal, height and width position ids; positions [3, T] (or [T]: the same id
+    on all three). Qwen2.5-VL gives each axis a contiguous run of frequencies;
+    `interleaved` (Qwen3-VL) cycles t, h, w over the first 3 x section frequencies
+    (the rest stay temporal)."""
 
-    def __init__(self, head_dim, rotary_dim, max_position, params, mrope_section):
+    def __init__(self, head_dim, rotary_dim, max_position, params, mrope_section,
+                 interleaved: bool = False):
         super().__init__(head_dim, rotary_dim, max_position, params)
         if sum(mrope_section) != rotary_dim // 2:
             raise ValueError(f"rope_parameters.mrope_section {list(mrope_section)} must sum "
                              f"to rotary_dim / 2 = {rotary_dim // 2}")
-        axis = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
+        if interleaved:
+            axis = np.zeros(rotary_dim // 2, dtype=np.int64)
+            axis[1:3 * mrope_section[1]:3] = 1
+            axis[2:3 * mrope_section[2]:3] = 2
+        else:
+            axis = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)
         self.register_buffer("column_axis", torch.from_numpy(np.concatenate([axis, axis])),
                              persistent=False)
         self.register_buffer("columns", torch.arange(rotary_dim), persistent=False)
