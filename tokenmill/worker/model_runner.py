@@ -602,14 +602,20 @@ class ModelRunner:
 
     def _mrope_positions(self, positions: np.ndarray) -> np.ndarray:
         """M-RoPE ids [3, T]: a prompt with images reads its precomputed ones, every other
-        token its index + its request's delta (the same id on all three axes)."""
+        token its index + its request's delta (the same id on all three axes). A step
+        without image prompts (decodes) gets [T]: one id per token, the plain rotary's
+        cheaper gather, the same cos / sin."""
         batch, step = self.input_batch, self.last_step
         n = batch.num_reqs()
         num_sched = np.diff(step.query_start_loc)
         delta = np.fromiter((self.requests[rid].mrope_delta for rid in batch.req_ids[:n]),
                             dtype=np.int64, count=n)
-        out = np.repeat((positions + np.repeat(delta, num_sched))[None], 3, axis=0)
-        for r, state, start, end in self._mm_rows():
+        flat = positions + np.repeat(delta, num_sched)
+        rows = list(self._mm_rows())
+        if not rows:
+            return flat
+        out = np.repeat(flat[None], 3, axis=0)
+        for r, state, start, end in rows:
             end = min(end, len(state.prompt_token_ids))
             q = int(step.query_start_loc[r])
             out[:, q:q + end - start] = state.mrope_positions[:, start:end]
