@@ -265,3 +265,21 @@ def test_qwen3_vl_parity(vl3, config):
     if "num_kv_blocks" in config:
         assert scheduler_of(llm).num_preemptions > 0
     assert runner_of(llm).num_encoded_images == 3
+
+
+def test_ngram_drafts_and_n_completions(vl):
+    """Drafts verified on top of an image prompt (positions + delta past the prompt),
+    and n = 2 completions sharing an image prompt's blocks: HF's tokens, each image
+    encoded once."""
+    llm = make_llm(vl.path, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    for (text, images), tokens in zip(CASES, run(llm, vl, CASES)):
+        assert tokens == vl.reference(text, images)
+    llm = make_llm(vl.path, block_size=8, enable_prefix_caching=True)
+    outs = llm.generate([vl.prompt(t, ims) for t, ims in CASES],
+                        SamplingParams(n=2, max_tokens=N, temperature=1.0, top_k=1,
+                                       ignore_eos=True), use_tqdm=False)
+    for (text, images), out in zip(CASES, outs):
+        assert [c.token_ids for c in out.outputs] == [vl.reference(text, images)] * 2
+    assert runner_of(llm).num_encoded_images == 3
