@@ -209,15 +209,19 @@ class Scheduler:
         inputs = []
         end = start + num_new
         cache = self.encoder_cache
+        pending = 0  # rows of this chunk's new entries so far
         for i, f in enumerate(req.mm_features):
             if f.offset >= end:
                 break
             if f.offset + f.length <= start or cache.has(f.hash) or \
                     any(req.mm_features[j].hash == f.hash for j in inputs):
                 continue
-            if f.length > budget or not cache.can_allocate(f.length):
-                return max(0, f.offset - start), inputs, budget
+            if f.length > budget or not cache.can_allocate(pending + f.length):
+                # (without chunked prefill a prompt runs whole or waits)
+                cut = max(0, f.offset - start) if self.config.enable_chunked_prefill else 0
+                return cut, inputs, budget
             inputs.append(i)
+            pending += f.length
             budget -= f.length
         return num_new, inputs, budget
 
@@ -226,15 +230,13 @@ class Scheduler:
         """The chunk is scheduled: its new images get cache entries, the cached ones a
         reference from this request."""
         cache = self.encoder_cache
-        for i, f in enumerate(req.mm_features):
-            if f.offset >= end:
-                break
-            if f.offset + f.length <= start:
-                continue
-            if i in inputs and not cache.has(f.hash):
-                cache.allocate(f.hash, f.length, req.request_id)
-            else:
+        read = [f for f in req.mm_features if f.offset < end and start < f.offset + f.length]
+        for f in read:  # references first: a new entry must not evict one this chunk reads
+            if cache.has(f.hash):
                 cache.add_ref(f.hash, req.request_id)
+        for f in read:
+            if not cache.has(f.hash):
+                cache.allocate(f.hash, f.length, req.request_id)
         if inputs:
             scheduled[req.request_id] = inputs
 
