@@ -45,11 +45,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
 
 def flatten_text_config(hf_config: dict) -> dict:
     """A vision-language config keeps its language model's fields in text_config:
-    lift them to the top (they win), keep the architectures, drop the vision part."""
+    lift them to the top (they win), keep the architectures and the vision part (a
+    multimodal model reads it; text-only ones of such checkpoints ignore it)."""
     text = hf_config.get("text_config")
     if not isinstance(text, dict):
         return hf_config
-    top = {k: v for k, v in hf_config.items() if k not in ("text_config", "vision_config")}
+    top = {k: v for k, v in hf_config.items() if k != "text_config"}
     return {**top, **text, "architectures": hf_config.get("architectures")}
 
 

@@ -34,6 +34,11 @@ class RequestLimits:
     # with half a million one-token prompts), so a thread would not help.
     max_request_body_bytes: int = 8 * 2**20
     grammar_compile_timeout: float = 30.0  # seconds (past it: 400)
+    # Multimodal requests: images per request, pixels per image (decoded), bytes per
+    # encoded image (a data: URL's payload, a local file).
+    max_images_per_request: int = 8
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 10 * 2**20
 
     @classmethod
     def from_any(cls, value) -> "RequestLimits":

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
+from tokenmill.multimodal.media import extract_images
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,9 +73,16 @@ class LLM:
              **template_kwargs) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.llm_engine.apply_chat_template(
-                        conv, add_generation_prompt, chat_template, **template_kwargs)}
-                   for conv in conversations]
+        engine = self.llm_engine
+        prompts = []
+        for conv in conversations:
+            prompt = {"prompt_token_ids": engine.apply_chat_template(
+                conv, add_generation_prompt, chat_template, **template_kwargs)}
+            # OpenAI content parts: image_url (data: / file:// URLs), or image objects
+            images = extract_images(conv, engine.limits, engine.args.allowed_local_media_path)
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -14,7 +14,8 @@ from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
 from tokenmill.core import serial
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, KVConnectorMetadata,
-                                         KVLoad, ModelRunnerOutput, SchedulerOutput)
+                                         KVLoad, ModelRunnerOutput, MultiModalFeature,
+                                         NewRequestData, SchedulerOutput)
 
 
 def same(a, b) -> bool:
@@ -137,6 +138,30 @@ def test_connector_metadata_round_trips():
     out = ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[], [5]], invalid_block_ids={9})
     back = serial.decode(serial.encode(out), ModelRunnerOutput)
     assert same(out, back) and back.invalid_block_ids == {9}
+
+
+def test_multimodal_scheduler_output_round_trips():
+    """A new request with images (patches as float32 arrays, grids, placeholder runs), the
+    step's encoder inputs and freed encoder entries round-trip as they are."""
+    rng = np.random.default_rng(0)
+    feats = [MultiModalFeature("ab" * 32, rng.standard_normal((96, 96)).astype(np.float32),
+                               [1, 8, 12], 3, 24),
+             MultiModalFeature("cd" * 32, rng.standard_normal((16, 96)).astype(np.float32),
+                               [1, 4, 4], 30, 4)]
+    new = NewRequestData("r", [1, 2, 3] + [5] * 24 + [4, 9, 9] + [5] * 4, SamplingParams(),
+                         [[1, 2, 3]], 0, mm_features=feats)
+    so = SchedulerOutput([new], CachedRequestData(), {"r": 16}, 16,
+                         scheduled_encoder_inputs={"r": [0]}, free_encoder_hashes=["ef" * 32])
+    back = serial.decode(serial.encode(so), SchedulerOutput)
+    assert same(so, back), first_difference(so, back)
+    f = back.scheduled_new_reqs[0].mm_features[1]
+    assert isinstance(f, MultiModalFeature) and f.pixel_values.dtype == np.float32
+    assert f.pixel_values.shape == (16, 96) and f.image_grid_thw == [1, 4, 4]
+    # a PIL image or a tensor in a feature is refused: only arrays cross
+    bad = NewRequestData("r", [5], SamplingParams(), [[1]], 0, mm_features=[
+        MultiModalFeature("00", torch.zeros(1, 96), [1, 2, 2], 0, 1)])
+    with pytest.raises(TypeError):
+        serial.encode(SchedulerOutput([bad], CachedRequestData(), {"r": 1}, 1))
 
 
 def test_grammar_output_round_trips():

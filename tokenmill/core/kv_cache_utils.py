@@ -1,9 +1,10 @@
 """Block hashes for prefix caching: one chained hash per full block of tokens.
 
 The hash of block i covers block i's token ids, the hash of block i - 1 (so it
-names the whole prefix up to the end of block i, not just one block) and, on
+names the whole prefix up to the end of block i, not just one block), on
 block 0 only, the request's extra keys (its `cache_salt`), so requests with
-different salts never share a block. It is SHA-256 over a compact, explicit
+different salts never share a block, and the hashes of the images whose
+placeholder tokens it holds (the same placeholder ids stand for any image). It is SHA-256 over a compact, explicit
 encoding: the same tokens give the same 32 bytes in every process and on every
 machine (Python's hash() is salted per process, so it cannot name KV that
 outlives the process, as the external KV tier's entries do).
@@ -70,6 +71,15 @@ def request_extra_keys(request: "Request") -> tuple:
     return (salt,) if salt is not None else ()
 
 
+def image_keys(request: "Request", start: int, end: int) -> tuple:
+    """The hashes of the images whose placeholder runs overlap tokens [start, end): a
+    block of placeholders holds the image's KV, which its token ids do not name."""
+    feats = getattr(request, "mm_features", None)
+    if not feats:
+        return ()
+    return tuple(f.hash for f in feats if f.offset < end and start < f.offset + f.length)
+
+
 def _token_slice(request: "Request", start: int, end: int) -> list[int]:
     prompt = request.prompt_token_ids
     n = len(prompt)
@@ -89,9 +99,10 @@ def request_block_hashes(request: "Request", block_size: int) -> list[BlockHash]
         extra = request_extra_keys(request)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
+            keys = (extra if i == 0 else ()) + image_keys(request, i * block_size,
+                                                          (i + 1) * block_size)
             parent = hash_block(parent, _token_slice(request, i * block_size,
-                                                     (i + 1) * block_size),
-                                extra if i == 0 else None)
+                                                     (i + 1) * block_size), keys or None)
             hashes.append(parent)
     return hashes
 

@@ -30,7 +30,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_ids: frozenset[int] = frozenset(),
                  arrival_time: float | None = None, share_prompt_with: str | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, mm_features: list | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -58,6 +58,8 @@ class Request:
         self.structured_output = None
         # Speculative decoding: drafts proposed after the last step, verified in the next.
         self.spec_token_ids: list[int] = []
+        # Multimodal: its images (sched_output.MultiModalFeature, in prompt order), or None.
+        self.mm_features = mm_features or None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,18 @@ from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass
+class MultiModalFeature:
+    """One image of a request: its preprocessed patches and where its placeholder
+    tokens sit in the prompt (the encoder's output replaces them, one row each)."""
+
+    hash: str  # hex digest of the patches and grid: the encoder cache's and prefix cache's key
+    pixel_values: np.ndarray  # [num_patches, C * T * P * P] float32, the image processor's
+    image_grid_thw: list[int]  # [t, h, w] in patches, before the spatial merge
+    offset: int  # index of its first placeholder token in the prompt
+    length: int  # placeholder tokens (= encoder output rows)
+
+
+@dataclass
 class NewRequestData:
     """A request the runner has not seen: everything it needs to run it."""
 
@@ -23,6 +35,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Tokens already generated (non-empty when a request is replayed).
     output_token_ids: list[int] = field(default_factory=list)
+    # Images of a multimodal prompt, in prompt order (None: text only).
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -92,6 +106,11 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens scheduled after its last
     # token this step (they count in num_scheduled_tokens); absent: none.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Multimodal: request id -> indices (into its mm_features) of the images the runner
+    # encodes this step (each one's output is cached by its hash until freed), and the
+    # hashes whose encoder outputs it drops before that.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

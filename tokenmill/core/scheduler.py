@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tokenmill import faults
+from tokenmill.core.encoder_cache_manager import EncoderCacheManager
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
@@ -32,6 +33,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Slots past a request's tokens that a draft model writes K/V into while proposing.
     num_lookahead_tokens: int = 0
+    # Multimodal: image tokens the encoder may take per step (vLLM's
+    # max_num_encoder_input_tokens), and encoder output rows the runner may keep.
+    max_num_encoder_input_tokens: int = 2048
+    encoder_cache_size: int = 8192
 
 
 _WAIT = object()
@@ -88,6 +93,7 @@ class Scheduler:
         self._has_state = kv_cache_config.state_group_id is not None
         self.spec_stats = (SpecDecodingStats(config.num_speculative_tokens)
                            if config.num_speculative_tokens else None)
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -151,6 +157,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.forget_loads()  # (the failed steps' loads come back never)
         self._resend_as_new.update(r for r in requeued + list(new_req_ids) if r in self.requests)
+        self.encoder_cache.reset()  # (a failed step may not have encoded what it was sent)
         self.admit_only_preempted = True
         return requeued
 
@@ -166,6 +173,7 @@ class Scheduler:
         req.status = status
         req.structured_output = None  # frees its grammar matcher
         self.kv_cache_manager.free(req)
+        self._release_encoder(req)
         del self.requests[req.request_id]
         self._resend_as_new.discard(req.request_id)
         if req.request_id in self._known_to_runner:
@@ -189,8 +197,52 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step ------------------------------------------------------------
+    def _release_encoder(self, req: Request) -> None:
+        if req.mm_features:  # (its entries stay cached while there is room)
+            self.encoder_cache.release(req.request_id, [f.hash for f in req.mm_features])
+
+    def _encoder_inputs(self, req: Request, start: int, num_new: int, budget: int):
+        """The images the chunk [start, start + num_new) reads that are not encoded yet:
+        (num_new, their indices, the encoder budget left). An image that does not fit
+        the step's encoder budget (or the cache) ends the chunk before it (num_new 0:
+        the request waits for a later step)."""
+        inputs = []
+        end = start + num_new
+        cache = self.encoder_cache
+        pending = 0  # rows of this chunk's new entries so far
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= end:
+                break
+            if f.offset + f.length <= start or cache.has(f.hash) or \
+                    any(req.mm_features[j].hash == f.hash for j in inputs):
+                continue
+            if f.length > budget or not cache.can_allocate(pending + f.length):
+                # (without chunked prefill a prompt runs whole or waits)
+                cut = max(0, f.offset - start) if self.config.enable_chunked_prefill else 0
+                return cut, inputs, budget
+            inputs.append(i)
+            pending += f.length
+            budget -= f.length
+        return num_new, inputs, budget
+
+    def _take_encoder_inputs(self, req: Request, start: int, end: int, inputs: list[int],
+                             scheduled: dict[str, list[int]]) -> None:
+        """The chunk is scheduled: its new images get cache entries, the cached ones a
+        reference from this request."""
+        cache = self.encoder_cache
+        read = [f for f in req.mm_features if f.offset < end and start < f.offset + f.length]
+        for f in read:  # references first: a new entry must not evict one this chunk reads
+            if cache.has(f.hash):
+                cache.add_ref(f.hash, req.request_id)
+        for f in read:
+            if not cache.has(f.hash):
+                cache.allocate(f.hash, f.length, req.request_id)
+        if inputs:
+            scheduled[req.request_id] = inputs
+
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        self._release_encoder(req)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -291,6 +343,8 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        encoder_budget = self.config.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -301,6 +355,13 @@ class Scheduler:
             if num_new <= 0 or self._limit_reached_in_flight(req) or self._loading(req):
                 i += 1
                 continue
+            enc = []
+            if req.mm_features and req.num_computed_tokens < req.num_prompt_tokens:
+                num_new, enc, enc_budget = self._encoder_inputs(
+                    req, req.num_computed_tokens, num_new, encoder_budget)
+                if num_new <= 0:
+                    i += 1
+                    continue
             num_drafts = self._num_drafts(req, num_new, budget)
             num_new += num_drafts
             while True:
@@ -315,6 +376,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if req.mm_features and req.num_computed_tokens < req.num_prompt_tokens:
+                encoder_budget = enc_budget
+                self._take_encoder_inputs(req, req.num_computed_tokens,
+                                          req.num_computed_tokens + num_new, enc, encoder_inputs)
             if num_drafts:
                 spec_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
             req.spec_token_ids = []  # verified now, or stale after this step
@@ -357,6 +422,15 @@ class Scheduler:
                 self._undo_share(req)
                 break
             num_new = min(num_new, budget)
+            start = req.num_computed_tokens + num_hit + num_ext
+            enc = []
+            if req.mm_features and start < req.num_prompt_tokens:
+                num_new, enc, enc_budget = self._encoder_inputs(req, start, num_new,
+                                                                encoder_budget)
+                if num_new <= 0:  # its next image waits for a step with encoder budget
+                    self._undo_share(req)
+                    w += 1
+                    continue
             new_blocks = self.kv_cache_manager.allocate_slots(
                 req, num_new, hit, num_hit, num_ext,
                 self._lookahead(req, num_hit + num_ext + num_new))
@@ -365,6 +439,9 @@ class Scheduler:
                 break
             if hit is not None:
                 self._take_prefix(req, num_hit, num_ext)
+            if req.mm_features and start < req.num_prompt_tokens:
+                encoder_budget = enc_budget
+                self._take_encoder_inputs(req, start, start + num_new, enc, encoder_inputs)
             del self.waiting[w]
             if donor is not None:  # counted once the share holds (it is undone above if not)
                 self.num_shared_prompt_blocks += (req.num_computed_tokens
@@ -384,7 +461,8 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
-                    output_token_ids=list(req.output_token_ids)))
+                    output_token_ids=list(req.output_token_ids),
+                    mm_features=req.mm_features))
                 self._known_to_runner.add(req.request_id)
                 self._resend_as_new.discard(req.request_id)
             num_scheduled[req.request_id] = num_new
@@ -395,7 +473,9 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
-            scheduled_spec_decode_tokens=spec_tokens)
+            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_hashes=self.encoder_cache.take_freed())
         self._finished_req_ids = set()
         # The tokens are now scheduled: count them as computed (vLLM V1 does the same).
         # A request whose chunk reaches its last token samples one: a placeholder until

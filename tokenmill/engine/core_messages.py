@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.sched_output import MultiModalFeature
 from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class EngineCoreRequest:
     arrival_time: float  # time.monotonic(): one clock for every process of the machine
     share_prompt_with: str | None = None
     cache_salt: str | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # resolved: the engine's own copy, with derived fields
     cache_salt: str | None
+    mm_features: list | None = None  # its images (sched_output.MultiModalFeature)
 
 
 @dataclass
@@ -86,6 +87,14 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # CUDA: no CUDA graphs, every decode step eager (worker/cuda_graph.py).
     enforce_eager: bool = False
+    # Multimodal models: image tokens the encoder may take per step (None: enough for
+    # any image that fits the context, max(max_num_batched_tokens, max_model_len)),
+    # and encoder output rows kept for reuse (None: twice that).
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
+    # Offline chat: image_url parts may name file:// images inside this folder (None:
+    # never; the server takes --allowed-local-media-path).
+    allowed_local_media_path: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -138,6 +147,10 @@ class EngineArgs:
                 not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1):
             raise ValueError(f"max_num_batched_tokens must be a positive int, "
                              f"got {self.max_num_batched_tokens!r}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
 def resolve_async(flag: bool | None, device, speculative_config=None) -> bool:
@@ -174,6 +187,10 @@ class EngineSetup:
     def from_args(cls, args: EngineArgs) -> "EngineSetup":
         model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
                                                    args.max_model_len)
+        from tokenmill.multimodal.inputs import is_multimodal
+        if is_multimodal(model_config.hf_config) and args.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 does not support multimodal models "
+                             "(the vision tower is not sharded) yet")
         tokenizer = load_tokenizer(args.tokenizer or model_config.path)
         max_len = model_config.max_model_len
         batched = args.max_num_batched_tokens
@@ -190,6 +207,9 @@ class EngineSetup:
                                            spec.num_speculative_tokens if spec else 0,
                                            spec.num_speculative_tokens
                                            if spec and spec.method != "ngram" else 0)
+        enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
+        scheduler_config.max_num_encoder_input_tokens = enc_budget
+        scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget
         cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         # Which kernels run: decided here, once, for the whole engine.
         platform = CpuPlatform.from_engine_args(args, model_config.device, model_config.dtype)
@@ -248,13 +268,19 @@ class LLMEngine:
             self.engine_core = build_engine_core(args, setup)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        from tokenmill.multimodal.inputs import MultiModalProcessor, is_multimodal
+        self.mm_processor = (MultiModalProcessor(self.model_config.path,
+                                                 self.model_config.hf_config)
+                             if is_multimodal(self.model_config.hf_config) else None)
 
     # ---- requests ------------------------------------------------------------
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A str, {"prompt": str} or {"prompt_token_ids": [...]} -> (text, token ids), validated."""
+    def process_prompt(self, prompt) -> tuple:
+        """A str, {"prompt": str} or {"prompt_token_ids": [...]} (either dict with an
+        optional "multi_modal_data": {"image": an image or a list of them}) -> (text,
+        token ids, images as MultiModalFeatures or None), validated."""
         text = None
         max_len = self.model_config.max_model_len
         if isinstance(prompt, str):
@@ -282,6 +308,10 @@ class LLMEngine:
             ids = self.tokenizer.encode(text)
         if not ids:
             raise ParamError("prompt", "prompt is empty")
+        features = None
+        mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm is not None:
+            ids, features = self._process_multimodal(ids, mm)
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -290,7 +320,28 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no room "
                                        f"for output within max_model_len={max_len}")
-        return text, ids
+        return text, ids, features
+
+    def _process_multimodal(self, ids: list[int], mm) -> tuple[list[int], list | None]:
+        """The images of a prompt: preprocessed, placeholders expanded (see
+        tokenmill/multimodal/inputs.py), each within what one step may encode."""
+        if not isinstance(mm, dict) or set(mm) - {"image"}:
+            raise ParamError("multi_modal_data", "multi_modal_data must be a dict with the "
+                                                 "key 'image' (other modalities: not supported)")
+        if self.mm_processor is None:
+            raise ParamError("multi_modal_data", "multi_modal_data: this model takes no images")
+        if mm.get("image") is None:
+            return ids, None
+        ids, features = self.mm_processor.process(ids, mm["image"], self.limits)
+        sc = self.scheduler_config
+        cap = min(sc.max_num_encoder_input_tokens, sc.encoder_cache_size)
+        for i, f in enumerate(features):
+            if f.length > cap:
+                raise ParamError("multi_modal_data.image",
+                                 f"multi_modal_data.image[{i}]: the image takes {f.length} "
+                                 f"tokens, more than the encoder takes in one step ({cap}: "
+                                 f"max_num_encoder_input_tokens / encoder_cache_size)")
+        return ids, features or None
 
     def prepare_request(self, prompt, params: SamplingParams | None = None, *,
                         processed: tuple | None = None) -> PreparedRequest:
@@ -301,10 +352,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ParamError(None, f"sampling_params must be a SamplingParams, "
                                    f"got {type(params).__name__}")
-        text, ids = processed if processed is not None else self.process_prompt(prompt)
+        text, ids, *mm = processed if processed is not None else self.process_prompt(prompt)
         cache_salt = self._cache_salt(prompt)
         params = self._resolve_params(params, len(ids))
-        return PreparedRequest(text, ids, params, cache_salt)
+        return PreparedRequest(text, ids, params, cache_salt, mm[0] if mm else None)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     *, processed: tuple | None = None,
@@ -342,7 +393,7 @@ class LLMEngine:
             core_requests.append(Request(
                 c.core_id, ids, child, self.eos_token_ids, req_state.metrics.arrival_time,
                 share_prompt_with=completions[0].core_id if c.index > 0 else None,
-                cache_salt=cache_salt))
+                cache_salt=cache_salt, mm_features=prepared.mm_features))
         for r in core_requests:
             if self.engine_core.has_request(r.request_id):
                 raise ParamError("request_id", f"request_id {r.request_id!r} is already in use")

@@ -24,6 +24,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
                    help="schedule step N+1 while step N runs (default: on)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
+    p.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                   help="multimodal models: image tokens the encoder takes per step "
+                        "(default: max(max-num-batched-tokens, max-model-len))")
+    p.add_argument("--encoder-cache-size", type=int, default=None,
+                   help="multimodal models: encoder output rows kept for reuse "
+                        "(default: twice the encoder budget)")
     add_kv_cache_args(p)
     add_cpu_platform_args(p)
     add_limit_args(p)
@@ -160,6 +166,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 max_logprobs=args.max_logprobs, async_scheduling=args.async_scheduling,
+                max_num_encoder_input_tokens=getattr(args, "max_num_encoder_input_tokens", None),
+                encoder_cache_size=getattr(args, "encoder_cache_size", None),
                 speculative_config=getattr(args, "speculative_config", None),
                 engine_process=bool(getattr(args, "engine_process", None)),
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
@@ -290,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the prompts in the per-request log lines")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a request's own chat_template (rendered in jinja2's sandbox)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="chat image_url parts may name file:// images inside DIR (default: "
+                        "none; data: URLs are always taken, http(s) URLs never fetched)")
     s.add_argument("--no-web-ui", action="store_true",
                    help="no web playground and dashboard at / (the JSON routes stay, "
                         "/stats included)")

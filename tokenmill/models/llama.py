@@ -173,8 +173,11 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`inputs_embeds`: the step's input embeddings when not just the tokens'
+        (a multimodal model's, with image embeddings at the placeholders)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if self.aux_layer_ids:  # a drafter reads the residual stream between layers
             taps = {}

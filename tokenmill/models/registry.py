@@ -8,6 +8,8 @@ from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.gemma4 import Gemma4ForCausalLM
 from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
+from tokenmill.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from tokenmill.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
 from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                                          Qwen3_5MoeForCausalLM,
@@ -22,8 +24,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,

@@ -29,6 +29,11 @@ class CachedRequestState:
     # Prompt logprobs filled chunk by chunk ([P - 1] positions), until sent once.
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     prompt_logprobs_sent: bool = False
+    # Multimodal: its images (sched_output.MultiModalFeature), and under M-RoPE the
+    # prompt's position ids [3, P] (None: text only) and the delta later tokens add.
+    mm_features: list | None = None
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -173,6 +173,13 @@ class ModelRunner:
         # so, for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
         self.greedy_head = None
         self.greedy_head_max_rows = 0
+        # Multimodal models: each encoded image's output rows keyed on its hash (the
+        # scheduler's EncoderCacheManager says which to drop), how many images the
+        # encoder ran over, and whether positions are M-RoPE's three per token.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_encoded_images = 0
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.has_encoder = hasattr(model, "encode_images")
         if self.platform.lm_head == "greedy_int8" and getattr(model, "plain_lm_head", False):
             self.greedy_head = GreedyHead.build(model.lm_head, self.platform.ops)
             if self.greedy_head is not None:
@@ -282,6 +289,8 @@ class ModelRunner:
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        for h in so.free_encoder_hashes:
+            self.encoder_cache.pop(h, None)
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
@@ -312,7 +321,12 @@ class ModelRunner:
                 gen = None
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
                                        [list(b) for b in new.block_ids],
-                                       new.num_computed_tokens, list(new.output_token_ids))
+                                       new.num_computed_tokens, list(new.output_token_ids),
+                                       mm_features=new.mm_features or None)
+            if state.mm_features and self.uses_mrope:
+                state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
+                    len(state.prompt_token_ids),
+                    [(f.offset, f.length, tuple(f.image_grid_thw)) for f in state.mm_features])
             self.requests[new.req_id] = state
             batch.add_request(state)
             if sp.prompt_logprobs is not None:
@@ -604,13 +618,17 @@ class ModelRunner:
                         discard[r] = True
                         kv_failed.add(rid)
         ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
+        if self.uses_mrope:
+            positions = self._mrope_positions(positions)
         pos_t = torch.from_numpy(positions).to(dev)
-        if (self.cuda_graphs is not None and not meta.prefills
+        embeds = self._multimodal_embeds(so, ids_t) if self.has_encoder else None
+        if (embeds is None and self.cuda_graphs is not None and not meta.prefills
                 and self.last_step.cu_num_logits is None
                 and self.cuda_graphs.can_run(len(input_ids))):
             hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # a pure-decode step
         else:
-            hidden = self.model(ids_t, pos_t, meta)
+            hidden = self.model(ids_t, pos_t, meta,
+                                **({"inputs_embeds": embeds} if embeds is not None else {}))
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
             self.kv_connector.save_kv(kv_meta, kv_failed)
         if self.draft_model is not None:
@@ -625,6 +643,84 @@ class ModelRunner:
             self._pending = (self.model.compute_logits(sample_hidden), discard, None)
         self._compute_prompt_logprobs(hidden, so)
         return None
+
+    # ---- multimodal ----------------------------------------------------------------
+    def _mm_rows(self):
+        """Rows of this step whose chunk is still in a prompt with images:
+        (row, state, first token of the chunk, end of the chunk)."""
+        batch, step = self.input_batch, self.last_step
+        for r in range(batch.num_reqs()):
+            state = self.requests[batch.req_ids[r]]
+            if not state.mm_features:
+                continue
+            end = int(step.seq_lens[r])
+            start = end - int(step.query_start_loc[r + 1] - step.query_start_loc[r])
+            if start < len(state.prompt_token_ids):
+                yield r, state, start, end
+
+    def _mrope_positions(self, positions: np.ndarray) -> np.ndarray:
+        """M-RoPE ids [3, T]: a prompt with images reads its precomputed ones, every other
+        token its index + its request's delta (the same id on all three axes). A step
+        without image prompts (decodes) gets [T]: one id per token, the plain rotary's
+        cheaper gather, the same cos / sin."""
+        batch, step = self.input_batch, self.last_step
+        n = batch.num_reqs()
+        num_sched = np.diff(step.query_start_loc)
+        delta = np.fromiter((self.requests[rid].mrope_delta for rid in batch.req_ids[:n]),
+                            dtype=np.int64, count=n)
+        flat = positions + np.repeat(delta, num_sched)
+        rows = list(self._mm_rows())
+        if not rows:
+            return flat
+        out = np.repeat(flat[None], 3, axis=0)
+        for r, state, start, end in rows:
+            end = min(end, len(state.prompt_token_ids))
+            q = int(step.query_start_loc[r])
+            out[:, q:q + end - start] = state.mrope_positions[:, start:end]
+        return out
+
+    def _encode(self, features) -> None:
+        """Run the encoder once over these images (all of them in one call) and cache
+        each one's output rows by its hash."""
+        todo, seen = [], set()
+        for f in features:
+            if f.hash not in self.encoder_cache and f.hash not in seen:
+                seen.add(f.hash)
+                todo.append(f)
+        if not todo:
+            return
+        dev = self.device
+        pixels = torch.from_numpy(np.concatenate([f.pixel_values for f in todo])).to(dev)
+        outs = self.model.encode_images(pixels, [tuple(f.image_grid_thw) for f in todo])
+        for f, out in zip(todo, outs):
+            if out.shape[0] != f.length:
+                raise ValueError(f"image {f.hash[:12]}: the encoder gave {out.shape[0]} rows "
+                                 f"for {f.length} placeholder tokens")
+            self.encoder_cache[f.hash] = out
+        self.num_encoded_images += len(todo)
+
+    def _multimodal_embeds(self, so: SchedulerOutput, input_ids: torch.Tensor):
+        """The step's input embeddings with the image rows in place, or None (no row of
+        this step reads an image)."""
+        scheduled = [self.requests[rid].mm_features[i]
+                     for rid, idx in so.scheduled_encoder_inputs.items() for i in idx]
+        rows = list(self._mm_rows())
+        needed = []  # (flat index of the chunk's first overlapping token, feature, lo, hi)
+        for r, state, start, end in rows:
+            q = int(self.last_step.query_start_loc[r])
+            for f in state.mm_features:
+                lo, hi = max(start, f.offset), min(end, f.offset + f.length)
+                if lo < hi:
+                    needed.append((q + lo - start, f, lo - f.offset, hi - f.offset))
+        # (an entry missing though not scheduled, after a failed step: encoded now)
+        self._encode(scheduled + [f for _, f, _, _ in needed])
+        if not needed:
+            return None
+        dev = self.device
+        index = torch.from_numpy(np.concatenate(
+            [first + self._arange_upto(hi - lo) for first, _, lo, hi in needed])).to(dev)
+        embeds = torch.cat([self.encoder_cache[f.hash][lo:hi] for _, f, lo, hi in needed])
+        return self.model.embed_multimodal(input_ids, index, embeds)
 
     def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
         """Whether argmax of the raw logits is all this step samples, at a size where

@@ -38,6 +38,8 @@ class ServerOptions:
     log_prompts: bool = False  # the request log lines show the prompts
     trust_request_chat_template: bool = False  # accept a request's own chat_template
     web_ui: bool = True  # the playground and dashboard page at /
+    # chat image_url parts may name file:// images inside this folder (None: never)
+    allowed_local_media_path: str | None = None
 
 
 class ServerContext:
@@ -97,6 +99,19 @@ class ServerContext:
             logger.warning("chat template failed: %s", type(e).__name__, exc_info=True)
             raise APIError(f"{param}: could not apply the chat template", 400,
                            param=param) from e
+
+    async def chat_images(self, messages) -> list:
+        """The images of the conversation's image_url parts, decoded off the event loop
+        (a 400 naming the message part for one that is refused or does not decode)."""
+        if not any(isinstance(m.content, list) for m in messages):
+            return []
+        from tokenmill.multimodal.media import extract_images
+        dicts = [m.model_dump(exclude_none=True) for m in messages]
+        try:
+            return await self.run_blocking(extract_images, dicts, self.limits,
+                                           self.options.allowed_local_media_path)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="messages") from e
 
     @staticmethod
     def sampling_params(req, default_max_tokens: int | None, output_kind: RequestOutputKind,

@@ -101,7 +101,8 @@ def run_server(args) -> int:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         metrics_public=args.metrics_public, log_prompts=args.log_prompts,
         trust_request_chat_template=args.trust_request_chat_template,
-        web_ui=not args.no_web_ui)
+        web_ui=not args.no_web_ui,
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None))
     app = build_app(async_llm, name, options=options)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -30,10 +30,13 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     params = ctx.sampling_params(req, None, kind, rename)  # chat: up to the context length
     ids = await ctx.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
+    images = await ctx.chat_images(req.messages)
+    prompt = {"prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    job = await ctx.start_all([salted({"prompt_token_ids": ids}, req.cache_salt)], params, rid,
-                              rename)
+    job = await ctx.start_all([salted(prompt, req.cache_salt)], params, rid, rename)
     ctx.log_request(rid, params, bool(req.stream), f"{len(ids)} prompt tokens",
                     [m.model_dump(exclude_none=True) for m in req.messages])
     model, n, fmt = ctx.model_name, params.n, ctx.logprobs

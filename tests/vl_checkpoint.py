@@ -1,0 +1,151 @@
+"""A tiny random Qwen2.5-VL checkpoint with its tokenizer and image processor, built
+locally (no network): the multimodal tests' model.
+
+The vision tower is small enough that an image of a few dozen pixels a side
+becomes a few dozen patches: patch 4, temporal patch 2, 2 x 2 spatial merge (one
+placeholder token per 8 x 8 pixels), windows of 2 x 2 merged tokens (so the
+window attention blocks see several windows), block 1 full attention. The
+tokenizer is a word-level one over a small vocabulary plus the Qwen-VL special
+tokens, with a chat template that renders an image part as
+<|vision_start|><|image_pad|><|vision_end|>.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import torch
+
+WORDS = ("user assistant system the a an of to and in is it that this what describe picture image color "
+         "red green blue big small left right top bottom cat dog sky tree house car "
+         "there are how many one two three please short answer yes no see").split()
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+           "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+CHAT_TEMPLATE = r"""{%- for message in messages -%}
+{{- '<|im_start|>' + message['role'] + '\n' -}}
+{%- if message['content'] is string -%}
+{{- message['content'] -}}
+{%- else -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- elif part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+
+VL_TEXT = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-6, initializer_range=0.2,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [2, 3, 3]})
+VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                 temporal_patch_size=2, spatial_merge_size=2, window_size=16,
+                 out_hidden_size=64, fullatt_block_indexes=[1], initializer_range=0.2)
+# Images are resized to multiples of 8 pixels, between 8 x 8 and 64 x 64 pixels worth.
+IMAGE_PROCESSOR = dict(patch_size=4, temporal_patch_size=2, merge_size=2,
+                       min_pixels=8 * 8, max_pixels=64 * 64)
+
+
+def build_tokenizer(path: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS + ["[UNK]", "\n", "?", ".", ","])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    # words, punctuation and newlines are tokens; spaces separate them
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"<\|[a-z_]+\|>|\n|[?.,]"), behavior="isolated"),
+        pre_tokenizers.WhitespaceSplit()])
+    tk.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]",
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_vl_checkpoint(path: str, seed: int = 0):
+    """Save the tiny Qwen2.5-VL model, tokenizer and image processor to `path`; return
+    the HF model (eval, fp32)."""
+    import transformers as tf
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tf.Qwen2_5_VLConfig(
+            text_config=dict(VL_TEXT, bos_token_id=None, eos_token_id=None), vision_config=dict(VL_VISION),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+        model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name or "ln_q" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "visual" in name:  # larger vision weights: image features that matter
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    ip = tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR)
+    ip.save_pretrained(path)
+    return model
+
+
+QWEN3_VL_TEXT = dict(VL_TEXT, head_dim=16,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+# Qwen3-VL's tower: no windows, a learned 4 x 4 position grid resampled to each
+# image, LayerNorm, gelu-tanh MLP, deepstack features from blocks 0 and 1.
+QWEN3_VL_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                       out_hidden_size=64, num_position_embeddings=16,
+                       deepstack_visual_indexes=[0, 1], initializer_range=0.2)
+
+
+def build_qwen3_vl_checkpoint(path: str, seed: int = 0):
+    """The tiny Qwen3-VL counterpart of build_vl_checkpoint (same tokenizer and image
+    processor)."""
+    import transformers as tf
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tf.Qwen3VLConfig(
+            text_config=dict(QWEN3_VL_TEXT, bos_token_id=None, eos_token_id=None),
+            vision_config=dict(QWEN3_VL_VISION),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+        model = tf.Qwen3VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "visual" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR).save_pretrained(path)
+    return model
+
+
+def hf_processor(path: str):
+    import transformers as tf
+    return tf.AutoProcessor.from_pretrained(path)
+
+
+def make_image(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A random RGB image [h, w, 3] uint8."""
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
