@@ -888,7 +888,6 @@ class ModelRunner:
 
     def _sample_one(self, logits, sampled, discard):
         """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
-        batch = self.input_batch
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
             nan_rows = self._pending_nonfinite_hidden
