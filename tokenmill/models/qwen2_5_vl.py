@@ -28,7 +28,7 @@ from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
-from tokenmill.models.llama import DecoderConfig, Qwen2ForCausalLM
+from tokenmill.models.llama import Qwen2ForCausalLM
 
 
 class VisionConfig:
