@@ -48,6 +48,14 @@ BENCH_MODELS = {
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention",
                      "full_attention"] * 2)),
+    # Gemma 3 in the same size class: five local (sliding, window 1024) layers per
+    # global one, Gemma's norms and gelu MLP, tied embeddings; long enough for the
+    # long-context `bench window` (8k of context).
+    "bench-gemma3-512": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        BENCH_MODEL_CONFIG, tie_word_embeddings=True, max_position_embeddings=16384,
+        query_pre_attn_scalar=64, sliding_window=1024, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
 }
 DTYPES = ("bfloat16", "float16", "float32")
 PAD_TOKEN_ID = 0
