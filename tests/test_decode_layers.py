@@ -50,9 +50,10 @@ def _spy(monkeypatch, compare: bool):
 
 
 # q/k norm and head_dim != hidden / heads; q/k/v/o and MLP biases; qkv bias with tied
-# embeddings; MQA with llama3 rope scaling.
+# embeddings; MQA with llama3 rope scaling; Qwen2 with a full and a sliding layer (two KV
+# cache groups: one native call per group's run of layers).
 @pytest.mark.parametrize("name", ["qwen3_headdim", "llama_bias", "qwen2_tied",
-                                  "llama_mqa_llama3"])
+                                  "llama_mqa_llama3", "qwen2_swa"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch, widened, ops,
                                                 name, dtype):
@@ -70,6 +71,11 @@ def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch,
     llm.generate(prompts, params, use_tqdm=False)
     if supported:
         assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
+        runs = runner_of(llm).model.decode_layers._runs
+        groups = {layer.self_attn.attn.kv_group for layer in runner_of(llm).model.layers}
+        assert len(runs) == len(groups) == (2 if name == "qwen2_swa" else 1)
+        if name == "qwen2_swa":  # layer 0 full, layer 1 sliding (window 12)
+            assert [(r[0], r[1], r[3]) for r in runs] == [(0, 1, None), (1, 2, 12)]
     else:
         assert rows == []
 
