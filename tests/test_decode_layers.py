@@ -50,9 +50,10 @@ def _spy(monkeypatch, compare: bool):
 
 
 # q/k norm and head_dim != hidden / heads; q/k/v/o and MLP biases; qkv bias with tied
-# embeddings; MQA with llama3 rope scaling.
+# embeddings; MQA with llama3 rope scaling; Qwen2 with a full and a sliding layer (two KV
+# cache groups: one native call per group's run of layers).
 @pytest.mark.parametrize("name", ["qwen3_headdim", "llama_bias", "qwen2_tied",
-                                  "llama_mqa_llama3"])
+                                  "llama_mqa_llama3", "qwen2_swa"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch, widened, ops,
                                                 name, dtype):
@@ -70,6 +71,11 @@ def test_native_decode_layers_are_bit_identical(tiny_model_factory, monkeypatch,
     llm.generate(prompts, params, use_tqdm=False)
     if supported:
         assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
+        runs = runner_of(llm).model.decode_layers._runs
+        groups = {layer.self_attn.attn.kv_group for layer in runner_of(llm).model.layers}
+        assert len(runs) == len(groups) == (2 if name == "qwen2_swa" else 1)
+        if name == "qwen2_swa":  # layer 0 full, layer 1 sliding (window 12)
+            assert [(r[0], r[1], r[3]) for r in runs] == [(0, 1, None), (1, 2, 12)]
     else:
         assert rows == []
 
@@ -171,3 +177,83 @@ def test_drafter_taps_keep_the_native_loop(tiny_model_factory, monkeypatch, wide
         assert calls and {c for c in calls} <= {(0, 1), (1, 2), (0, 2)}
     else:
         assert calls == []
+
+
+# ---- Gemma 3: several KV cache groups, two rope tables, Gemma's norms and MLP ----------
+
+def _spy_gemma(monkeypatch, compare: bool):
+    """As _spy, for the Gemma loop: the Python layers on a copy first, equal bits."""
+    from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
+    rows = []
+    real = GemmaDecodeLayers.__call__
+
+    def call(self, x, cos_sin, meta):
+        ref = None
+        if compare:
+            ref = x.clone()
+            for layer in self.model.layers:
+                cos, sin = cos_sin[layer.kind]
+                ref = layer(ref, cos, sin, self.model.rotary[layer.kind], meta)
+        out = real(self, x, cos_sin, meta)
+        if ref is not None:
+            assert torch.equal(out, ref), "native Gemma layers differ from the Python layers"
+        rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(GemmaDecodeLayers, "__call__", call)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def gemma3_capped(tmp_path_factory):
+    """Gemma 3 with attention soft-capping (tight, so it bites), qkv bias, two local
+    layers per global one (three KV cache groups)."""
+    from conftest import build_checkpoint
+    path = str(tmp_path_factory.mktemp("gemma3_capped"))
+    build_checkpoint(path, "gemma3", dict(
+        num_hidden_layers=3, head_dim=32, sliding_window=12, sliding_window_pattern=3,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, attention_bias=True,
+        final_logit_softcapping=30.0, tie_word_embeddings=True))
+    return path
+
+
+@pytest.mark.parametrize("model", ["gemma3", "gemma3_capped"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gemma3_native_decode_layers_are_bit_identical(tiny_model_factory, gemma3_capped,
+                                                       monkeypatch, widened, ops, model, dtype):
+    path = gemma3_capped if model == "gemma3_capped" else tiny_model_factory(model).path
+    rows = _spy_gemma(monkeypatch, compare=True)
+    llm = make_llm(path, dtype=dtype, max_num_seqs=4)
+    loop = runner_of(llm).model.decode_layers
+    assert (loop is not None) == ops.has_fast_linear_bf16
+    assert llm.llm_engine.platform.decode_layers == (loop is not None)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
+               for n in (5, 17, 33, 8, 40, 12)]  # past the window (12) and within it
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(6)]
+    llm.generate(prompts, params, use_tqdm=False)
+    if loop is not None:
+        assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
+        assert loop.num_calls == len(rows)  # the model's own count of native steps
+        if model == "gemma3_capped":
+            assert loop.softcap == 2.0 and len(set(loop._group_ids)) == 3
+    else:
+        assert rows == []
+
+
+def test_gemma3_tokens_equal_with_python_layers(tiny_model_factory, monkeypatch, widened, ops):
+    tm = tiny_model_factory("gemma3")
+    prompts = [{"prompt_token_ids": p} for p in tm.prompts]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    rows = _spy_gemma(monkeypatch, compare=False)
+    native = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3)
+    with_native = [o.outputs[0].token_ids for o in native.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    assert bool(rows) == ops.has_fast_linear_bf16
+    del rows[:]
+    python = make_llm(tm.path, dtype="bfloat16", max_num_seqs=3, decode_layers=False)
+    assert runner_of(python).model.decode_layers is None
+    assert with_native == [o.outputs[0].token_ids for o in python.generate(prompts, params,
+                                                                             use_tqdm=False)]
+    assert rows == []

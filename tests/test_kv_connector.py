@@ -240,6 +240,102 @@ def test_worker_refuses_a_cache_of_another_geometry(llama_tiny):
             KVConnectorWorker(conn, core.runner.kv_caches, names)
 
 
+# ---- sliding-window models ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swa_model(tiny_model_factory):
+    return tiny_model_factory("mistral_swa")  # every layer slides, window 12 (< 2 blocks)
+
+
+@pytest.fixture(scope="module")
+def swa_prompts(swa_model):
+    return shared_prefix_prompts(swa_model.vocab_size, seed=12)
+
+
+@pytest.fixture(scope="module")
+def swa_baseline(swa_model, swa_prompts):
+    out = greedy(make_llm(swa_model.path, enable_prefix_caching=False, **KW), swa_prompts)
+    for p, got in list(zip(swa_prompts, out))[:2]:
+        assert got == swa_model.reference(p, NEW)
+    return out
+
+
+def swa_loads(llm) -> list:
+    """Every KVLoad the scheduler half hands out, recorded."""
+    sched = scheduler_of(llm).connector
+    seen, build = [], sched.build_connector_meta
+
+    def spy(so, scheduler):
+        meta = build(so, scheduler)
+        if meta is not None:
+            seen.extend(meta.loads)
+        return meta
+    sched.build_connector_meta = spy
+    return seen
+
+
+@pytest.mark.parametrize("local_cache", [True, False], ids=["local-on", "local-off"])
+def test_sliding_window_model_hits_only_its_window(swa_model, swa_prompts, swa_baseline,
+                                                   local_cache):
+    llm = make_llm(swa_model.path, kv_connector=["cpu"], enable_prefix_caching=local_cache,
+                   **KW)
+    conn = connector_of(llm)
+    assert conn.geometry.sliding_window == 12 and conn.namespace.endswith("-B8-W12")
+    assert greedy(llm, swa_prompts) == swa_baseline
+    first = ext(llm)
+    # Every prompt block is stored whole, the ones the window left behind too.
+    assert first["blocks_stored"] >= PREFIX_BLOCKS and first["store_failures"] == 0
+    reset_local_cache(llm)
+    loads = swa_loads(llm)
+    assert greedy(llm, swa_prompts) == swa_baseline
+    s = ext(llm)
+    assert s["load_failures"] == 0 and s["hit_blocks"] > first["hit_blocks"]
+    assert loads
+    spec = scheduler_of(llm).kv_cache_manager.sliding[0]
+    for load in loads:
+        # Only the blocks inside the window of the hit's end: ceil(12 / 8) + 1 at most.
+        end = load.first_block + len(load.block_ids)
+        assert load.first_block == max(spec.first_needed_block(end * BS), load.first_block)
+        assert 1 <= len(load.block_ids) <= 3
+        assert load.first_block >= spec.first_needed_block(end * BS)
+    # The hits reach past the shared prefix (the same prompts again: every full prompt
+    # block), loading only the window's blocks of each.
+    assert max(load.first_block + len(load.block_ids) for load in loads) > PREFIX_BLOCKS
+    assert s["hit_blocks"] - first["hit_blocks"] == sum(len(ld.block_ids) for ld in loads)
+    assert_idle(llm)
+
+
+def test_sliding_window_failed_load_starts_over(swa_model, swa_prompts, swa_baseline, tmp_path,
+                                                caplog):
+    spec = f"disk:{tmp_path / 'kv'}"
+    prefix, want = swa_prompts[-2], swa_baseline[-2]  # the shared prefix alone: 100 tokens
+    writer = make_llm(swa_model.path, kv_connector=[spec], **KW)
+    assert greedy(writer, [prefix]) == [want]
+    reader = make_llm(swa_model.path, kv_connector=[spec], **KW)
+    # The hit ends at block 12 and loads blocks 10 and 11 (window 12); damage block 11:
+    # the recomputation from there would read block 9, which the hit skipped.
+    path = entry_path(reader, prefix, 11)
+    b = bytearray(open(path, "rb").read())
+    b[HEADER.size + 100] ^= 0x40
+    open(path, "wb").write(bytes(b))
+    loads = swa_loads(reader)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        assert greedy(reader, [prefix]) == [want]
+    assert [(ld.first_block, len(ld.block_ids)) for ld in loads][:1] == [(10, 2)]
+    s = ext(reader)
+    assert s["load_failures"] == 1 and "not loaded" in caplog.text
+    assert scheduler_of(reader).num_preemptions >= 1  # started over, from token 0
+    assert_idle(reader)
+
+
+def test_several_kv_groups_turn_the_tier_off_with_the_reason(tiny_model_factory, caplog):
+    gemma = tiny_model_factory("gemma3")  # local and global layers: several groups
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        llm = make_llm(gemma.path, kv_connector=["cpu"], **KW)
+    assert connector_of(llm) is None
+    assert "KV cache groups" in caplog.text and "turned off" in caplog.text
+
+
 # ---- Redis failures -----------------------------------------------------------------------
 
 def test_redis_down_at_startup_recomputes(llama_tiny, prompts, baseline, caplog):

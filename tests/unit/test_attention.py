@@ -147,3 +147,21 @@ def test_native_decode_any_head_dim(ops, dtype, tol, d, num_rows):
     got = _decode(layer, poisoned, table, q, seq_lens, ops)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("d", [16, 64])
+def test_native_decode_soft_capping_matches_pytorch_path(ops, dtype, tol, window, d):
+    """Gemma's attention soft-capping in the native kernel (cap small enough that it
+    moves every score), with and without a sliding window, vs the PyTorch path."""
+    seq_lens = [1, 4, 5, 17, 30, 2]
+    cache, table, q = _setup(dtype, seq_lens, d=d)
+    q = q * 4  # large scores: the cap matters
+    layer = PagedAttention(6, 2, d, d ** -0.5, sliding_window=window, logit_softcap=1.5)
+    got = _decode(layer, cache, table, q, seq_lens, ops)
+    ref = _decode(layer, cache, table, q, seq_lens, None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    uncapped = PagedAttention(6, 2, d, d ** -0.5, sliding_window=window)
+    plain = _decode(uncapped, cache, table, q, seq_lens, ops)
+    assert (plain.float() - got.float()).abs().max() > 10 * tol  # the cap did something

@@ -61,6 +61,14 @@ BENCH_MODELS = {
         qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=16,
         num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=384,
         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0)),
+    # Gemma 3 in the same size class: five local (sliding, window 1024) layers per
+    # global one, Gemma's norms and gelu MLP, tied embeddings; long enough for the
+    # long-context `bench window` (8k of context).
+    "bench-gemma3-512": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        BENCH_MODEL_CONFIG, tie_word_embeddings=True, max_position_embeddings=16384,
+        query_pre_attn_scalar=64, sliding_window=1024, sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)),
 }
 DTYPES = ("bfloat16", "float16", "float32")
 PAD_TOKEN_ID = 0

@@ -161,9 +161,10 @@ class KVCacheManager:
             num_touch_free = sum(self.pool.num_free_among(ids) for ids in new_computed_blocks)
         num_new = max(0, needed_per_group - have)
         # A sliding group need not allocate the new blocks its window has already left
-        # (a long cached prefix): those entries are the null block. (Blocks the external
-        # tier loads into are always allocated.)
-        num_local = request.num_computed_tokens + num_new_computed_tokens
+        # (a long cached prefix): those entries are the null block.
+        # Nor those before the window of an external hit's end (the tier loads only the
+        # blocks inside it).
+        num_local = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens
         skip = {gid: min(num_new, max(0, spec.first_needed_block(num_local) - have))
                 for gid, spec in self.sliding.items()}
         total_new = num_new * len(self.block_groups) - sum(skip.values())
@@ -253,6 +254,17 @@ class KVCacheManager:
             return None
         return next((i for i, b in enumerate(blocks[self.first_block_group])
                      if b in block_ids), None)
+
+    def window_intact(self, request_id: str, num_tokens: int) -> bool:
+        """Whether every sliding group still holds the blocks the token at `num_tokens`
+        reads (a failed external load rolls back there; an earlier hit may have left
+        them the null block)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return True
+        end = num_tokens // self.block_size
+        return all(BlockPool.NULL_BLOCK not in blocks[gid][spec.first_needed_block(num_tokens):end]
+                   for gid, spec in self.sliding.items())
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """The request's KV ends at `num_tokens` (a load failed): its blocks from there are

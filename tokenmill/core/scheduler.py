@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tokenmill import faults
 from tokenmill.core.encoder_cache_manager import EncoderCacheManager
+from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
@@ -324,7 +325,8 @@ class Scheduler:
             blocks, bs = block_ids[kvm.first_block_group], kvm.block_size
             if kvm.holds_loading(blocks[:num_hit // bs]):
                 self.connector.mark_loading(req.request_id)  # it hit blocks this step loads
-            kvm.mark_loading(blocks[num_hit // bs:(num_hit + num_ext) // bs])
+            kvm.mark_loading([b for b in blocks[num_hit // bs:(num_hit + num_ext) // bs]
+                              if b != BlockPool.NULL_BLOCK])  # (a window's skipped blocks)
 
     @staticmethod
     def _grammar_ready(req: Request) -> bool:
@@ -519,6 +521,12 @@ class Scheduler:
                 req.num_output_placeholders = 0
             if rid in redo:
                 req.spec_token_ids = []
+                if not kvm.window_intact(rid, redo[rid]) and req.status == RequestStatus.RUNNING:
+                    # A sliding window's hit skipped blocks the recomputation would read:
+                    # start over (preemption by recompute).
+                    self.running.remove(req)
+                    self._preempt(req)
+                    continue
                 req.num_computed_tokens = min(req.num_computed_tokens, redo[rid])
                 kvm.rollback(req, redo[rid])
 

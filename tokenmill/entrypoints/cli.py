@@ -241,6 +241,11 @@ def cmd_bench_plot(args) -> int:
     return run_plot(args)
 
 
+def cmd_bench_window(args) -> int:
+    from tokenmill.bench.window import run_window_bench
+    return run_window_bench(args)
+
+
 def cmd_bench_prefix(args) -> int:
     from tokenmill.bench.prefix import run_prefix_bench
     return run_prefix_bench(args)
@@ -328,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.latency import add_latency_args
     add_latency_args(lt)
     lt.set_defaults(func=cmd_bench_latency)
+    wn = bsub.add_parser("window", help="a long context on a sliding-window model: KV bytes "
+                                        "and decode speed with the window vs without")
+    from tokenmill.bench.window import add_window_args
+    add_window_args(wn)
+    wn.set_defaults(func=cmd_bench_window)
     pl = bsub.add_parser("plot", help="a PNG bar chart from bench throughput / latency JSON")
     from tokenmill.bench.plot import add_plot_args
     add_plot_args(pl)

@@ -10,7 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "decode attention over a paged KV cache (window > 0: the last `window` positions)",
         pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
-        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0);
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0);
   m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] weights in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
   m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");
@@ -20,10 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");
   m.def("kv_cache_write", &kv_cache_write, "write new K/V rows into the paged cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");
   m.def("decode_layers", &decode_layers,
         "all decoder layers of a Llama-family model for a decode-only step, in one call");
+  m.def("gemma_decode_layers", &gemma_decode_layers,
+        "all decoder layers of a Gemma 3 model for a decode-only step, in one call");
   // The capability level this module was built for, and what it can do well.
   m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
   m.attr("vector_lanes") = tmvec::Vec::W;  // fp32 lanes of the kernels' vectors

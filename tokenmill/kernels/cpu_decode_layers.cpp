@@ -61,7 +61,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     // PagedAttention.forward, decode-only.
     kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset);
     torch::Tensor attn =
-        paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale, window)
+        paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale, window, 0.0)
             .view({t, -1});
     torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
     // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.

@@ -117,7 +117,59 @@ void silu_mul_row(const T* g, T* y, int64_t I) {
   }
 }
 
+// gelu_tanh(gate) * up for one row (Gemma's MLP). gelu_tanh(x) = 0.5 x (1 + tanh(z))
+// with z = sqrt(2/pi) (x + 0.044715 x^3), which is x * sigmoid(2 z): the same shape
+// as silu, so the same vector exp and the same overflow fallback serve it. The gelu
+// is rounded to T before the product, as F.gelu(gate) * up rounds.
+// n elements of a row from g, whose up half starts up_off after it.
+template <typename T>
+void gelu_tanh_mul_chunk(const T* g, int64_t up_off, T* y, int64_t I) {
+  constexpr float kC = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+  constexpr float kA = 0.044715f;
+  const T* u = g + up_off;
+  int64_t i = 0;
+  if constexpr (kVec<T>) {
+    const Vec one = Vec::set1(1.f), c = Vec::set1(kC), a = Vec::set1(kA);
+    Vec largest = Vec::set1(-INFINITY);
+    for (; i + W <= I; i += W) {
+      const Vec x = Vec::load(g + i);
+      const Vec arg = Vec::zero() - c * (x + a * x * x * x);
+      largest = tmvec::max(arg, largest);
+      (tmvec::round_to<T>(x / (one + tmvec::exp(arg))) * Vec::load(u + i)).store(y + i);
+    }
+    if (!(tmvec::reduce_max(largest) <= 88.3f)) i = 0;  // (as silu_mul_row)
+  }
+  for (; i < I; ++i) {
+    const float x = f(g[i]);
+    y[i] = static_cast<T>(r<T>(x / (1.f + std::exp(-kC * (x + kA * x * x * x)))) * f(u[i]));
+  }
+}
+
 }  // namespace
+
+// gate_up [T, 2 I] -> gelu_tanh(gate) * up [T, I] (Gemma's MLP).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gelu_tanh_mul: gate_up must be [T, 2 I] with contiguous rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
+                                  "gelu_tanh_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    // Decode rows are few and long: split each row into chunks of whole vectors.
+    constexpr int64_t kChunk = 1024;
+    const int64_t per_row = (I + kChunk - 1) / kChunk;
+    at::parallel_for(0, T * per_row, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t t = j / per_row, c0 = j % per_row * kChunk;
+        const int64_t n = std::min(kChunk, I - c0);
+        gelu_tanh_mul_chunk(in + t * ld + c0, I, o + t * I + c0, n);
+      }
+    });
+  });
+  return out;
+}
 
 // qkv [T, (hq + 2 hkv) d] (rows may be strided); q_weight / k_weight [d] or
 // empty (no q/k norm); cos / sin [T, rd] in qkv's dtype. Returns q [T, hq, d]

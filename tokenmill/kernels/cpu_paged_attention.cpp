@@ -213,11 +213,16 @@ inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems)
 // used while its lines are hot, and the next block's are prefetched.
 template <int NV, typename T>
 void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1, int64_t g,
-            int64_t d, int64_t first, int64_t len, float* scores, float* out) {
+            int64_t d, int64_t first, int64_t len, float softcap, float* scores, float* out) {
   const int64_t nh = h1 - h0, nb = (len + c.bs - 1) / c.bs, span = len - first;
   for (int phase = 0; phase < 2; ++phase) {
     const bool value = phase == 1;
     if (value) {
+      if (softcap > 0.f) {  // Gemma 2/3: scores become cap * tanh(scores / cap)
+        const float inv = 1.f / softcap;
+        for (int64_t i = 0; i < nh * g * span; ++i)
+          scores[i] = softcap * std::tanh(scores[i] * inv);
+      }
       for (int64_t i = 0; i < nh * g; ++i) softmax_row(scores + i * span, span);
       std::fill(out, out + nh * g * d, 0.f);
     }
@@ -242,11 +247,12 @@ void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h
 
 template <typename T>
 void attend_any_d(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1,
-                  int64_t g, int64_t d, int64_t first, int64_t len, float* scores,
-                  float* out) {
-  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, first, len, scores, out);
-  if (d == 128) return attend<128 / W>(qf, c, r, h0, h1, g, d, first, len, scores, out);
-  attend<0>(qf, c, r, h0, h1, g, d, first, len, scores, out);
+                  int64_t g, int64_t d, int64_t first, int64_t len, float softcap,
+                  float* scores, float* out) {
+  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
+  if (d == 128)
+    return attend<128 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
+  attend<0>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
 }
 
 // dst[i] = src[i] * scale in fp32, and back (rounded as a c10 cast rounds).
@@ -266,7 +272,7 @@ inline void narrow(const float* src, T* dst, int64_t n) {
 
 template <typename T>
 void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
-            int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window) {
+            int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap) {
   const int64_t g = hq / hkv;
   // Enough rows to keep every thread busy: one job per row, all its heads (each
   // block visited once); else one per (row, kv head). The results are the same.
@@ -282,7 +288,7 @@ void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int6
       const int64_t q_off = (r * hq + h0 * g) * d;
       scores.resize(heads * g * (len - first));
       widen_scaled(q + q_off, qf.data(), width, scale);
-      attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, scores.data(),
+      attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, softcap, scores.data(),
                    acc.data());
       narrow(acc.data(), out + q_off, width);
     }
@@ -293,9 +299,11 @@ void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int6
 
 // q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (dim 0 may be padded);
 // block_table [nd, max_nb] int32; seq_lens [nd] int32 -> out [nd, Hq, D].
-// window > 0: row r attends its last `window` positions only (a sliding window).
+// window > 0: row r attends its last `window` positions only (a sliding window);
+// softcap > 0: scores (scaled) become softcap * tanh(score / softcap) before the softmax.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                           torch::Tensor seq_lens, double scale, int64_t window) {
+                           torch::Tensor seq_lens, double scale, int64_t window,
+                           double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [nd, Hq, D] tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
               "kv cache must be [num_blocks, 2, block_size, Hkv, D] with contiguous heads");
@@ -311,7 +319,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
                kv.stride(3)};
     decode<T>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
               reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3), q.size(2),
-              static_cast<float>(scale), window);
+              static_cast<float>(scale), window, static_cast<float>(softcap));
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;

@@ -25,7 +25,8 @@ using namespace at;  // NOLINT: as torch/types.h
 #define TOKENMILL_CPU_LEVEL_NAME TOKENMILL_STR(TOKENMILL_CPU_LEVEL)
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                           torch::Tensor seq_lens, double scale, int64_t window);
+                           torch::Tensor seq_lens, double scale, int64_t window,
+                           double softcap);
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
 // The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.
@@ -46,6 +47,7 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
 void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                     torch::Tensor slot_block, torch::Tensor slot_offset);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
                             double eps);
@@ -54,3 +56,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
                             torch::Tensor seq_lens);
+torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                  std::vector<int64_t> layer_info, std::vector<int64_t> dims,
+                                  double eps, double scale, double softcap,
+                                  std::vector<torch::Tensor> ropes,
+                                  std::vector<torch::Tensor> tables);

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, MLAAttentionSpec,
-                                          dtype_size)
+                                          SlidingWindowSpec, dtype_size)
 
 DEFAULT_CPU_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 10 << 30
@@ -112,14 +112,20 @@ class KVGeometry:
     block_size: int
     # MLA (DeepSeek): one latent row per token, no separate V (MLAAttentionSpec).
     latent: bool = False
+    # The layers' sliding window (tokens), None for full attention. A block's KV is
+    # stored whole either way; the window says which blocks a hit must load.
+    sliding_window: int | None = None
 
     @classmethod
     def from_kv_cache_config(cls, config: KVCacheConfig) -> "KVGeometry":
+        """The geometry of the one attention group (make_kv_connector refuses others)."""
         group = config.groups[config.attention_group_id]
         spec = group.spec
-        assert isinstance(spec, (FullAttentionSpec, MLAAttentionSpec))
+        assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec))
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         return cls(len(group.layer_names), spec.num_kv_heads, spec.head_size, spec.dtype,
-                   spec.block_size, latent=isinstance(spec, MLAAttentionSpec))
+                   spec.block_size, latent=isinstance(spec, MLAAttentionSpec),
+                   sliding_window=window)
 
     @property
     def layer_block_shape(self) -> tuple[int, ...]:
@@ -127,6 +133,12 @@ class KVGeometry:
         if self.latent:
             return (self.block_size, self.head_size)
         return (2, self.block_size, self.num_kv_heads, self.head_size)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block the token at position `num_tokens` reads (0: full attention)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
 
     @property
     def layer_bytes(self) -> int:
@@ -142,8 +154,9 @@ class KVGeometry:
 
     @property
     def tag(self) -> str:
+        window = "" if self.sliding_window is None else f"-W{self.sliding_window}"
         return (f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_size}-{self.dtype}"
-                f"-B{self.block_size}" + ("-MLA" if self.latent else ""))
+                f"-B{self.block_size}{window}" + ("-MLA" if self.latent else ""))
 
 
 def model_fingerprint(path: str, extra: str = "", sample_bytes: int = 64 << 10,

@@ -40,6 +40,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import request_block_hashes
 from tokenmill.core.sched_output import KVConnectorMetadata, KVLoad
 from tokenmill.kv_connector.calls import StoreCaller
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 # Keys whose presence in each store this process knows (lookups and its own writes),
 # and entries known to be unreadable (a failed load) until written again.
 RECENT_KEYS = 1 << 16
+NULL_BLOCK = BlockPool.NULL_BLOCK
 
 
 STORE_COUNTERS = ("hit_blocks", "hit_tokens", "bytes_loaded", "blocks_stored", "bytes_stored",
@@ -239,18 +241,42 @@ class KVConnectorScheduler:
         stats = self.connector.stats
         stats.lookups += 1
         stats.lookup_tokens += (max_load - start) * bs
-        end = start
-        while end < max_load and any(p[end] for p in present):
-            end += 1
+        geometry = self.connector.geometry
+        if geometry.sliding_window is None:
+            end = start
+            while end < max_load and any(p[end] for p in present):
+                end += 1
+            load_start = start
+        else:
+            end, load_start = self._sliding_hit(present, start, max_load)
         # A chain entry missing while a later one is there was lost (evicted, deleted).
         if end < max_load:
             for si, found in enumerate(held):
                 if not found[end] and any(found[end + 1:num_prompt_blocks]):
                     stats.add(self.connector.store_names[si], "load_failures")
-        found = [[si for si, p in enumerate(present) if p[i]] for i in range(start, end)]
+        # Blocks before load_start lie outside the window of the hit's end: not loaded
+        # (no stores listed; the KV cache manager leaves them the null block).
+        found = [[si for si, p in enumerate(present) if p[i]] if i >= load_start else []
+                 for i in range(start, end)]
         if found:
             state.found_start, state.found = start, found
         return len(found) * bs
+
+    def _sliding_hit(self, present: list[list[bool]], start: int,
+                     max_load: int) -> tuple[int, int]:
+        """Sliding-window layers: a hit ending at block `end` needs only the blocks inside
+        the window of its end's token, first_needed_block(end * bs) .. end - 1 (those
+        from `start` on; the local hit holds the ones before). -> (the largest such
+        end, the first block to load)."""
+        g = self.connector.geometry
+        best, best_start = start, start
+        run = 0  # blocks present in some store, ending at block i
+        for i in range(start, max_load):
+            run = run + 1 if any(p[i] for p in present) else 0
+            first = max(start, g.first_needed_block((i + 1) * self.block_size))
+            if run and i + 1 - run <= first:
+                best, best_start = i + 1, first
+        return best, best_start
 
     def update_state_after_alloc(self, request, block_ids: list[list[int]],
                                  num_local_tokens: int, num_external_tokens: int) -> None:
@@ -261,11 +287,14 @@ class KVConnectorScheduler:
         n = num_external_tokens // self.block_size
         if n:
             start = num_local_tokens // self.block_size
-            assert state.found_start == start and len(state.found) >= n
+            assert state.found_start == start and len(state.found) == n
+            # (a sliding window's hit leaves its first blocks unloaded: no stores listed)
+            skip = next(k for k, stores in enumerate(state.found) if stores)
+            first = start + skip
             hashes = request_block_hashes(request, self.block_size)
             self._pending_loads.append(KVLoad(
-                request.request_id, start, list(block_ids[self.group_id][start:start + n]),
-                list(hashes[start:start + n]), [list(s) for s in state.found[:n]]))
+                request.request_id, first, list(block_ids[self.group_id][first:start + n]),
+                list(hashes[first:start + n]), [list(s) for s in state.found[skip:]]))
             state.loading = True
         state.found_start, state.found = -1, []
 
@@ -292,6 +321,8 @@ class KVConnectorScheduler:
             blocks = kvm.req_to_blocks[rid][self.group_id]
             complete = min(complete, len(hashes), len(blocks))
             for i in range(state.stored_upto, complete):
+                if blocks[i] == NULL_BLOCK:
+                    continue  # a window left it unwritten here (a hit skipped it)
                 known = self._known.get(hashes[i])
                 targets = tuple(sorted(all_stores - known))
                 if targets:

@@ -14,6 +14,12 @@ HYBRID_REASON = (
     "their state at the block boundary, and a state recomputed from a snapshot is not "
     "bit-identical to one computed in a single pass (see ARCHITECTURE.md)")
 
+MULTI_GROUP_REASON = (
+    "its layers form {n} KV cache groups (full and sliding-window layers, or layers of "
+    "different head sizes); an entry holds one block of every layer of a single group, "
+    "so the tier runs only models whose attention layers are all alike (full attention, "
+    "or all sliding with one window, e.g. Mistral)")
+
 
 def _num_block_groups(config: KVCacheConfig) -> int:
     return sum(1 for g in config.groups if g.is_attention)
@@ -44,7 +50,8 @@ def make_kv_connector(config: KVConnectorConfig | None, model_config,
         logger.warning("the external KV tier is turned off for this model: %s", HYBRID_REASON)
         return None
     if _num_block_groups(kv_cache_config) != 1:
-        logger.warning("the external KV tier needs exactly one attention KV group; off")
+        logger.warning("the external KV tier is turned off for this model: %s",
+                       MULTI_GROUP_REASON.format(n=_num_block_groups(kv_cache_config)))
         return None
     from tokenmill.kv_connector.connector import KVConnector
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 
@@ -25,17 +26,22 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in fp32, rounded once (HF's Gemma3RMSNorm)."""
+    """x / rms(x) * (1 + weight), in fp32, rounded once (HF's Gemma3RMSNorm): PyTorch's
+    fp32 rms_norm over the weight with its +1 folded in, bit-identical to HF's formula
+    and what the native decode loop calls (`folded_weight`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def folded_weight(self) -> torch.Tensor:
+        """1 + weight, in fp32."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        y = F.rms_norm(x.float(), self.weight.shape, self.folded_weight(), self.eps)
+        return y.to(x.dtype)
 
 
 class Gemma3Config:
@@ -104,9 +110,24 @@ class Gemma3Attention(nn.Module):
                                    c.query_pre_attn_scalar ** -0.5,
                                    sliding_window=c.sliding_window if kind == SLIDING else None,
                                    logit_softcap=c.attn_logit_softcapping)
+        self._no_norm = torch.empty(0)
 
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
+        if meta.native_ops is not None:
+            # Gemma's q/k norms written back into qkv, then the native rotary (q out, k
+            # rotated in place): the calls the native decode loop makes.
+            qkv = self.qkv_proj(x)
+            qv = qkv[:, :self.q_size]
+            kv = qkv[:, self.q_size:self.q_size + self.kv_size]
+            qv.copy_(self.q_norm(qv.reshape(t, self.num_heads, self.head_dim)).view(t, -1))
+            kv.copy_(self.k_norm(kv.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1))
+            q = meta.native_ops.qk_norm_rope(qkv, self._no_norm, self._no_norm, cos, sin,
+                                             self.num_heads, self.num_kv_heads,
+                                             self.head_dim, self.head_dim, 0.0)
+            k = kv.view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(q, k, v, meta))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
@@ -116,7 +137,10 @@ class Gemma3Attention(nn.Module):
 
 
 class GeluTanhMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`."""
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`. The
+    kernels module (gelu_tanh_mul) comes from the CPU platform at load (`set_native_ops`)."""
+
+    native_ops = None
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -125,8 +149,15 @@ class GeluTanhMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = self.native_ops
+        if ops is not None and gate_up.device.type == "cpu" and gate_up.dim() == 2:
+            return self.down_proj(ops.gelu_tanh_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+    def set_native_ops(self, ops) -> None:
+        self.native_ops = ops if ops is not None and hasattr(ops, "gelu_tanh_mul") else None
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -171,6 +202,15 @@ class Gemma3ForCausalLM(nn.Module):
         # The runner's greedy head may stand in for lm_head only without soft-capping
         # (tanh is monotonic, but the capped logits are what logprobs report).
         self.plain_lm_head = c.final_logit_softcapping is None
+        # The native loop over every layer of a decode step (set_decode_layers), or None.
+        self.decode_layers: GemmaDecodeLayers | None = None
+
+    def set_decode_layers(self, ops, max_rows: int) -> None:
+        """The CPU platform's decision, at load (after the Linear layers were packed)."""
+        loop = None
+        if ops is not None and hasattr(ops, "gemma_decode_layers"):
+            loop = GemmaDecodeLayers(self, ops, max_rows)
+        self.decode_layers = loop if loop is not None and loop.supported else None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -181,6 +221,9 @@ class Gemma3ForCausalLM(nn.Module):
         # HF multiplies by the scale cast to the weights' dtype.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
+        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
+            # The same kernels as the layers below, called from C++.
+            return self.norm(self.decode_layers(x, cos_sin, meta))
         for layer in self.layers:
             cos, sin = cos_sin[layer.kind]
             x = layer(x, cos, sin, self.rotary[layer.kind], meta)

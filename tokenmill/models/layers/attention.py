@@ -104,7 +104,8 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
         """`sliding_window`: keys in (p - w, p] only (None: full attention);
-        `logit_softcap`: scores become cap * tanh(scores / cap) (Gemma 2), PyTorch path."""
+        `logit_softcap`: scores become cap * tanh(scores / cap) (Gemma 2/3; the native
+        decode kernel caps too, prompt chunks write the attention out)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
@@ -167,10 +168,11 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
-        if meta.native_ops is not None and self.logit_softcap is None:
+        if meta.native_ops is not None:
             return meta.native_ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
                                                 meta.decode_seq_lens, self.scale,
-                                                self.sliding_window or 0)
+                                                self.sliding_window or 0,
+                                                self.logit_softcap or 0.0)
         # PyTorch path: gather the rows' blocks, then one batched grouped-query matmul.
         nd, hkv, d = q.shape[0], self.num_kv_heads, self.head_size
         blocks = cache[meta.decode_block_table.long()]  # [nd, nb, 2, bs, Hkv, D]

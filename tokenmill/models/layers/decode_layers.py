@@ -34,18 +34,18 @@ class DecodeLayers:
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
                      c.hidden_size, c.intermediate_size]
-        # One sliding window for every layer (Mistral) is the kernel's 7th dim.
-        windows = {layer.self_attn.attn.sliding_window for layer in model.layers}
-        window = next(iter(windows))
-        if window is not None:
-            self.dims.append(window)
+        # Each layer's sliding window (None: full attention), the kernel's 7th dim.
+        self.windows = [layer.self_attn.attn.sliding_window for layer in model.layers]
+        # Runs of consecutive layers in one KV cache group: (start, end, group, window),
+        # one native call each (a model with one group: a single run). Built at bind.
+        self._runs: list[tuple[int, int, int | None, int | None]] = []
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
         # The activations' dtype the loop serves: bf16 (packed bf16 linears) or fp32.
         self.dtype = torch.float32 if model.layers[0].self_attn.qkv_proj._linear_f32 \
             is not None else torch.bfloat16
-        self.supported = len(windows) == 1 and all(
-            self._layer_supported(layer, self.dtype) for layer in model.layers)
+        self.supported = all(self._layer_supported(layer, self.dtype)
+                             for layer in model.layers)
 
     @staticmethod
     def _layer_supported(layer, dtype: torch.dtype) -> bool:
@@ -66,7 +66,7 @@ class DecodeLayers:
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU where every layer would take its native path."""
         return (meta.native_ops is not None and not meta.prefills
-                and meta.state is None and meta.by_group is None
+                and meta.state is None
                 and meta.num_decodes == x.shape[0]
                 and x.dtype == self.dtype and x.shape[0] <= self.max_rows
                 and self._caches_ok(x.dtype))
@@ -80,6 +80,13 @@ class DecodeLayers:
             caches = [layer.self_attn.attn.kv_cache for layer in self.model.layers]
             if all(c is not None for c in caches) and len({c.dtype for c in caches}) == 1:
                 self._cache_dtype = first.dtype
+            self._runs = []
+            for i, layer in enumerate(self.model.layers):
+                key = (layer.self_attn.attn.kv_group, self.windows[i])
+                if self._runs and self._runs[-1][2:] == key:
+                    self._runs[-1] = (self._runs[-1][0], i + 1) + key
+                else:
+                    self._runs.append((i, i + 1) + key)
         return self._cache_dtype == dtype
 
     def weights(self) -> list[torch.Tensor]:
@@ -105,15 +112,22 @@ class DecodeLayers:
                  meta: AttentionMetadata, start: int = 0, end: int | None = None
                  ) -> torch.Tensor:
         """x [T, hidden]: the residual stream, updated in place through layers
-        [start, end) (default: all; a drafter's taps split the loop into pieces)."""
+        [start, end) (default: all; a drafter's taps split the loop into pieces).
+        Layers of several KV cache groups (Qwen2 sliding above max_window_layers):
+        one call per run of consecutive layers in one group, with its tables."""
         weights = self.weights()
-        if start or end is not None:
-            per_layer = len(weights) // len(self.model.layers)
-            weights = weights[start * per_layer:(len(self.model.layers) if end is None
-                                                 else end) * per_layer]
-        return self.ops.decode_layers(
-            x, weights, self.dims, self.eps, self.scale, cos, sin, meta.slot_block,
-            meta.slot_offset, meta.decode_block_table, meta.decode_seq_lens)
+        per_layer = len(weights) // len(self.model.layers)
+        end = len(self.model.layers) if end is None else end
+        for r0, r1, group, window in self._runs:
+            lo, hi = max(r0, start), min(r1, end)
+            if lo >= hi:
+                continue
+            m = meta.for_group(group)
+            dims = self.dims if window is None else self.dims + [window]
+            x = self.ops.decode_layers(
+                x, weights[lo * per_layer:hi * per_layer], dims, self.eps, self.scale, cos,
+                sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens)
+        return x
 
 
 def _packed(linear) -> torch.Tensor:

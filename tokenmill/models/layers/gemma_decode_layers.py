@@ -1,0 +1,97 @@
+"""All decoder layers of a Gemma 3 model in one native call, for decode steps.
+
+The Gemma counterpart of decode_layers.py (kernels/cpu_gemma_decode_layers.cpp):
+the same kernel calls as the Python layers of tokenmill/models/gemma3.py make
+with the native kernels, so the residual stream is bit-identical to theirs.
+Gemma's layers are several KV cache groups (local layers slide, global ones do
+not, and the groups are cut to one layer's size), so each layer reads its own
+group's slot mapping and decode block table, its kind's rope table and its own
+window; the loop gets them per step as lists (`tables`, `ropes`) plus, per layer,
+indices into them (`layer_info`: group, rope kind, window).
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.models.layers.decode_layers import _bias, _packed
+
+
+class GemmaDecodeLayers:
+    def __init__(self, model, ops, max_rows: int):
+        self.model = model
+        self.ops = ops
+        self.max_rows = max_rows
+        self.num_calls = 0  # decode steps it ran (the tests' proof of the path taken)
+        c = model.config
+        self.kinds = list(model.rotary.keys())
+        self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size,
+                     c.intermediate_size]
+        self.eps = c.rms_norm_eps
+        first = model.layers[0].self_attn
+        self.scale = first.attn.scale
+        self.softcap = first.attn.logit_softcap or 0.0
+        self.dtype = torch.float32 if first.qkv_proj._linear_f32 is not None \
+            else torch.bfloat16
+        self.supported = all(self._layer_supported(layer) for layer in model.layers)
+        self._weights: list[torch.Tensor] | None = None
+        self._bound = None  # the first layer's KV cache the tensors were gathered for
+        self._group_ids: list[int] = []
+        self._info: list[int] = []
+
+    def _layer_supported(self, layer) -> bool:
+        attn, mlp = layer.self_attn, layer.mlp
+        f32 = self.dtype == torch.float32
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (all((lin._linear_f32 if f32 else lin._linear_bf16) is not None
+                    for lin in linears)
+                and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+                and attn.head_dim == self.dims[2] and attn.attn.scale == self.scale
+                and (attn.attn.logit_softcap or 0.0) == self.softcap)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A decode-only step on CPU whose rows the packed linears take."""
+        return (meta.native_ops is not None and not meta.prefills and meta.state is None
+                and meta.num_decodes == x.shape[0] and x.dtype == self.dtype
+                and x.shape[0] <= self.max_rows and self._bind())
+
+    def _bind(self) -> bool:
+        """Gather the layer tensors (again after the runner binds new KV caches); False
+        when a layer has no cache in the activations' dtype."""
+        layers = self.model.layers
+        attn0 = layers[0].self_attn.attn
+        if self._bound is attn0.kv_cache and self._weights is not None:
+            return True
+        self._weights, self._bound = None, attn0.kv_cache
+        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        if any(c is None or c.dtype != self.dtype for c in caches):
+            return False
+        groups = [layer.self_attn.attn.kv_group for layer in layers]
+        self._group_ids = sorted({g for g in groups if g is not None}) or [None]
+        info, out = [], []
+        for layer, g in zip(layers, groups):
+            attn, mlp = layer.self_attn, layer.mlp
+            info += [self._group_ids.index(g), self.kinds.index(layer.kind),
+                     attn.attn.sliding_window or 0]
+            out += [layer.input_layernorm.folded_weight(),
+                    _packed(attn.qkv_proj), _bias(attn.qkv_proj, torch.empty(0)),
+                    attn.q_norm.folded_weight(), attn.k_norm.folded_weight(),
+                    attn.attn.kv_cache,
+                    _packed(attn.o_proj), _bias(attn.o_proj, torch.empty(0)),
+                    layer.post_attention_layernorm.folded_weight(),
+                    layer.pre_feedforward_layernorm.folded_weight(),
+                    _packed(mlp.gate_up_proj), _packed(mlp.down_proj),
+                    layer.post_feedforward_layernorm.folded_weight()]
+        self._info, self._weights = info, out
+        return True
+
+    def __call__(self, x: torch.Tensor, cos_sin: dict, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]: the residual stream, updated in place through every layer."""
+        tables = []
+        for gid in self._group_ids:
+            m = meta.for_group(gid)
+            tables += [m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens]
+        ropes = [t for kind in self.kinds for t in cos_sin[kind]]
+        self.num_calls += 1
+        return self.ops.gemma_decode_layers(x, self._weights, self._info, self.dims, self.eps,
+                                            self.scale, self.softcap, ropes, tables)
