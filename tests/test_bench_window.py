@@ -44,3 +44,26 @@ def test_bench_window_refuses_a_model_without_a_window(llama_tiny, capsys):
     assert main(["bench", "window", "--model", llama_tiny.path, "--context-len", "40",
                  "--output-len", "4", "--dtype", "float32"]) != 0
     assert "sliding_window (None) must be shorter" in capsys.readouterr().err
+
+
+def test_bench_window_mla_reports_the_latent_savings(tiny_model_factory, tmp_path, capsys):
+    """An MLA model: its latent cache and absorbed decode against per-head K/V (the naive
+    decode), the same greedy tokens in fp32."""
+    ds = tiny_model_factory("deepseek_v2")
+    cfg = json.load(open(os.path.join(ds.path, "config.json")))
+    out = tmp_path / "mla.json"
+    assert main(["bench", "window", "--model", ds.path, "--context-len", "60",
+                 "--output-len", "5", "--dtype", "float32", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["kind"] == "mla"
+    lat, per_head = r["mla_latent"], r["per_head_kv"]
+    row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    bs = 16  # one latent row per token and layer, fp32; 64 tokens: 4 blocks at the end
+    assert lat["kv_bytes_held"] == cfg["num_hidden_layers"] * 4 * bs * row * 4
+    heads = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+                                          + cfg["v_head_dim"])
+    assert r["ratio"]["kv_bytes"] == per_head["kv_bytes_held"] / lat["kv_bytes_held"]
+    assert r["ratio"]["kv_bytes"] == heads / row
+    assert lat["decode_tok_s"] > 0 and per_head["decode_tok_s"] > 0
+    printed = capsys.readouterr()
+    assert "MLA latent" in printed.out and "disagree" not in printed.err

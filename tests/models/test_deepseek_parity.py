@@ -96,6 +96,22 @@ def test_native_mqa_decode_matches_hf(tiny_model_factory, name, monkeypatch):
     assert views
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_naive_decode_matches_hf(tiny_model_factory, name, monkeypatch):
+    """Decode rows in the naive form (K/V expanded per head every step, the comparison
+    path of `bench window`) give HF's tokens like the absorbed form."""
+    from tokenmill.models.layers.mla import PagedMLAAttention
+    tm = tiny_model_factory(name)
+    monkeypatch.setattr(PagedMLAAttention, "absorb_decode", False)
+    calls = []
+    orig = PagedMLAAttention._decode_naive
+    monkeypatch.setattr(PagedMLAAttention, "_decode_naive",
+                        lambda self, *a: calls.append(1) or orig(self, *a))
+    llm = make_llm(tm.path, block_size=4)
+    assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+    assert calls
+
+
 # ---- prefix caching ---------------------------------------------------------------------
 
 PC_BS = 8

@@ -55,9 +55,11 @@ BENCH_MODELS = {
         layer_types=["linear_attention", "linear_attention", "linear_attention",
                      "full_attention"] * 2)),
     # DeepSeek-V2 in the same size class: MLA (a 128 + 32 latent per token instead of
-    # K and V per head), 16 routed experts (4 per token) + 1 shared, a dense first layer.
+    # K and V per head), 16 routed experts (4 per token) + 1 shared, a dense first layer;
+    # long enough for `bench window`'s 8k context.
     "bench-deepseek-v2-512": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        BENCH_MODEL_CONFIG, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=128,
+        BENCH_MODEL_CONFIG, max_position_embeddings=16384, num_key_value_heads=8,
+        q_lora_rank=None, kv_lora_rank=128,
         qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=16,
         num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=384,
         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0)),

@@ -1,4 +1,8 @@
-"""`tokenmill bench window`: what a sliding window saves on a long context, in one run.
+"""`tokenmill bench window`: what a sliding window (or MLA) saves on a long context, in one run.
+
+With an MLA model (DeepSeek; `--model bench-deepseek-v2-512`) the comparison is its
+latent cache and absorbed decode against the same attention with K and V per head
+(run_mla_bench).
 
 One request alone: a --context-len token prompt (default 8192, random ids), greedy,
 ignore_eos, --output-len new tokens, on a model with sliding-window layers (default
@@ -122,7 +126,8 @@ def run_one(model_path: str, prompt: list[int], args, max_model_len: int) -> dic
     return result
 
 
-def format_table(win: dict, full: dict, args) -> str:
+def format_table(win: dict, full: dict, args,
+                 names: tuple[str, str] = ("window", "full attention")) -> str:
     rows = [("KV bytes held (MiB)", win["kv_bytes_held"] / 2**20, full["kv_bytes_held"] / 2**20,
              full["kv_bytes_held"] / max(1, win["kv_bytes_held"]), "x less"),
             ("TTFT (s)", win["ttft_s"], full["ttft_s"], full["ttft_s"] / win["ttft_s"],
@@ -131,7 +136,7 @@ def format_table(win: dict, full: dict, args) -> str:
              win["decode_tok_s"] / full["decode_tok_s"], "x faster")]
     out = [f"one request: {args.context_len} tokens of context, {args.output_len} new, "
            f"{args.dtype}",
-           f"{'':22} {'window':>12} {'full attention':>16} {'ratio':>10}"]
+           f"{'':22} {names[0]:>12} {names[1]:>16} {'ratio':>10}"]
     for name, a, b, r, word in rows:
         out.append(f"{name:22} {a:12.2f} {b:16.2f} {r:9.2f}{word[0]} ({word[2:]})")
     return "\n".join(out)
@@ -147,6 +152,8 @@ def run_window_bench(args: argparse.Namespace) -> int:
     if max_model_len > limit:
         raise ValueError(f"--context-len + --output-len ({max_model_len}) exceeds the model's "
                          f"max_position_embeddings ({limit})")
+    if cfg.get("kv_lora_rank"):
+        return run_mla_bench(model_path, cfg, args, max_model_len)
     window = cfg.get("sliding_window")
     if not window or window >= max_model_len:
         raise ValueError(f"the model's sliding_window ({window}) must be shorter than the "
@@ -176,4 +183,45 @@ def run_window_bench(args: argparse.Namespace) -> int:
                        "window": {k: v for k, v in win.items() if k not in strip},
                        "full_attention": {k: v for k, v in full.items() if k not in strip},
                        "ratio": ratios, "platform": win["platform"]}, f, indent=2)
+    return 0
+
+
+def run_mla_bench(model_path: str, cfg: dict, args, max_model_len: int) -> int:
+    """An MLA model (DeepSeek): its latent cache and absorbed decode, against the same
+    attention with K and V per head. The decode side runs the same weights with every
+    decode row in the naive form (K/V expanded per head from the latent each step); the
+    KV side is the bytes a per-head K/V cache of the same blocks would hold."""
+    import random
+
+    from tokenmill.models.layers.mla import PagedMLAAttention
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, cfg["vocab_size"]) for _ in range(args.context_len)]
+    latent = run_one(model_path, prompt, args, max_model_len)
+    PagedMLAAttention.absorb_decode = False
+    try:
+        expanded = run_one(model_path, prompt, args, max_model_len)
+    finally:
+        PagedMLAAttention.absorb_decode = True
+    row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    per_head = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+                                             + cfg["v_head_dim"])
+    expanded["kv_bytes_held"] = latent["kv_bytes_held"] * per_head // row
+    print(format_platform(latent["platform"]))
+    print(f"MLA: a {row}-wide latent row per token and layer, against K and V of "
+          f"{cfg['num_attention_heads']} heads ({per_head} values)")
+    print(format_table(latent, expanded, args, ("MLA latent", "per-head K/V")))
+    ratios = {"kv_bytes": expanded["kv_bytes_held"] / max(1, latent["kv_bytes_held"]),
+              "decode_tok_s": latent["decode_tok_s"] / expanded["decode_tok_s"],
+              "ttft": expanded["ttft_s"] / latent["ttft_s"]}
+    if latent["token_ids"] != expanded["token_ids"]:
+        logger.warning("absorbed and naive decode disagree on some greedy tokens")
+    if args.output_json:
+        strip = ("token_ids", "platform")
+        with open(args.output_json, "w") as f:
+            json.dump({"bench": "window", "kind": "mla", "model": model_path,
+                       "dtype": args.dtype, "context_len": args.context_len,
+                       "output_len": args.output_len,
+                       "mla_latent": {k: v for k, v in latent.items() if k not in strip},
+                       "per_head_kv": {k: v for k, v in expanded.items() if k not in strip},
+                       "ratio": ratios, "platform": latent["platform"]}, f, indent=2)
     return 0

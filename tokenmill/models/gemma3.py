@@ -196,6 +196,10 @@ class Gemma3ForCausalLM(nn.Module):
                                                            c.max_position_embeddings,
                                                            c.rope[kind])
                                      for kind in (SLIDING, FULL)})
+        self._add_head(c)
+
+    def _add_head(self, c) -> None:
+        """lm_head (tied or not), and what the runner may do with it."""
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

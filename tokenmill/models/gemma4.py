@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.models.gemma3 import FULL, SLIDING, GeluTanhMLP
+from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.rotary import RotaryEmbedding
@@ -153,14 +153,11 @@ class Gemma4DecoderLayer(nn.Module):
         return (x + self.post_feedforward_layernorm(h)) * self.layer_scalar
 
 
-class Gemma4ForCausalLM(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 3's model (forward, logits) over Gemma 4's layers, norm and rope tables."""
 
     def __init__(self, hf_config: dict):
-        super().__init__()
+        nn.Module.__init__(self)
         c = self.config = Gemma4Config(hf_config)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_scale = c.hidden_size ** 0.5
@@ -170,27 +167,9 @@ class Gemma4ForCausalLM(nn.Module):
             kind: make_rotary(c.kind_head_dim(kind), c.max_position_embeddings,
                               c.rope.get(kind) or {"rope_type": "default"})
             for kind in (SLIDING, FULL)})
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.plain_lm_head = c.final_logit_softcapping is None
+        self._add_head(c)
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
-        for layer in self.layers:
-            cos, sin = cos_sin[layer.kind]
-            x = layer(x, cos, sin, self.rotary[layer.kind], meta)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def set_decode_layers(self, ops, max_rows: int) -> None:
+        """No native loop yet: per-layer head sizes, the V norm and layer_scalar are not
+        in gemma_decode_layers (its layers still call the native kernels one by one)."""
+        self.decode_layers = None

@@ -44,6 +44,9 @@ class PagedMLAAttention(nn.Module):
     num_kv_heads = 1
     # Decode rows through the native paged decode kernel as MQA (see the docstring).
     native_decode = False
+    # False: decode rows take the naive form too (K/V expanded per head from the whole
+    # latent context every step): what the absorption saves (`tokenmill bench window`).
+    absorb_decode = True
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, scale: float):
@@ -96,6 +99,8 @@ class PagedMLAAttention(nn.Module):
 
     def _decode(self, q, cache, meta: AttentionMetadata, kv_b_proj) -> torch.Tensor:
         """Absorbed decode of the first nd rows (one query token each) -> [nd, H, v]."""
+        if not self.absorb_decode:
+            return self._decode_naive(q, cache, meta, kv_b_proj)
         w_uk, w_uv = self.absorbed_weights(kv_b_proj, q.dtype)
         r = self.kv_lora_rank
         nd = q.shape[0]
@@ -112,6 +117,17 @@ class PagedMLAAttention(nn.Module):
             probs = scores.softmax(dim=-1).to(latents.dtype)
             o = torch.bmm(probs, latents[..., :r])  # [nd, H, r]
         return torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)  # [nd, H, v]
+
+    def _decode_naive(self, q, cache, meta: AttentionMetadata, kv_b_proj) -> torch.Tensor:
+        """Decode rows as one-token prompt chunks over their whole context (a comparison
+        path: a loop over rows, each expanding its K/V per head)."""
+        lens = meta.decode_seq_lens.tolist()
+        bs = cache.shape[1]
+        out = []
+        for i, n in enumerate(lens):
+            chunk = PrefillChunk(i, i + 1, n - 1, meta.decode_block_table[i, :-(-n // bs)])
+            out.append(self._prefill(q[i:i + 1], None, cache, chunk, kv_b_proj))
+        return torch.cat(out)
 
     def _as_mqa(self, cache: torch.Tensor) -> torch.Tensor:
         """The latent cache as the native kernel's [num_blocks, 2, block_size, 1, D]
