@@ -101,6 +101,28 @@ def test_process_mode_abort_frees_everything(proc_llm):
                              use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_outputs_that_queued_up_come_one_core_step_at_a_time(proc_llm):
+    """The core runs ahead of a busy front end: its steps' messages queue, and each
+    step() hands out one of them, so a request never gets two entries in one output
+    (a stream would see a chunk after its final one)."""
+    from tokenmill.sampling_params import RequestOutputKind
+    engine = proc_llm.llm_engine
+    engine.add_request("burst", PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+    deadline = time.monotonic() + 30
+    while len(engine.engine_core._outputs) < 3:  # several steps' messages wait
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        engine.engine_core.stats()  # reads what arrived, hands nothing out
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert len(out.outputs) == 1
+            seen.append(out)
+    assert sum(len(o.outputs[0].token_ids) for o in seen) == 12
+    assert [o.finished for o in seen] == [False] * (len(seen) - 1) + [True]
+
+
 def test_a_core_that_cannot_start_raises_its_error(demo_path):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(demo_path, engine_process=True, dtype="float32", max_model_len=256,

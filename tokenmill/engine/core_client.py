@@ -22,6 +22,7 @@ requests finish with an error; when none is left the engine is dead.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -84,7 +85,9 @@ class MPEngineCoreClient:
         self._out.setsockopt(zmq.LINGER, 0)
         self._out_addr = self._bind(self._out, "out")
         self._lock = threading.Lock()  # whoever holds it reads the output socket
-        self._outputs: list[EngineCoreOutput] = []  # read, not yet taken by step()
+        # Read, not yet taken by step(): one list per core step. step() hands out one at a
+        # time, as an in-process core would: a request has one output per list.
+        self._outputs: collections.deque[list[EngineCoreOutput]] = collections.deque()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._replica_of: dict[str, _Replica] = {}
@@ -232,13 +235,12 @@ class MPEngineCoreClient:
             pass  # already signalled (or closed)
 
     def step(self) -> list[EngineCoreOutput]:
-        """The outputs the cores sent since the last call, waiting up to POLL_S for
-        the first; [] when woken up or when nothing came."""
+        """The outputs of the oldest core step not yet taken, waiting up to POLL_S for
+        one; [] when woken up or when nothing came."""
         with self._lock:
             if not self._outputs:
                 self._read(POLL_S)
-            outputs, self._outputs = self._outputs, []
-        return outputs
+            return self._outputs.popleft() if self._outputs else []
 
     def _read(self, timeout_s: float) -> None:
         """Read what the cores sent (waiting up to timeout_s for the first message);
@@ -271,6 +273,7 @@ class MPEngineCoreClient:
     def _on_message(self, replica: _Replica, kind: bytes, msg) -> None:
         if kind == b"out":
             replica.stats = msg.stats
+            outputs = []
             for out in msg.outputs:
                 if out.finished:
                     if out.request_id in replica.unfinished:
@@ -278,7 +281,9 @@ class MPEngineCoreClient:
                         self._replica_of.pop(out.request_id, None)
                     elif out.request_id not in self._replica_of:
                         continue  # finished here already (abort, stop string)
-                self._outputs.append(out)
+                outputs.append(out)
+            if outputs:
+                self._outputs.append(outputs)
         elif kind == b"ready":
             replica.info = msg
             replica.stats.num_kv_blocks = msg.num_kv_blocks
@@ -305,10 +310,13 @@ class MPEngineCoreClient:
         replica.alive = False
         logger.error("engine core %d died (%s); %d request(s) on it fail", replica.index,
                      replica.death, len(replica.unfinished))
+        failed = []
         for rid in sorted(replica.unfinished):
             self._replica_of.pop(rid, None)
-            self._outputs.append(EngineCoreOutput(
+            failed.append(EngineCoreOutput(
                 rid, [], "error", error="the engine replica serving this request died"))
+        if failed:
+            self._outputs.append(failed)
         replica.unfinished.clear()
         replica.handle.kill()
         for fut in list(self._calls.values()):  # a call may wait on the dead one

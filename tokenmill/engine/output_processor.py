@@ -125,7 +125,9 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = "error", None
                 state.error = f"processing this request's output failed ({type(e).__name__})"
                 self.failed[comp.core_id] = ("output", state.error)
-            touched.setdefault(state.request_id, (state, []))[1].append(comp)
+            comps = touched.setdefault(state.request_id, (state, []))[1]
+            if all(c is not comp for c in comps):  # (two outputs of one request: one entry)
+                comps.append(comp)
 
         outputs = []
         for state, comps in touched.values():
