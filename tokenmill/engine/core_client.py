@@ -244,7 +244,8 @@ class MPEngineCoreClient:
 
     def _read(self, timeout_s: float) -> None:
         """Read what the cores sent (waiting up to timeout_s for the first message);
-        check the cores' health when nothing came. Holder of _lock only."""
+        check the cores' processes when nothing came, and every HEALTH_CHECK_S while
+        messages flow. Holder of _lock only."""
         import zmq
         events = dict(self._poller.poll(timeout_s * 1000))
         if self._wake_r in events:
