@@ -27,6 +27,7 @@ ratios are printed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -80,33 +81,51 @@ def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def count_model_flops(model_path: str) -> ModelFlops:
-    """The FLOP counts of a local checkpoint: parameter shapes from its safetensors
-    headers, attention geometry from its config.json."""
-    cfg = _text_config(model_path)
-    shapes = _checkpoint_shapes(model_path)
-    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    active = (cfg.get("num_experts_per_tok") or 0) / num_experts if num_experts else 1.0
-    layer_params = 0.0
-    lm_head = embed = 0
+def _weights(shapes: dict[str, tuple[int, ...]]):
+    """(kind, name, shape, numel) per checkpoint tensor; kind: "lm_head", "embed",
+    "layer" (decoder layers, not a vision tower's or an MTP head's) or "other"."""
     for name, shape in shapes.items():
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if name.endswith("lm_head.weight"):
-            lm_head = numel
+            yield "lm_head", name, shape, numel
         elif name.endswith("embed_tokens.weight"):
-            embed = numel
-        elif (".layers." in name and len(shape) >= 2
-              and not any(s in name for s in ("visual", "vision", "mtp"))):
-            layer_params += numel * (active if ".experts." in name else 1.0)
-    if not lm_head:  # tied word embeddings: lm_head is the embedding matrix
-        lm_head = embed
+            yield "embed", name, shape, numel
+        elif ".layers." in name and not any(s in name for s in ("visual", "vision", "mtp")):
+            yield "layer", name, shape, numel
+        else:
+            yield "other", name, shape, numel
+
+
+def _attention_geometry(cfg: dict) -> tuple[int, int, int, int]:
+    """(full-attention layers, heads, head_dim, KV heads) from a text config."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     layer_types = cfg.get("layer_types")
     attention_layers = (sum(t == "full_attention" for t in layer_types) if layer_types
                         else cfg["num_hidden_layers"])
+    return attention_layers, heads, head_dim, cfg.get("num_key_value_heads") or heads
+
+
+def _num_experts(cfg: dict) -> int:
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
+def count_model_flops(model_path: str) -> ModelFlops:
+    """The FLOP counts of a local checkpoint: parameter shapes from its safetensors
+    headers, attention geometry from its config.json."""
+    cfg = _text_config(model_path)
+    num_experts = _num_experts(cfg)
+    active = (cfg.get("num_experts_per_tok") or 0) / num_experts if num_experts else 1.0
+    layer_params = 0.0
+    sizes = {"lm_head": 0, "embed": 0}
+    for kind, name, shape, numel in _weights(_checkpoint_shapes(model_path)):
+        if kind in sizes:
+            sizes[kind] = numel
+        elif kind == "layer" and len(shape) >= 2:  # matrices: the GEMMs
+            layer_params += numel * (active if ".experts." in name else 1.0)
+    # tied word embeddings: lm_head is the embedding matrix
+    lm_head = sizes["lm_head"] or sizes["embed"]
+    attention_layers, heads, head_dim, _ = _attention_geometry(cfg)
     return ModelFlops(int(round(layer_params)), lm_head, attention_layers, heads, head_dim)
 
 
@@ -245,30 +264,19 @@ class DecodeBytes:
 def count_decode_bytes(model_path: str) -> DecodeBytes:
     """From the checkpoint's safetensors headers and config.json (no weights read)."""
     cfg = _text_config(model_path)
-    shapes = _checkpoint_shapes(model_path)
-    dense = experts = lm_head = embed = 0
-    for name, shape in shapes.items():
-        numel = 1
-        for d in shape:
-            numel *= d
-        if name.endswith("lm_head.weight"):
-            lm_head = numel
-        elif name.endswith("embed_tokens.weight"):
-            embed = numel
-        elif ".layers." in name and not any(s in name for s in ("visual", "vision", "mtp")):
-            if ".experts." in name and "shared_expert" not in name:
-                experts += numel
-            else:
-                dense += numel
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    layer_types = cfg.get("layer_types")
-    attention_layers = (sum(t == "full_attention" for t in layer_types) if layer_types
-                        else cfg["num_hidden_layers"])
-    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    return DecodeBytes(dense, experts, num_experts, cfg.get("num_experts_per_tok") or 0,
-                       lm_head or embed, 2 * attention_layers * kv_heads * head_dim)
+    dense = experts = 0
+    sizes = {"lm_head": 0, "embed": 0}
+    for kind, name, _, numel in _weights(_checkpoint_shapes(model_path)):
+        if kind in sizes:
+            sizes[kind] = numel
+        elif kind == "layer" and ".experts." in name:  # routed (shared ones are dense)
+            experts += numel
+        elif kind == "layer":
+            dense += numel
+    attention_layers, _, head_dim, kv_heads = _attention_geometry(cfg)
+    return DecodeBytes(dense, experts, _num_experts(cfg), cfg.get("num_experts_per_tok") or 0,
+                       sizes["lm_head"] or sizes["embed"],
+                       2 * attention_layers * kv_heads * head_dim)
 
 
 def measure_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> dict:
