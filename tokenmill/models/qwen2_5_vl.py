@@ -31,7 +31,9 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import Qwen2ForCausalLM
 
 
-class VisionConfig:
+class VisionTowerConfig:
+    """What the Qwen-VL vision towers share (patching, sizes, the 2-D rotary's base)."""
+
     def __init__(self, cfg: dict):
         self.depth = cfg["depth"]
         self.hidden_size = cfg["hidden_size"]
@@ -42,14 +44,21 @@ class VisionConfig:
         self.patch_size = cfg["patch_size"]
         self.temporal_patch_size = cfg["temporal_patch_size"]
         self.spatial_merge_size = cfg["spatial_merge_size"]
-        self.window_size = cfg["window_size"]
         self.out_hidden_size = cfg["out_hidden_size"]
+        rope = cfg.get("rope_parameters") or {}
+        self.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+class VisionConfig(VisionTowerConfig):
+    """Qwen2.5-VL's tower: window attention but in the full-attention blocks, SiLU."""
+
+    def __init__(self, cfg: dict):
+        super().__init__(cfg)
+        self.window_size = cfg["window_size"]
         self.fullatt_block_indexes = set(cfg.get("fullatt_block_indexes") or ())
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"vision_config.hidden_act {act!r} is not supported (only silu)")
-        rope = cfg.get("rope_parameters") or {}
-        self.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def vision_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> np.ndarray:

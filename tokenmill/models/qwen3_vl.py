@@ -25,7 +25,7 @@ from torch import nn
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.llama import Qwen3ForCausalLM
-from tokenmill.models.qwen2_5_vl import (MRotaryEmbedding, PatchEmbed,
+from tokenmill.models.qwen2_5_vl import (MRotaryEmbedding, PatchEmbed, VisionTowerConfig,
                                          Qwen2_5_VLForConditionalGeneration, VisionAttention,
                                          mrope_text_config, vision_positions)
 
@@ -33,18 +33,11 @@ _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
          "gelu": F.gelu, "silu": F.silu}
 
 
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(VisionTowerConfig):
+    """Qwen3-VL's tower: a learned position grid, DeepStack taps, its activation."""
+
     def __init__(self, cfg: dict):
-        self.depth = cfg["depth"]
-        self.hidden_size = cfg["hidden_size"]
-        self.intermediate_size = cfg["intermediate_size"]
-        self.num_heads = cfg["num_heads"]
-        self.head_dim = self.hidden_size // self.num_heads
-        self.in_channels = cfg.get("in_channels", 3)
-        self.patch_size = cfg["patch_size"]
-        self.temporal_patch_size = cfg["temporal_patch_size"]
-        self.spatial_merge_size = cfg["spatial_merge_size"]
-        self.out_hidden_size = cfg["out_hidden_size"]
+        super().__init__(cfg)
         self.num_position_embeddings = cfg["num_position_embeddings"]
         self.grid_side = int(round(self.num_position_embeddings ** 0.5))
         self.deepstack_visual_indexes = list(cfg.get("deepstack_visual_indexes") or ())
@@ -53,8 +46,6 @@ class Qwen3VisionConfig:
             raise ValueError(f"vision_config.hidden_act {act!r} is not supported "
                              f"(supported: {', '.join(_ACTS)})")
         self.act = _ACTS[act]
-        rope = cfg.get("rope_parameters") or {}
-        self.rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 class VisionBlock(nn.Module):
