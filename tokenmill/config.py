@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+from tokenmill.models.layers.rotary import LONGROPE_USE_LONG, longrope_choice
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -117,6 +122,16 @@ class ModelConfig:
         elif max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
+        use_long = longrope_choice(hf_config, max_model_len)
+        if use_long is not None:
+            hf_config = {**hf_config, LONGROPE_USE_LONG: use_long}
+            if use_long:
+                logger.warning(
+                    "LongRoPE: max_model_len %d exceeds the pretraining length, so every "
+                    "sequence uses the long rope factors (HF transformers uses the short "
+                    "ones for sequences within that length: outputs on short prompts differ "
+                    "from its). A max_model_len within original_max_position_embeddings "
+                    "picks the short factors.", max_model_len)
         return cls(model, path, hf_config, resolve_dtype(dtype, hf_config, dev), dev,
                    max_model_len, gen_cfg)
 

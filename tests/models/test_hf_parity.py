@@ -330,7 +330,7 @@ def test_rope_scaling_changes_frequencies():
 def test_unsupported_rope_type_is_rejected():
     from tokenmill.models.layers.rotary import rope_parameters_from_config
     with pytest.raises(ValueError, match="rope_type"):
-        rope_parameters_from_config({"rope_parameters": {"rope_type": "longrope",
+        rope_parameters_from_config({"rope_parameters": {"rope_type": "dynamic",
                                                          "rope_theta": 1e4}})
 
 

@@ -6,6 +6,7 @@ import logging
 
 from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.kv_connector.config import KVConnectorConfig, KVGeometry, model_fingerprint
+from tokenmill.models.layers.rotary import LONGROPE_USE_LONG
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,11 @@ def make_kv_connector(config: KVConnectorConfig | None, model_config,
     geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
     model_id = config.model_id
     if model_id is None:
+        # The LongRoPE factor set changes every key: caches of the two do not mix.
+        longrope = model_config.hf_config.get(LONGROPE_USE_LONG)
         model_id = model_fingerprint(model_config.path,
-                                     f"dtype={model_config.dtype};gemm={gemm_dtype}")
+                                     f"dtype={model_config.dtype};gemm={gemm_dtype}"
+                                     + ("" if longrope is None else f";longrope_long={longrope}"))
     return KVConnector(config, model_id, geometry)
 
 

@@ -2,6 +2,13 @@
 
 Reads both config forms: transformers 5 `rope_parameters` and the older
 `rope_theta` + `rope_scaling`.
+
+LongRoPE (Phi-3 / Phi-3.5 / Phi-4-mini) has two sets of per-frequency factors: short
+for sequences within the pretraining length, long beyond it. HF transformers switches
+set by the current sequence length (recomputing the whole cache when a sequence crosses
+over); a paged cache cannot, since cached keys would mix the two. So, as vLLM does, the
+engine picks one set for its lifetime: long when max_model_len exceeds
+original_max_position_embeddings, short otherwise (`longrope_choice`).
 """
 from __future__ import annotations
 
@@ -10,7 +17,11 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+
+# hf_config key (set by ModelConfig, not by checkpoints) carrying the engine's LongRoPE
+# factor set: True for long_factor, False for short_factor.
+LONGROPE_USE_LONG = "tokenmill_longrope_use_long"
 
 
 def rope_parameters_from_config(cfg: dict) -> dict:
@@ -25,14 +36,37 @@ def rope_parameters_from_config(cfg: dict) -> dict:
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in cfg:
         params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
-    if params["rope_type"] in ("yarn", "llama3"):
+    if params["rope_type"] == "su":  # Phi-3's first name for longrope
+        params["rope_type"] = "longrope"
+    if params["rope_type"] in ("yarn", "llama3", "longrope"):
         params.setdefault("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings",
                                   cfg.get("max_position_embeddings")))
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if params["rope_type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(params.get(key), list):
+                raise ValueError(f"longrope rope scaling needs a list {key}, "
+                                 f"got {params.get(key)!r}")
+        params.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
+        params["use_long_factor"] = bool(cfg.get(LONGROPE_USE_LONG, False))
     return params
+
+
+def longrope_choice(cfg: dict, max_model_len: int) -> bool | None:
+    """For a LongRoPE model: whether an engine of this max_model_len uses the long
+    factors (None for any other rope type)."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or not ("rope_type" in params or "type" in params):
+        params = cfg.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) not in ("longrope", "su"):
+        return None
+    original = params.get("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings",
+                                  cfg.get("max_position_embeddings")))
+    return max_model_len > int(original)
 
 
 def compute_inv_freq(params: dict, rotary_dim: int,
@@ -46,6 +80,22 @@ def compute_inv_freq(params: dict, rotary_dim: int,
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / params["factor"], 1.0
+    if rope_type == "longrope":
+        orig_len = params["original_max_position_embeddings"]
+        factor = params.get("factor")
+        if factor is None:  # Phi-3 stores the extension as the ratio of the two lengths
+            factor = (params.get("max_position_embeddings") or max_position_embeddings) / orig_len
+        attn_factor = params.get("attention_factor")
+        if attn_factor is None:
+            attn_factor = 1.0 if factor <= 1.0 else \
+                math.sqrt(1 + math.log(factor) / math.log(orig_len))
+        ext = torch.tensor(params["long_factor" if params["use_long_factor"] else "short_factor"],
+                           dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(f"longrope factors have {ext.numel()} entries; the rotary "
+                             f"dimension {dim} needs {dim // 2}")
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (ext * base ** exponents), float(attn_factor)
     if rope_type == "llama3":
         factor = params["factor"]
         low_ff, high_ff = params["low_freq_factor"], params["high_freq_factor"]
