@@ -56,7 +56,33 @@ def flatten_text_config(hf_config: dict) -> dict:
     if not isinstance(text, dict):
         return hf_config
     top = {k: v for k, v in hf_config.items() if k != "text_config"}
+    text = complete_text_config(text, given=top)
     return {**top, **text, "architectures": hf_config.get("architectures")}
+
+
+def complete_text_config(text: dict, given: dict | None = None) -> dict:
+    """A hub checkpoint's text_config may hold only the fields that differ from its
+    config class's defaults (Gemma 3's omits the head counts, head_dim and vocab_size):
+    add the missing ones as transformers' class for its model_type sets them, from the
+    fields given, so the model reads what HF's would. Rope fields stay as given (each
+    model reads its rope defaults itself), and so do the special token ids and whatever
+    `given` (the config around text_config) holds."""
+    model_type = text.get("model_type")
+    try:
+        from transformers import CONFIG_MAPPING, PretrainedConfig
+        cls = CONFIG_MAPPING[model_type]
+    except (ImportError, KeyError):
+        return text
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = cls(**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+        generic = set(PretrainedConfig().to_dict())  # bookkeeping every config has
+    given = given or {}
+    missing = {k: v for k, v in full.items()
+               if k not in text and k not in given and k not in generic and v is not None
+               and not k.startswith(("rope", "_")) and not k.endswith("_token_id")}
+    return {**missing, **text}
 
 
 def resolve_model_path(model: str) -> str:

@@ -13,6 +13,8 @@ What sets it apart from the Llama family:
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,8 @@ from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+
+logger = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -239,3 +243,28 @@ class Gemma3ForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 vision-language checkpoint (gemma-3-4b/12b/27b): the
+    SigLIP tower and the projector are skipped, so prompts are text only. The hub's
+    files name the text weights language_model.model.* (transformers 5 in memory:
+    model.language_model.*)."""
+
+    skipped_prefixes = ("vision_tower.", "multi_modal_projector.",
+                        "model.vision_tower.", "model.multi_modal_projector.")
+
+    def __init__(self, hf_config: dict):
+        super().__init__(hf_config)
+        logger.info("%s checkpoint: loading the text model only (the vision tower's "
+                    "weights are skipped)", type(self).__name__)
+
+    def map_checkpoint(self, name: str, tensor: torch.Tensor):
+        if name.startswith(self.skipped_prefixes):
+            return
+        for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                           ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        yield name, tensor

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from tokenmill.models.gemma3 import Gemma3ForCausalLM
+from tokenmill.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tokenmill.models.gemma4 import Gemma4ForCausalLM
 from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
