@@ -4,7 +4,7 @@ Two ranks, one torch thread each (conftest): greedy fp32 output with
 tensor_parallel_size=2 equals tensor_parallel_size=1 token for token for a dense
 (Qwen3), an MoE (Qwen3-MoE) and a hybrid (Qwen3-Next: Gated DeltaNet + gated
 attention + MoE with a shared expert, its grouped checkpoint layout) tiny model,
-and for one KV head (replicated), biases (row-parallel ones added once) and
+multi-head latent attention (DeepSeek-V2 / V3, latent replicated per rank), and for one KV head (replicated), biases (row-parallel ones added once) and
 Phi-3's fused checkpoint tensors, with chunked prefill (16-token budget) and preemption (few KV blocks) in the mix;
 a killed rank takes the engine down with EngineDeadError, no hang; bad sizes are
 refused naming tensor_parallel_size.
@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import build_checkpoint, make_llm, make_prompts, runner_of, scheduler_of
+from conftest import MODEL_SPECS, build_checkpoint, make_llm, make_prompts, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.errors import EngineDeadError
 
@@ -41,6 +41,11 @@ TP_SPECS = {
     "qwen3_next": ("qwen3_next", dict(HYBRID, **MOE, shared_expert_intermediate_size=48,
                                       decoder_sparse_step=1, norm_topk_prob=True,
                                       tie_word_embeddings=True)),
+    # Multi-head latent attention: heads split (q_proj / q_b_proj, kv_b_proj, o_proj),
+    # the latent projection replicated; DeepSeek MoE with shared experts; V3's low-rank
+    # q and yarn.
+    "deepseek_v2": MODEL_SPECS["deepseek_v2"],
+    "deepseek_v3": MODEL_SPECS["deepseek_v3"],
 }
 # Chunked prefill (a 16-token budget splits the 33- and 40-token prompts) and
 # preemption (24 blocks of 4 tokens cannot hold all six requests at full length).

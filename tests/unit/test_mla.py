@@ -277,7 +277,13 @@ def test_bad_config_names_the_field(v3, change, field):
         DeepseekConfig({**BASE_CFG, **change}, v3=v3)
 
 
-def test_tensor_parallel_is_refused_by_name():
-    from tokenmill.models.tensor_parallel import check_divisible
-    with pytest.raises(ValueError, match="kv_lora_rank"):
-        check_divisible({**BASE_CFG, "architectures": ["DeepseekV3ForCausalLM"]}, 2)
+def test_tensor_parallel_splits_heads_and_refuses_what_does_not_divide():
+    """MLA shards by heads (tests/test_tensor_parallel.py runs it); a head count the
+    ranks do not divide is refused naming the field."""
+    from tokenmill.models.tensor_parallel import check_divisible, rank_config
+    cfg = {**BASE_CFG, "architectures": ["DeepseekV3ForCausalLM"]}
+    check_divisible(cfg, 2)
+    shard = rank_config(cfg, 2)
+    assert shard["num_attention_heads"] == 1 and shard["kv_lora_rank"] == 8  # latent whole
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 .*num_attention_heads"):
+        check_divisible(cfg, 4)

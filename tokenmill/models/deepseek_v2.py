@@ -37,6 +37,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import FusedMoE, grouped_topk
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tokenmill.models.tensor_parallel import materialize
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -249,7 +250,9 @@ class DeepseekV2ForCausalLM(nn.Module):
             rope = c.qk_rope_head_dim
             perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
             if parts[3] in ("q_proj", "q_b_proj"):
-                per_head = tensor.view(c.num_heads, c.qk_head_dim, *tensor.shape[1:])
+                # Every head of the checkpoint (a tensor-parallel rank's config counts
+                # its own only; the rank's slice is taken after this).
+                per_head = materialize(tensor).view(-1, c.qk_head_dim, *tensor.shape[1:])
                 nope = per_head[:, :c.qk_nope_head_dim]
                 tensor = torch.cat([nope, per_head[:, c.qk_nope_head_dim:][:, perm]], dim=1)
                 tensor = tensor.reshape(-1, *per_head.shape[2:])

@@ -17,6 +17,12 @@ and the Gated DeltaNet state per rank hold its heads only). Then:
   all-reduced) and lm_head (each rank its vocabulary shard, all-gathered);
 - replicated: norms, the MoE router, the shared-expert gate.
 
+Multi-head latent attention (DeepSeek-V2 / V3) splits by heads too: q_proj / q_b_proj
+and kv_b_proj column-parallel (each rank its heads' rows), o_proj row-parallel. The
+latent projection (kv_a_proj_with_mqa, q_a_proj) and its norms are replicated: the
+latent row serves every head, so each rank caches the whole latent of a token (as
+vLLM does) and absorbs its own heads' kv_b_proj for decode.
+
 MoE: each expert's intermediate dim is split (not the experts): every rank routes
 every token the same way and runs every expert that received tokens on its slice,
 so the work is even whatever the routing, and the MoE block reduces once like a
@@ -49,10 +55,6 @@ def check_tensor_parallel_size(size) -> int:
 def check_divisible(hf_config: dict, size: int) -> None:
     """The model's heads and sizes split evenly over `size` ranks, or a ValueError
     naming tensor_parallel_size and the field that does not."""
-    if hf_config.get("kv_lora_rank"):  # one latent row per token serves every head
-        raise ValueError(f"{TP_FIELD}={size}: multi-head latent attention (kv_lora_rank: "
-                         f"DeepSeek-V2 / V3) is not sharded yet; run it with "
-                         f"{TP_FIELD}=1")
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]
@@ -181,6 +183,7 @@ class ShardPlan:
     checkpoint tensor that fills it; anything not named is replicated."""
 
     def __init__(self, model: nn.Module, hf_config: dict, rank: int, size: int):
+        from tokenmill.models.deepseek_v2 import MLAttention
         from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
         from tokenmill.models.layers.mlp import GatedMLP
         from tokenmill.models.layers.moe import FusedMoE
@@ -207,6 +210,15 @@ class ShardPlan:
                         0, ((q, size, rank), (kv_full * d, kv_pieces, kv_index),
                             (kv_full * d, kv_pieces, kv_index)))
                 rules[(f"{p}o_proj.weight", None)] = split(1, m.q_size * size)
+                rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
+            elif isinstance(m, MLAttention):
+                c = m.c  # this rank's config: its heads
+                heads = c.num_heads * size
+                for q in ("q_proj", "q_b_proj"):
+                    rules[(f"{p}{q}.weight", None)] = split(0, heads * c.qk_head_dim)
+                rules[(f"{p}kv_b_proj.weight", None)] = split(
+                    0, heads * (c.qk_nope_head_dim + c.v_head_dim))
+                rules[(f"{p}o_proj.weight", None)] = split(1, heads * c.v_head_dim)
                 rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
             elif isinstance(m, GatedMLP):
                 inter = m.intermediate_size * size
@@ -265,6 +277,7 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     """After loading: the embedding becomes vocab-parallel, lm_head all-gathers its
     logits (cut to `vocab_size`), and each block ending in a row-parallel projection
     all-reduces its output."""
+    from tokenmill.models.deepseek_v2 import DeepseekMoE, MLAttention
     from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
     from tokenmill.models.layers.mlp import GatedMLP
     from tokenmill.models.layers.moe import SparseMoeBlock
@@ -276,10 +289,11 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
         logits = group.all_gather_last(out)
         return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
-    shared = {id(m.shared_expert) for m in model.modules()
-              if isinstance(m, SparseMoeBlock) and m.shared_expert is not None}
+    # A shared expert's partial sum joins its MoE block's all-reduce.
+    shared = {id(getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None))
+              for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))}
     for m in list(model.modules()):
-        if isinstance(m, (GatedDeltaNet, SparseMoeBlock)) or (
+        if isinstance(m, (GatedDeltaNet, SparseMoeBlock, DeepseekMoE, MLAttention)) or (
                 isinstance(m, GatedMLP) and id(m) not in shared) or _is_attention(m):
             m.register_forward_hook(reduce)
     emb = model.embed_tokens
