@@ -283,3 +283,18 @@ def test_ngram_drafts_and_n_completions(vl):
     for (text, images), out in zip(CASES, outs):
         assert [c.token_ids for c in out.outputs] == [vl.reference(text, images)] * 2
     assert runner_of(llm).num_encoded_images == 3
+
+
+@pytest.mark.parametrize("which", ["qwen2_5_vl", "qwen3_vl"])
+def test_tensor_parallel_parity(vl, vl3, which):
+    """tensor_parallel_size=2: the language model sharded, the vision tower whole on
+    each rank (each encodes the step's images itself); HF's tokens, chunked through
+    the images."""
+    model = vl if which == "qwen2_5_vl" else vl3
+    llm = make_llm(model.path, tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        got = run(llm, model, CASES)
+        for (text, images), tokens in zip(CASES, got):
+            assert tokens == model.reference(text, images), (text[:30], images)
+    finally:
+        llm.llm_engine.shutdown()

@@ -187,10 +187,6 @@ class EngineSetup:
     def from_args(cls, args: EngineArgs) -> "EngineSetup":
         model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
                                                    args.max_model_len)
-        from tokenmill.multimodal.inputs import is_multimodal
-        if is_multimodal(model_config.hf_config) and args.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 does not support multimodal models "
-                             "(the vision tower is not sharded) yet")
         tokenizer = load_tokenizer(args.tokenizer or model_config.path)
         max_len = model_config.max_model_len
         batched = args.max_num_batched_tokens

@@ -15,7 +15,7 @@ and the Gated DeltaNet state per rank hold its heads only). Then:
   expert) all-reduces its output once; a row-parallel bias is added by rank 0 only;
 - vocab-parallel: the embedding (each rank its rows, ids outside them masked, then
   all-reduced) and lm_head (each rank its vocabulary shard, all-gathered);
-- replicated: norms, the MoE router, the shared-expert gate.
+- replicated: norms, the MoE router, the shared-expert gate, a vision tower.
 
 Multi-head latent attention (DeepSeek-V2 / V3) splits by heads too: q_proj / q_b_proj
 and kv_b_proj column-parallel (each rank its heads' rows), o_proj row-parallel. The
@@ -40,6 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 TP_FIELD = "tensor_parallel_size"
+# Submodules every rank holds whole and runs alone: a vision tower (small beside the
+# language model, run once per image) gives every rank the same embeddings.
+REPLICATED_SUBMODULES = ("visual",)
+
+
+def _replicated(module_name: str) -> bool:
+    return module_name.split(".", 1)[0] in REPLICATED_SUBMODULES
 
 
 def cdiv(a: int, b: int) -> int:
@@ -198,6 +205,8 @@ class ShardPlan:
 
         for mod_name, m in model.named_modules():
             p = mod_name + "." if mod_name else ""
+            if _replicated(mod_name):
+                continue
             if _is_attention(m):
                 d = m.head_dim
                 # q rows (a gated attention's q_proj: q and gate rows per head)
@@ -292,7 +301,9 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     # A shared expert's partial sum joins its MoE block's all-reduce.
     shared = {id(getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None))
               for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))}
-    for m in list(model.modules()):
+    for name, m in list(model.named_modules()):
+        if _replicated(name):
+            continue
         if isinstance(m, (GatedDeltaNet, SparseMoeBlock, DeepseekMoE, MLAttention)) or (
                 isinstance(m, GatedMLP) and id(m) not in shared) or _is_attention(m):
             m.register_forward_hook(reduce)
