@@ -244,3 +244,30 @@ def test_worker_exception_is_reported(tp_model, monkeypatch):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_qwen3_5_vl_checkpoint_serves_its_text_model(tmp_path):
+    """A Qwen3.5 vision-language checkpoint under tensor_parallel_size=2: the tower is
+    not sharded, so it is served as its text model (as before the tower was
+    supported): text greedy equals one rank's on the full VL model, images are refused."""
+    pytest.importorskip("PIL")
+    from tokenmill.errors import ParamError
+    from vl_checkpoint import build_qwen3_5_vl_checkpoint, make_image
+    path = str(tmp_path)
+    build_qwen3_5_vl_checkpoint(path)
+    ref_llm = make_llm(path, **ENGINE)
+    assert hasattr(runner_of(ref_llm).model, "visual")
+    ref = _greedy(ref_llm)
+    llm = make_llm(path, tensor_parallel_size=2, **ENGINE)
+    procs = _workers(llm)
+    try:
+        assert not hasattr(runner_of(llm).runner.model, "visual")  # (rank 0)
+        assert _greedy(llm) == ref
+        with pytest.raises(ParamError) as ei:
+            llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|> the",
+                          "multi_modal_data": {"image": make_image(16, 16)}},
+                         SamplingParams(max_tokens=2), use_tqdm=False)
+        assert ei.value.param == "multi_modal_data"
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)

@@ -189,8 +189,18 @@ class EngineSetup:
                                                    args.max_model_len)
         from tokenmill.multimodal.inputs import is_multimodal
         if is_multimodal(model_config.hf_config) and args.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 does not support multimodal models "
-                             "(the vision tower is not sharded) yet")
+            from tokenmill.models.registry import resolve_model_class
+            text_arch = getattr(resolve_model_class(model_config.hf_config),
+                                "text_model_architecture", None)
+            if text_arch is None:
+                raise ValueError("tensor_parallel_size > 1 does not support multimodal models "
+                                 "(the vision tower is not sharded) yet")
+            # A checkpoint whose text model stands alone (Qwen3.5) is served as that,
+            # as before its tower was supported: text requests keep tensor parallelism.
+            logger.warning("tensor_parallel_size > 1: the vision tower is not sharded; "
+                           "serving the text model of %s (requests with images are refused)",
+                           model_config.path)
+            model_config.hf_config = {**model_config.hf_config, "architectures": [text_arch]}
         tokenizer = load_tokenizer(args.tokenizer or model_config.path)
         max_len = model_config.max_model_len
         batched = args.max_num_batched_tokens

@@ -42,9 +42,11 @@ class Qwen3_5VisionMixin(VisionLanguageMixin):
             yield from Qwen3NextForCausalLM.map_checkpoint(self, name, tensor)
 
 
+# text_model_architecture: what the checkpoint is served as where the tower cannot run
+# (tensor parallelism: the tower is not sharded); the text model skips the tower's tensors.
 class Qwen3_5ForConditionalGeneration(Qwen3_5VisionMixin, Qwen3_5ForCausalLM):
-    pass
+    text_model_architecture = "Qwen3_5ForCausalLM"
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5VisionMixin, Qwen3_5MoeForCausalLM):
-    pass
+    text_model_architecture = "Qwen3_5MoeForCausalLM"
