@@ -290,6 +290,21 @@ def test_qwen3_vl_parity(request, which, config):
     assert runner_of(llm).num_encoded_images == 3
 
 
+@pytest.mark.parametrize("config", [
+    dict(max_num_batched_tokens=16, async_scheduling=True),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+], ids=["async", "ngram"])
+def test_qwen3_5_vl_async_and_drafts(vl35, config):
+    """The hybrid with images under async scheduling (chunks through the images) and
+    with n-gram drafts verified on top of an image prompt (a verifying row's tokens
+    at position + delta, its state slots stepping per draft): HF's tokens."""
+    llm = make_llm(vl35.path, **config)
+    for (text, images), tokens in zip(CASES, run(llm, vl35, CASES)):
+        assert tokens == vl35.reference(text, images), (text[:30], images)
+    llm.llm_engine.shutdown()
+
+
 def test_ngram_drafts_and_n_completions(vl):
     """Drafts verified on top of an image prompt (positions + delta past the prompt),
     and n = 2 completions sharing an image prompt's blocks: HF's tokens, each image
