@@ -11,7 +11,6 @@ tokens, with a chat template that renders an image part as
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
