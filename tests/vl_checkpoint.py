@@ -11,7 +11,6 @@ tokens, with a chat template that renders an image part as
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 
@@ -70,9 +69,12 @@ def build_tokenizer(path: str):
     return fast
 
 
-def build_vl_checkpoint(path: str, seed: int = 0):
-    """Save the tiny Qwen2.5-VL model, tokenizer and image processor to `path`; return
-    the HF model (eval, fp32)."""
+def _build(path: str, config_cls, model_cls, text: dict, vision: dict, seed: int,
+           larger: tuple[str, ...] = ("norm",)):
+    """Save a tiny random VL model (fp32), the tokenizer and the image processor to
+    `path`; return the HF model (eval). Biases, norms (names containing one of
+    `larger`) and the vision weights are drawn wider than HF's init, so that every
+    part moves the output."""
     import transformers as tf
     os.makedirs(path, exist_ok=True)
     tok = build_tokenizer(path)
@@ -80,24 +82,34 @@ def build_vl_checkpoint(path: str, seed: int = 0):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = tf.Qwen2_5_VLConfig(
-            text_config=dict(VL_TEXT, bos_token_id=None, eos_token_id=None), vision_config=dict(VL_VISION),
+        config = config_cls(
+            text_config=dict(text, bos_token_id=None, eos_token_id=None),
+            vision_config=dict(vision),
             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"],
             vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-        model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+        model = model_cls(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
-            elif "norm" in name or "ln_q" in name:
+            elif any(k in name for k in larger):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "visual" in name:  # larger vision weights: image features that matter
                 p.normal_(0.0, 0.3)
+            elif name.endswith("A_log"):  # (Gated DeltaNet) far from its default
+                p.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    ip = tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR)
-    ip.save_pretrained(path)
+    tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR).save_pretrained(path)
     return model
+
+
+def build_vl_checkpoint(path: str, seed: int = 0):
+    """Save the tiny Qwen2.5-VL model, tokenizer and image processor to `path`; return
+    the HF model (eval, fp32)."""
+    import transformers as tf
+    return _build(path, tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration, VL_TEXT,
+                  VL_VISION, seed, larger=("norm", "ln_q"))
 
 
 QWEN3_VL_TEXT = dict(VL_TEXT, head_dim=16,
@@ -115,30 +127,35 @@ def build_qwen3_vl_checkpoint(path: str, seed: int = 0):
     """The tiny Qwen3-VL counterpart of build_vl_checkpoint (same tokenizer and image
     processor)."""
     import transformers as tf
-    os.makedirs(path, exist_ok=True)
-    tok = build_tokenizer(path)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = tf.Qwen3VLConfig(
-            text_config=dict(QWEN3_VL_TEXT, bos_token_id=None, eos_token_id=None),
-            vision_config=dict(QWEN3_VL_VISION),
-            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-        model = tf.Qwen3VLForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "visual" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR).save_pretrained(path)
-    return model
+    return _build(path, tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration, QWEN3_VL_TEXT,
+                  QWEN3_VL_VISION, seed)
+
+
+# Qwen3.5: the hybrid text model (Gated DeltaNet layers 0 and 2, gated attention layers
+# 1 and 3; 2 key heads serve 4 value heads), partial rotary over 16 of 32 head dims
+# with interleaved M-RoPE; Qwen3-VL's tower without DeepStack.
+QWEN3_5_VL_TEXT = dict(VL_TEXT, num_hidden_layers=4, head_dim=32,
+                       layer_types=["linear_attention", "full_attention"] * 2,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.5,
+                                        "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+QWEN3_5_MOE_VL_TEXT = dict(QWEN3_5_VL_TEXT, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48)
+QWEN3_5_VL_VISION = {k: v for k, v in QWEN3_VL_VISION.items() if k != "deepstack_visual_indexes"}
+
+
+def build_qwen3_5_vl_checkpoint(path: str, seed: int = 0, moe: bool = False):
+    """Tiny Qwen3_5ForConditionalGeneration (or, `moe`, Qwen3_5MoeForConditionalGeneration)
+    with the same tokenizer and image processor."""
+    import transformers as tf
+    if moe:
+        return _build(path, tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
+                      QWEN3_5_MOE_VL_TEXT, QWEN3_5_VL_VISION, seed)
+    return _build(path, tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, QWEN3_5_VL_TEXT,
+                  QWEN3_5_VL_VISION, seed)
 
 
 def hf_processor(path: str):

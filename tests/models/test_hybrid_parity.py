@@ -1,8 +1,9 @@
 """Hybrid models (Gated DeltaNet + gated full attention): greedy parity with HF.
 
-Qwen3.5, Qwen3.5-MoE, Qwen3-Next (two MoE layouts) and the text model of
+Qwen3.5, Qwen3.5-MoE, Qwen3-Next (two MoE layouts) and text-only requests on
 Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration checkpoints
-(saved by HF with a tiny vision tower; our loader skips the tower) must
+(saved by HF with a tiny vision tower, loaded with it; images on them:
+test_vl_parity.py) must
 reproduce HF `generate(do_sample=False)` token for token, fp32:
 
   (a) one prompt;
@@ -22,13 +23,11 @@ batched reference against an unpadded generate).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import warnings
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from conftest import NUM_NEW, TINY, TinyModel, build_checkpoint, hf_greedy, make_llm, \
     make_prompts, runner_of, scheduler_of
@@ -293,21 +292,25 @@ def test_n2_seeded_sampling_prefills_each_completion(hybrid_model, name):
 
 @pytest.mark.parametrize("name,arch", [("qwen3_5_vl", "Qwen3_5ForConditionalGeneration"),
                                        ("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration")])
-def test_vl_checkpoint_loads_text_model_only(hybrid_model, caplog, name, arch):
+def test_vl_checkpoint_loads_the_tower(hybrid_model, name, arch):
+    """The checkpoint's tower and text model both load, each tensor where HF has it
+    (a config without mrope_section: the reference's default sections)."""
     tm = hybrid_model(name)
     assert tm.hf_config["architectures"] == [arch]
-    names = set()
-    for f in os.listdir(tm.path):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(tm.path, f), framework="pt") as st:
-                names.update(st.keys())
-    assert any(n.startswith("model.visual.") for n in names)  # the tower is in the file
-    assert any(n.startswith("model.language_model.layers.") for n in names)
-    with caplog.at_level(logging.INFO, logger="tokenmill"):
-        llm = hybrid_llm(tm)
-    assert any("vision" in r.getMessage() for r in caplog.records)
+    assert "mrope_section" not in tm.text_config.get("rope_parameters", {})
+    llm = hybrid_llm(tm)
     model = runner_of(llm).model
-    assert not any("visual" in n for n, _ in model.named_parameters())
+    from tokenmill.models.layers.linear import Linear
+    hf_visual = dict(tm.hf.model.visual.named_parameters())
+    ours = {}
+    for mname, mod in model.visual.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if isinstance(mod, Linear) and pname == "weight":
+                p = mod.dense_weight()  # (packed at load: the parameter is a placeholder)
+            ours[f"{mname}.{pname}"] = p
+    assert ours.keys() == hf_visual.keys()
+    for n, p in ours.items():
+        assert torch.equal(p, hf_visual[n]), n
     lm = tm.hf.model.language_model
     assert torch.equal(model.embed_tokens.weight, lm.embed_tokens.weight)
     assert torch.equal(model.lm_head.dense_weight(), tm.hf.lm_head.weight)

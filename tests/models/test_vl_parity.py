@@ -1,6 +1,7 @@
-"""Qwen2.5-VL: images in, text out, token for token with HF (fp32, greedy).
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE hybrids): images in, text out,
+token for token with HF (fp32, greedy).
 
-A tiny random Qwen2.5-VL checkpoint with its tokenizer and image processor
+Tiny random checkpoints with their tokenizer and image processor
 (tests/vl_checkpoint.py). The HF reference gets the same prompt text, expanded as
 HF's processor does (each <|image_pad|> -> t*h*w/merge^2 copies), and the same
 image processor's pixel values.
@@ -17,7 +18,8 @@ import torch
 from conftest import make_llm, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.errors import ParamError
-from vl_checkpoint import build_qwen3_vl_checkpoint, build_vl_checkpoint, make_image
+from vl_checkpoint import (build_qwen3_5_vl_checkpoint, build_qwen3_vl_checkpoint,
+                           build_vl_checkpoint, make_image)
 
 pytest.importorskip("PIL")
 
@@ -86,6 +88,20 @@ def vl3(tmp_path_factory):
     return VL(str(tmp_path_factory.mktemp("qwen3_vl")), build_qwen3_vl_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def vl35(tmp_path_factory):
+    return VL(str(tmp_path_factory.mktemp("qwen3_5_vl")), build_qwen3_5_vl_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def vl35moe(tmp_path_factory):
+    return VL(str(tmp_path_factory.mktemp("qwen3_5_moe_vl")),
+              lambda path: build_qwen3_5_vl_checkpoint(path, moe=True))
+
+
+MODELS = {"qwen2_5_vl": "vl", "qwen3_vl": "vl3", "qwen3_5_vl": "vl35", "qwen3_5_moe_vl": "vl35moe"}
+
+
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
 # (text, images) of a batch that mixes text-only and image requests
 CASES = [(ONE, [0]), (TEXT, []), (TWO, [0, 1]), (LONG, [2]), (TWO, [1, 2])]
@@ -96,9 +112,9 @@ def run(llm, vl, cases):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("which", ["qwen2_5_vl", "qwen3_vl"])
-def test_mrope_positions_match_get_rope_index(vl, vl3, which):
-    vl = vl if which == "qwen2_5_vl" else vl3
+@pytest.mark.parametrize("which", list(MODELS))
+def test_mrope_positions_match_get_rope_index(request, which):
+    vl = request.getfixturevalue(MODELS[which])
     from tokenmill.models.loader import load_model
     import json
     cfg = json.load(open(f"{vl.path}/config.json"))
@@ -255,16 +271,38 @@ def test_bad_multimodal_input_names_the_field(vl):
                                     dict(block_size=8, num_kv_blocks=18,
                                          max_num_batched_tokens=32)],
                          ids=["whole", "chunked", "preempt"])
-def test_qwen3_vl_parity(vl3, config):
-    """Qwen3-VL (DeepStack, interleaved M-RoPE, Qwen3 text): a mixed batch, whole,
-    in chunks through the images, and under preemption."""
-    llm = make_llm(vl3.path, **config)
-    got = run(llm, vl3, CASES)
+@pytest.mark.parametrize("which", ["qwen3_vl", "qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_qwen3_vl_parity(request, which, config):
+    """Qwen3-VL (DeepStack, interleaved M-RoPE, Qwen3 text) and Qwen3.5 dense / MoE (no
+    DeepStack, interleaved M-RoPE over a partial rotary, hybrid text: the Gated
+    DeltaNet layers see the images through the embeddings, the attention layers
+    through M-RoPE too): a mixed batch, whole, in chunks through the images (8-token
+    chunks split every placeholder run, so the recurrent state is carried through an
+    image), and under preemption (a hybrid starts over: its state is recomputed, its
+    images come from the encoder cache)."""
+    vl = request.getfixturevalue(MODELS[which])
+    llm = make_llm(vl.path, **config)
+    got = run(llm, vl, CASES)
     for (text, images), tokens in zip(CASES, got):
-        assert tokens == vl3.reference(text, images), (text[:30], images)
+        assert tokens == vl.reference(text, images), (text[:30], images)
     if "num_kv_blocks" in config:
         assert scheduler_of(llm).num_preemptions > 0
     assert runner_of(llm).num_encoded_images == 3
+
+
+@pytest.mark.parametrize("config", [
+    dict(max_num_batched_tokens=16, async_scheduling=True),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+], ids=["async", "ngram"])
+def test_qwen3_5_vl_async_and_drafts(vl35, config):
+    """The hybrid with images under async scheduling (chunks through the images) and
+    with n-gram drafts verified on top of an image prompt (a verifying row's tokens
+    at position + delta, its state slots stepping per draft): HF's tokens."""
+    llm = make_llm(vl35.path, **config)
+    for (text, images), tokens in zip(CASES, run(llm, vl35, CASES)):
+        assert tokens == vl35.reference(text, images), (text[:30], images)
+    llm.llm_engine.shutdown()
 
 
 def test_ngram_drafts_and_n_completions(vl):
@@ -285,12 +323,12 @@ def test_ngram_drafts_and_n_completions(vl):
     assert runner_of(llm).num_encoded_images == 3
 
 
-@pytest.mark.parametrize("which", ["qwen2_5_vl", "qwen3_vl"])
-def test_tensor_parallel_parity(vl, vl3, which):
-    """tensor_parallel_size=2: the language model sharded, the vision tower whole on
-    each rank (each encodes the step's images itself); HF's tokens, chunked through
-    the images."""
-    model = vl if which == "qwen2_5_vl" else vl3
+@pytest.mark.parametrize("which", list(MODELS))
+def test_tensor_parallel_parity(request, which):
+    """tensor_parallel_size=2: the language model sharded (Qwen3.5's Gated DeltaNet heads
+    too), the vision tower whole on each rank (each encodes the step's images itself);
+    HF's tokens, chunked through the images."""
+    model = request.getfixturevalue(MODELS[which])
     llm = make_llm(model.path, tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
         got = run(llm, model, CASES)

@@ -209,7 +209,8 @@ class MRotaryEmbedding(RotaryEmbedding):
     def __init__(self, head_dim, rotary_dim, max_position, params, mrope_section,
                  interleaved: bool = False):
         super().__init__(head_dim, rotary_dim, max_position, params)
-        if sum(mrope_section) != rotary_dim // 2:
+        # (the interleaved layout only reads the sections as bounds, as the reference does)
+        if not interleaved and sum(mrope_section) != rotary_dim // 2:
             raise ValueError(f"rope_parameters.mrope_section {list(mrope_section)} must sum "
                              f"to rotary_dim / 2 = {rotary_dim // 2}")
         if interleaved:
@@ -225,14 +226,10 @@ class MRotaryEmbedding(RotaryEmbedding):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         if positions.dim() == 1:
             return super().cos_sin(positions, dtype)
-        key = (dtype, self.cos_cache.device)
-        table = self._tables.get(key)
-        if table is None:
-            table = torch.stack([self.cos_cache, self.sin_cache]).to(dtype)
-            self._tables = {key: table}
+        table = self.table(dtype)  # the plain rotary's: a step of either kind may follow
         # column j of token i reads the table at the position of column j's axis
         # (flat offsets: one contiguous [T, rotary_dim] gather per table)
-        flat = (positions[self.column_axis].t() * table.shape[2] + self.columns).contiguous()
+        flat = (positions[self.column_axis].t() * self.rotary_dim + self.columns).contiguous()
         return (table[0].reshape(-1)[flat].unsqueeze(1),
                 table[1].reshape(-1)[flat].unsqueeze(1))
 
@@ -249,42 +246,36 @@ def mrope_text_config(hf_config: dict) -> dict:
     return cfg
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2.5-VL: the vision tower `visual` and a Qwen2 decoder with M-RoPE."""
+class VisionLanguageMixin:
+    """What the Qwen vision-language models share around their text model: the tower
+    `visual`, M-RoPE in place of the text model's rotary, the placeholder runs'
+    position ids, and the encoder entry points the runner calls. A subclass's
+    __init__ builds its text model, then calls `init_vision`."""
 
     uses_mrope = True
 
-    def __init__(self, hf_config: dict):
-        text = mrope_text_config(hf_config)
-        super().__init__(text)
+    def init_vision(self, hf_config: dict, tower: nn.Module, interleaved: bool,
+                    default_section: list[int] | None = None) -> None:
         c = self.config
         params = c.rope_params
-        section = params.get("mrope_section")
+        section = params.get("mrope_section") or default_section
         if not section:
             raise ValueError("rope_parameters.mrope_section is missing from the text config")
         self.rotary = MRotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
-                                       params, section)
+                                       params, section, interleaved=interleaved)
+        self.visual = tower
+        self.image_token_id = hf_config.get("image_token_id")
+        if self.image_token_id is None:
+            raise ValueError("image_token_id is missing from the config")
+        self.spatial_merge_size = tower.config.spatial_merge_size
+
+    @staticmethod
+    def vision_config(hf_config: dict) -> dict:
         vision = hf_config.get("vision_config")
         if not isinstance(vision, dict):
             raise ValueError("vision_config is missing from the config")
-        self.visual = VisionTransformer(VisionConfig(vision))
-        self.image_token_id = hf_config.get("image_token_id", text.get("image_token_id"))
-        if self.image_token_id is None:
-            raise ValueError("image_token_id is missing from the config")
-        self.spatial_merge_size = self.visual.config.spatial_merge_size
+        return vision
 
-    def map_checkpoint(self, name: str, tensor: torch.Tensor):
-        """Both layouts: HF 4.x (model.layers..., visual...) and 5.x
-        (model.language_model..., model.visual...)."""
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        elif name.startswith("model.visual."):
-            name = name[len("model."):]
-        elif name.startswith("video") or ".video" in name:
-            return
-        yield name, tensor
-
-    # ---- multimodal ----------------------------------------------------------------
     def num_image_tokens(self, grid_thw) -> int:
         t, h, w = grid_thw
         return t * h * w // self.spatial_merge_size ** 2
@@ -332,3 +323,26 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         pos[:, prev:] = cur + np.arange(num_tokens - prev)
         delta = int(pos.max()) + 1 - num_tokens if num_tokens else 0
         return pos, delta
+
+    def map_checkpoint(self, name: str, tensor: torch.Tensor):
+        """Both layouts: HF 4.x (model.layers..., visual...) and 5.x
+        (model.language_model..., model.visual...)."""
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        elif name.startswith("model.visual."):
+            name = name[len("model."):]
+        elif name.startswith("video") or ".video" in name:
+            return
+        yield name, tensor
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):
+    """Qwen2.5-VL: the vision tower `visual` and a Qwen2 decoder with M-RoPE."""
+
+    def __init__(self, hf_config: dict):
+        text = mrope_text_config(hf_config)
+        super().__init__(text)
+        hf_config = {**hf_config, "image_token_id": hf_config.get(
+            "image_token_id", text.get("image_token_id"))}
+        self.init_vision(hf_config, VisionTransformer(VisionConfig(self.vision_config(hf_config))),
+                         interleaved=False)

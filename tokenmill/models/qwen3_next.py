@@ -11,12 +11,10 @@ Checkpoints: Qwen3.5 stores the DeltaNet input projections as in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba,
 grouped per key head. `map_checkpoint` rewrites the latter into the former,
 which are then packed into one `in_proj`. A Qwen3.5 ...ForConditionalGeneration
-checkpoint keeps the text model under model.language_model; its vision tower
-is skipped.
+checkpoint keeps the text model under model.language_model (its vision tower:
+qwen3_5_vl.py).
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
@@ -29,8 +27,6 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import DecoderConfig
-
-logger = logging.getLogger(__name__)
 
 
 class HybridConfig(DecoderConfig):
@@ -182,8 +178,11 @@ class Qwen3NextForCausalLM(nn.Module):
         return [layer.linear_attn for layer in self.layers if layer.is_linear]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`inputs_embeds`: the step's input embeddings when not just the tokens'
+        (image rows in place); positions [T], or M-RoPE's [3, T]."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, self.rotary, meta)
@@ -194,7 +193,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     # ---- checkpoint names ----------------------------------------------------------
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
-        """Yield (name, tensor) pairs in the layout the loader packs; nothing to skip."""
+        """Yield (name, tensor) pairs in the layout the loader packs."""
         if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
             return  # the vision tower and the MTP head are not part of the text model
         if name.startswith("model.language_model."):
@@ -237,19 +236,3 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     force_norm_topk = True
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The text model of a vision-language checkpoint (images are not supported)."""
-
-    def __init__(self, hf_config: dict):
-        super().__init__(hf_config)
-        logger.info("Qwen3.5 vision-language checkpoint: loading the text model only "
-                    "(the vision tower's weights are skipped)")
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    def __init__(self, hf_config: dict):
-        super().__init__(hf_config)
-        logger.info("Qwen3.5-MoE vision-language checkpoint: loading the text model only "
-                    "(the vision tower's weights are skipped)")

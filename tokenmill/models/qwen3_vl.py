@@ -25,9 +25,9 @@ from torch import nn
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.llama import Qwen3ForCausalLM
-from tokenmill.models.qwen2_5_vl import (MRotaryEmbedding, PatchEmbed, VisionTowerConfig,
-                                         Qwen2_5_VLForConditionalGeneration, VisionAttention,
-                                         mrope_text_config, vision_positions)
+from tokenmill.models.qwen2_5_vl import (PatchEmbed, VisionAttention, VisionLanguageMixin,
+                                         VisionTowerConfig, mrope_text_config,
+                                         vision_positions)
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
          "gelu": F.gelu, "silu": F.silu}
@@ -140,43 +140,19 @@ class Qwen3VisionModel(nn.Module):
         return torch.cat([self.merger(x)] + deep, dim=1)
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+class Qwen3VLForConditionalGeneration(VisionLanguageMixin, Qwen3ForCausalLM):
     """Qwen3-VL: the vision tower `visual` (with DeepStack) and a Qwen3 decoder with
     interleaved M-RoPE."""
 
-    uses_mrope = True
-    num_image_tokens = Qwen2_5_VLForConditionalGeneration.num_image_tokens
-    mrope_positions = Qwen2_5_VLForConditionalGeneration.mrope_positions
-    map_checkpoint = Qwen2_5_VLForConditionalGeneration.map_checkpoint
-
     def __init__(self, hf_config: dict):
-        text = mrope_text_config(hf_config)
-        super().__init__(text)
-        c = self.config
-        params = c.rope_params
-        section = params.get("mrope_section")
-        if not section:
-            raise ValueError("rope_parameters.mrope_section is missing from the text config")
-        self.rotary = MRotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
-                                       params, section,
-                                       interleaved=bool(params.get("mrope_interleaved", True)))
-        vision = hf_config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise ValueError("vision_config is missing from the config")
-        self.visual = Qwen3VisionModel(Qwen3VisionConfig(vision))
-        self.image_token_id = hf_config.get("image_token_id")
-        if self.image_token_id is None:
-            raise ValueError("image_token_id is missing from the config")
-        self.spatial_merge_size = self.visual.config.spatial_merge_size
+        super().__init__(mrope_text_config(hf_config))
+        interleaved = bool(self.config.rope_params.get("mrope_interleaved", True))
+        self.init_vision(hf_config, Qwen3VisionModel(Qwen3VisionConfig(
+            self.vision_config(hf_config))), interleaved=interleaved)
         self.num_deepstack = len(self.visual.config.deepstack_visual_indexes)
         if self.num_deepstack > len(self.layers):
             raise ValueError(f"{self.num_deepstack} deepstack features for "
                              f"{len(self.layers)} decoder layers")
-
-    def encode_images(self, pixels: torch.Tensor, grids) -> list[torch.Tensor]:
-        out = self.visual(pixels, grids)
-        return list(out.to(self.embed_tokens.weight.dtype).split(
-            [self.num_image_tokens(g) for g in grids]))
 
     def embed_multimodal(self, input_ids: torch.Tensor, index: torch.Tensor | None,
                          embeds: torch.Tensor | None) -> torch.Tensor:

@@ -11,9 +11,10 @@ from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3Fo
 from tokenmill.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tokenmill.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from tokenmill.models.qwen3_moe import Qwen3MoeForCausalLM
-from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                                         Qwen3_5MoeForCausalLM,
-                                         Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
+from tokenmill.models.qwen3_5_vl import (Qwen3_5ForConditionalGeneration,
+                                         Qwen3_5MoeForConditionalGeneration)
+from tokenmill.models.qwen3_next import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                                         Qwen3NextForCausalLM)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,

@@ -23,7 +23,7 @@ FIELD = "multi_modal_data.image"
 
 def is_multimodal(hf_config: dict) -> bool:
     """Whether the checkpoint's model class takes images (a vision-language checkpoint
-    served as its text model, as Qwen3.5's, does not)."""
+    served as its text model, as Qwen3.5's under tensor parallelism, does not)."""
     if hf_config.get("image_token_id") is None or \
             not isinstance(hf_config.get("vision_config"), dict):
         return False

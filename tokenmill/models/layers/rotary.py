@@ -155,13 +155,18 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """Per-token cos/sin [T, 1, rotary_dim], computed once per step for every layer."""
+        cos_sin = self.table(dtype)[:, positions]
+        return cos_sin[0], cos_sin[1]
+
+    def table(self, dtype: torch.dtype) -> torch.Tensor:
+        """cos and sin in `dtype`, side by side [2, max_position, 1, rotary_dim]: one
+        gather per step."""
         key = (dtype, self.cos_cache.device)
         table = self._tables.get(key)
-        if table is None:  # cos and sin in `dtype`, side by side: one gather per step
+        if table is None:
             table = torch.stack([self.cos_cache, self.sin_cache]).to(dtype).unsqueeze(2)
             self._tables = {key: table}
-        cos_sin = table[:, positions]
-        return cos_sin[0], cos_sin[1]
+        return table
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, head_dim] -> rotated copy."""
