@@ -320,3 +320,21 @@ def test_decode_splits_only_on_cuda():
         ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 1, 16),
                         torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                         1.0, num_splits=3)
+
+
+def test_kernel_bench_runs_in_the_interpreter(tmp_path):
+    """bench/attention_kernels.py (gpu_check.sh times the head sizes with it on a GPU):
+    on the CPU it runs each case once in the interpreter, every field written."""
+    import json
+
+    from tokenmill.bench import attention_kernels
+    out = tmp_path / "k.json"
+    attention_kernels.main(["--device", "cpu", "--dtype", "float32", "--heads", "16,24",
+                            "--softcap-heads", "24", "--batch", "1", "--context", "9",
+                            "--num-heads", "4", "--num-kv-heads", "2", "--iters", "1",
+                            "--output-json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["head_size"], r["softcap"]) for r in rows] == [(16, 0.0), (24, 0.0), (24, 50.0)]
+    assert rows[1]["kv_bytes"] == 9 * 2 * 24 * 2 * 4 and all(r["seconds"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="num_kv_heads 3"):
+        attention_kernels.main(["--device", "cpu", "--num-heads", "4", "--num-kv-heads", "3"])
