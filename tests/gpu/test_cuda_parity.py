@@ -1,7 +1,8 @@
 """The CUDA path against the CPU: greedy tokens on CUDA (fp32) equal the CPU's fp32
 tokens of the same tiny checkpoints, for dense, sliding-window, multi-group, MoE
 and hybrid models, head sizes 96 and 512 and soft-capped attention; with and
-without decode CUDA graphs; with chunked prefill and under preemption. Skipped without CUDA (scripts/gpu_check.sh runs them on a GPU).
+without decode CUDA graphs; with chunked prefill and under preemption. Skipped
+without CUDA (scripts/gpu_check.sh runs them on a GPU).
 
 The CPU side is tokenmill's PyTorch path in fp32 (tests/models/test_cpu_paths.py
 ties it to HF); the CUDA side runs Triton attention (TF32 off: the kernels use IEEE fp32
