@@ -27,6 +27,12 @@ TRITON_SPECS = {
     "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
                                partial_rotary_factor=0.75, sliding_window=2047,
                                tie_word_embeddings=False)),
+    # Gemma 4: local layers of head size 16 (window 12), global ones of 512 (two KV
+    # groups of different page layouts); tied.
+    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
+                                    sliding_window=12, hidden_size_per_layer_input=0,
+                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
     # Gemma 3 (local window 12 + global layers, two KV groups) with attention
     # soft-capping tight enough to bite (2.0); HF's eager attention (see _hf_capped).
     "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
@@ -199,12 +205,12 @@ def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
 
 
 @pytest.mark.parametrize("name", list(TRITON_SPECS))
-def test_triton_kernels_serve_head_96_and_soft_capping(triton_model, triton_platform,
-                                                       monkeypatch, name):
+def test_triton_kernels_serve_head_96_512_and_soft_capping(triton_model, triton_platform,
+                                                           monkeypatch, name):
     """Every attention layer on the kernels (none left on the PyTorch path): head size
-    96 in a 128 block with its tail masked, or soft-capped scores in decode and prefill
-    (with a window on Gemma's local layers); mixed steps of 8-token chunks over a
-    cached prefix. Greedy tokens equal HF's (soft-capped as Gemma 2 caps: _hf_capped)."""
+    96 in a 128 block with its tail masked, 512 beside 16 (Gemma 4), or soft-capped
+    scores in decode and prefill (with a window on Gemma's local layers); mixed steps
+    of 8-token chunks over a cached prefix. Greedy tokens equal HF's (soft-capped as Gemma 2 caps: _hf_capped)."""
     from tokenmill.ops import triton_attention as ta
     caps = []
     for fn in ("paged_decode", "paged_prefill"):
@@ -219,9 +225,9 @@ def test_triton_kernels_serve_head_96_and_soft_capping(triton_model, triton_plat
     layers = runner.attention_layers().values()
     assert runner.triton_ops is not None and all(lay.triton_attention for lay in layers)
     cap = 2.0 if name == "gemma3_softcap" else 0.0
-    head = 96 if name == "phi3_hd96" else 32
+    heads = {"phi3_hd96": {96}, "gemma4_hd512": {16, 512}, "gemma3_softcap": {32}}[name]
     assert {c[0] for c in caps} == {"paged_decode", "paged_prefill"}
-    assert {c[1:] for c in caps} == {(head, cap)}
+    assert {c[1:] for c in caps} == {(h, cap) for h in heads}
     if cap:
         uncapped = [hf_greedy(tm.hf, p, len(g)) for p, g in zip(prompts, got)]
         assert got != uncapped  # the cap changes the tokens: the comparison sees it
