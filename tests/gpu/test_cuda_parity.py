@@ -1,7 +1,8 @@
 """The CUDA path against the CPU: greedy tokens on CUDA (fp32) equal the CPU's fp32
 tokens of the same tiny checkpoints, for dense, sliding-window, multi-group, MoE
-and hybrid models; with and without decode CUDA graphs; with chunked prefill and
-under preemption. Skipped without CUDA (scripts/gpu_check.sh runs them on a GPU).
+and hybrid models, head sizes 96 and 512 and soft-capped attention; with and
+without decode CUDA graphs; with chunked prefill and under preemption. Skipped
+without CUDA (scripts/gpu_check.sh runs them on a GPU).
 
 The CPU side is tokenmill's PyTorch path in fp32 (tests/models/test_cpu_paths.py
 ties it to HF); the CUDA side runs Triton attention (TF32 off: the kernels use IEEE fp32
@@ -33,6 +34,24 @@ GPU_SPECS = {
                                     tie_word_embeddings=False)),
     "qwen3_5": ("qwen3_5", dict(HYBRID, tie_word_embeddings=False)),
 }
+# Head sizes the Triton kernels take through a masked tail of their power-of-two
+# block, and soft-capped scores (run with graphs and chunked prefill at once).
+HEAD_SPECS = {
+    # Phi-3 / Phi-4-mini's head size 96 (hidden 192, 2 q heads over 1 KV head).
+    "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                               partial_rotary_factor=0.75, sliding_window=2047,
+                               tie_word_embeddings=False)),
+    # Gemma 4: local layers of head size 16 (window 12), global ones of 512.
+    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
+                                    sliding_window=12, hidden_size_per_layer_input=0,
+                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 3 with attention soft-capping that bites (2.0), local and global layers.
+    "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
+                                      sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                                      tie_word_embeddings=True)),
+}
 LENGTHS = [5, 33, 1, 70, 17, 2, 48, 9]
 NUM_NEW = 12
 
@@ -51,7 +70,7 @@ def checkpoint(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            arch, overrides = GPU_SPECS[name]
+            arch, overrides = {**GPU_SPECS, **HEAD_SPECS}[name]
             path = str(tmp_path_factory.mktemp(name))
             with torch.device("cpu"):
                 build_checkpoint(path, arch, overrides)
@@ -91,6 +110,19 @@ def test_cuda_greedy_equals_cpu(checkpoint, name, eager):
     assert got == _cpu_reference(path, prompts)
 
 
+@pytest.mark.parametrize("name", list(HEAD_SPECS))
+def test_cuda_head_sizes_and_softcap_equal_cpu(checkpoint, name):
+    """Head sizes 96 and 512 (masked tails) and soft-capped attention on the kernels,
+    every layer: decode steps replayed from graphs, prompts in 16-token chunks."""
+    path = checkpoint(name)
+    prompts = make_prompts(LENGTHS, TINY["vocab_size"], seed=5)
+    got, llm = _greedy(path, "cuda", prompts, max_num_batched_tokens=16)
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.cuda_graphs is not None
+    assert all(layer.triton_attention for layer in runner.attention_layers().values())
+    assert got == _cpu_reference(path, prompts, max_num_batched_tokens=16)
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "mistral_swa", "qwen3_moe", "qwen3_5"])
 def test_cuda_chunked_prefill_equals_cpu(checkpoint, name):
     """Prompts split into 8-token chunks: prefill over a cached prefix, mixed steps."""
@@ -115,12 +147,33 @@ def test_cuda_preemption_equals_cpu(checkpoint, name):
     assert got == _cpu_reference(path, prompts, max_model_len=96)
 
 
-def test_triton_kernels_on_the_gpu_match_the_interpreter_reference():
+def _ref_rows(q, cache, table, qpos, scale, window, softcap):
+    """Queries q [M, Hq, D] of one request at positions qpos [M], fp32 reference."""
+    bs, hkv, hq = cache.shape[2], cache.shape[3], q.shape[1]
+    pos = torch.arange(int(qpos.max()) + 1, device=q.device)
+    blk = table[pos // bs].long()
+    k = cache[blk, 0, pos % bs].float().repeat_interleave(hq // hkv, 1)
+    v = cache[blk, 1, pos % bs].float().repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    visible = pos[None, :] <= qpos[:, None]
+    if window:
+        visible &= pos[None, :] > qpos[:, None] - window
+    return torch.einsum("hmn,nhd->mhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("d,softcap", [(128, 0.0), (96, 0.0), (512, 0.0), (80, 5.0),
+                                       (128, 5.0)])
+def test_triton_kernels_on_the_gpu_match_the_interpreter_reference(d, softcap):
     """The kernel tests of tests/unit/test_triton_attention.py, compiled for the GPU (bf16
-    included, which the interpreter cannot check); 4 rows x 2 KV heads take split-K."""
+    included, which the interpreter cannot check): decode (4 rows x 2 KV heads take
+    split-K, and the single pass), prefill over a cached prefix, masked head tails
+    (96, 80, 512) and soft-capping."""
     from tokenmill.ops import triton_attention as ta
     dev = "cuda"
-    bs, hkv, hq, d, nb = 16, 2, 8, 128, 64
+    bs, hkv, hq, nb = 16, 2, 8, 64
+    scale = d ** -0.5 * (4 if softcap else 1)
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         cache = torch.randn(nb, 2, bs, hkv, d, generator=g).to(dev, dtype)
@@ -128,20 +181,28 @@ def test_triton_kernels_on_the_gpu_match_the_interpreter_reference():
         table = torch.randperm(nb - 1, generator=g)[:4 * 13].add(1).view(4, 13).to(dev, torch.int32)
         q = torch.randn(4, hq, d, generator=g).to(dev, dtype)
         for window, splits in ((0, None), (24, None), (0, 1), (24, 1)):  # None: split-K here
-            out = ta.paged_decode(q, cache, table, lens, d ** -0.5, window, num_splits=splits)
+            out = ta.paged_decode(q, cache, table, lens, scale, window, num_splits=splits,
+                                  softcap=softcap)
             for r, n in enumerate(lens.tolist()):
                 if n == 0:
                     assert out[r].abs().max() == 0
                     continue
-                pos = torch.arange(n, device=dev)
-                if window:
-                    pos = pos[pos > n - 1 - window]
-                blk = table[r, pos // bs].long()
-                k = cache[blk, 0, pos % bs].float().repeat_interleave(hq // hkv, 1)
-                v = cache[blk, 1, pos % bs].float().repeat_interleave(hq // hkv, 1)
-                p = (torch.einsum("hd,nhd->hn", q[r].float(), k) * d ** -0.5).softmax(-1)
-                ref = torch.einsum("hn,nhd->hd", p, v)
-                torch.testing.assert_close(out[r].float(), ref, atol=tol, rtol=tol)
+                ref = _ref_rows(q[r:r + 1], cache, table[r], torch.tensor([n - 1], device=dev),
+                                scale, window, softcap)
+                torch.testing.assert_close(out[r].float(), ref[0], atol=tol, rtol=tol)
+        # prefill: 40 queries after 160 cached tokens (row 2's blocks), and a fresh 7
+        qp = torch.randn(47, hq, d, generator=g).to(dev, dtype)
+        qsl = torch.tensor([0, 40, 47], device=dev)
+        plens = torch.tensor([200, 7], dtype=torch.int32, device=dev)
+        ptable = table[2:4].clone()
+        ptable[1] = table[1]
+        for window in (0, 24):
+            out = ta.paged_prefill(qp, cache, ptable, qsl, plens, 40, scale, window,
+                                   softcap=softcap)
+            for r, (s0, e0, ctx) in enumerate(((0, 40, 160), (40, 47, 0))):
+                qpos = torch.arange(ctx, ctx + e0 - s0, device=dev)
+                ref = _ref_rows(qp[s0:e0], cache, ptable[r], qpos, scale, window, softcap)
+                torch.testing.assert_close(out[s0:e0].float(), ref, atol=tol, rtol=tol)
 
 
 def test_sync_free_moe_on_the_gpu():

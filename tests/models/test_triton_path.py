@@ -10,13 +10,63 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from conftest import TINY, make_llm, make_prompts  # noqa: E402
+from conftest import (TINY, TinyModel, build_checkpoint, hf_greedy,  # noqa: E402
+                      make_llm, make_prompts)
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.cpu_platform import CpuPlatform  # noqa: E402
 
 pytest.importorskip("triton")
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+# Models the kernels serve through a masked head-dim tail or soft-capping (built here,
+# not in conftest.MODEL_SPECS: every parity suite would run them).
+TRITON_SPECS = {
+    # Phi-3 / Phi-4-mini's head size 96 (hidden 192, 2 q heads over 1 KV head), partial
+    # rotary, fused qkv / gate_up in the checkpoint; untied.
+    "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                               partial_rotary_factor=0.75, sliding_window=2047,
+                               tie_word_embeddings=False)),
+    # Gemma 4: local layers of head size 16 (window 12), global ones of 512 (two KV
+    # groups of different page layouts); tied.
+    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
+                                    sliding_window=12, hidden_size_per_layer_input=0,
+                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 3 (local window 12 + global layers, two KV groups) with attention
+    # soft-capping tight enough to bite (2.0); HF's eager attention (see _hf_capped).
+    "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
+                                      sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                                      attn_implementation="eager", tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def triton_model(tmp_path_factory):
+    built = {}
+
+    def get(name):
+        if name not in built:
+            arch, overrides = TRITON_SPECS[name]
+            path = str(tmp_path_factory.mktemp(name))
+            built[name] = TinyModel(name, path, arch, build_checkpoint(path, arch, overrides))
+        return built[name]
+
+    return get
+
+
+def _hf_capped(monkeypatch):
+    """transformers' Gemma 3 keeps attn_logit_softcapping on the layer but never hands
+    it to the attention function, so HF's scores stay uncapped; its own eager attention
+    caps Gemma 2 style when given `softcap`: give it the layer's, for the reference."""
+    from transformers.models.gemma3 import modeling_gemma3 as hf_gemma3
+    eager = hf_gemma3.eager_attention_forward
+
+    def capped(module, *a, **k):
+        return eager(module, *a, **dict(k, softcap=module.attn_logit_softcapping))
+
+    monkeypatch.setattr(hf_gemma3, "eager_attention_forward", capped)
 
 
 def _generate(path, prompts, **kw):
@@ -81,13 +131,18 @@ def test_triton_attention_engine_matches_pytorch_path(tiny_model_factory, triton
         assert g == tm.reference(p, len(g)), name
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "gemma3"])
-def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, eager_graphs,
-                                                          name):
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "gemma3", "gemma3_softcap"])
+def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, triton_model,
+                                                          eager_graphs, name):
     """Three requests decode together: each step pads 3 -> 4 rows (an inert pad row
     beside them) and, as they finish at different lengths, 2 -> 2 and 1 -> 1. Gemma 3:
-    two KV cache groups (local and global layers), each with its own static buffers."""
-    tm = tiny_model_factory(name)
+    two KV cache groups (local and global layers), each with its own static buffers;
+    soft-capped, its decode steps are graphed too (all layers on the kernels)."""
+    if name in TRITON_SPECS:
+        tm = triton_model(name)
+        _hf_capped(eager_graphs)
+    else:
+        tm = tiny_model_factory(name)
     prompts = [tm.prompts[0][:5], tm.prompts[1][:9], tm.prompts[2][:7]]
     llm = make_llm(tm.path, cpu_kernels="torch", max_num_seqs=4)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
@@ -96,7 +151,7 @@ def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, ea
     graphs = runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4]
     assert set(graphs.buffers.groups) == set(runner.attn_group_ids)
-    assert len(runner.attn_group_ids) == (2 if name == "gemma3" else 1)
+    assert len(runner.attn_group_ids) == (1 if name == "llama_gqa_tied" else 2)
     assert graphs.graphs[4][0].replays > 0  # the padded size ran
     for cache in runner.kv_caches.values():  # pad rows wrote nowhere, not even the null block
         assert not cache[0].any()
@@ -147,3 +202,35 @@ def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
     want, runner = run()
     assert runner.cuda_graphs is None
     assert got == want
+
+
+@pytest.mark.parametrize("name", list(TRITON_SPECS))
+def test_triton_kernels_serve_head_96_512_and_soft_capping(triton_model, triton_platform,
+                                                           monkeypatch, name):
+    """Every attention layer on the kernels (none left on the PyTorch path): head size
+    96 in a 128 block with its tail masked, 512 beside 16 (Gemma 4), or soft-capped
+    scores in decode and prefill (with a window on Gemma's local layers); mixed steps
+    of 8-token chunks over a cached prefix. Greedy tokens equal HF's (soft-capped as Gemma 2 caps: _hf_capped)."""
+    from tokenmill.ops import triton_attention as ta
+    caps = []
+    for fn in ("paged_decode", "paged_prefill"):
+        def spy(*a, _fn=getattr(ta, fn), _name=fn, **k):
+            caps.append((_name, a[1].shape[-1], k.get("softcap", 0.0)))
+            return _fn(*a, **k)
+        monkeypatch.setattr(ta, fn, spy)
+    tm = triton_model(name)
+    prompts = make_prompts([5, 19, 11], tm.vocab_size, seed=2)
+    got, llm = _generate(tm.path, prompts, max_num_batched_tokens=8)
+    runner = llm.llm_engine.engine_core.runner
+    layers = runner.attention_layers().values()
+    assert runner.triton_ops is not None and all(lay.triton_attention for lay in layers)
+    cap = 2.0 if name == "gemma3_softcap" else 0.0
+    heads = {"phi3_hd96": {96}, "gemma4_hd512": {16, 512}, "gemma3_softcap": {32}}[name]
+    assert {c[0] for c in caps} == {"paged_decode", "paged_prefill"}
+    assert {c[1:] for c in caps} == {(h, cap) for h in heads}
+    if cap:
+        uncapped = [hf_greedy(tm.hf, p, len(g)) for p, g in zip(prompts, got)]
+        assert got != uncapped  # the cap changes the tokens: the comparison sees it
+        _hf_capped(monkeypatch)
+    for p, g in zip(prompts, got):
+        assert g == tm.reference(p, len(g)), name

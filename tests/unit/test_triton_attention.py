@@ -33,8 +33,9 @@ def _table(lens, block_size, num_blocks, seed=1):
     return table
 
 
-def _ref_attend(q, cache, table_row, qpos, scale, window):
-    """q [M, Hq, D] at positions qpos [M] over the request's keys 0..max(qpos)."""
+def _ref_attend(q, cache, table_row, qpos, scale, window, softcap=0.0):
+    """q [M, Hq, D] at positions qpos [M] over the request's keys 0..max(qpos);
+    `softcap`: scores capped (cap * tanh(s / cap)) before the mask, as the CPU path."""
     bs, hkv = cache.shape[2], cache.shape[3]
     n = int(qpos.max()) + 1
     pos = torch.arange(n)
@@ -44,6 +45,8 @@ def _ref_attend(q, cache, table_row, qpos, scale, window):
     rep = q.shape[1] // hkv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = pos[None, :] <= qpos[:, None]
     if window:
         visible &= pos[None, :] > qpos[:, None] - window
@@ -64,9 +67,13 @@ def test_interpreter_runs_a_trivial_kernel():
     assert x.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_through_slot_mapping_skips_pad_slots(dtype):
-    bs, hkv, d = 4, 2, 16
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 16), (torch.bfloat16, 16),
+                                     (torch.float32, 96), (torch.bfloat16, 80),
+                                     (torch.float32, 12)])
+def test_write_kv_through_slot_mapping_skips_pad_slots(dtype, d):
+    """Head sizes that are not powers of two write their D elements only: the masked
+    tail of the 128 (or 16) block would land on the next KV head."""
+    bs, hkv = 4, 2
     page = 2 * bs * hkv * d
     raw = torch.randn(6, page + 8, generator=torch.Generator().manual_seed(0)).to(dtype)
     raw_before = raw.clone()
@@ -86,27 +93,37 @@ def test_write_kv_through_slot_mapping_skips_pad_slots(dtype):
     assert torch.equal(raw[:, page:], raw_before[:, page:])  # the padding untouched
 
 
-@pytest.mark.parametrize("hq,hkv,d,window", [
-    (4, 2, 16, 0),    # GQA
-    (4, 4, 32, 0),    # MHA
-    (6, 2, 8, 0),     # group of 3 (padded), head_dim below tl.dot's 16
-    (4, 1, 16, 5),    # MQA, sliding window
+@pytest.mark.parametrize("hq,hkv,d,window,softcap", [
+    (4, 2, 16, 0, 0.0),    # GQA
+    (4, 4, 32, 0, 0.0),    # MHA
+    (6, 2, 8, 0, 0.0),     # group of 3 (padded), head_dim below tl.dot's 16
+    (4, 1, 16, 5, 0.0),    # MQA, sliding window
+    (4, 2, 96, 0, 0.0),    # Phi-3's head size: a 128 block, its tail masked
+    (6, 2, 80, 5, 0.0),    # 80 in a 128 block, group of 3, window
+    (2, 1, 512, 0, 0.0),   # Gemma 4's global layers
+    (6, 2, 12, 0, 0.0),    # 12 in a 16 block (tl.dot's minimum)
+    (4, 2, 16, 0, 2.0),    # soft-capped (a cap the scores reach: tanh saturates)
+    (4, 2, 96, 5, 3.0),    # soft-capped, masked tail, window
 ])
-def test_paged_decode_matches_reference(hq, hkv, d, window):
+def test_paged_decode_matches_reference(hq, hkv, d, window, softcap):
     bs, nb = 4, 24
     cache = _cache(nb, bs, hkv, d, torch.float32)
     lens = [1, 7, 13, 0]  # the last: a pad row of a CUDA graph (null block, length 0)
     table = _table(lens, bs, nb)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(5))
-    scale = d ** -0.5
+    scale = d ** -0.5 * (4 if softcap else 1)  # scores well past the cap
     out = ta.paged_decode(q, cache, table, torch.tensor(lens, dtype=torch.int32), scale,
-                          window)
+                          window, softcap=softcap)
     for r, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[r], torch.zeros_like(out[r]))
             continue
-        ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), scale, window)
+        ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), scale, window,
+                          softcap)
         torch.testing.assert_close(out[r], ref[0], atol=2e-5, rtol=1e-5)
+    if softcap:  # the cap changes the answer (the test would see a kernel ignoring it)
+        ref = _ref_attend(q[2:3], cache, table[2], torch.tensor([12]), scale, window)
+        assert (out[2] - ref[0]).abs().max() > 1e-3
 
 
 def test_paged_decode_window_never_reads_blocks_before_it():
@@ -139,8 +156,12 @@ def test_paged_decode_half_close_to_reference():
         torch.testing.assert_close(out[r].float(), ref[0], atol=5e-3, rtol=5e-3)
 
 
-@pytest.mark.parametrize("hq,hkv,d,window", [(4, 2, 16, 0), (2, 1, 32, 7)])
-def test_paged_prefill_with_cached_prefix_matches_reference(hq, hkv, d, window):
+@pytest.mark.parametrize("hq,hkv,d,window,softcap", [
+    (4, 2, 16, 0, 0.0), (2, 1, 32, 7, 0.0),
+    (4, 2, 96, 0, 0.0), (2, 1, 80, 7, 0.0), (2, 1, 512, 0, 0.0),
+    (4, 2, 16, 0, 2.0), (4, 2, 96, 7, 3.0),  # soft-capped
+])
+def test_paged_prefill_with_cached_prefix_matches_reference(hq, hkv, d, window, softcap):
     """Three chunks in one step: a fresh prompt, one continuing after 9 cached tokens
     (a chunked prefill / prefix hit), one of 20 tokens after 3 (spans several query
     tiles); their K/V were written first, as the layer does."""
@@ -151,22 +172,26 @@ def test_paged_prefill_with_cached_prefix_matches_reference(hq, hkv, d, window):
     table = _table(lens, bs, nb)
     qsl = torch.tensor([0, 5, 8, 28], dtype=torch.int64)
     q = torch.randn(28, hq, d, generator=torch.Generator().manual_seed(4))
+    scale = d ** -0.5 * (4 if softcap else 1)
     out = ta.paged_prefill(q, cache, table, qsl, torch.tensor(lens, dtype=torch.int32),
-                           max(q_lens), d ** -0.5, window)
+                           max(q_lens), scale, window, softcap=softcap)
     for r in range(3):
         s, e = int(qsl[r]), int(qsl[r + 1])
         qpos = torch.arange(ctx[r], lens[r])
-        ref = _ref_attend(q[s:e], cache, table[r], qpos, d ** -0.5, window)
+        ref = _ref_attend(q[s:e], cache, table[r], qpos, scale, window, softcap)
         torch.testing.assert_close(out[s:e], ref, atol=2e-5, rtol=1e-5)
 
 
-def test_prefill_and_decode_agree_with_the_cpu_layer():
-    """The CPU path's PagedAttention (PyTorch) on the same cache and metadata."""
+@pytest.mark.parametrize("d,softcap", [(16, None), (96, None), (16, 2.0), (80, 3.0)])
+def test_prefill_and_decode_agree_with_the_cpu_layer(d, softcap):
+    """The CPU path's PagedAttention (PyTorch) on the same cache and metadata; with
+    soft-capping its decode and its written-out prefill attention."""
     from tokenmill.models.layers.attention import (AttentionMetadata, PagedAttention,
                                                    PrefillChunk)
-    bs, hkv, d, hq = 4, 2, 16, 4
+    bs, hkv, hq = 4, 2, 4
+    scale = d ** -0.5 * (4 if softcap else 1)
     cache = _cache(20, bs, hkv, d, torch.float32)
-    layer = PagedAttention(hq, hkv, d, d ** -0.5)
+    layer = PagedAttention(hq, hkv, d, scale, logit_softcap=softcap)
     layer.kv_cache = cache
     table = _table([6, 11], bs, 20)
     g = torch.Generator().manual_seed(7)
@@ -186,23 +211,53 @@ def test_prefill_and_decode_agree_with_the_cpu_layer():
     ta.write_kv(k, v, cache2, blocks * bs + pos % bs)
     torch.testing.assert_close(cache2, cache)
     dec = ta.paged_decode(q[:1], cache2, table[:1], torch.tensor([6], dtype=torch.int32),
-                          d ** -0.5)
+                          scale, softcap=softcap)
     pre = ta.paged_prefill(q[1:], cache2, table[1:], torch.tensor([0, 4]),
-                           torch.tensor([11], dtype=torch.int32), 4, d ** -0.5)
+                           torch.tensor([11], dtype=torch.int32), 4, scale, softcap=softcap)
     torch.testing.assert_close(torch.cat([dec, pre]), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_bad_cache_layout_is_refused():
-    cache = torch.zeros(4, 2, 4, 2, 12)
-    with pytest.raises(ValueError, match="head_size"):
-        ta.paged_decode(torch.zeros(1, 2, 12), cache, torch.zeros(1, 1, dtype=torch.int32),
-                        torch.ones(1, dtype=torch.int32), 1.0)
+def test_bad_shapes_are_refused():
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_size must be at most 512"):
+        ta.paged_decode(torch.zeros(1, 2, 640), torch.zeros(4, 2, 4, 2, 640), table, lens, 1.0)
+    with pytest.raises(ValueError, match="head_size of q"):
+        ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 2, 12), table, lens, 1.0)
+    with pytest.raises(ValueError, match="num_heads 3"):
+        ta.paged_prefill(torch.zeros(1, 3, 16), torch.zeros(4, 2, 4, 2, 16), table,
+                         torch.tensor([0, 1]), lens, 1, 1.0)
+    with pytest.raises(ValueError, match="logit_softcap"):
+        ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 2, 16), table, lens, 1.0,
+                        softcap=-1.0)
+    with pytest.raises(ValueError, match="kv cache must be"):
+        ta.write_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16),
+                    torch.zeros(4, 2, 4, 2, 16).transpose(3, 4), torch.zeros(1).long())
 
 
-@pytest.mark.parametrize("head_size,softcap", [(24, None), (16, 30.0)])
-def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap):
-    """A head size that is not a power of two (K/V write and attention) or soft-capped
-    scores (attention only) stay on the PyTorch path even where Triton is picked."""
+def test_tanh_follows_torch():
+    """The kernels' soft-capping tanh (exp-based: the interpreter has no libdevice)
+    against torch.tanh, across the Taylor / exp switch at 1/4 and into saturation."""
+    import triton.language as tl
+
+    @triton.jit
+    def tanh_kernel(x, y, n, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        tl.store(y + i, ta._tanh(tl.load(x + i, mask=i < n)), mask=i < n)
+
+    x = torch.cat([torch.linspace(-12, 12, 2001), torch.linspace(-0.3, 0.3, 2001),
+                   torch.tensor([0.0, 1e-30, -1e-8, 0.25, -0.25, 80.0, -80.0,
+                                 float("inf"), float("-inf")])])
+    y = torch.empty_like(x)
+    tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), B=1024)
+    torch.testing.assert_close(y, torch.tanh(x), atol=0, rtol=4e-7)
+
+
+@pytest.mark.parametrize("head_size,softcap", [(640, None), (24, None), (16, 30.0),
+                                               (96, 2.0)])
+def test_layers_take_the_kernels_up_to_head_size_512(head_size, softcap):
+    """Any head size up to 512, soft-capped or not, runs the Triton K/V write and
+    attention; a larger head (none of the supported models has one) keeps the PyTorch
+    path even where Triton is picked. Same output either way."""
     from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 
     class Spy:
@@ -216,7 +271,7 @@ def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap
                 return fn(*a, **k)
             return wrapped
 
-    layer = PagedAttention(2, 1, head_size, 0.3, logit_softcap=softcap)
+    layer = PagedAttention(2, 1, head_size, head_size ** -0.5 * 4, logit_softcap=softcap)
     layer.kv_cache = torch.zeros(4, 2, 4, 1, head_size)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, head_size, generator=g) for h in (2, 1, 1))
@@ -227,29 +282,34 @@ def test_layers_the_kernels_cannot_take_keep_the_pytorch_path(head_size, softcap
     layer.kv_cache.zero_()
     got = layer(q, k, v, AttentionMetadata(**base, triton_ops=Spy(),
                                            slot_mapping=torch.tensor([6])))
-    torch.testing.assert_close(got, ref)
-    assert Spy.calls == ([] if head_size == 24 else ["write_kv"])
-    assert (layer.triton_kv, layer.triton_attention) == (head_size == 16, False)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    takes = head_size <= 512
+    assert Spy.calls == (["write_kv", "paged_decode"] if takes else [])
+    assert (layer.triton_kv, layer.triton_attention) == (takes, takes)
 
 
-@pytest.mark.parametrize("splits", [2, 4, 16])
-def test_split_k_decode_matches_the_single_pass(splits):
+@pytest.mark.parametrize("splits,d,softcap", [(2, 16, 0.0), (4, 16, 0.0), (16, 16, 0.0),
+                                              (4, 96, 0.0), (4, 80, 2.0), (2, 512, 3.0)])
+def test_split_k_decode_matches_the_single_pass(splits, d, softcap):
     """Split-K (what batch 1 takes on a GPU): the keys in `splits` parts, combined; a
-    part may be empty (short rows, a pad row, a window)."""
-    bs, hkv, hq, d = 4, 2, 4, 16
+    part may be empty (short rows, a pad row, a window). Masked head tails and
+    soft-capping through the split kernel and the combine."""
+    bs, hkv, hq = 4, 2, 4
     cache = _cache(24, bs, hkv, d, torch.float32)
     lens = [1, 7, 45, 0]
     table = _table(lens, bs, 24)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(9))
     sl = torch.tensor(lens, dtype=torch.int32)
     for window in (0, 10):
-        one = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=1)
-        got = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=splits)
+        one = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=1,
+                              softcap=softcap)
+        got = ta.paged_decode(q, cache, table, sl, 0.25, window, num_splits=splits,
+                              softcap=softcap)
         torch.testing.assert_close(got, one, atol=2e-6, rtol=1e-5)
         for r, n in enumerate(lens):
             if n:
                 ref = _ref_attend(q[r:r + 1], cache, table[r], torch.tensor([n - 1]), 0.25,
-                                  window)
+                                  window, softcap)
                 torch.testing.assert_close(got[r], ref[0], atol=2e-5, rtol=1e-5)
     assert torch.equal(got[3], torch.zeros_like(got[3]))
 
@@ -260,3 +320,21 @@ def test_decode_splits_only_on_cuda():
         ta.paged_decode(torch.zeros(1, 2, 16), torch.zeros(4, 2, 4, 1, 16),
                         torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                         1.0, num_splits=3)
+
+
+def test_kernel_bench_runs_in_the_interpreter(tmp_path):
+    """bench/attention_kernels.py (gpu_check.sh times the head sizes with it on a GPU):
+    on the CPU it runs each case once in the interpreter, every field written."""
+    import json
+
+    from tokenmill.bench import attention_kernels
+    out = tmp_path / "k.json"
+    attention_kernels.main(["--device", "cpu", "--dtype", "float32", "--heads", "16,24",
+                            "--softcap-heads", "24", "--batch", "1", "--context", "9",
+                            "--num-heads", "4", "--num-kv-heads", "2", "--iters", "1",
+                            "--output-json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["head_size"], r["softcap"]) for r in rows] == [(16, 0.0), (24, 0.0), (24, 50.0)]
+    assert rows[1]["kv_bytes"] == 9 * 2 * 24 * 2 * 4 and all(r["seconds"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="num_kv_heads 3"):
+        attention_kernels.main(["--device", "cpu", "--num-heads", "4", "--num-kv-heads", "3"])

@@ -100,6 +100,10 @@ class AttentionMetadata:
         return self._decode_mask
 
 
+# ops/triton_attention.MAX_HEAD_SIZE (not imported: that module imports triton).
+TRITON_MAX_HEAD_SIZE = 512
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
@@ -111,10 +115,11 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # The Triton kernels take head sizes that are powers of two up to 256 and no
-        # soft-capping; other layers keep the PyTorch path on CUDA.
-        self.triton_kv = head_size & (head_size - 1) == 0 and head_size <= 256
-        self.triton_attention = self.triton_kv and logit_softcap is None
+        # The Triton kernels take any head size up to TRITON_MAX_HEAD_SIZE (the
+        # power-of-two block's tail masked), soft-capped or not; a larger head keeps
+        # the PyTorch path on CUDA.
+        self.triton_kv = 0 < head_size <= TRITON_MAX_HEAD_SIZE
+        self.triton_attention = self.triton_kv
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
         self.kv_group: int | None = None  # its KV cache group (bound by the runner)
 
@@ -155,16 +160,17 @@ class PagedAttention(nn.Module):
         """CUDA: one decode kernel over the decode rows, one prefill kernel over every
         prompt chunk (their K/V are in the cache already)."""
         ops, nd, window = meta.triton_ops, meta.num_decodes, self.sliding_window or 0
+        cap = self.logit_softcap or 0.0
         if not meta.prefills:
             return ops.paged_decode(q, cache, meta.decode_block_table, meta.decode_seq_lens,
-                                    self.scale, window).view(q.shape[0], -1)
+                                    self.scale, window, softcap=cap).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if nd:
             ops.paged_decode(q[:nd], cache, meta.decode_block_table, meta.decode_seq_lens,
-                             self.scale, window, out=out[:nd])
+                             self.scale, window, out=out[:nd], softcap=cap)
         ops.paged_prefill(q[nd:], cache, meta.prefill_block_table, meta.prefill_query_start_loc,
                           meta.prefill_seq_lens, meta.prefill_max_query_len, self.scale, window,
-                          out=out[nd:])
+                          out=out[nd:], softcap=cap)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
