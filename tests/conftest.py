@@ -39,6 +39,16 @@ DEEPSEEK_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v
                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     n_shared_experts=1, tie_word_embeddings=False)
 
+# Gemma 4 text: four layers, local (head_dim 16, window 12) and global (head_dim 32,
+# proportional rope) alternating, soft-capped logits, tied; the features the hub
+# checkpoints use are switched on per spec below.
+GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=12,
+              hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              final_logit_softcapping=30.0, tie_word_embeddings=True)
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                  moe_intermediate_size=32)
+
 # name -> (architecture, config overrides). Every parity config lives here.
 MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Llama, GQA (4 q heads / 2 kv heads), tied embeddings, default rope.
@@ -82,10 +92,11 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Gemma 4 (text, no per-layer inputs): local layers of head_dim 16 (window 12),
     # global ones of head_dim 32 with proportional rope: two KV cache groups of
     # different page layouts sharing buffers; tied.
-    "gemma4": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=32,
-                              sliding_window=12, hidden_size_per_layer_input=0,
-                              layer_types=["sliding_attention", "full_attention"] * 2,
-                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "gemma4": ("gemma4", dict(GEMMA4)),
+    # Gemma 4 with MoE blocks (8 experts, top-2, beside every dense MLP) and k = v
+    # attention on the global layers (no v_proj; one global KV head).
+    "gemma4_moe_keqv": ("gemma4", dict(GEMMA4, **GEMMA4_MOE, attention_k_eq_v=True,
+                                       num_global_key_value_heads=1)),
     # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
     # sliding: two KV cache groups of one spec layout each); untied.
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
@@ -116,7 +127,8 @@ PARITY_MODELS = list(MODEL_SPECS)
 SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
                    ("mistral_swa", 4): dict(num_kv_blocks=13),
                    ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
-                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_moe_keqv", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:
@@ -158,11 +170,13 @@ def build_checkpoint(path: str, arch: str, overrides: dict | None = None, seed: 
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias
                 b.normal_(0.0, 0.1)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
     save_kw = {}
     if max_shard_size is not None:
         save_kw["max_shard_size"] = max_shard_size

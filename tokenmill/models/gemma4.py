@@ -1,6 +1,4 @@
-"""Gemma 4 text model (Gemma4ForCausalLM, transformers' Gemma4TextConfig), the subset
-without per-layer input embeddings, KV sharing, MoE blocks or k = v attention (each is
-refused by name).
+"""Gemma 4 text model (Gemma4ForCausalLM, transformers' Gemma4TextConfig).
 
 Against Gemma 3 (gemma3.py): global layers have their own head_dim (and may have their
 own KV head count: `per_layer_config`), so local and global layers are KV cache groups
@@ -10,6 +8,11 @@ buffers at the larger page, tokenmill/core/kv_cache_spec.py); global layers rota
 left as is); the norms multiply by `weight` (not 1 + weight), V is RMS-normalised
 without a scale, scores are not scaled (q/k norms do it), and every layer's output is
 multiplied by its `layer_scalar`.
+
+k = v attention (`attention_k_eq_v`, global layers only): no v_proj; V is the k_proj
+output before the K norm and rope, RMS-normalised like any V. MoE blocks
+(`enable_moe_block`): every layer keeps its dense MLP and adds a routed one beside it
+(Gemma4MoeBlock).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch import nn
 from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
@@ -42,8 +46,6 @@ class Gemma4Config:
     def __init__(self, cfg: dict):
         for key, what in (("hidden_size_per_layer_input", "per-layer input embeddings"),
                           ("num_kv_shared_layers", "KV sharing across layers"),
-                          ("enable_moe_block", "MoE blocks"),
-                          ("attention_k_eq_v", "k = v attention"),
                           ("use_bidirectional_attention", "bidirectional attention")):
             if cfg.get(key):
                 raise ValueError(f"Gemma 4 with {key}={cfg[key]!r} ({what}) is not supported")
@@ -80,6 +82,23 @@ class Gemma4Config:
             if len(dims) > 1:
                 raise ValueError(f"{kind} layers with different head dims {sorted(dims)}")
         self.rope = cfg.get("rope_parameters") or {}
+        # k = v: the global layers' V is their K projection (HF: sliding layers never).
+        self.attention_k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        self.enable_moe_block = bool(cfg.get("enable_moe_block", False))
+        if self.enable_moe_block:
+            for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+                if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+                    raise ValueError(f"enable_moe_block needs a positive int {key}, "
+                                     f"got {cfg.get(key)!r}")
+            self.num_experts = cfg["num_experts"]
+            self.top_k_experts = cfg["top_k_experts"]
+            self.moe_intermediate_size = cfg["moe_intermediate_size"]
+            if self.top_k_experts > self.num_experts:
+                raise ValueError(f"top_k_experts {self.top_k_experts} exceeds num_experts "
+                                 f"{self.num_experts}")
+
+    def k_eq_v(self, i: int) -> bool:
+        return self.attention_k_eq_v and self.layer_types[i] == FULL
 
     def kind_head_dim(self, kind: str) -> int:
         return next((d for d, t in zip(self.head_dims, self.layer_types) if t == kind),
@@ -116,7 +135,11 @@ class Gemma4Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.kv_heads[i], c.head_dims[i]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        # k = v: no V rows (the loader packs an empty v shard, map_checkpoint).
+        self.k_eq_v = c.k_eq_v(i)
+        self.v_size = 0 if self.k_eq_v else self.kv_size
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + self.kv_size + self.v_size,
+                               bias=c.attention_bias)
         self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
@@ -126,11 +149,35 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.v_size], dim=-1)
+        if self.k_eq_v:
+            v = k  # (normalised as V, before the K norm and rope)
         q = rotary.apply(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
-        k = rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_norm(v.reshape(t, self.num_kv_heads, self.head_dim))
+        k = rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
         return self.o_proj(self.attn(q, k, v, meta))
+
+
+class Gemma4Router(nn.Module):
+    """HF's Gemma4TextRouter: RMS-normalised input (no weight) x scale / sqrt(hidden),
+    a linear map to expert scores, softmax in fp32, top-k renormalised to sum to 1, then
+    each chosen weight times its expert's `per_expert_scale`."""
+
+    def __init__(self, c: Gemma4Config):
+        super().__init__()
+        self.top_k = c.top_k_experts
+        self.root_size = c.hidden_size ** -0.5
+        self.norm = Gemma4RMSNorm(c.hidden_size, c.rms_norm_eps, with_scale=False)
+        self.proj = Linear(c.hidden_size, c.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(c.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(c.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(x) * self.scale * self.root_size
+        probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.per_expert_scale[ids]).to(x.dtype), ids
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -145,11 +192,25 @@ class Gemma4DecoderLayer(nn.Module):
         self.mlp = GeluTanhMLP(c.hidden_size, c.intermediate_size)
         self.post_feedforward_layernorm = Gemma4RMSNorm(c.hidden_size, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))  # (a buffer in HF: in the checkpoint)
+        self.enable_moe_block = c.enable_moe_block
+        if self.enable_moe_block:
+            # Routed experts beside the dense MLP, both from the attention block's output
+            # (HF's names: router, experts, the *_1 / *_2 norms).
+            self.router = Gemma4Router(c)
+            self.experts = FusedMoE(c.num_experts, c.hidden_size, c.moe_intermediate_size,
+                                    activation="gelu_tanh")
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(c.hidden_size, eps)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(c.hidden_size, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(c.hidden_size, eps)
 
     def forward(self, x, cos, sin, rotary, meta):
         h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.enable_moe_block:
+            weights, ids = self.router(x)
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         return (x + self.post_feedforward_layernorm(h)) * self.layer_scalar
 
 
@@ -168,6 +229,15 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                               c.rope.get(kind) or {"rope_type": "default"})
             for kind in (SLIDING, FULL)})
         self._add_head(c)
+
+    def map_checkpoint(self, name: str, tensor: torch.Tensor):
+        """A k = v layer has no v_proj: an empty V shard after its k_proj completes the
+        packed qkv_proj (q and k rows only)."""
+        yield name, tensor
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            i = int(name.split("layers.")[1].split(".")[0])
+            if self.config.k_eq_v(i):
+                yield name.replace("k_proj", "v_proj"), tensor[:0]
 
     def set_decode_layers(self, ops, max_rows: int) -> None:
         """No native loop yet: per-layer head sizes, the V norm and layer_scalar are not
