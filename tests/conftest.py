@@ -46,6 +46,7 @@ GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_wind
               hidden_size_per_layer_input=0,
               layer_types=["sliding_attention", "full_attention"] * 2,
               final_logit_softcapping=30.0, tie_word_embeddings=True)
+GEMMA4_PLE = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=384)
 GEMMA4_MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
                   moe_intermediate_size=32)
 
@@ -97,6 +98,8 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # attention on the global layers (no v_proj; one global KV head).
     "gemma4_moe_keqv": ("gemma4", dict(GEMMA4, **GEMMA4_MOE, attention_k_eq_v=True,
                                        num_global_key_value_heads=1)),
+    # Gemma 4 with per-layer inputs (8 per layer, from each token's id and embedding).
+    "gemma4_ple": ("gemma4", dict(GEMMA4, **GEMMA4_PLE)),
     # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
     # sliding: two KV cache groups of one spec layout each); untied.
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
@@ -128,7 +131,8 @@ SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tok
                    ("mistral_swa", 4): dict(num_kv_blocks=13),
                    ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
                    ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
-                   ("gemma4_moe_keqv", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+                   ("gemma4_moe_keqv", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_ple", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:

@@ -11,12 +11,15 @@ multiplied by its `layer_scalar`.
 
 k = v attention (`attention_k_eq_v`, global layers only): no v_proj; V is the k_proj
 output before the K norm and rope, RMS-normalised like any V. MoE blocks
-(`enable_moe_block`): every layer keeps its dense MLP and adds a routed one beside it
-(Gemma4MoeBlock).
+(`enable_moe_block`): every layer keeps its dense MLP and adds routed experts beside
+it (Gemma4Router + FusedMoE). Per-layer inputs (`hidden_size_per_layer_input`, the
+small E2B / E4B models): each token gets a [num_layers, P] table (PerLayerInputs) and
+layer i adds a gated residual branch from its slice after the MLP.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
@@ -44,8 +47,7 @@ class Gemma4RMSNorm(nn.Module):
 
 class Gemma4Config:
     def __init__(self, cfg: dict):
-        for key, what in (("hidden_size_per_layer_input", "per-layer input embeddings"),
-                          ("num_kv_shared_layers", "KV sharing across layers"),
+        for key, what in (("num_kv_shared_layers", "KV sharing across layers"),
                           ("use_bidirectional_attention", "bidirectional attention")):
             if cfg.get(key):
                 raise ValueError(f"Gemma 4 with {key}={cfg[key]!r} ({what}) is not supported")
@@ -84,6 +86,13 @@ class Gemma4Config:
         self.rope = cfg.get("rope_parameters") or {}
         # k = v: the global layers' V is their K projection (HF: sliding layers never).
         self.attention_k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        # Per-layer inputs: a [num_layers, hidden_size_per_layer_input] slice per token.
+        self.per_layer_size = int(cfg.get("hidden_size_per_layer_input") or 0)
+        if self.per_layer_size:
+            self.per_layer_vocab = cfg.get("vocab_size_per_layer_input", 262144)
+            if not isinstance(self.per_layer_vocab, int) or self.per_layer_vocab < self.vocab_size:
+                raise ValueError(f"vocab_size_per_layer_input {self.per_layer_vocab!r} must be an "
+                                 f"int covering vocab_size {self.vocab_size}")
         self.enable_moe_block = bool(cfg.get("enable_moe_block", False))
         if self.enable_moe_block:
             for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
@@ -202,8 +211,14 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(c.hidden_size, eps)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(c.hidden_size, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(c.hidden_size, eps)
+        self.per_layer_input_gate = None
+        if c.per_layer_size:
+            # This layer's per-layer input gates a residual branch after the MLP.
+            self.per_layer_input_gate = Linear(c.hidden_size, c.per_layer_size, bias=False)
+            self.per_layer_projection = Linear(c.per_layer_size, c.hidden_size, bias=False)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(c.hidden_size, eps)
 
-    def forward(self, x, cos, sin, rotary, meta):
+    def forward(self, x, cos, sin, rotary, meta, per_layer_input=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
@@ -211,11 +226,43 @@ class Gemma4DecoderLayer(nn.Module):
             weights, ids = self.router(x)
             routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
-        return (x + self.post_feedforward_layernorm(h)) * self.layer_scalar
+        x = x + self.post_feedforward_layernorm(h)
+        if self.per_layer_input_gate is not None:
+            g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar
+
+
+class PerLayerInputs(nn.Module):
+    """Each token's per-layer inputs [T, num_layers, P] (HF's PLE): its own row of the
+    packed embedding `embed_tokens_per_layer` (x sqrt(P)), plus a projection of its
+    scaled token embedding (x hidden^-0.5, RMS-normalised per layer), the sum scaled
+    by 2^-0.5. A function of the row's token id alone: chunked prefill and decode rows
+    compute theirs from the step's input_ids."""
+
+    def __init__(self, c: Gemma4Config):
+        super().__init__()
+        self.num_layers, self.size = c.num_layers, c.per_layer_size
+        self.embed_tokens_per_layer = nn.Embedding(c.per_layer_vocab, c.num_layers * self.size)
+        self.embed_scale = self.size ** 0.5
+        self.per_layer_model_projection = Linear(c.hidden_size, c.num_layers * self.size,
+                                                 bias=False)
+        self.projection_scale = c.hidden_size ** -0.5
+        self.per_layer_projection_norm = Gemma4RMSNorm(self.size, c.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[0]
+        tok = self.embed_tokens_per_layer(input_ids)
+        # HF multiplies by the scale cast to the weights' dtype (as the main embedding).
+        tok = tok * torch.tensor(self.embed_scale, dtype=tok.dtype)
+        proj = self.per_layer_model_projection(embeds) * self.projection_scale
+        proj = self.per_layer_projection_norm(proj.view(t, self.num_layers, self.size))
+        return (proj + tok.view(t, self.num_layers, self.size)) * 2.0 ** -0.5
 
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
-    """Gemma 3's model (forward, logits) over Gemma 4's layers, norm and rope tables."""
+    """Gemma 3's model (logits) over Gemma 4's layers, norm, rope tables and per-layer
+    inputs."""
 
     def __init__(self, hf_config: dict):
         nn.Module.__init__(self)
@@ -228,11 +275,31 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             kind: make_rotary(c.kind_head_dim(kind), c.max_position_embeddings,
                               c.rope.get(kind) or {"rope_type": "default"})
             for kind in (SLIDING, FULL)})
+        # (checkpoint names model.embed_tokens_per_layer etc.: map_checkpoint)
+        self.per_layer = PerLayerInputs(c) if c.per_layer_size else None
         self._add_head(c)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        per_layer = self.per_layer(input_ids, x) if self.per_layer is not None else None
+        cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            cos, sin = cos_sin[layer.kind]
+            x = layer(x, cos, sin, self.rotary[layer.kind], meta,
+                      per_layer[:, i] if per_layer is not None else None)
+        return self.norm(x)
+
+    PER_LAYER_NAMES = ("embed_tokens_per_layer.", "per_layer_model_projection.",
+                       "per_layer_projection_norm.")
+
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
-        """A k = v layer has no v_proj: an empty V shard after its k_proj completes the
-        packed qkv_proj (q and k rows only)."""
+        """The per-layer input tables live in `per_layer`; a k = v layer has no v_proj:
+        an empty V shard after its k_proj completes the packed qkv_proj (q and k rows
+        only)."""
+        if name.startswith(tuple("model." + n for n in self.PER_LAYER_NAMES)):
+            name = "model.per_layer." + name[len("model."):]
         yield name, tensor
         if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             i = int(name.split("layers.")[1].split(".")[0])
