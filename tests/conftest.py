@@ -100,6 +100,19 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
                                        num_global_key_value_heads=1)),
     # Gemma 4 with per-layer inputs (8 per layer, from each token's id and embedding).
     "gemma4_ple": ("gemma4", dict(GEMMA4, **GEMMA4_PLE)),
+    # Gemma 4 with KV sharing: layers 2 and 3 read the K/V (and cache) of 0 and 1 (the
+    # last local and global layer before them); their MLPs double-wide. With per-layer
+    # inputs, as the E2B / E4B checkpoints have them (HF's generate cannot run KV
+    # sharing without: it slices the shared layers' per-layer inputs unconditionally).
+    "gemma4_kvshare": ("gemma4", dict(GEMMA4, **GEMMA4_PLE, num_kv_shared_layers=2,
+                                      use_double_wide_mlp=True)),
+    # Everything at once, as the hub's checkpoints combine them: per-layer inputs, MoE,
+    # k = v, and 3 of 6 layers sharing (3 and 4 read local layer 1, 5 reads global 2).
+    "gemma4_all": ("gemma4", dict(GEMMA4, **GEMMA4_PLE, **GEMMA4_MOE, num_hidden_layers=6,
+                                  layer_types=["sliding_attention", "sliding_attention",
+                                               "full_attention"] * 2,
+                                  attention_k_eq_v=True, num_global_key_value_heads=1,
+                                  num_kv_shared_layers=3, use_double_wide_mlp=True)),
     # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
     # sliding: two KV cache groups of one spec layout each); untied.
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
@@ -132,7 +145,9 @@ SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tok
                    ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
                    ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
                    ("gemma4_moe_keqv", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
-                   ("gemma4_ple", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+                   ("gemma4_ple", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_kvshare", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_all", 8): dict(num_kv_blocks=30, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:

@@ -21,7 +21,7 @@ from tokenmill import SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
 MODELS = ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3", "gemma4",
-          "gemma4_moe_keqv", "gemma4_ple"]
+          "gemma4_moe_keqv", "gemma4_ple", "gemma4_kvshare", "gemma4_all"]
 TOL = 1e-4
 
 

@@ -14,7 +14,11 @@ output before the K norm and rope, RMS-normalised like any V. MoE blocks
 (`enable_moe_block`): every layer keeps its dense MLP and adds routed experts beside
 it (Gemma4Router + FusedMoE). Per-layer inputs (`hidden_size_per_layer_input`, the
 small E2B / E4B models): each token gets a [num_layers, P] table (PerLayerInputs) and
-layer i adds a gated residual branch from its slice after the MLP.
+layer i adds a gated residual branch from its slice after the MLP. KV sharing
+(`num_kv_shared_layers`, the small models too): the last layers compute queries only
+and attend over the K/V of the last earlier layer of their kind; they have no KV cache
+of their own (PagedAttention.kv_sharing_target: the runner binds them to their
+source's cache and KV group).
 """
 from __future__ import annotations
 
@@ -47,10 +51,12 @@ class Gemma4RMSNorm(nn.Module):
 
 class Gemma4Config:
     def __init__(self, cfg: dict):
-        for key, what in (("num_kv_shared_layers", "KV sharing across layers"),
-                          ("use_bidirectional_attention", "bidirectional attention")):
-            if cfg.get(key):
-                raise ValueError(f"Gemma 4 with {key}={cfg[key]!r} ({what}) is not supported")
+        # "vision": image tokens attend both ways, text stays causal; a text-only model
+        # sees no image token, so only "all" (no causal mask at all) changes anything.
+        bidirectional = cfg.get("use_bidirectional_attention")
+        if bidirectional not in (None, "vision"):
+            raise ValueError(f"Gemma 4 with use_bidirectional_attention={bidirectional!r} "
+                             "(bidirectional attention over text) is not supported")
         self.vocab_size = cfg["vocab_size"]
         self.hidden_size = cfg["hidden_size"]
         self.intermediate_size = cfg["intermediate_size"]
@@ -84,6 +90,8 @@ class Gemma4Config:
             if len(dims) > 1:
                 raise ValueError(f"{kind} layers with different head dims {sorted(dims)}")
         self.rope = cfg.get("rope_parameters") or {}
+        self.kv_source = self._kv_sources(int(cfg.get("num_kv_shared_layers") or 0))
+        self.use_double_wide_mlp = bool(cfg.get("use_double_wide_mlp", False))
         # k = v: the global layers' V is their K projection (HF: sliding layers never).
         self.attention_k_eq_v = bool(cfg.get("attention_k_eq_v", False))
         # Per-layer inputs: a [num_layers, hidden_size_per_layer_input] slice per token.
@@ -105,6 +113,26 @@ class Gemma4Config:
             if self.top_k_experts > self.num_experts:
                 raise ValueError(f"top_k_experts {self.top_k_experts} exceeds num_experts "
                                  f"{self.num_experts}")
+
+    def _kv_sources(self, num_shared: int) -> list[int | None]:
+        """Layer i's KV source: None (its own K/V and cache), or for the last
+        `num_kv_shared_layers` layers the last layer of the same kind before them (HF's
+        kv_sharing_modes: "reuse" layers read the "store" layer of their kind)."""
+        n = self.num_layers
+        if not 0 <= num_shared < n:
+            raise ValueError(f"num_kv_shared_layers {num_shared} must be in [0, "
+                             f"num_hidden_layers {n})")
+        first = n - num_shared
+        sources: list[int | None] = [None] * n
+        for i in range(first, n):
+            kind = self.layer_types[i]
+            src = next((j for j in range(first - 1, -1, -1) if self.layer_types[j] == kind),
+                       None)
+            if src is None:
+                raise ValueError(f"num_kv_shared_layers {num_shared}: shared layer {i} "
+                                 f"({kind}) has no earlier {kind} layer to read K/V from")
+            sources[i] = src
+        return sources
 
     def k_eq_v(self, i: int) -> bool:
         return self.attention_k_eq_v and self.layer_types[i] == FULL
@@ -144,26 +172,41 @@ class Gemma4Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.kv_heads[i], c.head_dims[i]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # k = v: no V rows (the loader packs an empty v shard, map_checkpoint).
+        self.layer_idx = i
+        # A KV-shared layer computes queries only and reads layer `kv_source`'s K/V (this
+        # step's from `shared_kv`, earlier ones from its cache: the runner binds it there).
+        self.kv_source = c.kv_source[i]
+        self.stores_kv = i in c.kv_source
+        # k = v: no V rows; shared: no K or V rows (map_checkpoint packs empty shards).
         self.k_eq_v = c.k_eq_v(i)
-        self.v_size = 0 if self.k_eq_v else self.kv_size
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + self.kv_size + self.v_size,
+        self.k_size = 0 if self.kv_source is not None else self.kv_size
+        self.v_size = 0 if self.k_eq_v else self.k_size
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + self.k_size + self.v_size,
                                bias=c.attention_bias)
         self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.v_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps, with_scale=False)
+        if self.kv_source is None:
+            self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.v_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps, with_scale=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0,
-                                   sliding_window=c.sliding_window if kind == SLIDING else None)
+                                   sliding_window=c.sliding_window if kind == SLIDING else None,
+                                   kv_sharing_target=self.kv_source)
 
-    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata,
+                shared_kv: dict):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.v_size], dim=-1)
-        if self.k_eq_v:
-            v = k  # (normalised as V, before the K norm and rope)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.k_size, self.v_size], dim=-1)
         q = rotary.apply(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), cos, sin)
-        v = self.v_norm(v.reshape(t, self.num_kv_heads, self.head_dim))
-        k = rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        if self.kv_source is not None:
+            k, v = shared_kv[self.kv_source]
+        else:
+            if self.k_eq_v:
+                v = k  # (normalised as V, before the K norm and rope)
+            v = self.v_norm(v.reshape(t, self.num_kv_heads, self.head_dim))
+            k = rotary.apply(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)),
+                             cos, sin)
+            if self.stores_kv:
+                shared_kv[self.layer_idx] = (k, v)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -198,7 +241,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(c, i)
         self.post_attention_layernorm = Gemma4RMSNorm(c.hidden_size, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(c.hidden_size, eps)
-        self.mlp = GeluTanhMLP(c.hidden_size, c.intermediate_size)
+        # use_double_wide_mlp: the KV-shared layers' MLPs are twice as wide.
+        wide = c.use_double_wide_mlp and c.kv_source[i] is not None
+        self.mlp = GeluTanhMLP(c.hidden_size, c.intermediate_size * (2 if wide else 1))
         self.post_feedforward_layernorm = Gemma4RMSNorm(c.hidden_size, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))  # (a buffer in HF: in the checkpoint)
         self.enable_moe_block = c.enable_moe_block
@@ -218,8 +263,8 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = Linear(c.per_layer_size, c.hidden_size, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(c.hidden_size, eps)
 
-    def forward(self, x, cos, sin, rotary, meta, per_layer_input=None):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
+    def forward(self, x, cos, sin, rotary, meta, shared_kv: dict, per_layer_input=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta, shared_kv)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.enable_moe_block:
@@ -285,9 +330,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         per_layer = self.per_layer(input_ids, x) if self.per_layer is not None else None
         cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's K/V by layer
         for i, layer in enumerate(self.layers):
             cos, sin = cos_sin[layer.kind]
-            x = layer(x, cos, sin, self.rotary[layer.kind], meta,
+            x = layer(x, cos, sin, self.rotary[layer.kind], meta, shared_kv,
                       per_layer[:, i] if per_layer is not None else None)
         return self.norm(x)
 
@@ -295,18 +341,27 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                        "per_layer_projection_norm.")
 
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
-        """The per-layer input tables live in `per_layer`; a k = v layer has no v_proj:
-        an empty V shard after its k_proj completes the packed qkv_proj (q and k rows
-        only)."""
+        """The per-layer input tables live in `per_layer`. Layers without some of q/k/v
+        get empty shards, so the packed qkv_proj completes with their rows only: a k = v
+        layer's v_proj (after its k_proj); a KV-shared layer's k_proj and v_proj (after
+        its q_proj; the ones a checkpoint may still carry are dropped, with their
+        norms)."""
         if name.startswith(tuple("model." + n for n in self.PER_LAYER_NAMES)):
             name = "model.per_layer." + name[len("model."):]
+        i = int(name.split("layers.")[1].split(".")[0]) if ".layers." in name else None
+        shared = i is not None and self.config.kv_source[i] is not None
+        proj = name.rsplit(".", 2)[-2] if ".self_attn." in name else None
+        if shared and proj in ("k_proj", "v_proj", "k_norm", "v_norm"):
+            return
         yield name, tensor
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            i = int(name.split("layers.")[1].split(".")[0])
-            if self.config.k_eq_v(i):
-                yield name.replace("k_proj", "v_proj"), tensor[:0]
+        if proj == "q_proj" and shared:
+            yield name.replace("q_proj", "k_proj"), tensor[:0]
+            yield name.replace("q_proj", "v_proj"), tensor[:0]
+        elif proj == "k_proj" and self.config.k_eq_v(i):
+            yield name.replace("k_proj", "v_proj"), tensor[:0]
 
     def set_decode_layers(self, ops, max_rows: int) -> None:
         """No native loop yet: per-layer head sizes, the V norm and layer_scalar are not
         in gemma_decode_layers (its layers still call the native kernels one by one)."""
         self.decode_layers = None
+
