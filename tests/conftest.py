@@ -249,7 +249,7 @@ class TinyModel:
     def __init__(self, name: str, path: str, arch: str, hf_model):
         self.name, self.path, self.arch, self.hf = name, path, arch, hf_model
         self.hf_config = json.load(open(os.path.join(path, "config.json")))
-        self.vocab_size = self.hf_config["vocab_size"]
+        self.vocab_size = self.hf_config.get("text_config", self.hf_config)["vocab_size"]
         self._refs: dict[tuple, list[int]] = {}
 
     def reference(self, prompt: list[int], n: int = NUM_NEW) -> list[int]:

@@ -1,6 +1,6 @@
 """Gemma 4 beyond HF parity (test_hf_parity / test_logprobs run every gemma4* spec of
 conftest.MODEL_SPECS): KV-shared layers keep no cache of their own, the config fields
-that are refused."""
+that are refused, and the vision-language checkpoint loaded as its text model."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,7 @@ from tokenmill.core.kv_cache_spec import KVCacheConfig, group_layer_specs
 from tokenmill.models.gemma4 import Gemma4Config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+IMAGE_TOKEN = 383  # the tiny vision-language checkpoint's image placeholder id
 
 
 @pytest.mark.parametrize("name,shared", [("gemma4_kvshare", {2: 0, 3: 1}),
@@ -86,3 +87,54 @@ def test_vision_bidirectional_attention_is_causal_for_text():
     """"vision" makes image tokens attend both ways; a text-only model has none."""
     assert Gemma4Config(_config(use_bidirectional_attention="vision")).num_layers == 4
 
+
+@pytest.fixture(scope="module")
+def gemma4_vlm(tmp_path_factory):
+    """A Gemma4ForConditionalGeneration checkpoint (as the hub ships Gemma 4): the
+    gemma4_all text model under model.language_model, a one-layer vision tower."""
+    import warnings
+
+    import torch
+    import transformers as tf
+
+    from conftest import MODEL_SPECS, TINY, TinyModel
+    path = str(tmp_path_factory.mktemp("gemma4_vlm"))
+    text = dict(TINY, **MODEL_SPECS["gemma4_all"][1], pad_token_id=0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tf.Gemma4Config(
+            text_config=tf.Gemma4TextConfig(**text),
+            vision_config=tf.Gemma4VisionConfig(hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=1, num_attention_heads=2,
+                                                num_key_value_heads=2, head_dim=8),
+            audio_config=None, image_token_id=IMAGE_TOKEN)
+        model = tf.Gemma4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return TinyModel("gemma4_vlm", path, "gemma4", model)
+
+
+def test_conditional_generation_checkpoint_runs_its_text_model(gemma4_vlm, caplog):
+    """The towers' tensors are skipped (one log line, no per-tensor warning), the text
+    model loads, and its greedy tokens equal HF's Gemma4ForConditionalGeneration on
+    text alone: a mixed batch, prompts chunked past the window, one with an image
+    placeholder id (embedded as the pad token, as HF does without an image)."""
+    import logging
+
+    from conftest import scheduler_of
+    tm = gemma4_vlm
+    assert tm.hf_config["architectures"] == ["Gemma4ForConditionalGeneration"]
+    with caplog.at_level(logging.INFO):
+        llm = make_llm(tm.path, max_num_batched_tokens=16, block_size=4)
+    assert "loading the text model only" in caplog.text
+    assert "skipping checkpoint tensor" not in caplog.text
+    prompts = tm.prompts
+    prompts[2] = prompts[2][:10] + [IMAGE_TOKEN] + prompts[2][10:]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == tm.reference(p), len(p)
+    assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0

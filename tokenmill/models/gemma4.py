@@ -22,6 +22,8 @@ source's cache and KV group).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,8 @@ from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -365,3 +369,36 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         in gemma_decode_layers (its layers still call the native kernels one by one)."""
         self.decode_layers = None
 
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """The text model of a Gemma 4 vision(-audio)-language checkpoint, as the hub ships
+    every Gemma 4 (images and audio are not supported): model.language_model.* is
+    loaded, the towers and their embedders are skipped. As HF does, an image / video /
+    audio placeholder id in a prompt is embedded as the pad token."""
+
+    TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
+              "model.embed_audio.")
+
+    def __init__(self, hf_config: dict):
+        super().__init__(hf_config)
+        self.pad_token_id = hf_config.get("pad_token_id")
+        ids = [hf_config.get(k) for k in ("image_token_id", "video_token_id", "audio_token_id")]
+        ids = [i for i in ids if isinstance(i, int) and 0 <= i < self.config.vocab_size]
+        self.register_buffer("placeholder_ids", torch.tensor(ids, dtype=torch.long),
+                             persistent=False)
+        logger.info("Gemma 4 vision-language checkpoint: loading the text model only "
+                    "(the vision / audio towers' weights are skipped)")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.pad_token_id is not None and self.placeholder_ids.numel():
+            input_ids = torch.where(torch.isin(input_ids, self.placeholder_ids),
+                                    self.pad_token_id, input_ids)
+        return super().forward(input_ids, positions, meta)
+
+    def map_checkpoint(self, name: str, tensor: torch.Tensor):
+        if name.startswith(self.TOWERS):
+            return
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        yield from super().map_checkpoint(name, tensor)
