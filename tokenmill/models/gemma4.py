@@ -30,6 +30,7 @@ from torch import nn
 
 from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.layers.rotary import RotaryEmbedding
@@ -334,6 +335,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         per_layer = self.per_layer(input_ids, x) if self.per_layer is not None else None
         cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
+        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
+            # The same operations as the layers below, called from C++.
+            return self.norm(self.decode_layers(x, cos_sin, meta, per_layer))
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's K/V by layer
         for i, layer in enumerate(self.layers):
             cos, sin = cos_sin[layer.kind]
@@ -365,9 +369,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             yield name.replace("k_proj", "v_proj"), tensor[:0]
 
     def set_decode_layers(self, ops, max_rows: int) -> None:
-        """No native loop yet: per-layer head sizes, the V norm and layer_scalar are not
-        in gemma_decode_layers (its layers still call the native kernels one by one)."""
-        self.decode_layers = None
+        """The CPU platform's decision, at load: a dense model's decode steps run every
+        layer in one native call (Gemma4DecodeLayers); MoE models keep their layers."""
+        loop = None
+        if ops is not None and hasattr(ops, "gemma4_decode_layers"):
+            loop = Gemma4DecodeLayers(self, ops, max_rows)
+        self.decode_layers = loop if loop is not None and loop.supported else None
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
