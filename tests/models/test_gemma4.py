@@ -138,3 +138,11 @@ def test_conditional_generation_checkpoint_runs_its_text_model(gemma4_vlm, caplo
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == tm.reference(p), len(p)
     assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0
+
+
+def test_tensor_parallel_is_refused_by_name(tiny_model_factory):
+    """Global layers have their own head shapes (per_layer_config), which the rank split
+    does not cover yet: refused before any rank starts."""
+    from tokenmill.models.tensor_parallel import check_divisible
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*per_layer_config"):
+        check_divisible(tiny_model_factory("gemma4").hf_config, 2)

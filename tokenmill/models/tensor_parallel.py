@@ -53,6 +53,9 @@ def check_divisible(hf_config: dict, size: int) -> None:
         raise ValueError(f"{TP_FIELD}={size}: multi-head latent attention (kv_lora_rank: "
                          f"DeepSeek-V2 / V3) is not sharded yet; run it with "
                          f"{TP_FIELD}=1")
+    if hf_config.get("per_layer_config"):  # rank_config splits one head shape for all
+        raise ValueError(f"{TP_FIELD}={size}: per-layer head shapes (per_layer_config: "
+                         f"Gemma 4) are not sharded yet; run it with {TP_FIELD}=1")
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]
