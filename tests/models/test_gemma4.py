@@ -83,6 +83,21 @@ def test_unsupported_config_names_the_field(kw, field):
         Gemma4Config(_config(**kw))
 
 
+def test_global_shape_from_fields_without_per_layer_config():
+    """Hub config.json files may carry global_head_dim / num_global_key_value_heads
+    instead of per_layer_config: the global layers get the same shapes HF gives them."""
+    c = Gemma4Config(_config(global_head_dim=64, num_global_key_value_heads=1))
+    assert c.head_dims == [16, 64, 16, 64] and c.kv_heads == [1, 1, 1, 1]
+    c = Gemma4Config(_config(num_key_value_heads=2, global_head_dim=64,
+                             num_global_key_value_heads=1, attention_k_eq_v=True))
+    assert c.head_dims == [16, 64, 16, 64] and c.kv_heads == [2, 1, 2, 1]
+    import transformers as tf
+    hf = tf.Gemma4TextConfig(**_config(num_key_value_heads=2, global_head_dim=64,
+                                       num_global_key_value_heads=1, attention_k_eq_v=True))
+    assert [hf.per_layer_config[i].head_dim for i in range(4)] == c.head_dims
+    assert [hf.per_layer_config[i].num_key_value_heads for i in range(4)] == c.kv_heads
+
+
 def test_vision_bidirectional_attention_is_causal_for_text():
     """"vision" makes image tokens attend both ways; a text-only model has none."""
     assert Gemma4Config(_config(use_bidirectional_attention="vision")).num_layers == 4

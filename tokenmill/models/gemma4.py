@@ -84,6 +84,14 @@ class Gemma4Config:
         self.layer_types = list(types)
         # Per-layer overrides (global layers: their head_dim, maybe their KV heads).
         overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+        if "per_layer_config" not in cfg:
+            # A config.json written before per_layer_config names the global layers'
+            # shape directly (HF derives the same overrides from these fields; the KV
+            # heads only with k = v).
+            glob = {"head_dim": cfg.get("global_head_dim", 512)}
+            if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):
+                glob["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+            overrides = {i: glob for i, t in enumerate(self.layer_types) if t == FULL}
         head_dim = cfg.get("head_dim") or 256
         kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dims = [overrides.get(i, {}).get("head_dim", head_dim)
