@@ -39,6 +39,17 @@ DEEPSEEK_MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v
                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     n_shared_experts=1, tie_word_embeddings=False)
 
+# Gemma 4 text: four layers, local (head_dim 16, window 12) and global (head_dim 32,
+# proportional rope) alternating, soft-capped logits, tied; the features the hub
+# checkpoints use are switched on per spec below.
+GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=12,
+              hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              final_logit_softcapping=30.0, tie_word_embeddings=True)
+GEMMA4_PLE = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=384)
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                  moe_intermediate_size=32)
+
 # name -> (architecture, config overrides). Every parity config lives here.
 MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Llama, GQA (4 q heads / 2 kv heads), tied embeddings, default rope.
@@ -82,10 +93,26 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
     # Gemma 4 (text, no per-layer inputs): local layers of head_dim 16 (window 12),
     # global ones of head_dim 32 with proportional rope: two KV cache groups of
     # different page layouts sharing buffers; tied.
-    "gemma4": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=32,
-                              sliding_window=12, hidden_size_per_layer_input=0,
-                              layer_types=["sliding_attention", "full_attention"] * 2,
-                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "gemma4": ("gemma4", dict(GEMMA4)),
+    # Gemma 4 with MoE blocks (8 experts, top-2, beside every dense MLP) and k = v
+    # attention on the global layers (no v_proj; one global KV head).
+    "gemma4_moe_keqv": ("gemma4", dict(GEMMA4, **GEMMA4_MOE, attention_k_eq_v=True,
+                                       num_global_key_value_heads=1)),
+    # Gemma 4 with per-layer inputs (8 per layer, from each token's id and embedding).
+    "gemma4_ple": ("gemma4", dict(GEMMA4, **GEMMA4_PLE)),
+    # Gemma 4 with KV sharing: layers 2 and 3 read the K/V (and cache) of 0 and 1 (the
+    # last local and global layer before them); their MLPs double-wide. With per-layer
+    # inputs, as the E2B / E4B checkpoints have them (HF's generate cannot run KV
+    # sharing without: it slices the shared layers' per-layer inputs unconditionally).
+    "gemma4_kvshare": ("gemma4", dict(GEMMA4, **GEMMA4_PLE, num_kv_shared_layers=2,
+                                      use_double_wide_mlp=True)),
+    # Everything at once, as the hub's checkpoints combine them: per-layer inputs, MoE,
+    # k = v, and 3 of 6 layers sharing (3 and 4 read local layer 1, 5 reads global 2).
+    "gemma4_all": ("gemma4", dict(GEMMA4, **GEMMA4_PLE, **GEMMA4_MOE, num_hidden_layers=6,
+                                  layer_types=["sliding_attention", "sliding_attention",
+                                               "full_attention"] * 2,
+                                  attention_k_eq_v=True, num_global_key_value_heads=1,
+                                  num_kv_shared_layers=3, use_double_wide_mlp=True)),
     # Qwen2 with its sliding window in use above max_window_layers (layer 0 full, layer 1
     # sliding: two KV cache groups of one spec layout each); untied.
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12,
@@ -116,7 +143,11 @@ PARITY_MODELS = list(MODEL_SPECS)
 SLIDING_PREEMPT = {("mistral_swa", 8): dict(num_kv_blocks=8, max_num_batched_tokens=24),
                    ("mistral_swa", 4): dict(num_kv_blocks=13),
                    ("gemma3", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
-                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24)}
+                   ("gemma4", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_moe_keqv", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_ple", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_kvshare", 8): dict(num_kv_blocks=20, max_num_batched_tokens=24),
+                   ("gemma4_all", 8): dict(num_kv_blocks=30, max_num_batched_tokens=24)}
 
 
 def preempt_pool(name: str, config: dict) -> dict:
@@ -158,11 +189,13 @@ def build_checkpoint(path: str, arch: str, overrides: dict | None = None, seed: 
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias
                 b.normal_(0.0, 0.1)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                b.copy_(1.0 + 0.2 * torch.randn_like(b))
     save_kw = {}
     if max_shard_size is not None:
         save_kw["max_shard_size"] = max_shard_size
@@ -216,7 +249,7 @@ class TinyModel:
     def __init__(self, name: str, path: str, arch: str, hf_model):
         self.name, self.path, self.arch, self.hf = name, path, arch, hf_model
         self.hf_config = json.load(open(os.path.join(path, "config.json")))
-        self.vocab_size = self.hf_config["vocab_size"]
+        self.vocab_size = self.hf_config.get("text_config", self.hf_config)["vocab_size"]
         self._refs: dict[tuple, list[int]] = {}
 
     def reference(self, prompt: list[int], n: int = NUM_NEW) -> list[int]:

@@ -257,3 +257,92 @@ def test_gemma3_tokens_equal_with_python_layers(tiny_model_factory, monkeypatch,
     assert with_native == [o.outputs[0].token_ids for o in python.generate(prompts, params,
                                                                              use_tqdm=False)]
     assert rows == []
+
+
+# ---- Gemma 4: per-layer shapes, k = v, KV sharing, per-layer inputs, layer_scalar -----
+
+def _spy_gemma4(monkeypatch, compare: bool):
+    """As _spy_gemma, for the Gemma 4 loop (its layers take the step's shared K/V and
+    their per-layer inputs)."""
+    from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
+    rows = []
+    real = Gemma4DecodeLayers.__call__
+
+    def call(self, x, cos_sin, meta, per_layer=None):
+        ref = None
+        if compare:
+            ref, shared_kv = x.clone(), {}
+            for i, layer in enumerate(self.model.layers):
+                cos, sin = cos_sin[layer.kind]
+                ref = layer(ref, cos, sin, self.model.rotary[layer.kind], meta, shared_kv,
+                            per_layer[:, i] if per_layer is not None else None)
+        out = real(self, x, cos_sin, meta, per_layer)
+        if ref is not None:
+            assert torch.equal(out, ref), "native Gemma 4 layers differ from the Python layers"
+        rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(Gemma4DecodeLayers, "__call__", call)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def gemma4_dense_all(tmp_path_factory):
+    """Every dense Gemma 4 feature the loop takes: per-layer inputs, k = v on the global
+    layers (one KV head), 3 of 6 layers KV-shared with double-wide MLPs, q/k/v/o bias."""
+    from conftest import GEMMA4, GEMMA4_PLE, build_checkpoint
+    path = str(tmp_path_factory.mktemp("gemma4_dense_all"))
+    build_checkpoint(path, "gemma4", dict(
+        GEMMA4, **GEMMA4_PLE, num_hidden_layers=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=3,
+        use_double_wide_mlp=True, attention_bias=True))
+    return path
+
+
+@pytest.mark.parametrize("model", ["gemma4", "gemma4_dense_all"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gemma4_native_decode_layers_are_bit_identical(tiny_model_factory, gemma4_dense_all,
+                                                       monkeypatch, widened, ops, model, dtype):
+    path = gemma4_dense_all if model == "gemma4_dense_all" else tiny_model_factory(model).path
+    rows = _spy_gemma4(monkeypatch, compare=True)
+    llm = make_llm(path, dtype=dtype, max_num_seqs=4)
+    loop = runner_of(llm).model.decode_layers
+    assert (loop is not None) == ops.has_fast_linear_bf16
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
+               for n in (5, 17, 33, 8, 40, 12)]  # past the window (12) and within it
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(6)]
+    llm.generate(prompts, params, use_tqdm=False)
+    if loop is not None:
+        assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
+        assert loop.num_calls == len(rows)
+        if model == "gemma4_dense_all":  # shared layers: their source's cache and group
+            layers = loop.model.layers
+            assert layers[3].self_attn.attn.kv_cache is layers[1].self_attn.attn.kv_cache
+            assert loop._info[3 * 9 + 7] == 1 and loop._info[2 * 9 + 6] == 1  # shared, k = v
+    else:
+        assert rows == []
+
+
+def test_gemma4_tokens_equal_with_python_layers(gemma4_dense_all, monkeypatch, widened, ops):
+    from conftest import make_prompts
+    prompts = [{"prompt_token_ids": p} for p in make_prompts([5, 17, 33, 8, 70], 384)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    rows = _spy_gemma4(monkeypatch, compare=False)
+    native = make_llm(gemma4_dense_all, dtype="float32", max_num_seqs=3)
+    outs = native.generate(prompts, params, use_tqdm=False)
+    assert bool(rows) == ops.has_fast_linear_bf16
+    del rows[:]
+    python = make_llm(gemma4_dense_all, dtype="float32", max_num_seqs=3, decode_layers=False)
+    assert runner_of(python).model.decode_layers is None
+    for a, b in zip(outs, python.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert rows == []
+
+
+def test_gemma4_moe_keeps_its_python_layers(tiny_model_factory, widened, ops):
+    llm = make_llm(tiny_model_factory("gemma4_moe_keqv").path, dtype="bfloat16")
+    assert runner_of(llm).model.decode_layers is None

@@ -28,7 +28,8 @@ from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
 TOP = 5
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3"])
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3",
+                                  "gemma4_all"])
 def test_pytorch_path_matches_hf(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     prompts = tm.prompts[:4]
@@ -77,7 +78,12 @@ def check_logprobs_close(ref_tokens, ref_tops, got_tokens, got_tops, what: str) 
             return  # the sequences differ from here on: nothing more to compare
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa"])
+# (Gemma 4 with per-layer inputs and KV sharing; its MoE specs are left out: their tiny
+# random routers have near-ties, e.g. two experts' probabilities within 1e-3 for a last
+# token, that bf16 rounding flips either way; tests/unit/test_moe.py checks the bf16
+# expert paths with Gemma's activation directly.)
+@pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen3_headdim", "mistral_swa",
+                                  "gemma4_kvshare"])
 def test_bf16_fast_path_is_logprobs_close_to_hf_bf16(tiny_model_factory, kernel_level, name):
     tm = tiny_model_factory(name)
     # A copy: the fixture's fp32 model is shared with the other tests (a round trip

@@ -20,7 +20,8 @@ from conftest import make_llm, make_prompts, preempt_pool, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
-MODELS = ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3", "gemma4"]
+MODELS = ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3", "gemma4",
+          "gemma4_moe_keqv", "gemma4_ple", "gemma4_kvshare", "gemma4_all"]
 TOL = 1e-4
 
 

@@ -13,22 +13,24 @@ from tokenmill.models.layers.linear import ALL_ROWS, widen_gemms
 from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, fused_experts, route
 
 
-def naive_moe(x, w13, w2, weights, ids):
-    """One token and one slot at a time: y[t] = sum_k w[t,k] * down(silu(gate x) * up x)."""
+def naive_moe(x, w13, w2, weights, ids, activation="silu"):
+    """One token and one slot at a time: y[t] = sum_k w[t,k] * down(act(gate x) * up x),
+    act SiLU or (Gemma 4) tanh-approximated GELU."""
     inter = w2.shape[2]
     out = torch.zeros_like(x)
+    act = F.silu if activation == "silu" else lambda v: F.gelu(v, approximate="tanh")
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             gate, up = w13[e, :inter], w13[e, inter:]
-            h = F.silu(gate @ x[t]) * (up @ x[t])
+            h = act(gate @ x[t]) * (up @ x[t])
             out[t] += weights[t, k] * (w2[e] @ h)
     return out
 
 
-def _experts(num_experts, hidden, inter, seed=0, dtype=torch.float32):
+def _experts(num_experts, hidden, inter, seed=0, dtype=torch.float32, activation="silu"):
     g = torch.Generator().manual_seed(seed)
-    moe = FusedMoE(num_experts, hidden, inter)
+    moe = FusedMoE(num_experts, hidden, inter, activation=activation)
     with torch.no_grad():
         moe.gate_up_proj.copy_(torch.randn(moe.gate_up_proj.shape, generator=g) * 0.2)
         moe.down_proj.copy_(torch.randn(moe.down_proj.shape, generator=g) * 0.2)
@@ -44,11 +46,13 @@ CASES = [  # (tokens, experts, top_k, renormalize)
 ]
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens,num_experts,top_k,renorm", CASES)
-def test_fused_experts_match_per_token_reference(tokens, num_experts, top_k, renorm):
+def test_fused_experts_match_per_token_reference(tokens, num_experts, top_k, renorm,
+                                                 activation):
     torch.manual_seed(tokens)
     hidden, inter = 24, 12
-    moe = _experts(num_experts, hidden, inter, seed=num_experts)
+    moe = _experts(num_experts, hidden, inter, seed=num_experts, activation=activation)
     x = torch.randn(tokens, hidden)
     logits = torch.randn(tokens, num_experts)
     weights, ids = route(logits, top_k, renorm)
@@ -60,8 +64,11 @@ def test_fused_experts_match_per_token_reference(tokens, num_experts, top_k, ren
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w)
     got = moe(x, weights, ids)
-    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids)
+    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids, activation)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if activation != "silu":  # the activation is really applied, not SiLU's
+        silu = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids)
+        assert not torch.allclose(got, silu, atol=1e-3)
 
 
 def test_one_gemm_pair_per_expert_that_received_tokens(monkeypatch):
@@ -113,8 +120,9 @@ def test_widened_experts_match_bf16_experts():
     torch.testing.assert_close(wide.float(), native.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("max_rows", [ALL_ROWS, 3])
-def test_packed_experts_match_widened_experts(ops, max_rows):
+def test_packed_experts_match_widened_experts(ops, max_rows, activation):
     """bf16 experts packed for linear_bf16 (the CPU platform's packed_bf16 path), at every
     capability level: the widened fp32 GEMMs' math. ALL_ROWS: every expert slice takes
     the kernel and the bf16 weights are dropped (no fp32 copy either); 3: slices of up
@@ -126,8 +134,8 @@ def test_packed_experts_match_widened_experts(ops, max_rows):
     weights, ids = route(logits, 2, True)
     counts = torch.bincount(ids.flatten(), minlength=8)
     assert (counts > 3).any() and ((counts > 0) & (counts <= 3)).any()
-    ref_moe = _experts(8, 40, 24, dtype=torch.bfloat16)
-    moe = _experts(8, 40, 24, dtype=torch.bfloat16)
+    ref_moe = _experts(8, 40, 24, dtype=torch.bfloat16, activation=activation)
+    moe = _experts(8, 40, 24, dtype=torch.bfloat16, activation=activation)
     assert widen_gemms(ref_moe, torch.float32) == 1
     ref = ref_moe(x, weights.bfloat16(), ids)
     moe.pack_bf16(ops, max_rows)
@@ -141,6 +149,11 @@ def test_packed_experts_match_widened_experts(ops, max_rows):
     got = moe(x, weights.bfloat16(), ids)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_unknown_expert_activation_is_rejected():
+    with pytest.raises(ValueError, match="activation"):
+        FusedMoE(4, 8, 8, activation="relu")
 
 
 def test_bad_top_k_is_rejected():
@@ -207,19 +220,20 @@ def test_sparse_moe_block_matches_hf(kind, norm):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("tokens,num_experts,top_k,renorm", CASES)
 def test_sync_free_experts_match_reference_without_host_reads(tokens, num_experts, top_k,
-                                                              renorm, monkeypatch):
+                                                              renorm, activation, monkeypatch):
     """The CUDA path (FusedMoE.sync_free): the same sums, and the expert groups never
     reach the host (no tolist / item / nonzero / bincount: those stall a CUDA stream and cannot be
     captured in a graph); chunked gathers (a tiny GATHER_BYTES) change nothing."""
     from tokenmill.models.layers import moe as moe_mod
     torch.manual_seed(tokens)
-    moe = _experts(num_experts, 24, 12, seed=num_experts)
+    moe = _experts(num_experts, 24, 12, seed=num_experts, activation=activation)
     moe.sync_free = True
     x = torch.randn(tokens, 24)
     weights, ids = route(torch.randn(tokens, num_experts), top_k, renorm)
-    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids)
+    ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids, activation)
     monkeypatch.setattr(moe_mod, "GATHER_BYTES", 3 * 24 * 24 * 4)  # 3 pairs per bmm
     for name in ("tolist", "item"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host {_n}"))

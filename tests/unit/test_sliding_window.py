@@ -292,7 +292,7 @@ def test_request_far_longer_than_its_window(long_mistral, cpu_kernels):
     assert kvm.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("name", ["mistral_swa", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral_swa", "gemma3", "gemma4_all"])
 def test_prefix_caching_with_sliding_groups_matches_hf(tiny_model_factory, name):
     """Prompts sharing a 60-token prefix (five windows), run twice: the second run hits
     the cache in every group (the sliding groups only for their windows' blocks) and

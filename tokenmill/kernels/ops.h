@@ -61,3 +61,8 @@ torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> we
                                   double eps, double scale, double softcap,
                                   std::vector<torch::Tensor> ropes,
                                   std::vector<torch::Tensor> tables);
+torch::Tensor gemma4_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
+                                   std::vector<int64_t> layer_info, int64_t num_heads,
+                                   double eps, torch::Tensor per_layer,
+                                   std::vector<torch::Tensor> ropes,
+                                   std::vector<torch::Tensor> tables);

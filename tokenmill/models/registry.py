@@ -5,7 +5,7 @@ from torch import nn
 
 from tokenmill.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenmill.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
-from tokenmill.models.gemma4 import Gemma4ForCausalLM
+from tokenmill.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from tokenmill.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
 from tokenmill.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -62,6 +62,11 @@ def check_tensor_parallel_size(size) -> int:
 def check_divisible(hf_config: dict, size: int) -> None:
     """The model's heads and sizes split evenly over `size` ranks, or a ValueError
     naming tensor_parallel_size and the field that does not."""
+    if hf_config.get("per_layer_config") or hf_config.get("global_head_dim"):
+        # rank_config splits one head shape for every layer
+        raise ValueError(f"{TP_FIELD}={size}: per-layer head shapes (per_layer_config / "
+                         f"global_head_dim: Gemma 4) are not sharded yet; run it with "
+                         f"{TP_FIELD}=1")
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]

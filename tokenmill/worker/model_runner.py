@@ -205,21 +205,49 @@ class ModelRunner:
         layers = getattr(self.model, "state_layers", lambda: [])()
         return {f"layers.{i}.state": layer for i, layer in enumerate(layers)}
 
-    def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
-        specs: dict[str, KVCacheSpec] = {}
-        for name, layer in self.attention_layers().items():
-            if getattr(layer, "latent_cache", False):  # MLA: one latent row per token
-                specs[name] = MLAAttentionSpec(block_size, layer.kv_lora_rank,
-                                               layer.rope_dim, dtype_name(self.dtype))
+    def kv_sharing_targets(self) -> dict[str, str]:
+        """Attention layers that read another layer's KV cache instead of keeping one
+        (PagedAttention.kv_sharing_target; Gemma 4's KV-shared layers): layer name ->
+        the name of the layer whose cache and KV group it uses."""
+        layers = self.attention_layers()
+        targets = {}
+        for name, layer in layers.items():
+            index = getattr(layer, "kv_sharing_target", None)
+            if index is None:
                 continue
-            window = getattr(layer, "sliding_window", None)
-            if window is not None and window < self.max_model_len:
-                specs[name] = SlidingWindowSpec(block_size, layer.num_kv_heads,
-                                                layer.head_size, dtype_name(self.dtype),
-                                                window)
-            else:  # (a window no sequence outgrows is full attention)
-                specs[name] = FullAttentionSpec(block_size, layer.num_kv_heads,
-                                                layer.head_size, dtype_name(self.dtype))
+            target = f"layers.{index}.attn"
+            if (name.startswith("draft.") or target not in layers
+                    or getattr(layers[target], "kv_sharing_target", None) is not None):
+                raise ValueError(f"{name}: kv_sharing_target {index} is not a layer with a "
+                                 "KV cache of its own")
+            targets[name] = target
+        return targets
+
+    def _layer_spec(self, layer: nn.Module, block_size: int) -> KVCacheSpec:
+        if getattr(layer, "latent_cache", False):  # MLA: one latent row per token
+            return MLAAttentionSpec(block_size, layer.kv_lora_rank, layer.rope_dim,
+                                    dtype_name(self.dtype))
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and window < self.max_model_len:
+            return SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                     dtype_name(self.dtype), window)
+        # (a window no sequence outgrows is full attention)
+        return FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
+                                 dtype_name(self.dtype))
+
+    def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
+        """One spec per layer that keeps a cache: a KV-sharing layer has none (it reads
+        its target's, whose spec it must equal)."""
+        specs: dict[str, KVCacheSpec] = {}
+        layers = self.attention_layers()
+        sharing = self.kv_sharing_targets()
+        for name, layer in layers.items():
+            if name not in sharing:
+                specs[name] = self._layer_spec(layer, block_size)
+        for name, target in sharing.items():
+            if self._layer_spec(layers[name], block_size) != specs[target]:
+                raise ValueError(f"{name} shares the KV cache of {target}, whose layout "
+                                 "(heads, head size, window) differs")
         for name, layer in self.state_layers().items():
             shapes = layer.state_shapes()
             specs[name] = MambaSpec(tuple(tuple(s) for s in shapes),
@@ -256,6 +284,10 @@ class ModelRunner:
             for name in config.groups[gid].layer_names:
                 if name in layers:
                     layers[name].kv_group = gid if multi else None
+        # KV-sharing layers read their target's cache through its group's tables.
+        for name, target in self.kv_sharing_targets().items():
+            layers[name].kv_cache = layers[target].kv_cache
+            layers[name].kv_group = layers[target].kv_group
         graphs = self._cuda_graphs_apply()
         # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
         self.state_caches = allocate_state_caches(config, self.device, int(graphs))

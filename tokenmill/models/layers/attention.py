@@ -106,11 +106,16 @@ TRITON_MAX_HEAD_SIZE = 512
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None,
+                 kv_sharing_target: int | None = None):
         """`sliding_window`: keys in (p - w, p] only (None: full attention);
         `logit_softcap`: scores become cap * tanh(scores / cap) (Gemma 2/3; the native
-        decode kernel caps too, prompt chunks write the attention out)."""
+        decode kernel caps too, prompt chunks write the attention out);
+        `kv_sharing_target`: the index (in the model's attention_layers()) of the layer
+        whose KV cache this one reads and never writes (Gemma 4's KV-shared layers: the
+        K/V passed in are that layer's of this step); it gets no cache of its own."""
         super().__init__()
+        self.kv_sharing_target = kv_sharing_target
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.sliding_window = sliding_window
@@ -142,7 +147,8 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         cache = self.kv_cache
         meta = meta.for_group(self.kv_group)
-        self.write_kv(k, v, meta)
+        if self.kv_sharing_target is None:  # (a sharing layer's source wrote them)
+            self.write_kv(k, v, meta)
         if meta.triton_ops is not None and self.triton_attention:
             return self._forward_triton(q, cache, meta)
         nd = meta.num_decodes

@@ -84,14 +84,27 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str = "sof
     return weights * scaling, ids
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up over [..., 2*I] rows (gate columns first): SiLU (Qwen, DeepSeek) or
+    tanh-approximated GELU (Gemma 4's experts)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   compute_dtype: torch.dtype | None = None,
                   packed: "PackedExperts | None" = None,
-                  sync_free: bool = False) -> torch.Tensor:
+                  sync_free: bool = False, activation: str = "silu") -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t.
 
-    x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. The GEMMs
+    x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]; `activation` of
+    the gate (ACTIVATIONS). The GEMMs
     run in `compute_dtype` (the weights' dtype) when given; their results are
     rounded to x's dtype after each GEMM, as a widened `Linear` does. With
     `packed`, an expert's slice of up to packed.max_rows rows takes the packed
@@ -109,8 +122,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             0, flat_ids, torch.ones_like(flat_ids))
         xs = x[token_idx].to(gemm_dtype)
         gate_up = _sync_free_mm(xs, w13, counts, flat_ids[order]).to(x.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(gemm_dtype)
+        act = act_and_mul(gate_up, activation).to(gemm_dtype)
         down = _sync_free_mm(act, w2, counts, flat_ids[order]).to(x.dtype)
         down = down * topk_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token_idx, down)
@@ -127,8 +139,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         gate_up = _grouped_mm(xs.to(gemm_dtype), w13, groups).to(x.dtype)
     else:
         gate_up = packed.grouped(xs, packed.w13, n13, groups, w13, gemm_dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) * up
+    act = act_and_mul(gate_up, activation)
     if packed is None:
         down = _grouped_mm(act.to(gemm_dtype), w2, groups).to(x.dtype)
     else:
@@ -198,15 +209,20 @@ class PackedExperts:
 
 
 class FusedMoE(nn.Module):
-    """`num_experts` gated SiLU MLPs, their weights stacked along a leading expert dim."""
+    """`num_experts` gated MLPs (SiLU, or `activation` from ACTIVATIONS), their weights
+    stacked along a leading expert dim."""
 
     compute_dtype: torch.dtype | None = None
     packed: PackedExperts | None = None  # set by pack_bf16
     sync_free: bool = False  # CUDA: no host sync on the expert groups (set by the platform)
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {activation!r} is not one of {ACTIVATIONS}")
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -249,7 +265,7 @@ class FusedMoE(nn.Module):
         packed = self.packed if x.dtype in (torch.bfloat16, torch.float32) else None
         return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                              self.compute_dtype, None if self.sync_free else packed,
-                             self.sync_free)
+                             self.sync_free, self.activation)
 
 
 class SparseMoeBlock(nn.Module):
