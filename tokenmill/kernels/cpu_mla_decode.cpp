@@ -9,7 +9,7 @@
 //
 // Long rows are split across threads (split-K): the work is cut into spans of
 // about equal token counts, each span keeps its own (max, sum, unnormalised
-// output) per head, and the spans of a row are merged at the end; at::parallel_for
+// output) per head, and the last span of a row to finish merges them; at::parallel_for
 // hands out spans statically, so equal sizes are what balance the threads.
 // fp32 math throughout (bf16 / fp16 caches widened on load), written against
 // vec.h's Vec so every capability level (and aarch64) runs the same source.
@@ -17,7 +17,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "vec.h"
@@ -221,15 +223,50 @@ std::vector<Span> plan(const int32_t* seq_lens, int64_t nd, int64_t span_tokens,
   return spans;
 }
 
+// Row `row`'s split spans [i0, i1) (consecutive in spans) merged into out: per head,
+// sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s with M the spans' largest max.
+template <typename T>
+void merge_row(const std::vector<Span>& spans, int64_t i0, int64_t i1, const float* part,
+               int64_t h, int64_t r, T* out, float* acc) {
+  const int64_t row = spans[i0].row, stride = h * (r + 2);
+  for (int64_t j = 0; j < h; ++j) {
+    float mx = -INFINITY;
+    for (int64_t i = i0; i < i1; ++i) mx = std::max(mx, part[spans[i].slot * stride + j]);
+    std::fill(acc, acc + r, 0.f);
+    float lsum = 0.f;
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* base = part + spans[i].slot * stride;
+      const float w = std::exp(base[j] - mx);
+      lsum += w * base[h + j];
+      const float* oj = base + 2 * h + j * r;
+      const Vec wv = Vec::set1(w);
+      int64_t x = 0;
+      for (; x + W <= r; x += W) tmvec::fma(wv, Vec::load(oj + x), Vec::load(acc + x)).store(acc + x);
+      for (; x < r; ++x) acc[x] += w * oj[x];
+    }
+    narrow_scaled(acc, out + (row * h + j) * r, r, 1.f / lsum);
+  }
+}
+
 template <typename T>
 void mla_decode_impl(const T* q, const Latents<T>& c, const int32_t* seq_lens, T* out,
                      int64_t nd, int64_t h, int64_t d, int64_t r, float scale,
                      int64_t span_tokens) {
   int64_t slots = 0;
   const std::vector<Span> spans = plan(seq_lens, nd, span_tokens, slots);
-  // Partials of split rows: per slot, m [h], l [h], o [h, r].
+  const int64_t ns = static_cast<int64_t>(spans.size());
+  // Partials of split rows: per slot, m [h], l [h], o [h, r]. The span that finishes
+  // its row last merges it (one parallel region: no second barrier per call).
   std::vector<float> part(slots * h * (r + 2));
-  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> first(nd, -1);  // a split row's first span
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[nd]);
+  for (int64_t i = 0; i < nd; ++i) left[i].store(0, std::memory_order_relaxed);
+  for (int64_t i = 0; i < ns; ++i)
+    if (spans[i].slot >= 0) {
+      if (first[spans[i].row] < 0) first[spans[i].row] = i;
+      left[spans[i].row].fetch_add(1, std::memory_order_relaxed);
+    }
+  at::parallel_for(0, ns, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(h * d), s(h * kTile), ml(2 * h), o(h * r);
     int64_t widened = -1;
     for (int64_t i = begin; i < end; ++i) {
@@ -238,47 +275,21 @@ void mla_decode_impl(const T* q, const Latents<T>& c, const int32_t* seq_lens, T
         widen_scaled(q + sp.row * h * d, qf.data(), h * d, scale);
         widened = sp.row;
       }
-      float *m = ml.data(), *l = ml.data() + h, *oo = o.data();
-      if (sp.slot >= 0) {  // a split row: straight into its partials
-        float* base = part.data() + sp.slot * h * (r + 2);
-        m = base, l = base + h, oo = base + 2 * h;
-      }
-      attend_span(qf.data(), c, sp.row, sp.t0, sp.t1, h, d, r, m, l, oo, s.data());
-      if (sp.slot < 0)
+      if (sp.slot < 0) {  // the whole row: normalise straight into out
+        float *m = ml.data(), *l = ml.data() + h;
+        attend_span(qf.data(), c, sp.row, sp.t0, sp.t1, h, d, r, m, l, o.data(), s.data());
         for (int64_t j = 0; j < h; ++j)
-          narrow_scaled(oo + j * r, out + (sp.row * h + j) * r, r, 1.f / l[j]);
-    }
-  });
-  if (slots == 0) return;
-  // Merge each split row's spans (they are consecutive in `spans`).
-  std::vector<int64_t> first;  // index in spans of each split row's first span
-  for (size_t i = 0; i < spans.size(); ++i)
-    if (spans[i].slot >= 0 && (i == 0 || spans[i - 1].row != spans[i].row))
-      first.push_back(static_cast<int64_t>(i));
-  at::parallel_for(0, static_cast<int64_t>(first.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(r);
-    for (int64_t f = begin; f < end; ++f) {
-      const int64_t i0 = first[f], row = spans[i0].row;
-      int64_t i1 = i0;
-      while (i1 < static_cast<int64_t>(spans.size()) && spans[i1].row == row) ++i1;
-      for (int64_t j = 0; j < h; ++j) {
-        float mx = -INFINITY;
-        for (int64_t i = i0; i < i1; ++i)
-          mx = std::max(mx, part[spans[i].slot * h * (r + 2) + j]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float lsum = 0.f;
-        for (int64_t i = i0; i < i1; ++i) {
-          const float* base = part.data() + spans[i].slot * h * (r + 2);
-          const float w = std::exp(base[j] - mx);
-          lsum += w * base[h + j];
-          const float* oj = base + 2 * h + j * r;
-          const Vec wv = Vec::set1(w);
-          int64_t x = 0;
-          for (; x + W <= r; x += W)
-            tmvec::fma(wv, Vec::load(oj + x), Vec::load(acc.data() + x)).store(acc.data() + x);
-          for (; x < r; ++x) acc[x] += w * oj[x];
-        }
-        narrow_scaled(acc.data(), out + (row * h + j) * r, r, 1.f / lsum);
+          narrow_scaled(o.data() + j * r, out + (sp.row * h + j) * r, r, 1.f / l[j]);
+        continue;
+      }
+      float* base = part.data() + sp.slot * h * (r + 2);
+      attend_span(qf.data(), c, sp.row, sp.t0, sp.t1, h, d, r, base, base + h, base + 2 * h,
+                  s.data());
+      // acq_rel: the merging span sees every other span's partials of the row.
+      if (left[sp.row].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        int64_t i1 = first[sp.row];
+        while (i1 < ns && spans[i1].row == sp.row) ++i1;
+        merge_row(spans, first[sp.row], i1, part.data(), h, r, out, o.data());
       }
     }
   });
