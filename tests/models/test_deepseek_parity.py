@@ -79,21 +79,26 @@ def test_pytorch_decode_path_matches_hf(tiny_model_factory, name):
     assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("name", MODELS)
-def test_native_mqa_decode_matches_hf(tiny_model_factory, name, monkeypatch):
-    """The opt-in route of decode rows through the native paged decode kernel as MQA."""
-    from tokenmill.models.layers.mla import PagedMLAAttention
+def test_native_mla_decode_kernel_matches_hf(tiny_model_factory, name, block_size, monkeypatch):
+    """Decode rows through the native latent-space kernel (the default with native
+    kernels), forced to split every row across spans of 3 tokens (split-K and its
+    merge on every step) and at the automatic split: HF's tokens either way."""
     tm = tiny_model_factory(name)
-    monkeypatch.setattr(PagedMLAAttention, "native_decode", True)
-    llm = make_llm(tm.path, block_size=4)
-    if runner_of(llm).native_ops is None:
+    llm = make_llm(tm.path, block_size=block_size)
+    ops = runner_of(llm).native_ops
+    if ops is None:
         pytest.skip("no native CPU kernels")
-    views = []
-    orig = PagedMLAAttention._as_mqa
-    monkeypatch.setattr(PagedMLAAttention, "_as_mqa",
-                        lambda self, cache: views.append(1) or orig(self, cache))
-    assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
-    assert views
+    for span in (3, 0):
+        calls = []
+        orig = ops.mla_decode
+        monkeypatch.setattr(ops, "mla_decode",
+                            lambda *a, _span=span, _orig=orig: calls.append(1)
+                            or _orig(*a, span_tokens=_span))
+        assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+        assert calls
+        monkeypatch.setattr(ops, "mla_decode", orig)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -146,24 +146,135 @@ def test_absorbed_decode_ignores_latents_past_each_rows_length():
     torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)
 
 
+# ---- the native latent-space decode kernel (kernels/cpu_mla_decode.cpp) -----------------
+
+def _latent_reference(qa, cache, tables, seq_lens, scale, r):
+    """The absorbed form's attention in fp64: softmax(scale * qa . latent) @ latent[:, :r]
+    per row over its first seq_len latents (a null row, seq_len 0: zeros)."""
+    out = torch.zeros(qa.shape[0], qa.shape[1], r, dtype=torch.float64)
+    for i, n in enumerate(seq_lens):
+        if n == 0:
+            continue
+        lat = cache[tables[i].long()].reshape(-1, cache.shape[-1])[:n].double()
+        p = (qa[i].double() @ lat.T * scale).softmax(-1)
+        out[i] = p @ lat[:, :r]
+    return out
+
+
+def _kernel_case(seq_lens, heads, r, rope, bs, dtype, seed=0):
+    """(qa, cache, tables): rows' latents in scattered blocks, the null block 0 left
+    in every table past a row's blocks (as the engine's tables are)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = max(1, max(-(-n // bs) for n in seq_lens))
+    num_blocks = 1 + nb * len(seq_lens)
+    cache = torch.randn(num_blocks, bs, r + rope, generator=g).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).view(len(seq_lens), nb)
+    for i, n in enumerate(seq_lens):
+        perm[i, -(-n // bs):] = 0
+    qa = torch.randn(len(seq_lens), heads, r + rope, generator=g).to(dtype)
+    return qa, cache, perm.to(torch.int32)
+
+
+# (atol, rtol) against the fp64 reference: bf16 rounds the inputs' products the same
+# way (they are exact in fp32), so only the fp32 sums and the output rounding differ.
+KERNEL_TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,r,rope", [(4, 32, 8), (5, 36, 12), (16, 128, 32), (1, 512, 64)])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("span", [0, 7])
+def test_mla_decode_kernel_matches_the_absorbed_form(ops, dtype, heads, r, rope, bs, span):
+    """Rows of 1 token, lengths off the block size and off the kernel's 32-token tile,
+    a null row (length 0) and heads off the 4-head micro-tile; span 7: every row longer
+    than 7 tokens split-K over spans of 7 and merged."""
+    lens = [1, 5, 0, 13, 40, 77, 33]
+    qa, cache, tables = _kernel_case(lens, heads, r, rope, bs, dtype)
+    scale = 0.11
+    out = ops.mla_decode(qa, cache, tables, torch.tensor(lens, dtype=torch.int32), scale, r,
+                         span_tokens=span)
+    assert out.shape == (len(lens), heads, r) and out.dtype == dtype
+    ref = _latent_reference(qa, cache, tables, lens, scale, r)
+    atol, rtol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    assert torch.count_nonzero(out[2]) == 0  # the null row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_kernel_splits_long_rows_across_threads(ops, dtype):
+    """The automatic split at 2 threads (a 700-token row becomes several spans) and
+    at 1 thread (no split) agree with each other and with the reference."""
+    lens = [700, 3, 260]
+    qa, cache, tables = _kernel_case(lens, 4, 64, 16, 16, dtype, seed=3)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = ops.mla_decode(qa, cache, tables, seq, 0.2, 64)
+        torch.set_num_threads(1)
+        one = ops.mla_decode(qa, cache, tables, seq, 0.2, 64)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _latent_reference(qa, cache, tables, lens, 0.2, 64)
+    atol, rtol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(two.double(), ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(one.double(), ref, atol=atol, rtol=rtol)
+
+
+def test_mla_decode_kernel_refuses_mismatched_inputs(ops):
+    qa, cache, tables = _kernel_case([3], 2, 16, 8, 4, torch.float32)
+    seq = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        ops.mla_decode(qa, cache.bfloat16(), tables, seq, 1.0, 16)
+    with pytest.raises(RuntimeError, match="kv_lora_rank"):
+        ops.mla_decode(qa, cache, tables, seq, 1.0, 25)
+    with pytest.raises(RuntimeError, match="D as q's"):
+        ops.mla_decode(qa[..., :20].contiguous(), cache, tables, seq, 1.0, 16)
+
+
+class _CountingOps:
+    """native_ops with only the MLA kernel, counting its calls."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def mla_decode(self, *args, **kw):
+        self.calls += 1
+        return self.ops.mla_decode(*args, **kw)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_native_kernel_as_mqa_equals_torch_path(ops, dtype, tol):
-    """The native paged decode over the latent cache (one KV head of width R + ROPE,
-    V the same rows) gives the PyTorch path's output."""
+def test_layer_decodes_through_the_kernel_like_the_torch_form(ops, dtype, tol):
+    """PagedMLAAttention takes the kernel when the step has native ops: same output as
+    its batched-matmul form, and (fp32) as the dense reference."""
     attn, kv_b = _layer(dtype)
     cache, tables = _filled_cache(SEQ_LENS, dtype)
     q = torch.randn(len(SEQ_LENS), H, NOPE + ROPE).to(dtype)
-    torch_out = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
-    calls = []
-    orig = attn._as_mqa
-    attn._as_mqa = lambda c: calls.append(1) or orig(c)
-    attn.native_decode = True
-    native = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
-    assert calls  # the kernel really ran
+    torch_out = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
+    counting = _CountingOps(ops)
+    native = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, counting), kv_b)
+    assert counting.calls == 1
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
     if dtype == torch.float32:
         ref = _dense_reference(q, cache, tables, SEQ_LENS, kv_b, attn.scale)
         torch.testing.assert_close(native.double(), ref, atol=1e-5, rtol=1e-5)
+    attn.native_decode = False  # the switch back to the batched matmuls
+    attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, counting), kv_b)
+    assert counting.calls == 1
+
+
+def test_kernel_ignores_latents_past_each_rows_length(ops):
+    attn, kv_b = _layer()
+    cache, tables = _filled_cache(SEQ_LENS, torch.float32)
+    q = torch.randn(len(SEQ_LENS), H, NOPE + ROPE)
+    before = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    poisoned = cache.clone()
+    for i, n in enumerate(SEQ_LENS):
+        flat = poisoned[tables[i].long()].reshape(-1, R + ROPE)
+        flat[n:] = 1e4
+        poisoned[tables[i].long()] = flat.view(-1, BS, R + ROPE)
+    after = attn._decode(q, poisoned, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    assert torch.equal(after, before)
 
 
 def test_forward_writes_latents_and_mixes_decodes_with_a_chunk():

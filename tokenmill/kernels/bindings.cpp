@@ -12,6 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0);
+  m.def("mla_decode", &mla_decode,
+        "MLA decode attention in the latent space: all heads over each latent row at once",
+        pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("block_table"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("kv_lora_rank"),
+        pybind11::arg("span_tokens") = 0);
   m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] weights in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
   m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");

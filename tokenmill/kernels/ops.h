@@ -27,6 +27,11 @@ using namespace at;  // NOLINT: as torch/types.h
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale, int64_t window,
                            double softcap);
+// MLA's latent-space decode (cpu_mla_decode.cpp): q [nd, H, R + rope] against cache
+// [num_blocks, bs, R + rope] -> [nd, H, R]; span_tokens > 0 forces the split-K span.
+torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
+                         torch::Tensor seq_lens, double scale, int64_t kv_lora_rank,
+                         int64_t span_tokens);
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
 // The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.

@@ -17,15 +17,14 @@ head.
   each cached token's kv_lora_rank + rope_dim values once for all heads: one
   batched matmul pair over the rows' gathered blocks.
 
-The native paged decode kernel can serve the absorbed form as MQA: one KV head
-of width kv_lora_rank + rope_dim, and V the same rows (a view whose K/V plane
-stride is 0), the first kv_lora_rank output columns being the latent output
-(`native_decode`, off by default). Its signature allows that unchanged, but
-all the query heads share the one KV head, which makes the step a small GEMM
-per row, and the kernel's any-head-dim path computes it as dot products over
-one job per row: on the 2-vCPU test machine it was 1.1-2.3x slower than the
-batched matmuls at one thread (ARCHITECTURE.md, "Attention on CPU"), so the
-PyTorch form is the default.
+With the native kernels (meta.native_ops), decode rows take their own kernel,
+`mla_decode` (kernels/cpu_mla_decode.cpp): per row it walks the block table's
+latent rows once for all heads (scores [H, D] x [D, tile], online softmax, then
+[H, tile] x [tile, kv_lora_rank]), and splits long rows across threads. The
+batched matmuls stay as the fallback (no kernels, a cache dtype unlike q's) and
+as the reference the kernel is tested against. The paged decode kernel's MQA
+route (one KV head of width kv_lora_rank + rope_dim) was dropped: it computed
+each head on its own, re-reading every latent row once per head.
 """
 from __future__ import annotations
 
@@ -42,8 +41,9 @@ class PagedMLAAttention(nn.Module):
     latent_cache = True
     sliding_window = None
     num_kv_heads = 1
-    # Decode rows through the native paged decode kernel as MQA (see the docstring).
-    native_decode = False
+    # Decode rows through the native mla_decode kernel when the step has native ops
+    # (False: the PyTorch batched matmuls; benchmarks compare the two).
+    native_decode = True
     # False: decode rows take the naive form too (K/V expanded per head from the whole
     # latent context every step): what the absorption saves (`tokenmill bench window`).
     absorb_decode = True
@@ -60,7 +60,6 @@ class PagedMLAAttention(nn.Module):
         self.kv_group: int | None = None
         # (W_UK [H, nope, r], W_UV [H, r, v]) from kv_b_proj, built at the first decode.
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mqa_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (cache, its view)
 
     def write_latent(self, latent: torch.Tensor, meta: AttentionMetadata) -> None:
         """latent [T, kv_lora_rank + rope_dim] into the paged cache at the step's slots."""
@@ -108,8 +107,8 @@ class PagedMLAAttention(nn.Module):
         qa = torch.cat([q_lat.transpose(0, 1), q[..., self.nope:]], dim=-1)  # [nd, H, r + rope]
         ops = meta.native_ops
         if self.native_decode and ops is not None and cache.dtype == q.dtype:
-            o = ops.paged_decode(qa, self._as_mqa(cache), meta.decode_block_table,
-                                 meta.decode_seq_lens, self.scale, 0)[..., :r]
+            o = ops.mla_decode(qa, cache, meta.decode_block_table, meta.decode_seq_lens,
+                               self.scale, r)
         else:
             latents = cache[meta.decode_block_table.long()].view(nd, -1, self.head_size)
             scores = torch.bmm(qa, latents.transpose(1, 2)).float() * self.scale
@@ -128,15 +127,6 @@ class PagedMLAAttention(nn.Module):
             chunk = PrefillChunk(i, i + 1, n - 1, meta.decode_block_table[i, :-(-n // bs)])
             out.append(self._prefill(q[i:i + 1], None, cache, chunk, kv_b_proj))
         return torch.cat(out)
-
-    def _as_mqa(self, cache: torch.Tensor) -> torch.Tensor:
-        """The latent cache as the native kernel's [num_blocks, 2, block_size, 1, D]
-        K/V cache: V is the same rows as K (stride 0 between the two)."""
-        if self._mqa_view is None or self._mqa_view[0] is not cache:
-            nb, bs, d = cache.shape
-            view = cache.as_strided((nb, 2, bs, 1, d), (cache.stride(0), 0, d, d, 1))
-            self._mqa_view = (cache, view)
-        return self._mqa_view[1]
 
     # ---- prompt chunks: the naive form ---------------------------------------------
     def _prefill(self, q, latent, cache, p: PrefillChunk, kv_b_proj) -> torch.Tensor:
