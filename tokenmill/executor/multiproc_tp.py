@@ -300,6 +300,11 @@ class MultiprocTPExecutor:
         self._send(SAMPLED + serial.encode((out.req_ids, out.sampled_token_ids)))
         return out
 
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """(sizing a sliding-window group's blocks per sequence: one step's tokens)"""
+        return self.runner.max_num_batched_tokens
+
     def get_kv_cache_spec(self, block_size: int):
         return self.runner.get_kv_cache_spec(block_size)  # every rank's: same heads each
 
