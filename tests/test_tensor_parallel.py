@@ -4,7 +4,9 @@ Two ranks, one torch thread each (conftest): greedy fp32 output with
 tensor_parallel_size=2 equals tensor_parallel_size=1 token for token for a dense
 (Qwen3), an MoE (Qwen3-MoE) and a hybrid (Qwen3-Next: Gated DeltaNet + gated
 attention + MoE with a shared expert, its grouped checkpoint layout) tiny model,
-multi-head latent attention (DeepSeek-V2 / V3, latent replicated per rank), and for one KV head (replicated), biases (row-parallel ones added once) and
+multi-head latent attention (DeepSeek-V2 / V3, latent replicated per rank), Gemma 3
+and Gemma 4 (per-layer head shapes, k = v, MoE beside the dense MLP, per-layer
+inputs, KV sharing), and for one KV head (replicated), biases (row-parallel ones added once) and
 Phi-3's fused checkpoint tensors, with chunked prefill (16-token budget) and preemption (few KV blocks) in the mix;
 a killed rank takes the engine down with EngineDeadError, no hang; bad sizes are
 refused naming tensor_parallel_size.
@@ -46,11 +48,27 @@ TP_SPECS = {
     # q and yarn.
     "deepseek_v2": MODEL_SPECS["deepseek_v2"],
     "deepseek_v3": MODEL_SPECS["deepseek_v3"],
+    # Gemma 3: local and global layers, q/k norms, the gelu-tanh MLP split like a gated one.
+    "gemma3": MODEL_SPECS["gemma3"],
+    # Gemma 4: global layers of their own head_dim (32 vs 16), each layer's heads split
+    # at its own shape.
+    "gemma4": MODEL_SPECS["gemma4"],
+    # Gemma 4 MoE (each expert's intermediate split, the router replicated, the experts
+    # reduced apart from the dense MLP) and k = v global layers of one KV head
+    # (replicated, V taken from the rank's K rows).
+    "gemma4_moe_keqv": MODEL_SPECS["gemma4_moe_keqv"],
+    # Everything at once: per-layer inputs (replicated), MoE, k = v, and KV-shared layers
+    # reading their source's cache with the same head split.
+    "gemma4_all": MODEL_SPECS["gemma4_all"],
 }
 # Chunked prefill (a 16-token budget splits the 33- and 40-token prompts) and
 # preemption (24 blocks of 4 tokens cannot hold all six requests at full length).
 ENGINE = dict(max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=64)
 PROMPT_LENGTHS = [5, 17, 33, 8, 40, 3]
+# Gemma's local and global layers are two KV cache groups: a sequence takes blocks in
+# both, so they get more blocks (still too few for all six requests).
+ENGINE_FOR = {name: dict(ENGINE, num_kv_blocks=40) for name in TP_SPECS
+              if name.startswith("gemma")}
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +99,11 @@ def _workers(llm):
 @pytest.mark.parametrize("name", list(TP_SPECS))
 def test_tp2_greedy_equals_tp1(tp_model, name):
     path = tp_model(name)
-    ref_llm = make_llm(path, **ENGINE)
+    engine = ENGINE_FOR.get(name, ENGINE)
+    ref_llm = make_llm(path, **engine)
     ref = _greedy(ref_llm)
     assert scheduler_of(ref_llm).num_preemptions > 0  # the mix the test is about
-    llm = make_llm(path, tensor_parallel_size=2, **ENGINE)
+    llm = make_llm(path, tensor_parallel_size=2, **engine)
     procs = _workers(llm)
     try:
         assert llm.llm_engine.platform.decode_layers is False

@@ -155,9 +155,40 @@ def test_conditional_generation_checkpoint_runs_its_text_model(gemma4_vlm, caplo
     assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0
 
 
-def test_tensor_parallel_is_refused_by_name(tiny_model_factory):
-    """Global layers have their own head shapes (per_layer_config), which the rank split
-    does not cover yet: refused before any rank starts."""
+@pytest.mark.parametrize("form", ["per_layer_config", "global_head_dim"])
+def test_tensor_parallel_rank_config_splits_each_layer(form):
+    """A rank's model: every layer's heads split at its own head_dim (unchanged per
+    head), the global layers' KV heads split, or replicated when fewer than ranks, in
+    either config form (per_layer_config, or the older global_head_dim /
+    num_global_key_value_heads). (TP=2 parity: tests/test_tensor_parallel.py.)"""
+    from tokenmill.models.tensor_parallel import check_divisible, rank_config
+    for global_kv, rank_kv in ((4, 2), (1, 1)):
+        if form == "per_layer_config":
+            glob = {"head_dim": 32, "num_key_value_heads": global_kv}
+            cfg = _config(num_attention_heads=4, num_key_value_heads=2,
+                          per_layer_config={"1": glob, "3": glob})
+        else:
+            cfg = _config(num_attention_heads=4, num_key_value_heads=2, global_head_dim=32,
+                          attention_k_eq_v=True, num_global_key_value_heads=global_kv)
+        check_divisible(cfg, 2)
+        c = Gemma4Config(rank_config(cfg, 2))
+        assert c.num_heads == 2 and c.head_dims == [16, 32, 16, 32]
+        assert c.kv_heads == [1, rank_kv, 1, rank_kv]
+        assert Gemma4Config(cfg).kv_heads == [2, global_kv, 2, global_kv]  # not mutated
+
+
+@pytest.mark.parametrize("form", ["per_layer_config", "global_head_dim"])
+def test_tensor_parallel_refuses_uneven_global_kv_heads(form):
+    """Global layers whose KV heads neither split over the ranks nor are fewer than
+    them are refused by name, before any rank starts."""
     from tokenmill.models.tensor_parallel import check_divisible
-    with pytest.raises(ValueError, match="tensor_parallel_size=2.*per_layer_config"):
-        check_divisible(tiny_model_factory("gemma4").hf_config, 2)
+    if form == "per_layer_config":
+        cfg = _config(num_attention_heads=6, num_key_value_heads=2,
+                      per_layer_config={i: {"head_dim": 32, "num_key_value_heads": 3}
+                                        for i in ("1", "3")})
+    else:
+        cfg = _config(num_attention_heads=6, num_key_value_heads=2, global_head_dim=32,
+                      attention_k_eq_v=True, num_global_key_value_heads=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*num_key_value_heads of "
+                                         "layer 1 .*\\(3\\)"):
+        check_divisible(cfg, 2)

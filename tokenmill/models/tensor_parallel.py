@@ -7,7 +7,8 @@ allocates its shard only and computes with its local heads unchanged (the KV cac
 and the Gated DeltaNet state per rank hold its heads only). Then:
 
 - column-parallel: qkv_proj (its q, k and v heads; KV heads replicated when there
-  are fewer than ranks), gate_up_proj (its gate and up rows), Gated DeltaNet's
+  are fewer than ranks), gate_up_proj (its gate and up rows; Gemma's gelu-tanh MLP
+  too), Gated DeltaNet's
   in_proj / conv1d / dt_bias / A_log (its key heads and their value heads), each
   MoE expert's gate_up rows;
 - row-parallel: o_proj, down_proj, out_proj, each expert's down columns; the block
@@ -15,7 +16,14 @@ and the Gated DeltaNet state per rank hold its heads only). Then:
   expert) all-reduces its output once; a row-parallel bias is added by rank 0 only;
 - vocab-parallel: the embedding (each rank its rows, ids outside them masked, then
   all-reduced) and lm_head (each rank its vocabulary shard, all-gathered);
-- replicated: norms, the MoE router, the shared-expert gate, a vision tower.
+- replicated: norms, the MoE router, the shared-expert gate, a vision tower, Gemma 4's
+  per-layer input tables and gates (small, and computed from replicated activations).
+
+Gemma 4's layers differ in head shape (global layers: their own head_dim, maybe their
+own KV head count): each layer splits at its own (`layer_kv_heads`; head_dim is per
+head, unchanged). Its k = v layers pack no V rows and its KV-shared layers no K / V
+(they read their source's cache, split the same way). Its experts sit beside the
+dense MLP, each normalised apart, so its FusedMoE all-reduces on its own.
 
 Multi-head latent attention (DeepSeek-V2 / V3) splits by heads too: q_proj / q_b_proj
 and kv_b_proj column-parallel (each rank its heads' rows), o_proj row-parallel. The
@@ -59,14 +67,18 @@ def check_tensor_parallel_size(size) -> int:
     return size
 
 
+def layer_kv_heads(hf_config: dict) -> list[int] | None:
+    """Each layer's KV head count where layers differ (Gemma 4: its global layers' own
+    count, per_layer_config or num_global_key_value_heads); None: one count for all."""
+    if not (hf_config.get("per_layer_config") or hf_config.get("global_head_dim")):
+        return None
+    from tokenmill.models.gemma4 import Gemma4Config
+    return Gemma4Config(hf_config).kv_heads
+
+
 def check_divisible(hf_config: dict, size: int) -> None:
     """The model's heads and sizes split evenly over `size` ranks, or a ValueError
     naming tensor_parallel_size and the field that does not."""
-    if hf_config.get("per_layer_config") or hf_config.get("global_head_dim"):
-        # rank_config splits one head shape for every layer
-        raise ValueError(f"{TP_FIELD}={size}: per-layer head shapes (per_layer_config / "
-                         f"global_head_dim: Gemma 4) are not sharded yet; run it with "
-                         f"{TP_FIELD}=1")
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]
@@ -79,9 +91,15 @@ def check_divisible(hf_config: dict, size: int) -> None:
         if value % size:
             raise ValueError(f"{TP_FIELD}={size} does not divide the model's {name} "
                              f"({value})")
-    if kv % size and size % kv:
-        raise ValueError(f"{TP_FIELD}={size}: the model's num_key_value_heads ({kv}) must "
-                         f"divide by it, or divide it (KV heads replicated)")
+    kv_counts = [("num_key_value_heads", kv)]
+    per_layer = layer_kv_heads(hf_config)
+    if per_layer is not None:
+        kv_counts += [(f"num_key_value_heads of layer {i} (per_layer_config / "
+                       f"num_global_key_value_heads)", n) for i, n in enumerate(per_layer)]
+    for name, n in kv_counts:
+        if n % size and size % n:
+            raise ValueError(f"{TP_FIELD}={size}: the model's {name} ({n}) must divide "
+                             f"by it, or divide it (KV heads replicated)")
 
 
 def rank_config(hf_config: dict, size: int) -> dict:
@@ -92,6 +110,15 @@ def rank_config(hf_config: dict, size: int) -> dict:
     c["head_dim"] = c.get("head_dim") or c["hidden_size"] // heads  # unchanged per head
     c["num_attention_heads"] = heads // size
     c["num_key_value_heads"] = max(1, kv // size)
+    # Gemma 4's global layers: their own KV head count, split (or replicated) the same
+    # way; their head_dim is per head, unchanged.
+    if c.get("num_global_key_value_heads"):
+        c["num_global_key_value_heads"] = max(1, c["num_global_key_value_heads"] // size)
+    if c.get("per_layer_config"):
+        c["per_layer_config"] = {
+            k: dict(v, num_key_value_heads=max(1, v["num_key_value_heads"] // size))
+            if v.get("num_key_value_heads") else v
+            for k, v in c["per_layer_config"].items()}
     for name in ("intermediate_size", "moe_intermediate_size",
                  "shared_expert_intermediate_size", "linear_num_key_heads",
                  "linear_num_value_heads"):
@@ -199,10 +226,10 @@ class ShardPlan:
         from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
         from tokenmill.models.layers.mlp import GatedMLP
         from tokenmill.models.layers.moe import FusedMoE
+        from tokenmill.models.gemma3 import GeluTanhMLP
         self.rules: dict[tuple[str, int | None], object] = {}
-        kv_full = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
-        kv_pieces = min(kv_full, size)
-        kv_index = rank * kv_pieces // size
+        kv_model = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+        kv_by_layer = layer_kv_heads(hf_config)
         rules = self.rules
 
         def split(dim, *fulls, n=size, i=rank):
@@ -214,15 +241,24 @@ class ShardPlan:
                 continue
             if _is_attention(m):
                 d = m.head_dim
+                kv_full = (kv_model if kv_by_layer is None
+                           else kv_by_layer[m.layer_idx])  # Gemma 4: this layer's
+                kv_pieces = min(kv_full, size)
+                kv_index = rank * kv_pieces // size
+                kv_seg = (kv_full * d, kv_pieces, kv_index)
+                # Packed K and V rows; Gemma 4 packs none for a missing projection (k = v:
+                # no V; KV-shared: neither): those shards stay empty, nothing to cut.
+                k_rows = getattr(m, "k_size", m.kv_size)
+                v_rows = getattr(m, "v_size", m.kv_size)
                 # q rows (a gated attention's q_proj: q and gate rows per head)
-                q = (m.qkv_proj.out_features - 2 * m.kv_size) * size
-                kv = Split(0, ((kv_full * d, kv_pieces, kv_index),))
+                q = (m.qkv_proj.out_features - k_rows - v_rows) * size
+                segments = [(q, size, rank)] + [kv_seg for n in (k_rows, v_rows) if n]
                 for w in ("weight", "bias"):
                     rules[(f"{p}qkv_proj.{w}", 0)] = split(0, q)
-                    rules[(f"{p}qkv_proj.{w}", 1)] = rules[(f"{p}qkv_proj.{w}", 2)] = kv
-                    rules[(f"{p}qkv_proj.{w}", None)] = Split(
-                        0, ((q, size, rank), (kv_full * d, kv_pieces, kv_index),
-                            (kv_full * d, kv_pieces, kv_index)))
+                    for shard, n in ((1, k_rows), (2, v_rows)):
+                        if n:
+                            rules[(f"{p}qkv_proj.{w}", shard)] = Split(0, (kv_seg,))
+                    rules[(f"{p}qkv_proj.{w}", None)] = Split(0, tuple(segments))
                 rules[(f"{p}o_proj.weight", None)] = split(1, m.q_size * size)
                 rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
             elif isinstance(m, MLAttention):
@@ -234,7 +270,7 @@ class ShardPlan:
                     0, heads * (c.qk_nope_head_dim + c.v_head_dim))
                 rules[(f"{p}o_proj.weight", None)] = split(1, heads * c.v_head_dim)
                 rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
-            elif isinstance(m, GatedMLP):
+            elif isinstance(m, (GatedMLP, GeluTanhMLP)):
                 inter = m.intermediate_size * size
                 for w in ("weight", "bias"):
                     rules[(f"{p}gate_up_proj.{w}", 0)] = split(0, inter)
@@ -294,7 +330,8 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     from tokenmill.models.deepseek_v2 import DeepseekMoE, MLAttention
     from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
     from tokenmill.models.layers.mlp import GatedMLP
-    from tokenmill.models.layers.moe import SparseMoeBlock
+    from tokenmill.models.gemma3 import GeluTanhMLP
+    from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock
 
     def reduce(module, args, out):
         return group.all_reduce(out)
@@ -306,11 +343,16 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     # A shared expert's partial sum joins its MoE block's all-reduce.
     shared = {id(getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None))
               for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))}
+    # Experts inside such a block reduce with it; experts outside one (Gemma 4's, beside
+    # the dense MLP, each normalised apart) reduce their own output.
+    in_block = {id(e) for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))
+                for e in m.modules() if isinstance(e, FusedMoE)}
     for name, m in list(model.named_modules()):
         if _replicated(name):
             continue
         if isinstance(m, (GatedDeltaNet, SparseMoeBlock, DeepseekMoE, MLAttention)) or (
-                isinstance(m, GatedMLP) and id(m) not in shared) or _is_attention(m):
+                isinstance(m, (GatedMLP, GeluTanhMLP)) and id(m) not in shared) or (
+                isinstance(m, FusedMoE) and id(m) not in in_block) or _is_attention(m):
             m.register_forward_hook(reduce)
     emb = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(emb.weight, group.rank * emb.num_embeddings,
