@@ -23,6 +23,7 @@ from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tokenmill.models.weight_names import text_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -262,9 +263,4 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
         if name.startswith(self.skipped_prefixes):
             return
-        for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                           ("language_model.lm_head.", "lm_head.")):
-            if name.startswith(prefix):
-                name = to + name[len(prefix):]
-                break
-        yield name, tensor
+        yield text_model_name(name), tensor

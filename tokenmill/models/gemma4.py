@@ -34,6 +34,7 @@ from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.weight_names import text_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -414,6 +415,4 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
         if name.startswith(self.TOWERS):
             return
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        yield from super().map_checkpoint(name, tensor)
+        yield from super().map_checkpoint(text_model_name(name), tensor)

@@ -29,6 +29,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import Qwen2ForCausalLM
+from tokenmill.models.weight_names import text_model_name
 
 
 class VisionTowerConfig:
@@ -327,9 +328,8 @@ class VisionLanguageMixin:
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
         """Both layouts: HF 4.x (model.layers..., visual...) and 5.x
         (model.language_model..., model.visual...)."""
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        elif name.startswith("model.visual."):
+        name = text_model_name(name)
+        if name.startswith("model.visual."):
             name = name[len("model."):]
         elif name.startswith("video") or ".video" in name:
             return

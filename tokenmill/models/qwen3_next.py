@@ -27,6 +27,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import DecoderConfig
+from tokenmill.models.weight_names import text_model_name
 
 
 class HybridConfig(DecoderConfig):
@@ -196,10 +197,7 @@ class Qwen3NextForCausalLM(nn.Module):
         """Yield (name, tensor) pairs in the layout the loader packs."""
         if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
             return  # the vision tower and the MTP head are not part of the text model
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        elif name.startswith("language_model."):
-            name = "model." + name[len("language_model."):]
+        name = text_model_name(name)
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
             yield from self._split_qkvz(name, tensor)
         elif name.endswith("linear_attn.in_proj_ba.weight"):
