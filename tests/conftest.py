@@ -137,6 +137,30 @@ MODEL_SPECS: dict[str, tuple[str, dict]] = {
 
 PARITY_MODELS = list(MODEL_SPECS)
 
+# Head shapes the Triton kernels serve through a masked tail of their power-of-two
+# block, and soft-capped scores (tests/models/test_triton_path.py, tests/gpu); kept
+# out of MODEL_SPECS, or every parity suite would run them.
+HEAD_SHAPE_SPECS: dict[str, tuple[str, dict]] = {
+    # Phi-3 / Phi-4-mini's head size 96 (hidden 192, 2 q heads over 1 KV head), partial
+    # rotary, fused qkv / gate_up in the checkpoint; untied.
+    "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
+                               partial_rotary_factor=0.75, sliding_window=2047,
+                               tie_word_embeddings=False)),
+    # Gemma 4: local layers of head size 16 (window 12), global ones of 512 (two KV
+    # groups of different page layouts); tied.
+    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
+                                    sliding_window=12, hidden_size_per_layer_input=0,
+                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    # Gemma 3 (local window 12 + global layers, two KV groups) with attention
+    # soft-capping tight enough to bite (2.0); HF's eager attention (transformers'
+    # Gemma 3 drops the cap otherwise: see test_triton_path's _hf_capped).
+    "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
+                                      sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                      attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                                      attn_implementation="eager", tie_word_embeddings=True)),
+}
+
 # Models with sliding layers give blocks back as the windows move: the
 # preemption tests need a smaller pool to force preemption (and, for the smallest
 # pool a sequence may have, smaller prompt chunks). (name, block_size) -> overrides

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY, build_checkpoint, make_llm, make_prompts, preempt_pool, scheduler_of
+from conftest import (HEAD_SHAPE_SPECS, TINY, build_checkpoint, make_llm, make_prompts,
+                      preempt_pool, scheduler_of)
 from tokenmill import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,24 +35,6 @@ GPU_SPECS = {
                                     tie_word_embeddings=False)),
     "qwen3_5": ("qwen3_5", dict(HYBRID, tie_word_embeddings=False)),
 }
-# Head sizes the Triton kernels take through a masked tail of their power-of-two
-# block, and soft-capped scores (run with graphs and chunked prefill at once).
-HEAD_SPECS = {
-    # Phi-3 / Phi-4-mini's head size 96 (hidden 192, 2 q heads over 1 KV head).
-    "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
-                               partial_rotary_factor=0.75, sliding_window=2047,
-                               tie_word_embeddings=False)),
-    # Gemma 4: local layers of head size 16 (window 12), global ones of 512.
-    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
-                                    sliding_window=12, hidden_size_per_layer_input=0,
-                                    layer_types=["sliding_attention", "full_attention"] * 2,
-                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
-    # Gemma 3 with attention soft-capping that bites (2.0), local and global layers.
-    "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
-                                      sliding_window_pattern=2, query_pre_attn_scalar=24,
-                                      attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-                                      tie_word_embeddings=True)),
-}
 LENGTHS = [5, 33, 1, 70, 17, 2, 48, 9]
 NUM_NEW = 12
 
@@ -70,7 +53,7 @@ def checkpoint(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            arch, overrides = {**GPU_SPECS, **HEAD_SPECS}[name]
+            arch, overrides = {**GPU_SPECS, **HEAD_SHAPE_SPECS}[name]
             path = str(tmp_path_factory.mktemp(name))
             with torch.device("cpu"):
                 build_checkpoint(path, arch, overrides)
@@ -110,7 +93,7 @@ def test_cuda_greedy_equals_cpu(checkpoint, name, eager):
     assert got == _cpu_reference(path, prompts)
 
 
-@pytest.mark.parametrize("name", list(HEAD_SPECS))
+@pytest.mark.parametrize("name", list(HEAD_SHAPE_SPECS))
 def test_cuda_head_sizes_and_softcap_equal_cpu(checkpoint, name):
     """Head sizes 96 and 512 (masked tails) and soft-capped attention on the kernels,
     every layer: decode steps replayed from graphs, prompts in 16-token chunks."""

@@ -10,36 +10,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from conftest import (TINY, TinyModel, build_checkpoint, hf_greedy,  # noqa: E402
-                      make_llm, make_prompts)
+from conftest import (HEAD_SHAPE_SPECS, TINY, TinyModel, build_checkpoint,  # noqa: E402
+                      hf_greedy, make_llm, make_prompts)
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.cpu_platform import CpuPlatform  # noqa: E402
 
 pytest.importorskip("triton")
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-# Models the kernels serve through a masked head-dim tail or soft-capping (built here,
-# not in conftest.MODEL_SPECS: every parity suite would run them).
-TRITON_SPECS = {
-    # Phi-3 / Phi-4-mini's head size 96 (hidden 192, 2 q heads over 1 KV head), partial
-    # rotary, fused qkv / gate_up in the checkpoint; untied.
-    "phi3_hd96": ("phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1,
-                               partial_rotary_factor=0.75, sliding_window=2047,
-                               tie_word_embeddings=False)),
-    # Gemma 4: local layers of head size 16 (window 12), global ones of 512 (two KV
-    # groups of different page layouts); tied.
-    "gemma4_hd512": ("gemma4", dict(num_hidden_layers=4, head_dim=16, global_head_dim=512,
-                                    sliding_window=12, hidden_size_per_layer_input=0,
-                                    layer_types=["sliding_attention", "full_attention"] * 2,
-                                    final_logit_softcapping=30.0, tie_word_embeddings=True)),
-    # Gemma 3 (local window 12 + global layers, two KV groups) with attention
-    # soft-capping tight enough to bite (2.0); HF's eager attention (see _hf_capped).
-    "gemma3_softcap": ("gemma3", dict(num_hidden_layers=4, head_dim=32, sliding_window=12,
-                                      sliding_window_pattern=2, query_pre_attn_scalar=24,
-                                      attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
-                                      attn_implementation="eager", tie_word_embeddings=True)),
-}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +26,7 @@ def triton_model(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            arch, overrides = TRITON_SPECS[name]
+            arch, overrides = HEAD_SHAPE_SPECS[name]
             path = str(tmp_path_factory.mktemp(name))
             built[name] = TinyModel(name, path, arch, build_checkpoint(path, arch, overrides))
         return built[name]
@@ -138,7 +116,7 @@ def test_decode_graphs_replayed_over_padded_buffers_match(tiny_model_factory, tr
     beside them) and, as they finish at different lengths, 2 -> 2 and 1 -> 1. Gemma 3:
     two KV cache groups (local and global layers), each with its own static buffers;
     soft-capped, its decode steps are graphed too (all layers on the kernels)."""
-    if name in TRITON_SPECS:
+    if name in HEAD_SHAPE_SPECS:
         tm = triton_model(name)
         _hf_capped(eager_graphs)
     else:
@@ -204,7 +182,7 @@ def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
     assert got == want
 
 
-@pytest.mark.parametrize("name", list(TRITON_SPECS))
+@pytest.mark.parametrize("name", list(HEAD_SHAPE_SPECS))
 def test_triton_kernels_serve_head_96_512_and_soft_capping(triton_model, triton_platform,
                                                            monkeypatch, name):
     """Every attention layer on the kernels (none left on the PyTorch path): head size
