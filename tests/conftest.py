@@ -365,3 +365,28 @@ def scheduler_of(llm):
 
 def runner_of(llm):
     return llm.llm_engine.engine_core.runner
+
+
+@pytest.fixture
+def fla_interpreted(monkeypatch):
+    """flash-linear-attention's real Gated DeltaNet kernels, run by Triton's interpreter
+    on CPU tensors (the caller's module set TRITON_INTERPRET before triton's import).
+    Two things only a GPU run has are stood in for: the autotuner keeps its first
+    config (its benchmarker needs a GPU), and the loop counter of fla's state kernel is
+    a Triton scalar, as compiled code has it, not a Python int."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    import builtins
+
+    from triton.runtime import interpreter
+    from triton.runtime.autotuner import Autotuner
+    import fla.ops.common.chunk_delta_h as chunk_delta_h
+
+    prune = Autotuner.prune_configs
+    monkeypatch.setattr(Autotuner, "prune_configs", lambda self, kw: prune(self, kw)[:1])
+    monkeypatch.setattr(chunk_delta_h, "range",
+                        lambda *a: map(interpreter._implicit_cvt, builtins.range(*a)),
+                        raising=False)
+    from tokenmill.models.layers.gated_deltanet import load_fla_kernels
+    return load_fla_kernels()
