@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 
 import pytest
 import torch
+
+# transformers (5.x) binds flash-linear-attention's kernels into its Gated DeltaNet
+# models when the modeling module is imported, wherever `fla` imports, the CPU
+# included, where they cannot run: the HF references must stay on PyTorch. fla-core is
+# in the test extras for tokenmill's own fla path; `fla_interpreted` lets it be
+# imported for a moment and hands out its kernels.
+_FLA = sys.modules.setdefault("fla", None)
 
 
 def pytest_addoption(parser):
@@ -376,17 +384,32 @@ def fla_interpreted(monkeypatch):
     a Triton scalar, as compiled code has it, not a Python int."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
-    pytest.importorskip("fla.ops.gated_delta_rule")
     import builtins
 
     from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
-    import fla.ops.common.chunk_delta_h as chunk_delta_h
 
     prune = Autotuner.prune_configs
     monkeypatch.setattr(Autotuner, "prune_configs", lambda self, kw: prune(self, kw)[:1])
-    monkeypatch.setattr(chunk_delta_h, "range",
+    kernels = _import_fla_kernels()
+    monkeypatch.setattr(sys.modules["fla.ops.common.chunk_delta_h"], "range",
                         lambda *a: map(interpreter._implicit_cvt, builtins.range(*a)),
                         raising=False)
-    from tokenmill.models.layers.gated_deltanet import load_fla_kernels
-    return load_fla_kernels()
+    return kernels
+
+
+def _import_fla_kernels():
+    """fla's (chunk, fused recurrent) Gated DeltaNet kernels, imported with `fla`
+    visible for that moment only (see the top of this file)."""
+    global _FLA
+    if _FLA is None:
+        del sys.modules["fla"]
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+        except ImportError:
+            pytest.skip("fla-core is not installed")
+        finally:
+            _FLA = sys.modules.get("fla")
+            sys.modules["fla"] = None
+    kernels = sys.modules["fla.ops.gated_delta_rule"]
+    return kernels.chunk_gated_delta_rule, kernels.fused_recurrent_gated_delta_rule
