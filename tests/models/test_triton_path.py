@@ -2,6 +2,7 @@
 kernels (run by Triton's interpreter on CPU tensors) and with the decode-graph runner
 (its graphs "replayed" eagerly over the static, padded buffers) gives the same greedy
 tokens as the PyTorch path. Tiny model, few tokens: the interpreter is slow."""
+import contextlib
 import dataclasses
 import os
 
@@ -64,8 +65,51 @@ def triton_platform(monkeypatch):
     monkeypatch.setattr(CpuPlatform, "from_engine_args", classmethod(with_triton))
 
 
+# What reads a tensor's values on the host: on a CUDA stream each waits for the GPU,
+# and inside a graph capture each is an error (so is a shape that depends on values:
+# a boolean mask as an index, nonzero, unique).
+_HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
+               "__index__", "nonzero", "unique", "bincount", "masked_select")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Fail on any host read of a tensor's values or value-dependent shape, as a
+    CUDA graph capture would."""
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    saved_fns = {name: getattr(torch, name) for name in ("nonzero", "unique", "bincount",
+                                                         "masked_select")}
+    getitem = torch.Tensor.__getitem__
+
+    def refuse(name):
+        def call(*a, **k):
+            raise AssertionError(f"host read in a graphed decode step: {name}")
+        return call
+
+    def checked_getitem(self, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts):
+            raise AssertionError("boolean-mask index in a graphed decode step")
+        return getitem(self, index)
+
+    try:
+        for name in saved:
+            setattr(torch.Tensor, name, refuse(name))
+        for name in saved_fns:
+            setattr(torch, name, refuse(name))
+        torch.Tensor.__getitem__ = checked_getitem
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        for name, fn in saved_fns.items():
+            setattr(torch, name, fn)
+        torch.Tensor.__getitem__ = getitem
+
+
 class _EagerGraph:
-    """Stands in for a captured graph: replay runs the model over the static buffers."""
+    """Stands in for a captured graph: replay runs the model over the static buffers,
+    refusing any host read of a value, as a capture would."""
 
     def __init__(self, model, ids, pos, meta, out):
         self.model, self.ids, self.pos, self.meta, self.out = model, ids, pos, meta, out
@@ -73,7 +117,8 @@ class _EagerGraph:
 
     def replay(self):
         self.replays += 1
-        self.out.copy_(self.model(self.ids, self.pos, self.meta))
+        with no_host_reads():
+            self.out.copy_(self.model(self.ids, self.pos, self.meta))
 
 
 @pytest.fixture
@@ -255,4 +300,34 @@ def test_hybrid_on_fla_and_triton_kernels_matches_pytorch_path(tmp_path, eager_g
     calls.update(chunk=0, fused=0)
     want = run(fla=False)
     assert calls == {"chunk": 0, "fused": 0}
+    assert got == want
+
+
+def test_moe_decode_graphs_with_sync_free_experts(tmp_path, eager_graphs):
+    """Qwen3-MoE (top-1 of 16: most experts idle in a step) with the experts as CUDA
+    runs them (FusedMoE.sync_free, set by the platform on CUDA): graphed decode steps
+    read nothing on the host and give the tokens of the PyTorch path without graphs."""
+    from test_moe_parity import MOE_SPECS
+    from tokenmill.models.layers.moe import FusedMoE
+    arch, overrides = MOE_SPECS["qwen3_moe_top1"]
+    build_checkpoint(str(tmp_path), arch, overrides)
+    prompts = make_prompts([5, 9, 7], TINY["vocab_size"], seed=10)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 8)]
+
+    def run(sync_free: bool):
+        llm = make_llm(str(tmp_path), cpu_kernels="torch", max_num_seqs=4)
+        runner = runner_of(llm)
+        experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts
+        for m in experts:
+            m.sync_free = sync_free
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], runner
+
+    got, runner = run(sync_free=True)
+    assert runner.cuda_graphs.graphs[4][0].replays > 0
+    eager_graphs.undo()
+    want, runner = run(sync_free=False)
+    assert runner.cuda_graphs is None
     assert got == want
