@@ -2,7 +2,6 @@
 kernels (run by Triton's interpreter on CPU tensors) and with the decode-graph runner
 (its graphs "replayed" eagerly over the static, padded buffers) gives the same greedy
 tokens as the PyTorch path. Tiny model, few tokens: the interpreter is slow."""
-import contextlib
 import dataclasses
 import os
 
@@ -10,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import (HEAD_SHAPE_SPECS, TINY, TinyModel, build_checkpoint,  # noqa: E402
                       hf_greedy, make_llm, make_prompts, runner_of)
@@ -65,46 +65,28 @@ def triton_platform(monkeypatch):
     monkeypatch.setattr(CpuPlatform, "from_engine_args", classmethod(with_triton))
 
 
-# What reads a tensor's values on the host: on a CUDA stream each waits for the GPU,
-# and inside a graph capture each is an error (so is a shape that depends on values:
-# a boolean mask as an index, nonzero, unique).
-_HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
-               "__index__", "nonzero", "unique", "bincount", "masked_select")
+class NoHostReads(TorchFunctionMode):
+    """Fails on what a CUDA graph capture refuses: a host read of a tensor's values
+    (on a CUDA stream each waits for the GPU), a shape that depends on values (a
+    boolean mask as an index, nonzero, unique), a device tensor made from host data
+    (a copy from pageable memory; a CPU scalar such as Gemma's embedding scale is
+    fine, its value becomes a kernel argument). A torch function mode, so
+    torch.Tensor itself is left untouched."""
 
+    REFUSED = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
+               "__index__", "nonzero", "argwhere", "unique", "unique_consecutive",
+               "bincount", "masked_select"}
 
-@contextlib.contextmanager
-def no_host_reads():
-    """Fail on any host read of a tensor's values or value-dependent shape, as a
-    CUDA graph capture would."""
-    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
-    saved_fns = {name: getattr(torch, name) for name in ("nonzero", "unique", "bincount",
-                                                         "masked_select")}
-    getitem = torch.Tensor.__getitem__
-
-    def refuse(name):
-        def call(*a, **k):
-            raise AssertionError(f"host read in a graphed decode step: {name}")
-        return call
-
-    def checked_getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts):
-            raise AssertionError("boolean-mask index in a graphed decode step")
-        return getitem(self, index)
-
-    try:
-        for name in saved:
-            setattr(torch.Tensor, name, refuse(name))
-        for name in saved_fns:
-            setattr(torch, name, refuse(name))
-        torch.Tensor.__getitem__ = checked_getitem
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        for name, fn in saved_fns.items():
-            setattr(torch, name, fn)
-        torch.Tensor.__getitem__ = getitem
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        if name in self.REFUSED or (name in ("tensor", "as_tensor") and "device" in kwargs):
+            raise AssertionError(f"{name} in a graphed decode step")
+        if name == "__getitem__":
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                raise AssertionError("boolean-mask index in a graphed decode step")
+        return func(*args, **kwargs)
 
 
 class _EagerGraph:
@@ -117,7 +99,7 @@ class _EagerGraph:
 
     def replay(self):
         self.replays += 1
-        with no_host_reads():
+        with NoHostReads():
             self.out.copy_(self.model(self.ids, self.pos, self.meta))
 
 
