@@ -19,8 +19,9 @@ import torch
 # transformers (5.x) binds flash-linear-attention's kernels into its Gated DeltaNet
 # models when the modeling module is imported, wherever `fla` imports, the CPU
 # included, where they cannot run: the HF references must stay on PyTorch. fla-core is
-# in the test extras for tokenmill's own fla path; `fla_interpreted` lets it be
-# imported for a moment and hands out its kernels.
+# in the test extras for tokenmill's own fla path; `import_fla_kernels` lets it be
+# imported for a moment and hands out its kernels (tokenmill's platform, which asks
+# whether fla imports, keeps the PyTorch path in the tests).
 _FLA = sys.modules.setdefault("fla", None)
 
 
@@ -391,14 +392,14 @@ def fla_interpreted(monkeypatch):
 
     prune = Autotuner.prune_configs
     monkeypatch.setattr(Autotuner, "prune_configs", lambda self, kw: prune(self, kw)[:1])
-    kernels = _import_fla_kernels()
+    kernels = import_fla_kernels()
     monkeypatch.setattr(sys.modules["fla.ops.common.chunk_delta_h"], "range",
                         lambda *a: map(interpreter._implicit_cvt, builtins.range(*a)),
                         raising=False)
     return kernels
 
 
-def _import_fla_kernels():
+def import_fla_kernels():
     """fla's (chunk, fused recurrent) Gated DeltaNet kernels, imported with `fla`
     visible for that moment only (see the top of this file)."""
     global _FLA

@@ -211,11 +211,9 @@ def test_sync_free_moe_on_the_gpu():
 def test_fla_kernels_match_the_pytorch_delta_rule():
     """flash-linear-attention's kernels through the layer's wrappers (what a bf16 / fp16
     hybrid model runs on CUDA) against the PyTorch delta rule, in fp32 inputs."""
+    from conftest import import_fla_kernels  # fla is hidden from transformers
     from tokenmill.models.layers import gated_deltanet as gdn
-    kernels = gdn.load_fla_kernels()
-    if kernels is None:
-        pytest.skip("flash-linear-attention (fla) is not installed")
-    chunk, fused = kernels
+    chunk, fused = import_fla_kernels()
     gen = torch.Generator().manual_seed(0)
     t, h, dk, dv = 150, 4, 64, 64
     q = gdn.l2_normalize(torch.randn(t, h, dk, generator=gen)) * dk ** -0.5
