@@ -247,7 +247,7 @@ def test_hybrid_on_fla_and_triton_kernels_matches_pytorch_path(tmp_path, eager_g
     flash-linear-attention's chunked kernels for prompt chunks and its fused recurrent
     kernel for decode rows, Triton attention, decode graphs over padded buffers. A
     150-token prompt prefills in three chunks beside decoding rows; same tokens as
-    the PyTorch path."""
+    the PyTorch delta rule on the same path."""
     from test_hybrid_parity import HYBRID_SPECS, build_hybrid
     from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
     arch, overrides = HYBRID_SPECS["qwen3_5"]
