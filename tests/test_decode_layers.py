@@ -204,6 +204,24 @@ def _spy_gemma(monkeypatch, compare: bool):
     return rows
 
 
+def _staggered_decode_ran_native(llm, loop, rows) -> bool:
+    """Six prompts past the window (12) and within it, finishing at different steps, so
+    decode batches shrink from 4 rows to 1. With a native loop: every decode step ran
+    it (the model's own count agrees with the spy's rows); without: none did."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
+               for n in (5, 17, 33, 8, 40, 12)]
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(6)]
+    llm.generate(prompts, params, use_tqdm=False)
+    if loop is None:
+        assert rows == []
+        return False
+    assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
+    assert loop.num_calls == len(rows)
+    return True
+
+
 @pytest.fixture(scope="module")
 def gemma3_capped(tmp_path_factory):
     """Gemma 3 with attention soft-capping (tight, so it bites), qkv bias, two local
@@ -227,19 +245,9 @@ def test_gemma3_native_decode_layers_are_bit_identical(tiny_model_factory, gemma
     loop = runner_of(llm).model.decode_layers
     assert (loop is not None) == ops.has_fast_linear_bf16
     assert llm.llm_engine.platform.decode_layers == (loop is not None)
-    g = torch.Generator().manual_seed(5)
-    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
-               for n in (5, 17, 33, 8, 40, 12)]  # past the window (12) and within it
-    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
-              for i in range(6)]
-    llm.generate(prompts, params, use_tqdm=False)
-    if loop is not None:
-        assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
-        assert loop.num_calls == len(rows)  # the model's own count of native steps
+    if _staggered_decode_ran_native(llm, loop, rows):
         if model == "gemma3_capped":
             assert loop.softcap == 2.0 and len(set(loop._group_ids)) == 3
-    else:
-        assert rows == []
 
 
 def test_gemma3_tokens_equal_with_python_layers(tiny_model_factory, monkeypatch, widened, ops):
@@ -309,21 +317,11 @@ def test_gemma4_native_decode_layers_are_bit_identical(tiny_model_factory, gemma
     llm = make_llm(path, dtype=dtype, max_num_seqs=4)
     loop = runner_of(llm).model.decode_layers
     assert (loop is not None) == ops.has_fast_linear_bf16
-    g = torch.Generator().manual_seed(5)
-    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
-               for n in (5, 17, 33, 8, 40, 12)]  # past the window (12) and within it
-    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True)
-              for i in range(6)]
-    llm.generate(prompts, params, use_tqdm=False)
-    if loop is not None:
-        assert len(rows) > 15 and max(rows) == 4 and min(rows) == 1
-        assert loop.num_calls == len(rows)
+    if _staggered_decode_ran_native(llm, loop, rows):
         if model == "gemma4_dense_all":  # shared layers: their source's cache and group
             layers = loop.model.layers
             assert layers[3].self_attn.attn.kv_cache is layers[1].self_attn.attn.kv_cache
             assert loop._info[3 * 9 + 7] == 1 and loop._info[2 * 9 + 6] == 1  # shared, k = v
-    else:
-        assert rows == []
 
 
 def test_gemma4_tokens_equal_with_python_layers(gemma4_dense_all, monkeypatch, widened, ops):
