@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.models.layers.rotary import LONGROPE_USE_LONG, longrope_choice
+from tokenmill.models.quantization import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,11 @@ class ModelConfig:
         if not os.path.exists(cfg_path):
             raise ValueError(f"model folder {path!r} has no config.json")
         with open(cfg_path) as f:
-            hf_config = flatten_text_config(json.load(f))
+            raw_config = json.load(f)
+        # A quantized format the engine does not implement is refused before anything
+        # else is read (its weights would load as noise).
+        check_quantization(raw_config, f"model {path}")
+        hf_config = flatten_text_config(raw_config)
         gen_cfg = {}
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_path):

@@ -134,7 +134,8 @@ def gemma4_vlm(tmp_path_factory):
 
 
 def test_conditional_generation_checkpoint_runs_its_text_model(gemma4_vlm, caplog):
-    """The towers' tensors are skipped (one log line, no per-tensor warning), the text
+    """The towers' tensors are skipped (one log line; any other tensor the text model
+    has no place for would fail the load), the text
     model loads, and its greedy tokens equal HF's Gemma4ForConditionalGeneration on
     text alone: a mixed batch, prompts chunked past the window, one with an image
     placeholder id (embedded as the pad token, as HF does without an image)."""
@@ -146,7 +147,6 @@ def test_conditional_generation_checkpoint_runs_its_text_model(gemma4_vlm, caplo
     with caplog.at_level(logging.INFO):
         llm = make_llm(tm.path, max_num_batched_tokens=16, block_size=4)
     assert "loading the text model only" in caplog.text
-    assert "skipping checkpoint tensor" not in caplog.text
     prompts = tm.prompts
     prompts[2] = prompts[2][:10] + [IMAGE_TOKEN] + prompts[2][10:]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

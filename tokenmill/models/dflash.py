@@ -37,6 +37,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import DecoderConfig
+from tokenmill.models.quantization import check_quantization
 
 
 class DFlashConfig(DecoderConfig):
@@ -341,6 +342,7 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
         raise FileNotFoundError(f"DFlash draft {path}: no config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
+    check_quantization(hf_config, f"DFlash draft {path}")
     names = _checkpoint_names(path)
     if "d2t" in names:
         raise ValueError(f"DFlash draft {path}: a reduced draft vocabulary (d2t) is not "

@@ -28,7 +28,8 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import Attention, DecoderConfig
-from tokenmill.models.loader import _copy, _param_name, safetensors_files
+from tokenmill.models.loader import UNUSED_TENSOR_SUFFIXES, _copy, _param_name, safetensors_files
+from tokenmill.models.quantization import check_quantization
 
 # Checkpoint matrices packed into one parameter (as in llama.py).
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -212,6 +213,7 @@ def load_eagle3_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     """
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
+    check_quantization(hf_config, f"EAGLE-3 draft {path}")
     names, tensors = _checkpoint(path)
     own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
     torch_default = torch.get_default_dtype()
@@ -233,7 +235,7 @@ def _fill(model: Eagle3DraftModel, path: str, tensors) -> None:
     shards: dict[str, dict[int, torch.Tensor]] = {}  # packed parameter -> shards so far
     unknown, maps = [], {}
     for ckpt_name, tensor in tensors:
-        if ckpt_name.endswith("rotary_emb.inv_freq"):  # recomputed, never learned
+        if ckpt_name.endswith(UNUSED_TENSOR_SUFFIXES):  # recomputed, never learned
             continue
         name, shard = _param_name(ckpt_name, PACKED)
         if name in ("d2t", "t2d"):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import torch
@@ -10,10 +9,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.models.quantization import check_quantization
 from tokenmill.models.registry import resolve_model_class
-
-logger = logging.getLogger(__name__)
-
 
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -76,13 +73,24 @@ def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
     return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
 
 
-def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = False,
-                 shard_plan=None) -> None:
-    """Fill every parameter of `model` from the checkpoint, or raise naming what is missing.
+# Checkpoint tensors that no parameter takes, on purpose, for every model. Anything else
+# that matches no parameter is an error naming it: a tensor the loader cannot place (an
+# FP8 scale, a GPTQ qzeros) means the weights it did place are not what the model needs.
+# A model adds its own (a vision tower it does not run, MTP layers) in `map_checkpoint`,
+# which drops them with a comment saying why.
+UNUSED_TENSOR_SUFFIXES = (
+    "rotary_emb.inv_freq",  # rotary frequencies: recomputed from the config, never learned
+)
+
+
+def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None) -> None:
+    """Fill every parameter of `model` from the checkpoint, or raise naming what is
+    missing, what cannot be placed (a tensor matching no parameter, outside
+    UNUSED_TENSOR_SUFFIXES and what the model's map_checkpoint drops) or what has the
+    wrong shape or kind (an integer or float8 tensor for a floating parameter).
 
     `tensors`: the (name, tensor) pairs to load instead of every tensor in `model_dir`
-    (a draft head that lives inside the target's checkpoint reads only its own);
-    `strict`: a tensor with no matching parameter is an error, not a warning.
+    (a draft head that lives inside the target's checkpoint reads only its own).
 
     A model may declare `packed_modules` (checkpoint matrices concatenated into one
     parameter, e.g. q/k/v -> qkv_proj) and `expert_modules` (per-expert matrices
@@ -109,14 +117,13 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
     loaded = set()
 
     def unknown(ckpt_name: str) -> None:
-        if strict:
-            raise ValueError(f"checkpoint {model_dir}: tensor {ckpt_name} matches no parameter "
-                             f"of {type(model).__name__}")
-        logger.warning("skipping checkpoint tensor %s (no matching parameter)", ckpt_name)
+        raise ValueError(f"checkpoint {model_dir}: tensor {ckpt_name} matches no parameter "
+                         f"of {type(model).__name__} (a format or layout tokenmill does not "
+                         f"load; refusing rather than running without it)")
 
     source = iter_checkpoint(model_dir) if tensors is None else tensors
     for ckpt_name, tensor in mapped_checkpoint(model, source):
-        if "rotary_emb.inv_freq" in ckpt_name:
+        if ckpt_name.endswith(UNUSED_TENSOR_SUFFIXES):
             continue
         expert = _expert_name(ckpt_name, experts) if experts else None
         if expert is not None:
@@ -179,10 +186,20 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, strict: bool = 
                          + (" ..." if len(missing) > 8 else ""))
 
 
+# Checkpoint dtypes a floating parameter takes as values: copy_ would convert anything
+# else too (int32-packed nibbles, e4m3 without its scale) into numbers that are not
+# the weight.
+_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != "
                          f"model shape {tuple(param.shape)}")
+    if param.is_floating_point() and tensor.dtype not in _VALUE_DTYPES:
+        raise ValueError(f"weight {name}: checkpoint dtype {tensor.dtype} is not a plain "
+                         f"floating-point weight (a quantized checkpoint without its "
+                         f"quantization_config?); tokenmill loads bf16 / fp16 / fp32 weights")
     with torch.no_grad():
         param.copy_(tensor)
 
@@ -194,6 +211,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels.
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
     of the model (models/tensor_parallel.py)."""
+    check_quantization(hf_config, f"checkpoint {model_dir}")
     cls = resolve_model_class(hf_config)
     tp = tp_group is not None and tp_group.size > 1
     if tp:

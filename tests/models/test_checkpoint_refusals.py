@@ -1,0 +1,286 @@
+"""A checkpoint the loader cannot place is an error, never a model that generates noise.
+
+Quantized formats (FP8 with block scales, GPTQ, any unknown quant_method) are refused by
+name before a weight is read; a tensor that matches no parameter, a parameter the
+checkpoint does not fill and a weight of a non-floating dtype are each errors naming
+the tensor, for every architecture the parity suites build. EAGLE-3 / DFlash drafters
+are refused at start-up on targets that do not expose the hidden states they read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import MODEL_SPECS, build_checkpoint, make_llm
+from tokenmill.config import ModelConfig
+from tokenmill.models import loader
+from tokenmill.models.loader import load_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
+from test_moe_parity import MOE_SPECS  # noqa: E402
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in loader.safetensors_files(path):
+        with safe_open(f, framework="pt") as st:
+            out.update({n: st.get_tensor(n) for n in st.keys()})
+    return out
+
+
+def write_variant(src: str, dst: str, tensors: dict, config: dict | None = None) -> str:
+    """`src` with its weights replaced by `tensors` (one file) and its config by `config`."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, name), dst)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(dst, "model.safetensors"))
+    if config is not None:
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    return dst
+
+
+def load(path: str):
+    cfg = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
+    return load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_factory):
+    return tiny_model_factory("qwen3_headdim")
+
+
+def _config(tm) -> dict:
+    return json.load(open(os.path.join(tm.path, "config.json")))
+
+
+def fp8_block(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Qwen -FP8 layout: e4m3 weight, one fp32 scale_inv per block."""
+    rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+    scale = torch.ones(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+    full = scale.repeat_interleave(block, 0)[:w.shape[0]].repeat_interleave(block, 1)
+    return (w / full[:, :w.shape[1]]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_checkpoint(tm) -> tuple[dict, dict]:
+    tensors = {}
+    for name, t in read_tensors(tm.path).items():
+        if t.dim() == 2 and "proj" in name:
+            tensors[name], tensors[name + "_scale_inv"] = fp8_block(t)
+        else:
+            tensors[name] = t
+    return tensors, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                     "weight_block_size": [32, 32]}
+
+
+def gptq_checkpoint(tm) -> tuple[dict, dict]:
+    """GPTQ's int4 layout: int32 words of 8 nibbles (qweight packed along the input,
+    qzeros along the output), fp16 scales per group, g_idx."""
+    tensors = {}
+    for name, t in read_tensors(tm.path).items():
+        if t.dim() == 2 and "proj" in name:
+            out_f, in_f = t.shape
+            base = name[:-len(".weight")]
+            tensors[base + ".qweight"] = torch.zeros(in_f // 8, out_f, dtype=torch.int32)
+            tensors[base + ".qzeros"] = torch.zeros(in_f // 32, out_f // 8, dtype=torch.int32)
+            tensors[base + ".scales"] = torch.ones(in_f // 32, out_f, dtype=torch.float16)
+            tensors[base + ".g_idx"] = torch.arange(in_f, dtype=torch.int32) // 32
+        else:
+            tensors[name] = t
+    return tensors, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                     "sym": True, "checkpoint_format": "gptq"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "gptq"])
+def test_quantized_checkpoint_is_refused_by_method(qwen3, tmp_path, fmt, monkeypatch):
+    """Refused naming the method, before any weight is read (the engine, the loader
+    and the plain ModelConfig all say so)."""
+    tensors, qc = (fp8_checkpoint if fmt == "fp8" else gptq_checkpoint)(qwen3)
+    path = write_variant(qwen3.path, str(tmp_path / fmt), tensors,
+                         {**_config(qwen3), "quantization_config": qc})
+
+    def no_reads(*a, **k):
+        raise AssertionError("a weight was read before the format was checked")
+
+    monkeypatch.setattr(loader, "iter_checkpoint", no_reads)
+    with pytest.raises(ValueError, match=rf"quantization_config.quant_method '{fmt}' is not "
+                                         r"implemented.*unquantized"):
+        make_llm(path)
+    with pytest.raises(ValueError, match=f"quant_method '{fmt}'"):
+        load_model(path, {**_config(qwen3), "quantization_config": qc}, torch.float32,
+                   torch.device("cpu"))
+
+
+@pytest.mark.parametrize("qc, named", [
+    ({"quant_method": "my_new_format", "bits": 3}, "'my_new_format'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}, "'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+     "'compressed-tensors'"),
+    ({"bits": 4}, "quantization_config has no quant_method"),
+])
+def test_any_quantization_config_is_refused(qwen3, tmp_path, qc, named):
+    path = write_variant(qwen3.path, str(tmp_path / "q"), read_tensors(qwen3.path),
+                         {**_config(qwen3), "quantization_config": qc})
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_pretrained(path)
+
+
+def test_quantization_in_text_config_and_compression_config(qwen3, tmp_path):
+    """A vision-language config keeps it in text_config; older compressed-tensors
+    checkpoints write `compression_config`."""
+    cfg = _config(qwen3)
+    tensors = read_tensors(qwen3.path)
+    nested = write_variant(qwen3.path, str(tmp_path / "nested"), tensors, {
+        "architectures": cfg["architectures"], "model_type": "qwen3_vl",
+        "text_config": {**cfg, "quantization_config": {"quant_method": "fp8"}}})
+    with pytest.raises(ValueError, match="'fp8'"):
+        ModelConfig.from_pretrained(nested)
+    old = write_variant(qwen3.path, str(tmp_path / "old"), tensors,
+                        {**cfg, "compression_config": {"config_groups": {}}})
+    with pytest.raises(ValueError, match="compression_config.quant_method "
+                                         "'compressed-tensors'"):
+        ModelConfig.from_pretrained(old)
+
+
+def test_fp8_tensors_without_their_config_are_refused(qwen3, tmp_path):
+    """The same FP8 files with the quantization_config stripped are refused; the scale
+    tensors match no parameter (named), and e4m3 weights alone are not values (named)."""
+    tensors, _ = fp8_checkpoint(qwen3)
+    path = write_variant(qwen3.path, str(tmp_path / "noconfig"), tensors, _config(qwen3))
+    with pytest.raises(ValueError, match=r"float8_e4m3fn is not a plain|weight_scale_inv "
+                                         r"matches no parameter"):
+        load(path)
+    plain = read_tensors(qwen3.path)
+    scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
+    path = write_variant(qwen3.path, str(tmp_path / "scales"), {**plain, **scales})
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d+\.\S+_proj\."
+                                         r"weight_scale_inv matches no parameter"):
+        load(path)
+    weights_only = {k: v for k, v in tensors.items() if not k.endswith("_scale_inv")}
+    path = write_variant(qwen3.path, str(tmp_path / "noscale"), weights_only, _config(qwen3))
+    with pytest.raises(ValueError, match=r"_proj\.weight: checkpoint dtype "
+                                         r"torch.float8_e4m3fn is not a plain"):
+        load(path)
+
+
+def test_integer_weight_is_refused(qwen3, tmp_path):
+    tensors = read_tensors(qwen3.path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.int8)
+    path = write_variant(qwen3.path, str(tmp_path / "int8"), tensors)
+    with pytest.raises(ValueError, match=rf"{name}: checkpoint dtype torch.int8"):
+        load(path)
+
+
+def test_unknown_tensor_is_named_and_known_unused_ones_load(qwen3, tmp_path):
+    tensors = read_tensors(qwen3.path)
+    extra = dict(tensors, **{"model.layers.1.mlp.gate_proj.bias": torch.zeros(128)})
+    path = write_variant(qwen3.path, str(tmp_path / "extra"), extra)
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.mlp\.gate_proj\.bias "
+                                         r"matches no parameter of Qwen3ForCausalLM"):
+        load(path)
+    # Listed as unused on purpose (old checkpoints save the rotary frequencies).
+    assert any(s == "rotary_emb.inv_freq" for s in loader.UNUSED_TENSOR_SUFFIXES)
+    unused = dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)})
+    path = write_variant(qwen3.path, str(tmp_path / "unused"), unused)
+    from tokenmill import SamplingParams
+    prompt = qwen3.prompts[1]
+    out = make_llm(path).generate({"prompt_token_ids": prompt},
+                                  SamplingParams(temperature=0.0, max_tokens=20))
+    assert out[0].outputs[0].token_ids == qwen3.reference(prompt)  # HF's greedy tokens
+
+
+# Every architecture the parity suites build: (spec table, name).
+SWEEP = ([("text", n) for n in MODEL_SPECS] + [("moe", n) for n in MOE_SPECS]
+         + [("hybrid", n) for n in HYBRID_SPECS])
+
+
+@pytest.fixture(scope="module")
+def sweep_checkpoints(tmp_path_factory):
+    built = {}
+
+    def get(table: str, name: str) -> str:
+        if (table, name) not in built:
+            path = str(tmp_path_factory.mktemp(f"sweep_{name}"))
+            if table == "hybrid":
+                arch, overrides = HYBRID_SPECS[name]
+                build_hybrid(path, arch, overrides)
+            else:
+                arch, overrides = (MODEL_SPECS if table == "text" else MOE_SPECS)[name]
+                build_checkpoint(path, arch, overrides)
+            built[(table, name)] = path
+        return built[(table, name)]
+    return get
+
+
+def _layer_zero_tensors(tensors: dict) -> list[str]:
+    """The checkpoint tensors of one decoder layer (what a truncated download or a
+    renamed module loses)."""
+    names = sorted(n for n in tensors if ".layers.0." in n)
+    assert names
+    return names
+
+
+@pytest.mark.parametrize("table, name", SWEEP, ids=[n for _, n in SWEEP])
+def test_every_architecture_names_what_it_lacks_or_cannot_place(sweep_checkpoints, tmp_path,
+                                                                 table, name):
+    """For every architecture: the complete checkpoint loads; each of layer 0's tensors
+    left out is an error naming what is missing (a few that a KV-shared Gemma 4 layer
+    does not use aside), and an extra tensor is an error naming it."""
+    path = sweep_checkpoints(table, name)
+    tensors = read_tensors(path)
+    load(path)
+    names = _layer_zero_tensors(tensors)
+    # Spread over the layer's tensors (attention, norms, MLP or experts, state params).
+    picks = names[::max(1, len(names) // 4)]
+    for drop in picks:
+        variant = write_variant(path, str(tmp_path / drop), {k: v for k, v in tensors.items()
+                                                             if k != drop})
+        with pytest.raises(ValueError, match="lacks") as err:
+            load(variant)
+        # The message names the parameter (or the packed shard / expert) left unfilled.
+        leaf = drop.split(".layers.0.")[1].rsplit(".", 1)[0].split(".")[-1]
+        assert "layers.0." in str(err.value), (drop, str(err.value))
+        assert leaf in str(err.value) or "experts" in str(err.value) \
+            or "_proj" in str(err.value), (drop, str(err.value))
+    bogus = dict(tensors, **{"model.layers.0.not_a_module.weight": torch.zeros(2)})
+    variant = write_variant(path, str(tmp_path / "bogus"), bogus)
+    with pytest.raises(ValueError, match=r"not_a_module\.weight matches no parameter"):
+        load(variant)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_hidden_state_drafters_are_refused_on_targets_without_taps(tmp_path, method):
+    """The Qwen3.5 hybrid target does not expose the hidden states EAGLE-3 / DFlash read:
+    refused at start-up with an error that says so (it failed at the first propose)."""
+    from tokenmill.spec_decode.random_drafters import (build_dflash_checkpoint,
+                                                       build_eagle3_checkpoint)
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    target = str(tmp_path / "target")
+    build_hybrid(target, arch, overrides)
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    draft = str(tmp_path / method)
+    os.makedirs(draft)
+    if method == "eagle3":
+        build_eagle3_checkpoint(draft, cfg)
+    else:
+        build_dflash_checkpoint(draft, cfg, target_layer_ids=(0, 1), block_size=4)
+    with pytest.raises(ValueError, match=rf"speculative_config.method '{method}' is not "
+                                         r"supported for Qwen3_5ForCausalLM targets"):
+        make_llm(target, speculative_config={"method": method, "num_speculative_tokens": 3,
+                                             "model": draft})
