@@ -136,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
     config_class = DecoderConfig
     # compute_logits is exactly lm_head(hidden): the runner's greedy head may stand in.
     plain_lm_head = True
+    # forward() fills `aux_hidden` for the layers in `aux_layer_ids` (EAGLE-3 / DFlash
+    # targets: spec_decode/loading.py refuses such drafters for models without this).
+    provides_aux_hidden = True
 
     def __init__(self, hf_config: dict):
         super().__init__()

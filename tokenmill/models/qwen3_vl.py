@@ -144,6 +144,9 @@ class Qwen3VLForConditionalGeneration(VisionLanguageMixin, Qwen3ForCausalLM):
     """Qwen3-VL: the vision tower `visual` (with DeepStack) and a Qwen3 decoder with
     interleaved M-RoPE."""
 
+    # The DeepStack forward of an image step does not tap the layers a drafter reads.
+    provides_aux_hidden = False
+
     def __init__(self, hf_config: dict):
         super().__init__(mrope_text_config(hf_config))
         interleaved = bool(self.config.rope_params.get("mrope_interleaved", True))

@@ -9,6 +9,16 @@ def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platf
     if spec is None or spec.method == "ngram":
         return None
     dtype, device = model_config.dtype, model_config.device
+    if spec.method in ("eagle3", "dflash") and not getattr(target, "provides_aux_hidden",
+                                                           False):
+        # Refused at start: these drafters read the target's hidden states between
+        # layers, which only some architectures expose so far.
+        raise ValueError(
+            f"speculative_config.method {spec.method!r} is not supported for "
+            f"{type(target).__name__} targets yet: the drafter reads hidden states between "
+            f"the target's layers, which this architecture does not expose (supported: "
+            f"Llama, Mistral, Phi-3, Qwen2 / Qwen2.5-VL, Qwen3 and Qwen3-MoE targets; "
+            f"'ngram' works everywhere, 'mtp' on checkpoints with an MTP head)")
     if spec.method == "eagle3":
         from tokenmill.models.eagle3 import load_eagle3_drafter
         return load_eagle3_drafter(spec.model, target, dtype, device, platform)
