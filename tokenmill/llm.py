@@ -52,10 +52,11 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         engine = self.llm_engine
         # Validate everything first: a bad prompt raises before anything runs.
-        processed = [engine.process_prompt(p) for p in prompts]
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        processed = [engine.process_prompt(p, sp.truncate_prompt_tokens)
+                     for p, sp in zip(prompts, params)]
         # generate() returns each request once, finished: ask the engine for just that.
         params = [sp if sp.output_kind == RequestOutputKind.FINAL_ONLY
                   else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]

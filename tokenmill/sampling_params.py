@@ -52,6 +52,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (left truncation; -1: as many as the context
+    # holds with room for one output token), as vLLM's field.
+    truncate_prompt_tokens: int | None = None
     # Constrain the output to a JSON schema / regex / choice / grammar (dict or
     # StructuredOutputsParams); the grammar itself is checked at add_request.
     structured_outputs: StructuredOutputsParams | None = None
@@ -145,6 +148,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and number(name, int) < 0:
                 fail(name, f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.truncate_prompt_tokens is not None:
+            v = number("truncate_prompt_tokens", int)
+            if v != -1 and not 1 <= v <= INT32_MAX:
+                fail("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or in "
+                                               f"[1, {INT32_MAX}], got {v}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

@@ -273,18 +273,24 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def process_prompt(self, prompt) -> tuple:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple:
         """A str, {"prompt": str} or {"prompt_token_ids": [...]} (either dict with an
         optional "multi_modal_data": {"image": an image or a list of them}) -> (text,
-        token ids, images as MultiModalFeatures or None), validated."""
+        token ids, images as MultiModalFeatures or None), validated.
+
+        `truncate_prompt_tokens` (SamplingParams'): keep the last k tokens; -1: the last
+        max_model_len - 1 (the longest prompt that leaves room for an output token)."""
         text = None
         max_len = self.model_config.max_model_len
+        keep = self._truncation(truncate_prompt_tokens, prompt)
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise ParamError("prompt", "prompt_token_ids must be a list of ints")
+            if keep is not None:
+                ids = ids[-keep:]
             if len(ids) >= max_len:  # before looking at a million entries one by one
                 raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no "
                                            f"room for output within max_model_len={max_len}")
@@ -302,6 +308,8 @@ class LLMEngine:
                 raise ParamError("prompt",
                                  "prompt: this model has no tokenizer; pass prompt_token_ids")
             ids = self.tokenizer.encode(text)
+            if keep is not None:
+                ids = ids[-keep:]
         if not ids:
             raise ParamError("prompt", "prompt is empty")
         features = None
@@ -317,6 +325,21 @@ class LLMEngine:
             raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no room "
                                        f"for output within max_model_len={max_len}")
         return text, ids, features
+
+    def _truncation(self, k: int | None, prompt) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps, or None."""
+        if k is None:
+            return None
+        max_len = self.model_config.max_model_len
+        if k > max_len:
+            raise ParamError("truncate_prompt_tokens",
+                             f"truncate_prompt_tokens ({k}) is greater than "
+                             f"max_model_len={max_len}")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Cutting the prompt could split an image's placeholder run.
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens cannot be "
+                                                       "combined with multi_modal_data")
+        return max_len - 1 if k == -1 else k
 
     def _process_multimodal(self, ids: list[int], mm) -> tuple[list[int], list | None]:
         """The images of a prompt: preprocessed, placeholders expanded (see
@@ -348,7 +371,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ParamError(None, f"sampling_params must be a SamplingParams, "
                                    f"got {type(params).__name__}")
-        text, ids, *mm = processed if processed is not None else self.process_prompt(prompt)
+        text, ids, *mm = processed if processed is not None else self.process_prompt(
+            prompt, params.truncate_prompt_tokens)
         cache_salt = self._cache_salt(prompt)
         params = self._resolve_params(params, len(ids))
         return PreparedRequest(text, ids, params, cache_salt, mm[0] if mm else None)
