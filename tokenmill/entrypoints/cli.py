@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 while step N runs (default: on)")
+                   help="schedule step N+1 while step N runs (default: on for CUDA, off on CPU)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / prompt_logprobs a request may ask for")
     p.add_argument("--max-num-encoder-input-tokens", type=int, default=None,

@@ -5,20 +5,28 @@ from __future__ import annotations
 from tokenmill.spec_decode.config import SpeculativeConfig
 
 
-def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platform=None):
-    if spec is None or spec.method == "ngram":
-        return None
-    dtype, device = model_config.dtype, model_config.device
-    if spec.method in ("eagle3", "dflash") and not getattr(target, "provides_aux_hidden",
-                                                           False):
-        # Refused at start: these drafters read the target's hidden states between
-        # layers, which only some architectures expose so far.
+# Drafters that read the target's hidden states between layers (EAGLE-3's aux layers,
+# DFlash's target layers).
+HIDDEN_STATE_METHODS = ("eagle3", "dflash")
+
+
+def check_hidden_state_target(method: str, target) -> None:
+    """Refused at start: these drafters read hidden states between the target's layers,
+    which only architectures with `provides_aux_hidden` expose so far."""
+    if method in HIDDEN_STATE_METHODS and not getattr(target, "provides_aux_hidden", False):
         raise ValueError(
-            f"speculative_config.method {spec.method!r} is not supported for "
+            f"speculative_config.method {method!r} is not supported for "
             f"{type(target).__name__} targets yet: the drafter reads hidden states between "
             f"the target's layers, which this architecture does not expose (supported: "
             f"Llama, Mistral, Phi-3, Qwen2 / Qwen2.5-VL, Qwen3 and Qwen3-MoE targets; "
             f"'ngram' works everywhere, 'mtp' on checkpoints with an MTP head)")
+
+
+def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platform=None):
+    if spec is None or spec.method == "ngram":
+        return None
+    dtype, device = model_config.dtype, model_config.device
+    check_hidden_state_target(spec.method, target)
     if spec.method == "eagle3":
         from tokenmill.models.eagle3 import load_eagle3_drafter
         return load_eagle3_drafter(spec.model, target, dtype, device, platform)

@@ -1,0 +1,106 @@
+"""Which targets the hidden-state drafters (EAGLE-3, DFlash) run on, as the README says.
+
+Every registered architecture is either a target whose forward taps the layers a drafter
+reads, or refused at start-up by name; on each Llama-family target the README names,
+an EAGLE-3 drafter (random weights) leaves the greedy output exactly the target's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import (MODEL_SPECS, build_checkpoint, make_llm, make_prompts, runner_of,
+                      scheduler_of)
+from tokenmill import SamplingParams
+from tokenmill.models.registry import MODEL_REGISTRY
+from tokenmill.spec_decode.loading import HIDDEN_STATE_METHODS, check_hidden_state_target
+
+# What the README lists as refused for eagle3 / dflash (the rest of the registry runs them).
+REFUSED = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
+           "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM",
+           "Gemma4ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
+def test_every_architecture_is_a_tapped_target_or_refused(arch):
+    cls = MODEL_REGISTRY[arch]
+    target = cls.__new__(cls)  # the check reads the class only
+    for method in HIDDEN_STATE_METHODS:
+        if arch in REFUSED:
+            with pytest.raises(ValueError, match=rf"method '{method}' is not supported for "
+                                                 rf"{cls.__name__} targets"):
+                check_hidden_state_target(method, target)
+        else:
+            check_hidden_state_target(method, target)
+    check_hidden_state_target("ngram", target)
+    check_hidden_state_target("mtp", target)
+
+
+def _greedy(n: int = 16) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(llm, prompts, n: int = 16) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _target(name: str, tmp_path_factory, tiny_model_factory) -> str:
+    if name in MODEL_SPECS:
+        return tiny_model_factory(name).path
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
+    from test_moe_parity import MOE_SPECS
+    arch, overrides = MOE_SPECS[name]
+    path = str(tmp_path_factory.mktemp(name))
+    build_checkpoint(path, arch, overrides)
+    return path
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "phi3_partial", "qwen2_tied",
+                                  "qwen3_moe_norm"])
+def test_eagle3_on_each_llama_family_target(name, tmp_path, tmp_path_factory,
+                                            tiny_model_factory):
+    from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
+    path = _target(name, tmp_path_factory, tiny_model_factory)
+    config = json.load(open(os.path.join(path, "config.json")))
+    draft = str(tmp_path / "eagle3")
+    os.makedirs(draft)
+    build_eagle3_checkpoint(draft, config)
+    prompts = make_prompts([5, 23, 40], config["vocab_size"], seed=31)
+    want = _tokens(make_llm(path), prompts)
+    llm = make_llm(path, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                             "model": draft},
+                   max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm, prompts) == want
+    assert runner_of(llm).model.aux_hidden is not None  # the taps ran
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0
+
+
+def test_eagle3_on_a_vision_language_target(tmp_path):
+    """Qwen2.5-VL (the Llama-family forward with M-RoPE): text and image prompts."""
+    from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
+    from vl_checkpoint import build_vl_checkpoint, make_image
+    path = str(tmp_path / "vl")
+    build_vl_checkpoint(path)
+    config = json.load(open(os.path.join(path, "config.json")))
+    text = config.get("text_config", config)
+    draft = str(tmp_path / "eagle3")
+    os.makedirs(draft)
+    build_eagle3_checkpoint(draft, {**config, **text})
+    tok = make_llm(path).get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode("describe the picture of a red car")},
+               {"prompt": "<|vision_start|><|image_pad|><|vision_end|>what is it",
+                "multi_modal_data": {"image": make_image(32, 40, seed=2)}}]
+
+    def run(llm):
+        outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    want = run(make_llm(path))
+    llm = make_llm(path, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                             "model": draft})
+    assert run(llm) == want
