@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.entrypoints.openai.protocol import UNSUPPORTED_FIELD
 from tokenmill.errors import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ def install_handlers(app: FastAPI, rejected) -> None:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             if e.get("type") == "json_invalid":
                 return reject(f"malformed JSON: {e.get('msg')}", 400, "BadRequestError")
+            if e.get("type") == UNSUPPORTED_FIELD:  # protocol.py refused a field it names
+                ctx = e.get("ctx") or {}
+                return reject(str(ctx.get("message") or e.get("msg")), 400, "BadRequestError",
+                              ctx.get("param"))
             param = loc[0] if loc else None
             msg = f"{param}: {e.get('msg')}" if param else str(e.get("msg"))
             return reject(msg, 400, "BadRequestError", param)

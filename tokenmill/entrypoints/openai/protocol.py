@@ -1,11 +1,16 @@
-"""Request bodies of the OpenAI API (the fields tokenmill honours; unknown ones are ignored)."""
+"""Request bodies of the OpenAI API: the fields tokenmill honours are the models' fields;
+fields that would change what a correct answer is, and that tokenmill does not implement,
+are refused (a 400 naming the field: REFUSED_FIELDS); fields accepted and ignored on purpose
+are IGNORED_FIELDS; any other unknown field is ignored and logged once per name."""
 from __future__ import annotations
 
 import itertools
+import logging
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
@@ -47,6 +52,170 @@ class OpenAIBaseModel(BaseModel):
         return _check_unicode(value)
 
 
+# ---- fields refused, fields ignored on purpose, unknown fields ---------------------------
+# A request that asks for something tokenmill does not do (tool calls, audio, beam search,
+# a reasoning effort, ...) gets a 400 naming the field instead of a plain answer the client
+# cannot tell from a correct one. A value that asks for nothing beyond what tokenmill does
+# is accepted: null always (clients that send every field send nulls), and the "off" values
+# (`tools: []`, `tool_choice: "none"`, `use_beam_search: false`, `best_of` equal to `n`, ...).
+
+UNSUPPORTED_FIELD = "unsupported_field"  # the pydantic error type errors.py turns into a 400
+
+logger = logging.getLogger(__name__)
+
+
+def _null(v, data) -> bool:
+    return v is None
+
+
+def _null_or(*ok) -> Callable[[Any, dict], bool]:
+    """Null, or one of `ok` (same type: `false` is not `0`, `1.0` is `1`)."""
+    def harmless(v, data) -> bool:
+        return v is None or any(
+            v == o and (type(v) is type(o) or {type(v), type(o)} == {int, float}) for o in ok)
+    return harmless
+
+
+def _best_of_is_n(v, data) -> bool:
+    """best_of generates best_of sequences and returns the n best: the same as n alone only
+    when best_of == n."""
+    n = data.get("n")
+    n = 1 if n is None else n
+    return v is None or (type(v) is int and type(n) is int and v == n)
+
+
+_NO_TOOLS = "tool calling is not implemented by this server"
+_TOOL_FIELDS: dict[str, tuple] = {
+    "tools": (_null_or([]), _NO_TOOLS),
+    "tool_choice": (_null_or("none"), _NO_TOOLS + ' (only "none" is accepted)'),
+    "parallel_tool_calls": (_null, _NO_TOOLS),
+    "functions": (_null_or([]), _NO_TOOLS),
+    "function_call": (_null_or("none"), _NO_TOOLS + ' (only "none" is accepted)'),
+}
+_BEAM_FIELDS: dict[str, tuple] = {
+    "best_of": (_best_of_is_n, "best_of other than n (generate more, return the best) is "
+                               "not implemented"),
+    "use_beam_search": (_null_or(False), "beam search is not implemented"),
+    "length_penalty": (_null_or(1.0), "beam search is not implemented"),
+    "early_stopping": (_null_or(False), "beam search is not implemented"),
+}
+_VLLM_OUTPUT_FIELDS: dict[str, tuple] = {
+    "logits_processors": (_null_or([]), "logits processors are not implemented"),
+    "return_tokens_as_token_ids": (_null_or(False), "token ids in place of token strings "
+                                                    "are not implemented"),
+    "return_token_ids": (_null_or(False), "token ids in the response are not implemented"),
+    "guided_whitespace_pattern": (_null, "a whitespace pattern for JSON is not implemented"),
+    "mm_processor_kwargs": (_null_or({}), "multimodal processor arguments are not "
+                                          "implemented"),
+}
+_CHAT_TEMPLATE_FIELDS: dict[str, tuple] = {
+    "chat_template_kwargs": (_null_or({}), "extra chat template arguments are not implemented"),
+    "documents": (_null_or([]), "documents for the chat template are not implemented"),
+    "continue_final_message": (_null_or(False), "continuing the last message is not "
+                                                "implemented"),
+}
+
+# Fields accepted and ignored on purpose: none of them changes what a correct answer is.
+# (`user` is also one; it is declared, so a wrong type is still a 400.)
+IGNORED_FIELDS = frozenset({
+    "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention",
+    "prediction",  # a latency hint: the answer is the model's own either way
+    "priority", "request_id", "guided_decoding_backend",  # vLLM: scheduling, ids, backend
+})
+
+# Unknown fields: one WARNING per name per process, at most this many names (a client
+# sending random names cannot grow the set or the log without bound).
+_MAX_WARNED_NAMES = 256
+_warned: set[str] = set()  # the names logged so far (their first 64 characters)
+_warned_cap_reached = False
+
+
+def _warn_unknown(names: list[str], endpoint: str) -> None:
+    global _warned_cap_reached
+    for name in names:
+        key = name[:64]
+        if key in _warned:
+            continue
+        if len(_warned) >= _MAX_WARNED_NAMES:
+            if not _warned_cap_reached:
+                _warned_cap_reached = True
+                logger.warning("more than %d unknown request field names: no more are logged",
+                               _MAX_WARNED_NAMES)
+            return
+        _warned.add(key)
+        # ascii(): a name may hold anything a JSON string can (newlines, lone surrogates)
+        logger.warning("%s: unknown request field %s is ignored (logged once per field name)",
+                       endpoint, ascii(key) + ("..." if len(name) > 64 else ""))
+
+
+def _refuse(param: str, message: str):
+    return PydanticCustomError(UNSUPPORTED_FIELD, "{message}",
+                               {"message": message, "param": param})
+
+
+# The content part types a chat message may carry: text, and images (media.py's types).
+_PART_TYPES = frozenset({"text", "image_url", "image", "image_pil"})
+
+
+def _check_messages(messages) -> None:
+    """Refuses the message fields that only mean something with tool calling or audio
+    output, and content parts tokenmill does not render (a 400 naming `messages`)."""
+    if not isinstance(messages, list):
+        return  # the field's own validation names the problem
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        where = f"messages[{i}]"
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise _refuse("messages", f"{where}.role: {role!r} messages (tool results) are "
+                                      f"not supported: {_NO_TOOLS}")
+        if not _null_or([])(m.get("tool_calls"), m):
+            raise _refuse("messages", f"{where}.tool_calls: {_NO_TOOLS}")
+        if m.get("function_call") is not None:
+            raise _refuse("messages", f"{where}.function_call: {_NO_TOOLS}")
+        if m.get("audio") is not None:
+            raise _refuse("messages", f"{where}.audio: audio is not supported")
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in _PART_TYPES:
+                shown = ascii(kind[:40])  # the client's string: never echoed raw
+                raise _refuse("messages", f"{where}.content[{j}]: content parts of type "
+                                          f"{shown} are not supported (text and image_url "
+                                          f"are)")
+
+
+class _RequestBody(OpenAIBaseModel):
+    """A request body: its refused fields are a 400 naming them, its unknown fields are
+    logged (once per name) and ignored."""
+    ENDPOINT: ClassVar[str] = "request"
+    # name -> (harmless(value, body) -> bool, why a value that is not harmless is refused)
+    REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {}
+    IGNORED: ClassVar[frozenset] = IGNORED_FIELDS
+    CHECK_MESSAGES: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if not isinstance(data, dict):
+            return data  # not an object: the model's own validation says so
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known and k not in cls.REFUSED_FIELDS
+                   and k not in cls.IGNORED]
+        if unknown:
+            _warn_unknown(unknown, cls.ENDPOINT)
+        for name, (harmless, why) in cls.REFUSED_FIELDS.items():
+            if name in data and not harmless(data[name], data):
+                raise _refuse(name, f"{name}: {why}")
+        if cls.CHECK_MESSAGES:
+            _check_messages(data.get("messages"))
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
@@ -74,10 +243,10 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "seed", "presence_penalty", "freque
                 "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens",
                 "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "include_stop_str_in_output", "stop_token_ids", "allowed_token_ids",
-                "bad_words", "prompt_logprobs")
+                "bad_words", "prompt_logprobs", "truncate_prompt_tokens")
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(_RequestBody):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -106,6 +275,7 @@ class _SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: what fits)
     # structured output: OpenAI's response_format; vLLM's structured_outputs and guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -183,6 +353,16 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
+    ENDPOINT: ClassVar[str] = "/v1/completions"
+    REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {
+        **_TOOL_FIELDS,  # not completions fields, but a client sending them wants tool calls
+        "suffix": (_null_or(""), "a suffix (text insertion) is not implemented"),
+        **_BEAM_FIELDS,
+        # string prompts are tokenized with the special tokens (vLLM's default too)
+        "add_special_tokens": (_null_or(True), "add_special_tokens=false is not implemented"),
+        "prompt_embeds": (_null, "prompt embeddings are not implemented"),
+        **_VLLM_OUTPUT_FIELDS,
+    }
     # fail_fast: a member that does not match stops at its first bad item, else a million
     # token ids spent a second and a half of the event loop on list[list[int]]'s errors
     prompt: Union[Annotated[list[list[int]], Field(fail_fast=True)],
@@ -207,6 +387,24 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    ENDPOINT: ClassVar[str] = "/v1/chat/completions"
+    REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {
+        **_TOOL_FIELDS,
+        "reasoning_effort": (_null, "a reasoning effort is not implemented"),
+        "verbosity": (_null, "a verbosity setting is not implemented"),
+        "modalities": (_null_or(["text"]), 'only text output (["text"]) is implemented'),
+        "audio": (_null, "audio output is not implemented"),
+        "web_search_options": (_null, "web search is not implemented"),
+        **_BEAM_FIELDS,
+        "echo": (_null_or(False), "echoing the last message is not implemented"),
+        # the chat template places the special tokens; none are added around its text
+        "add_special_tokens": (_null_or(False), "special tokens around the chat template's "
+                                                "text are not implemented"),
+        **_CHAT_TEMPLATE_FIELDS,
+        **_VLLM_OUTPUT_FIELDS,
+    }
+    CHECK_MESSAGES: ClassVar[bool] = True
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -227,7 +425,17 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(_RequestBody):
+    # what changes the prompt a chat request would get, and what changes the answer's shape
+    ENDPOINT: ClassVar[str] = "/tokenize"
+    REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {
+        "tools": _TOOL_FIELDS["tools"],
+        **_CHAT_TEMPLATE_FIELDS,
+        "mm_processor_kwargs": _VLLM_OUTPUT_FIELDS["mm_processor_kwargs"],
+        "return_token_strs": (_null_or(False), "token strings are not implemented"),
+    }
+    IGNORED: ClassVar[frozenset] = frozenset()
+    CHECK_MESSAGES: ClassVar[bool] = True
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -236,7 +444,9 @@ class TokenizeRequest(OpenAIBaseModel):
     chat_template: str | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(_RequestBody):
+    ENDPOINT: ClassVar[str] = "/detokenize"
+    IGNORED: ClassVar[frozenset] = frozenset()
     model: str | None = None
     tokens: list[int]
 
