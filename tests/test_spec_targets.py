@@ -104,3 +104,21 @@ def test_eagle3_on_a_vision_language_target(tmp_path):
     llm = make_llm(path, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
                                              "model": draft})
     assert run(llm) == want
+
+
+@pytest.mark.parametrize("name", ["gemma3", "deepseek_v2"])
+def test_ngram_on_targets_without_taps(name, tiny_model_factory):
+    """n-gram drafts need no hidden states: exact on Gemma 3's two KV groups and
+    DeepSeek's latent cache too. The prompt holds 100 distinct tokens and the lookup
+    takes 1-grams, so a generated token found in the prompt brings drafts (all but
+    certain for any weights: each output token has a ~1/4 chance); not adaptive: the
+    CPU's row budget may leave no free rows for drafts at fp32."""
+    import torch
+    tm = tiny_model_factory(name)
+    prompt = torch.randperm(tm.vocab_size, generator=torch.Generator().manual_seed(5))
+    prompts = [prompt[:100].tolist()]
+    want = _tokens(make_llm(tm.path), prompts, 24)
+    llm = make_llm(tm.path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1, "adaptive": False})
+    assert _tokens(llm, prompts, 24) == want
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0

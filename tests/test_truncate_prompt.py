@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_llm, make_prompts
+from inprocess_app import async_llm  # noqa: F401 (a fixture)
 from tokenmill import SamplingParams
 from tokenmill.errors import ParamError
 
@@ -83,3 +84,26 @@ def test_refusals_that_need_the_engine(llm):
     with pytest.raises(ParamError, match="cannot be combined with multi_modal_data"):
         llm.llm_engine.process_prompt({"prompt_token_ids": [1, 2],
                                        "multi_modal_data": {"image": []}}, 1)
+
+
+def test_server_takes_the_field(async_llm):
+    """/v1/completions and /v1/chat/completions pass it (vLLM's extra body field):
+    usage counts the kept tokens; a bad value is a 400 naming it."""
+    from inprocess_app import call
+    from tokenmill.entrypoints.openai.server import build_app
+    app = build_app(async_llm, "m")
+    ids = list(range(10, 50))
+    body = {"model": "m", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    full, cut, chat, bad = call(
+        app, ("POST", "/v1/completions", {"json": {**body, "prompt": ids}}),
+        ("POST", "/v1/completions", {"json": {**body, "prompt": ids,
+                                              "truncate_prompt_tokens": 7}}),
+        ("POST", "/v1/chat/completions", {"json": {
+            **body, "messages": [{"role": "user", "content": "hello there " * 20}],
+            "truncate_prompt_tokens": 5}}),
+        ("POST", "/v1/completions", {"json": {**body, "prompt": ids,
+                                              "truncate_prompt_tokens": 0}}))
+    assert full.json()["usage"]["prompt_tokens"] == 40
+    assert cut.json()["usage"]["prompt_tokens"] == 7
+    assert chat.json()["usage"]["prompt_tokens"] == 5
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -284,3 +284,35 @@ def test_hidden_state_drafters_are_refused_on_targets_without_taps(tmp_path, met
                                          r"supported for Qwen3_5ForCausalLM targets"):
         make_llm(target, speculative_config={"method": method, "num_speculative_tokens": 3,
                                              "model": draft})
+
+
+def test_deepseek_v3_mtp_layers_are_unused_on_purpose(tiny_model_factory, tmp_path):
+    """V3 checkpoints carry their next-token (MTP) layer as model.layers.{N} past
+    num_hidden_layers: dropped by DeepseekV2ForCausalLM.map_checkpoint, so the load
+    succeeds and the tokens stay HF's; any other extra tensor still fails."""
+    from tokenmill import SamplingParams
+    tm = tiny_model_factory("deepseek_v3")
+    tensors = read_tensors(tm.path)
+    n = tm.hf_config["num_hidden_layers"]
+    mtp = {k.replace(f".layers.{n - 1}.", f".layers.{n}."): v.clone() for k, v in tensors.items()
+           if f".layers.{n - 1}." in k}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(8, 8)  # MTP-only modules
+    path = write_variant(tm.path, str(tmp_path / "v3mtp"), {**tensors, **mtp})
+    prompt = tm.prompts[0]
+    out = make_llm(path).generate({"prompt_token_ids": prompt},
+                                  SamplingParams(temperature=0.0, max_tokens=20))
+    assert out[0].outputs[0].token_ids == tm.reference(prompt)
+
+
+def test_hybrid_model_turns_the_external_kv_tier_off_with_the_reason(tmp_path, caplog):
+    import logging
+
+    from conftest import runner_of
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    path = str(tmp_path / "hybrid")
+    build_hybrid(path, arch, overrides)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
+        llm = make_llm(path, kv_connector=["cpu"])
+    assert llm.llm_engine.engine_core.kv_connector is None
+    assert runner_of(llm).kv_connector is None
+    assert "turned off" in caplog.text and "Gated DeltaNet" in caplog.text
