@@ -417,7 +417,8 @@ def mtp_checkpoint(tmp_path_factory):
 def test_mtp_greedy_equals_no_speculation(mtp_checkpoint):
     """A hybrid target with its own MTP head (random: few drafts pass): the output is
     the target's, with chunked prefill and preemption too; the head's K/V lives in
-    the target's KV cache group, with lookahead slots for its draft steps."""
+    the target's KV cache group, with lookahead slots for its draft steps. (How many
+    drafts pass: test_spec_oracle.py, with drafts that are known to pass or fail.)"""
     vocab = 384
     prompts = loop_prompts(vocab, n=5, seed=21)
     want = generate(make_llm(mtp_checkpoint), prompts, greedy(24))
@@ -438,7 +439,8 @@ def test_eagle3_greedy_equals_no_speculation(base, tmp_path, aux_ids):
     """An EAGLE-3 draft (random weights, its own smaller vocabulary mapped by d2t) on
     the Llama target: the output is the target's, with chunked prefill and preemption
     too. aux ids: the default for a 2-layer target repeats a layer; [0, 1, 0] taps
-    the embedding output twice, out of layer order."""
+    the embedding output twice, out of layer order. (How many drafts pass:
+    test_spec_oracle.py.)"""
     import json
 
     from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
@@ -471,7 +473,8 @@ def test_draft_model_configs_are_checked(llama_tiny, tmp_path):
 def test_dflash_greedy_equals_no_speculation(tiny_model_factory, tmp_path):
     """A DFlash draft (random weights: few drafts pass) on a Qwen3 target: the output is
     the target's, also with chunked prefill and preemption (the context is cut back
-    when a request resumes); the context follows accepted tokens only."""
+    when a request resumes); the context follows accepted tokens only. (How many
+    drafts pass: test_spec_oracle.py.)"""
     import json
 
     from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint

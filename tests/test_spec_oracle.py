@@ -1,0 +1,432 @@
+"""Speculative decoding with oracle drafters: every method's real proposer path, with
+only the draft model's (or the n-gram lookup's) guess replaced by the plain run's
+tokens, some of them corrupted on purpose.
+
+The random drafters of test_spec_decode.py can only show that the output is the
+target's; with them nobody knows how many drafts should pass. Here the drafts are
+the tokens the engine without speculation emitted (the right answer), except at the
+draft positions a pattern marks, where another token stands. So each run knows in
+advance what the verifier must do:
+
+  "all"     no draft corrupted: every draft is accepted;
+  "partial" draft j of a request that has n tokens is corrupted where j == 1 + n % 3:
+            the first 1, 2 or 3 drafts pass (all of them when fewer were verified);
+  "none"    draft 0 always corrupted: nothing is accepted.
+
+Each test checks that (1) the output equals the plain engine's tokens, (2) every
+verified draft list is the oracle's for the request's position at that step (no
+stale or shifted drafts), (3) the spec metrics (verifications, draft tokens,
+accepted tokens, accepted count per draft position) equal what the pattern implies,
+computed here: with unlimited budgets from a model of the scheduler and the adaptive
+drafter (every verification of every request, in order); with chunked prefill and
+preemption (where the token budget cuts drafts) from the drafts that were scheduled.
+The oracles also check what the proposer feeds them (input token, position, the
+DFlash context's length) and record any mismatch.
+
+What is replaced, per method (everything else runs as in production):
+  ngram   NgramProposer._lookup: the Drafter's eligibility / adaptive k / backoff,
+          NgramProposer.propose (its per-request index, caps) run for real. (A prompt
+          the lookup would continue correctly needs the plain output inside the
+          prompt, which changes that output; wrapping the lookup keeps the plain
+          run as the oracle.)
+  eagle3, mtp  the drafter's token choice: the real drafter runs every forward and
+          write_kv (its K/V in the target's paged cache, deferred rows, the k - 1
+          chained steps fed with its own hidden state), and its output rows are
+          mapped to the oracle's tokens (draft_token_ids reads them). The greedy
+          lm_head shortcut is off for the wrapped drafter (the oracle picks the id).
+  dflash  DFlashDraftModel.propose: the real block forward over the real context
+          runs; its [R, k] result is replaced by the oracle's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_llm, runner_of, scheduler_of
+from test_spec_decode import (assert_no_leaks, generate, greedy,  # noqa: F401
+                              mtp_checkpoint, spec_stats)
+
+from tokenmill.spec_decode.drafter import MAX_BACKOFF
+
+MAX_TOKENS = 24
+
+PATTERNS = {
+    "all": lambda n, j: False,
+    "partial": lambda n, j: j == 1 + n % 3,
+    "none": lambda n, j: j == 0,
+}
+
+# Chunked prefill (a 16-token budget: long prompts in chunks, drafts cut to fit) and
+# a KV cache too small for every request at once (preemption by recompute).
+CHUNKED = {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "block_size": 8,
+           "max_model_len": 96}
+
+
+@pytest.fixture(autouse=True)
+def no_row_budget(monkeypatch):
+    """No CPU row budget: the drafts of a step do not depend on the batch size, so the
+    expected verifications follow from each request alone."""
+    from tokenmill.cpu_platform import CpuPlatform
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+
+
+# ---- the oracle ---------------------------------------------------------------------------
+
+class Oracle:
+    """The plain run's sequences (prompt + output), keyed by prompt, and the pattern."""
+
+    def __init__(self, seqs: dict[tuple, list[int]], pattern: str, vocab: int):
+        self.seqs = seqs
+        self.corrupt = PATTERNS[pattern]
+        self.vocab = vocab
+        self.errors: list[str] = []
+        self.calls = 0  # draft rows the oracle answered
+        self.waited: list[bool] = []  # per drafter pass: did some decode row wait
+
+    def seq(self, prompt) -> list[int]:
+        return self.seqs[tuple(int(t) for t in prompt)]
+
+    def seq_of_row(self, row: np.ndarray, length: int) -> list[int] | None:
+        """The plain sequence whose prompt starts this token row (no prompt is a prefix
+        of another); None (and an error) where the row left the plain run."""
+        for prompt, seq in self.seqs.items():
+            if tuple(row[:len(prompt)].tolist()) == prompt:
+                if row[:length].tolist() != seq[:length]:
+                    self.errors.append(f"row of {prompt[:3]}... left the plain run")
+                return seq
+        self.errors.append(f"no prompt starts row {row[:8].tolist()}")
+        return None
+
+    def draft(self, seq: list[int], n: int, j: int) -> int:
+        """Draft j of a request with n tokens: the plain run's token at n + j, or, where
+        the pattern says so, a different one. Past the plain run (drafts the scheduler
+        cuts, as they would pass max_tokens): 0."""
+        if n + j >= len(seq):
+            return 0
+        t = seq[n + j]
+        return (t + 1 + j) % self.vocab if self.corrupt(n, j) else t
+
+    def drafts(self, seq: list[int], n: int, d: int) -> list[int]:
+        return [self.draft(seq, n, j) for j in range(d)]
+
+    def accepted(self, n: int, d: int) -> int:
+        """Drafts a verification of d drafts from n tokens accepts: up to the first
+        corrupted one."""
+        return next((j for j in range(d) if self.corrupt(n, j)), d)
+
+
+class OracleEagleModel:
+    """An EAGLE-3 or MTP drafter whose guesses are the oracle's. Every call runs the
+    real drafter first (its K/V writes, the hidden state the next chained step takes);
+    its `out` rows are replaced by the oracle's tokens, which draft_token_ids returns.
+    The batch row of each call's rows comes from the proposer's _decode_meta (wrapped
+    by install_oracle), the request's token count from the batch: a row at position p
+    is draft j = p + 2 - n of its request."""
+
+    shares_target_lm_head = False  # the oracle, not the greedy lm_head, picks the id
+
+    def __init__(self, model, runner, oracle: Oracle, k: int):
+        self.model, self.runner, self.oracle, self.k = model, runner, oracle, k
+        self.rows: list[int] = []
+
+    def __getattr__(self, name):  # aux_layer_ids, combine_target_hidden, write_kv, ...
+        return getattr(self.__dict__["model"], name)
+
+    def __call__(self, input_ids, positions, hidden, meta):
+        out, next_hidden = self.model(input_ids, positions, hidden, meta)
+        batch, oracle = self.runner.input_batch, self.oracle
+        tokens = []
+        assert len(self.rows) == input_ids.shape[0]
+        for r, p, t_in in zip(self.rows, positions.tolist(), input_ids.tolist()):
+            rid = batch.req_ids[r]
+            seq = oracle.seq(self.runner.requests[rid].prompt_token_ids)
+            n = int(batch.num_tokens_no_spec[r])
+            j = p + 2 - n
+            want_in = seq[n - 1] if j == 0 else oracle.draft(seq, n, j - 1)
+            if not 0 <= j < self.k or t_in != want_in:
+                oracle.errors.append(f"{rid}: draft step at position {p} with {n} tokens "
+                                     f"took token {t_in}, expected {want_in}")
+            tokens.append(oracle.draft(seq, n, j))
+            oracle.calls += 1
+        return torch.tensor(tokens, dtype=torch.long, device=out.device).view(-1, 1), \
+            next_hidden
+
+    def draft_token_ids(self, out):
+        return out[:, 0]
+
+
+class OracleDFlashModel:
+    """A DFlash drafter whose block's guesses are the oracle's: the real propose runs
+    (its block over the request's context), its [R, k] drafts are replaced. Checks that
+    the block starts at the request's last token and that the context covers every
+    position before it."""
+
+    shares_target_lm_head = False
+
+    def __init__(self, model, runner, oracle: Oracle):
+        self.model, self.runner, self.oracle = model, runner, oracle
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["model"], name)
+
+    def propose(self, context, req_ids, last_token_ids, positions, k):
+        real = self.model.propose(context, req_ids, last_token_ids, positions, k)
+        oracle = self.oracle
+        if tuple(real.shape) != (len(req_ids), k):
+            oracle.errors.append(f"DFlash drafts of shape {tuple(real.shape)}")
+        out = []
+        for rid, t, p in zip(req_ids, np.asarray(last_token_ids).tolist(),
+                             np.asarray(positions).tolist()):
+            seq = oracle.seq(self.runner.requests[rid].prompt_token_ids)
+            if t != seq[p] or context.num_rows(rid) != p or context.end(rid) != p:
+                oracle.errors.append(f"{rid}: block at {p} from token {t} (expected "
+                                     f"{seq[p]}), context of {context.num_rows(rid)} rows")
+            out.append(oracle.drafts(seq, p + 1, k))
+            oracle.calls += k
+        return torch.tensor(out, dtype=torch.long)
+
+
+def install_oracle(llm, method: str, oracle: Oracle, k: int) -> None:
+    runner = runner_of(llm)
+    drafter = runner.drafter
+    if method == "ngram":
+        ngram = drafter.ngram
+        inner = ngram._lookup
+
+        def lookup(index, row, length, cap):
+            real = inner(index, row, length, cap)
+            if len(real) > cap:
+                oracle.errors.append(f"n-gram lookup gave {len(real)} drafts for cap {cap}")
+            seq = oracle.seq_of_row(row, length)
+            oracle.calls += cap
+            return oracle.drafts(seq, length, cap) if seq is not None else []
+        ngram._lookup = lookup
+        return
+    proposer = drafter.model_proposer
+    deferred = proposer.deferred
+    wait_all, step = deferred.wait_all, deferred.step
+
+    def wait_all_seen(*args):
+        ok = wait_all(*args)
+        oracle.waited.append(bool(ok))
+        return ok
+
+    def step_seen(*args):
+        out = step(*args)
+        oracle.waited.append(bool(out[0].any()))
+        return out
+    deferred.wait_all, deferred.step = wait_all_seen, step_seen
+    if method == "dflash":
+        proposer.model = OracleDFlashModel(proposer.model, runner, oracle)
+        return
+    wrapped = OracleEagleModel(proposer.model, runner, oracle, k)
+    inner_meta = proposer._decode_meta
+
+    def decode_meta(runner_, rows, positions):
+        wrapped.rows = [int(r) for r in rows]
+        return inner_meta(runner_, rows, positions)
+    proposer._decode_meta = decode_meta
+    proposer.model = wrapped
+
+
+def record_verifications(llm) -> list[tuple[tuple, int, list[int]]]:
+    """Every draft list the scheduler sends to verification: (prompt, the request's
+    tokens at that step, the drafts)."""
+    sched = scheduler_of(llm)
+    seen, inner = [], sched.schedule
+
+    def schedule():
+        so = inner()
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            req = sched.requests[rid]
+            seen.append((tuple(req.prompt_token_ids), req.num_tokens, list(drafts)))
+        return so
+    sched.schedule = schedule
+    return seen
+
+
+def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = MAX_TOKENS):
+    """The verifications a run must make with no budget limit: per request, after its
+    prompt's step (one token), each step verifies the drafts proposed after the step
+    before, cut so an all-accepted run stays within max_tokens, and emits accepted + 1
+    tokens. The adaptive drafter (spec_decode/drafter.py) asks next for one more than
+    it accepted (k after a full acceptance), and after the second verification in a
+    row with nothing accepted skips 4, then 16, then 64 steps.
+    -> [(prompt, tokens before the drafts, drafts)] in each request's order."""
+    out = []
+    for prompt in prompts:
+        num_out, next_k, misses, skip = 1, k, 0, 0
+        while num_out < max_tokens:
+            if skip:
+                skip, want = skip - 1, 0
+            else:
+                want = next_k
+            d = min(want, max_tokens - num_out - 1)
+            if d <= 0:
+                num_out += 1
+                continue
+            n = len(prompt) + num_out
+            a = oracle.accepted(n, d)
+            out.append((tuple(prompt), n, d))
+            num_out += a + 1
+            if adaptive:
+                next_k = min(k, d + 1 if a == d else a + 1)
+                misses = 0 if a else misses + 1
+                if misses >= 2:
+                    skip = min(4 ** (misses - 1), MAX_BACKOFF)
+    return out
+
+
+def expected_stats(verifications, oracle: Oracle, k: int) -> dict:
+    """verifications: [(prompt, tokens before the drafts, number of drafts)]."""
+    per_pos = [0] * k
+    accepted = 0
+    for _, n, d in verifications:
+        a = oracle.accepted(n, d)
+        accepted += a
+        for j in range(a):
+            per_pos[j] += 1
+    return {"num_drafts": len(verifications),
+            "num_draft_tokens": sum(d for _, _, d in verifications),
+            "num_accepted_tokens": accepted, "accepted_per_position": per_pos}
+
+
+# ---- the targets ----------------------------------------------------------------------------
+
+class Setup:
+    def __init__(self, path: str, spec: dict, vocab: int, prompts: list[list[int]]):
+        self.path, self.spec, self.vocab, self.prompts = path, spec, vocab, prompts
+        self.k = spec["num_speculative_tokens"]
+        plain = generate(make_llm(path), prompts, greedy(MAX_TOKENS))
+        self.seqs = {tuple(p): p + list(o) for p, o in zip(prompts, plain)}
+        self.plain = plain
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Four prompts, 7 to 30 tokens (the longer ones take chunks under CHUNKED); none a
+    prefix of another (their first tokens differ)."""
+    rng = np.random.default_rng(seed)
+    firsts = rng.choice(vocab - 1, size=4, replace=False)
+    return [[int(f)] + rng.integers(0, vocab - 1, size=n - 1).tolist()
+            for f, n in zip(firsts, (7, 13, 21, 30))]
+
+
+def _vocab(path: str) -> int:
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    return cfg.get("text_config", cfg)["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def setups(request, tmp_path_factory, tiny_model_factory):
+    """method -> Setup (target, speculative config, prompts, plain run), built on use."""
+    from tokenmill.spec_decode import random_drafters as rd
+    cache: dict[str, Setup] = {}
+
+    def get(method: str) -> Setup:
+        if method in cache:
+            return cache[method]
+        if method == "mtp":  # a hybrid (Gated DeltaNet) Qwen3.5 target with its MTP head
+            path = request.getfixturevalue("mtp_checkpoint")
+            spec = {"method": "mtp", "num_speculative_tokens": 3}
+        elif method in ("ngram", "eagle3"):
+            path = tiny_model_factory("llama_gqa_tied").path
+            spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                    "prompt_lookup_max": 3}
+            if method == "eagle3":
+                draft = str(tmp_path_factory.mktemp("oracle_eagle3"))
+                rd.build_eagle3_checkpoint(draft, json.load(open(os.path.join(path,
+                                                                               "config.json"))))
+                spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": draft}
+        else:
+            path = tiny_model_factory("qwen3_headdim").path
+            draft = str(tmp_path_factory.mktemp("oracle_dflash"))
+            rd.build_dflash_checkpoint(draft, json.load(open(os.path.join(path, "config.json"))),
+                                       target_layer_ids=(0, 1), block_size=5)
+            spec = {"method": "dflash", "num_speculative_tokens": 4, "model": draft}
+        vocab = _vocab(path)
+        cache[method] = Setup(path, spec, vocab, _prompts(vocab, seed=len(cache) + 3))
+        return cache[method]
+    return get
+
+
+def run_oracle(setup: Setup, pattern: str, adaptive: bool, **extra):
+    llm = make_llm(setup.path, speculative_config=dict(setup.spec, adaptive=adaptive), **extra)
+    oracle = Oracle(setup.seqs, pattern, setup.vocab)
+    install_oracle(llm, setup.spec["method"], oracle, setup.k)
+    seen = record_verifications(llm)
+    got = generate(llm, setup.prompts, greedy(MAX_TOKENS))
+    return llm, oracle, seen, got
+
+
+def check_run(llm, setup: Setup, oracle: Oracle, seen, got):
+    """What holds in every run: the plain tokens, each verified draft list the oracle's,
+    the metrics those drafts imply, nothing leaked."""
+    assert got == setup.plain
+    assert not oracle.errors, oracle.errors[:5]
+    assert oracle.calls > 0
+    for prompt, n, drafts in seen:
+        assert drafts == oracle.drafts(setup.seqs[prompt], n, len(drafts)), (prompt[:3], n)
+    s = spec_stats(llm).as_dict()
+    want = expected_stats([(p, n, len(d)) for p, n, d in seen], oracle, setup.k)
+    assert {key: s[key] for key in want} == want
+    assert_no_leaks(llm)
+    runner = runner_of(llm)
+    if setup.spec["method"] == "mtp":  # the hybrid target's state slot groups are all back
+        slots = runner.state_slots
+        assert not slots.slot_of and slots.num_free == slots.num_slots
+    if setup.spec["method"] == "dflash":
+        assert not runner.drafter.model_proposer.context._len
+    if setup.spec["method"] in ("eagle3", "mtp", "dflash"):
+        assert not runner.drafter.model_proposer.deferred._slot
+    return s
+
+
+METHODS = ["ngram", "eagle3", "mtp", "dflash"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_k", "adaptive"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("method", METHODS)
+def test_oracle_acceptance_is_exact(setups, method, pattern, adaptive):
+    """Full, partial and zero acceptance through each method's real proposer: the plain
+    tokens, and exactly the verifications (request, position, number of drafts) and
+    metrics that the corruption pattern implies - the adaptive drafter's k and backoff
+    (rows waiting for the draft model meanwhile) included."""
+    setup = setups(method)
+    llm, oracle, seen, got = run_oracle(setup, pattern, adaptive)
+    want = simulate(setup.prompts, oracle, setup.k, adaptive)
+    assert sorted((p, n, len(d)) for p, n, d in seen) == sorted(want)
+    s = check_run(llm, setup, oracle, seen, got)
+    assert s == dict(s, **expected_stats(want, oracle, setup.k))
+    if pattern == "all":
+        assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 0
+    elif pattern == "none":
+        assert s["num_accepted_tokens"] == 0 < s["num_draft_tokens"]
+        if adaptive and method != "ngram":  # backing off: decode rows waited for the drafter
+            assert any(oracle.waited)
+    else:
+        assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
+        assert s["accepted_per_position"][0] > s["accepted_per_position"][1] > 0
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("method", METHODS)
+def test_oracle_acceptance_with_chunked_prefill_and_preemption(setups, method, pattern):
+    """The same with prompts in chunks, drafts cut to the token budget and requests
+    preempted (their drafts dropped; on resume the prompt and output are recomputed,
+    the drafter's K/V rewritten, the DFlash context cut back to where the request
+    resumes): the plain tokens, the oracle's drafts at every verification, and the
+    metrics those verifications imply."""
+    setup = setups(method)
+    llm, oracle, seen, got = run_oracle(setup, pattern, True, **CHUNKED)
+    assert scheduler_of(llm).num_preemptions > 0
+    s = check_run(llm, setup, oracle, seen, got)
+    assert s["num_draft_tokens"] > 0
+    assert (s["num_accepted_tokens"] == s["num_draft_tokens"] if pattern == "all"
+            else s["num_accepted_tokens"] < s["num_draft_tokens"])
+    if pattern == "none":
+        assert s["num_accepted_tokens"] == 0
