@@ -360,6 +360,18 @@ def eos_model(tmp_path_factory) -> TinyModel:
     return tm
 
 
+def word_tokens(tok) -> list[int]:
+    """The vocabulary's tokens that decode to a space and 3 or more ASCII letters: text
+    generated from them alone (allowed_token_ids) is clean words, always with pieces
+    to take stop strings from, whatever the weights."""
+    ids = []
+    for i in range(len(tok)):
+        s = tok.decode([i])
+        if len(s) >= 4 and s[0] == " " and s[1:].isascii() and s[1:].isalpha():
+            ids.append(i)
+    return ids
+
+
 def make_llm(path: str, **kw):
     """An LLM on CPU in fp32 with small defaults (callers override)."""
     from tokenmill import LLM

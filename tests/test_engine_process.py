@@ -206,6 +206,10 @@ SERVER_ARGS = ("--served-model-name", "demo", "--dtype", "float32", "--max-model
 def test_data_parallel_server(demo_path, inproc, tmp_path):
     with live_server(demo_path, tmp_path / "server.log", *SERVER_ARGS) as srv:
         _check_dp_server(srv.url, inproc)
+        # The "mp" backend's replicas: the server's own child processes.
+        pids = [r["pid"] for r in _stats(srv.url)["replicas"]]
+        if os.path.isdir("/proc"):
+            assert all(_parent_pid(pid) == srv.proc.pid for pid in pids)
 
 
 def test_a_killed_replica_fails_its_requests_and_the_server_goes_on(demo_path, tmp_path,
@@ -236,7 +240,10 @@ def test_a_killed_replica_fails_its_requests_and_the_server_goes_on(demo_path, t
 
 
 def test_data_parallel_over_ray(demo_path, inproc, tmp_path):
-    ray = pytest.importorskip("ray")
+    """The server over DP = 2 with the Ray backend: the replicas are actors of the Ray
+    cluster started here (worker processes of its raylet, not the server's own
+    children as the "mp" backend's are), and serve as the processes do."""
+    pytest.importorskip("ray")
     # A local Ray cluster on 127.0.0.1, started here; the server joins it by address.
     import subprocess
     import sys
@@ -256,8 +263,18 @@ def test_data_parallel_over_ray(demo_path, inproc, tmp_path):
                          "--distributed-executor-backend", "ray", extra_env=env,
                          timeout=300) as srv:
             _check_dp_server(srv.url, inproc)
+            pids = [r["pid"] for r in _stats(srv.url)["replicas"]]
+            assert len(set(pids)) == 2 and srv.proc.pid not in pids
+            if os.path.isdir("/proc"):
+                assert all(_parent_pid(pid) != srv.proc.pid for pid in pids)
+            srv.log.seek(0)
+            assert "(ray)" in srv.log.read()  # the core client's start-up line: its backend
     finally:
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
         import shutil
         shutil.rmtree(ray_dir, ignore_errors=True)
-    assert ray  # imported: the backend's dependency is installed
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:  # "pid (comm) state ppid ...", comm may hold spaces
+        return int(f.read().rsplit(")", 1)[1].split()[1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import word_tokens
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
@@ -619,15 +620,17 @@ def test_n_with_prompt_shorter_than_a_block(llm, tok):
     assert_idle(llm)
 
 
-def test_n_with_stop_string(llm, n4):
-    """Completions stop independently; the request finishes when all have."""
-    texts = [c.text for c in n4.outputs]
+def test_n_with_stop_string(llm, tok):
+    """Completions stop independently; the request finishes when all have. Sampled from
+    word tokens only (allowed_token_ids: clean text, 4 or more characters a token), so
+    completion 1's text always has the stop string taken below."""
+    words = word_tokens(tok)
+    full = generate(llm, N_PROMPT, n_params(allowed_token_ids=words))[0]
     # a stop string taken from completion 1's text (past its first character)
-    stop = texts[1][3:6]
-    if len(stop) < 3 or FFFD in stop:
-        pytest.skip("completion text too short / noisy for a stop string")
-    out = generate(llm, N_PROMPT, n_params(stop=[stop]))[0]
-    for c, ref in zip(out.outputs, n4.outputs):
+    stop = full.outputs[1].text[3:6]
+    assert len(stop) == 3 and FFFD not in stop
+    out = generate(llm, N_PROMPT, n_params(stop=[stop], allowed_token_ids=words))[0]
+    for c, ref in zip(out.outputs, full.outputs):
         j = ref.text.find(stop)
         if j == -1:
             assert c.text == ref.text and c.finish_reason == "length"

@@ -10,6 +10,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import word_tokens  # noqa: E402
 from live_server import live_server  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -259,39 +260,49 @@ def test_chat_n(client):
 
 # ---- stop strings ------------------------------------------------------------------------
 def _stop_string(text: str) -> str:
-    """A 2-character piece of printable ASCII from the middle of `text`, at its first
-    occurrence."""
-    for k in range(2, len(text) - 2):
-        s = text[k:k + 2]
-        if s.isascii() and s.isprintable() and s.strip() == s and text.find(s) == k:
-            return s
-    pytest.skip(f"no usable stop string in {text!r}")
+    """A 2-letter piece of `text`: the first from its middle on that occurs there first
+    (the output is cut there), else its first one (text of word tokens always has one)."""
+    pieces = [k for k in range(len(text) - 1)
+              if text[k:k + 2].isascii() and text[k:k + 2].isalpha()]
+    assert pieces, f"no 2-letter piece in {text!r}"
+    mid = [k for k in pieces if k >= len(text) // 2 and text.find(text[k:k + 2]) == k]
+    k = (mid or pieces)[0]
+    return text[k:k + 2]
 
 
-def test_stop_string_truncates_there(client, llm):
-    greedy = offline(llm, PROMPT, temperature=0, max_tokens=24).outputs[0].text
+def test_stop_string_truncates_there(client, llm, tok):
+    """Generated from word tokens only (allowed_token_ids), so the greedy text always has
+    a stop string to take; each request below generates the same text up to it."""
+    words = word_tokens(tok)
+    greedy_words = dict(temperature=0, extra_body={"ignore_eos": True,
+                                                   "allowed_token_ids": words})
+    greedy = offline(llm, PROMPT, temperature=0, max_tokens=24,
+                     allowed_token_ids=words).outputs[0].text
     stop = _stop_string(greedy)
     cut = greedy.index(stop)
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=stop, **GREEDY)
+    assert cut > 0
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, stop=stop,
+                                  **greedy_words)
     c = r.choices[0]
     assert c.text == greedy[:cut] and c.finish_reason == "stop"
     assert c.model_extra["stop_reason"] == stop
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
                                   stop=["\x00never", stop], temperature=0,
-                                  extra_body={"ignore_eos": True,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": words,
                                               "include_stop_str_in_output": True})
     assert r.choices[0].text == greedy[:cut + len(stop)]
     # streaming: the text held back for a possible stop string is never sent
     chunks = [ch.choices[0] for ch in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], stream=True, **GREEDY)
+        model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], stream=True, **greedy_words)
         if ch.choices]
     assert "".join(ch.text for ch in chunks) == greedy[:cut]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
     # chat too
-    greedy = offline_chat(llm, CHAT, temperature=0, max_tokens=24).outputs[0].text
+    greedy = offline_chat(llm, CHAT, temperature=0, max_tokens=24,
+                          allowed_token_ids=words).outputs[0].text
     stop = _stop_string(greedy)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, stop=stop,
-                                       **GREEDY)
+                                       **greedy_words)
     assert r.choices[0].message.content == greedy[:greedy.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
