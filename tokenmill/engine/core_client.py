@@ -108,8 +108,12 @@ class MPEngineCoreClient:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDTIMEO, SEND_CHECK_MS)
-                addr = self._bind(sock, f"in{i}")
-                handle = self._launcher.start(i, args, addr, self._out_addr)
+                try:
+                    addr = self._bind(sock, f"in{i}")
+                    handle = self._launcher.start(i, args, addr, self._out_addr)
+                except BaseException:
+                    sock.close(linger=0)  # not a replica's yet: shutdown() would miss it
+                    raise
                 self.replicas.append(_Replica(i, sock, handle))
             self._wait_ready()
         except BaseException:
@@ -138,6 +142,7 @@ class MPEngineCoreClient:
             self._read(timeout_s=0.5)
             for r in self.replicas:
                 if r.info is None and (r.death is not None or not r.handle.is_alive()):
+                    r.alive = False  # never started: shutdown() sends it nothing
                     self._raise_start_failure(r)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine cores did not start within "
@@ -225,6 +230,7 @@ class MPEngineCoreClient:
                     with self._lock:
                         replica.death = replica.death or f"exit code {replica.handle.exitcode()}"
                         self._replica_died(replica)
+                        replica.alive = False  # also one that died before it was ready
 
     # ---- outputs ------------------------------------------------------------------
     def wakeup(self) -> None:

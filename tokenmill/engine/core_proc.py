@@ -75,6 +75,7 @@ def run_engine_core(args, input_addr: str, output_addr: str, replica: int,
     except BaseException as e:  # noqa: BLE001 - the front end raises it
         logger.exception("engine core %d failed to start", replica)
         send(b"dead", [type(e).__name__, str(e)])
+        inp.close(linger=0)  # an open socket would hold ctx.term() until we are killed
         out.close()
         ctx.term()
         return
