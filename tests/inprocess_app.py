@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def async_llm(demo_path):
     from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.engine.llm_engine import EngineArgs
+    from tokenmill.engine.engine_args import EngineArgs
     llm = AsyncLLM.from_engine_args(
         EngineArgs.from_kwargs(demo_path, dtype="float32", max_model_len=256, num_kv_blocks=64,
                                max_num_seqs=8, engine_process=engine_process_mode()),

@@ -10,7 +10,7 @@ from conftest import make_llm, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ModelRunnerOutput
-from tokenmill.engine.llm_engine import EngineArgs, resolve_async
+from tokenmill.engine.engine_args import EngineArgs, resolve_async
 from tokenmill.sampling_params import RequestOutputKind
 from unit.test_scheduler import make_req, make_sched
 
@@ -188,7 +188,8 @@ def test_async_scheduling_flag():
 
 
 def test_cli_async_scheduling_flag_reaches_the_engine_args():
-    from tokenmill.entrypoints.cli import build_parser, engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.entrypoints.cli import build_parser
     parser = build_parser()
     for argv, want in ((["serve"], None), (["serve", "--no-async-scheduling"], False),
                        (["serve", "--async-scheduling"], True)):

@@ -17,7 +17,7 @@ xgr = pytest.importorskip("xgrammar")
 
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from tokenmill.core.request import RequestStatus  # noqa: E402
-from tokenmill.engine.llm_engine import EngineArgs  # noqa: E402
+from tokenmill.engine.engine_args import EngineArgs  # noqa: E402
 
 SMALL = dict(dtype="float32", device="cpu", max_model_len=512, max_num_seqs=32)
 

@@ -217,7 +217,8 @@ def test_platform_with_tp():
 
 
 def test_cli_flag():
-    from tokenmill.entrypoints.cli import build_parser, engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.entrypoints.cli import build_parser
     for argv in (["serve", "--tensor-parallel-size", "2"],
                  ["bench", "latency", "--tensor-parallel-size", "2"]):
         args = build_parser().parse_args(argv)

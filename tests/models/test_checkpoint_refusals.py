@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from conftest import MODEL_SPECS, build_checkpoint, make_llm
 from tokenmill.config import ModelConfig
 from tokenmill.models import loader
+from tokenmill.models.checkpoint_io import safetensors_files
 from tokenmill.models.loader import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -30,7 +31,7 @@ from test_moe_parity import MOE_SPECS  # noqa: E402
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     out = {}
-    for f in loader.safetensors_files(path):
+    for f in safetensors_files(path):
         with safe_open(f, framework="pt") as st:
             out.update({n: st.get_tensor(n) for n in st.keys()})
     return out

@@ -20,7 +20,7 @@ import torch
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams, cpu_platform, kernels
 from tokenmill.cpu_platform import CpuPlatform, check_cpu_args
-from tokenmill.engine.llm_engine import EngineArgs
+from tokenmill.engine.engine_args import EngineArgs
 from tokenmill.entrypoints.cli import main
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.decode_layers import DecodeLayers

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tokenmill.entrypoints.cli import build_parser, kv_cache_kwargs
+from tokenmill.engine.arg_utils import kv_cache_kwargs
+from tokenmill.entrypoints.cli import build_parser
 from tokenmill.kv_connector.config import DEFAULT_DISK_BYTES, KVConnectorConfig
 from tokenmill.kv_connector.stores import DiskStore, StoreUnavailable, make_store
 

@@ -51,7 +51,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-roofline", action="store_true",
                    help="skip the peak GEMM measurement and the roofline ratios")
     p.add_argument("--output-json", default=None, metavar="PATH")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
 
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-shapes", action="store_true",
                    help="group the table by input shapes too")
     p.add_argument("--trace", default=None, metavar="PATH", help="also write a Chrome trace")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
     return p
 

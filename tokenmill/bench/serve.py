@@ -51,7 +51,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=16,
                    help="most requests in flight at once (default 16)")
     p.add_argument("--output-json", default=None, metavar="PATH")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)  # for the server this command starts
     s = p.add_argument_group("the server this command starts (not with --url)")
     s.add_argument("--dtype", default=None, choices=DTYPES, help="default bfloat16")

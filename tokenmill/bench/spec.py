@@ -54,7 +54,7 @@ def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=positive_int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, metavar="PATH")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
 
 

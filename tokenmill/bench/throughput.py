@@ -148,7 +148,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="run tokenmill as N engine replicas (one process each, an equal share "
                         "of the CPUs), then as one replica on one share and as one replica "
                         "on every CPU, and print the ratios")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
 
 
@@ -308,7 +308,7 @@ def platform_kwargs(args) -> dict:
     """The CPU kernel engine arguments of a bench command (defaults where it has none)."""
     if not hasattr(args, "cpu_kernels"):
         return {}
-    from tokenmill.entrypoints.cli import cpu_platform_kwargs
+    from tokenmill.engine.arg_utils import cpu_platform_kwargs
     return cpu_platform_kwargs(args)
 
 
@@ -433,7 +433,7 @@ def run_extra_baselines(args, model_path: str, workload: Workload, warmup: Workl
                    "hf_cb_num_prompts": None, "hf_cb_error": None, "roofline": None}
     if not args.skip_hf_cb:
         from tokenmill.bench.hf_cb import run_hf_cb
-        from tokenmill.engine.llm_engine import DEFAULT_CHUNKED_BATCHED_TOKENS
+        from tokenmill.engine.engine_args import DEFAULT_CHUNKED_BATCHED_TOKENS
         n = args.hf_cb_num_prompts or args.hf_num_prompts or args.num_prompts
         cb_work = workload.head(n)
         extra["hf_cb_num_prompts"] = n

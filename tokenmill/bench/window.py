@@ -47,7 +47,7 @@ def add_window_args(p: argparse.ArgumentParser) -> None:
                    help="new tokens (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, metavar="PATH")
-    from tokenmill.entrypoints.cli import add_cpu_platform_args
+    from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
 
 

@@ -70,7 +70,7 @@ def run_engine_core(args, input_addr: str, output_addr: str, replica: int,
         out.send_multipart([tag, kind, serial.encode(payload)], copy=False)
 
     try:
-        from tokenmill.engine.llm_engine import build_engine_core
+        from tokenmill.engine.engine_args import build_engine_core
         core = build_engine_core(args)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
         logger.exception("engine core %d failed to start", replica)

@@ -10,9 +10,9 @@ import logging
 import multiprocessing
 import os
 
-logger = logging.getLogger(__name__)
+from tokenmill.engine.engine_args import BACKENDS
 
-BACKENDS = ("mp", "ray")
+logger = logging.getLogger(__name__)
 
 
 def cpu_shares(num_replicas: int) -> list[tuple[list[int] | None, int | None]]:

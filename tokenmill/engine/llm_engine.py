@@ -3,16 +3,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import SchedulerConfig
-from tokenmill.cpu_platform import DEFAULT_GREEDY_HEAD_MAX_ROWS, CpuPlatform, check_cpu_args
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.engine_args import EngineArgs, EngineSetup, build_engine_core
 from tokenmill.engine.output_processor import CompletionState, OutputProcessor, RequestState
 from tokenmill.errors import ParamError
 from tokenmill.limits import RequestLimits
@@ -20,8 +16,6 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.sampling_params import ENGINE_DERIVED, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -32,214 +26,6 @@ class PreparedRequest:
     params: SamplingParams  # resolved: the engine's own copy, with derived fields
     cache_salt: str | None
     mm_features: list | None = None  # its images (sched_output.MultiModalFeature)
-
-
-@dataclass
-class EngineArgs:
-    model: str
-    tokenizer: str | None = None
-    dtype: object = "auto"
-    device: object = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
-    # Automatic prefix caching (None: on for full-attention models, off for hybrids).
-    enable_prefix_caching: bool | None = None
-    # The external KV tier: a KVConnectorConfig, a dict of its fields, or store specs
-    # ("cpu", "disk:PATH", "redis://host:port/db"); None: no external tier.
-    kv_connector: object = None
-    # Schedule step N+1 while step N runs (None: on where it pays, see resolve_async).
-    async_scheduling: bool | None = None
-    # Caps on what one request may ask for (tokenmill.limits.RequestLimits or a dict of
-    # its fields; None: the defaults).
-    limits: object = None
-    # Which CPU kernels run (tokenmill/cpu_platform.py decides from these and the CPU):
-    # "auto" (native where they build, else PyTorch), "native" (or an error), "torch".
-    cpu_kernels: str = "auto"
-    # A kernel capability level below the CPU's best (None: the best, or the
-    # TOKENMILL_CPU_CAPABILITY environment variable); below avx512, bf16 GEMMs run in
-    # fp32 as on such a CPU.
-    cpu_capability: str | None = None
-    # Rows up to which a widened bf16 Linear takes the packed bf16 kernel (0: never).
-    linear_bf16_max_rows: int | None = None  # None: the platform's choice
-    # Rows up to which an all-greedy step takes the int8-screened lm_head (0: never).
-    greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS
-    # The native loop over every decoder layer of a decode step (False: Python layers).
-    decode_layers: bool = True
-    # Speculative decoding (tokenmill.spec_decode.config.SpeculativeConfig, a dict of
-    # its fields or their JSON); None: off.
-    speculative_config: object = None
-    # The engine core in a process of its own, fed over ZeroMQ (tokenmill.engine.core_proc);
-    # False: in this process (the default for the offline LLM; the server decides).
-    engine_process: bool = False
-    # Engine replicas, each in its own process with its own share of the CPUs; requests
-    # go to the least loaded. Implies engine_process.
-    data_parallel_size: int = 1
-    # How the engine processes start: "mp" (local processes) or "ray" (Ray actors).
-    distributed_executor_backend: str = "mp"
-    # Ranks the model is sharded over (tokenmill/executor: one process each, gloo).
-    tensor_parallel_size: int = 1
-    # CUDA: no CUDA graphs, every decode step eager (worker/cuda_graph.py).
-    enforce_eager: bool = False
-    # Multimodal models: image tokens the encoder may take per step (None: enough for
-    # any image that fits the context, max(max_num_batched_tokens, max_model_len)),
-    # and encoder output rows kept for reuse (None: twice that).
-    max_num_encoder_input_tokens: int | None = None
-    encoder_cache_size: int | None = None
-    # Offline chat: image_url parts may name file:// images inside this folder (None:
-    # never; the server takes --allowed-local-media-path).
-    allowed_local_media_path: str | None = None
-
-    @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
-        known = {f.name for f in fields(cls)}
-        for name in kwargs:
-            if name not in known:
-                raise ValueError(f"unknown engine argument {name!r}; known: "
-                                 f"{', '.join(sorted(known - {'model'}))}")
-        return cls(model=model, **kwargs)
-
-    def validate(self) -> None:
-        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching,
-                                                                     bool):
-            raise ValueError(f"enable_prefix_caching must be True, False or None, "
-                             f"got {self.enable_prefix_caching!r}")
-        from tokenmill.kv_connector.config import KVConnectorConfig
-        self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
-        self.limits = RequestLimits.from_any(self.limits)
-        from tokenmill.spec_decode.config import SpeculativeConfig
-        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        self.cpu_capability = check_cpu_args(self.cpu_kernels, self.cpu_capability,
-                                             self.linear_bf16_max_rows,
-                                             self.greedy_head_max_rows, self.decode_layers)
-        from tokenmill.models.tensor_parallel import check_tensor_parallel_size
-        if check_tensor_parallel_size(self.tensor_parallel_size) > 1:
-            if self.kv_connector is not None:
-                raise ValueError("tensor_parallel_size > 1 does not support the external KV "
-                                 "tier (kv_connector) yet")
-            if self.speculative_config is not None:
-                raise ValueError("tensor_parallel_size > 1 does not support speculative "
-                                 "decoding (speculative_config) yet")
-        for name in ("block_size", "max_num_seqs"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if not isinstance(self.engine_process, bool):
-            raise ValueError(f"engine_process must be True or False, got {self.engine_process!r}")
-        dp = self.data_parallel_size
-        if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 64:
-            raise ValueError(f"data_parallel_size must be an int in [1, 64], got {dp!r}")
-        from tokenmill.engine.launchers import BACKENDS
-        if self.distributed_executor_backend not in BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of "
-                             f"{', '.join(BACKENDS)}, got {self.distributed_executor_backend!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        if self.max_num_batched_tokens is not None and (
-                not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1):
-            raise ValueError(f"max_num_batched_tokens must be a positive int, "
-                             f"got {self.max_num_batched_tokens!r}")
-        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-
-
-def resolve_async(flag: bool | None, device, speculative_config=None) -> bool:
-    """Async scheduling pays where the forward runs beside the host (a GPU). On a CPU
-    the worker thread's intra-op threads and the scheduling thread share the same
-    cores: measured on the 2-core bench machine, throughput fell from 336 to 217
-    tok/s and single stream from 66 to 45, so it is off there unless asked for.
-
-    With speculative decoding it is off: step N+1's drafts come from step N's
-    accepted tokens, and how many of N's drafts are accepted decides where N+1's
-    tokens go, so N+1 cannot be scheduled before N is sampled."""
-    if speculative_config is not None:
-        if flag:
-            logger.warning("async scheduling is off with speculative decoding: the next "
-                           "step's drafts and positions depend on this step's accepted tokens")
-        return False
-    if flag is not None:
-        return bool(flag)
-    return getattr(device, "type", str(device)) == "cuda"
-
-
-@dataclass
-class EngineSetup:
-    """Everything decided from the EngineArgs before the engine core is built: the
-    front end and an engine core in its own process derive the same from the same args."""
-    model_config: ModelConfig
-    scheduler_config: SchedulerConfig
-    cache_config: CacheConfig
-    platform: CpuPlatform
-    tokenizer: object
-    eos_token_ids: frozenset[int]
-
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> "EngineSetup":
-        model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
-                                                   args.max_model_len)
-        tokenizer = load_tokenizer(args.tokenizer or model_config.path)
-        max_len = model_config.max_model_len
-        batched = args.max_num_batched_tokens
-        if batched is None:
-            batched = (DEFAULT_CHUNKED_BATCHED_TOKENS if args.enable_chunked_prefill
-                       else max(max_len, DEFAULT_CHUNKED_BATCHED_TOKENS))
-        if not args.enable_chunked_prefill and batched < max_len:
-            raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_model_len "
-                             f"({max_len}) when enable_chunked_prefill is off")
-        spec = args.speculative_config
-        scheduler_config = SchedulerConfig(args.max_num_seqs, batched, max_len,
-                                           args.enable_chunked_prefill,
-                                           args.enable_prefix_caching,
-                                           spec.num_speculative_tokens if spec else 0,
-                                           spec.num_speculative_tokens
-                                           if spec and spec.method != "ngram" else 0)
-        enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
-        scheduler_config.max_num_encoder_input_tokens = enc_budget
-        scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget
-        cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
-        # Which kernels run: decided here, once, for the whole engine.
-        platform = CpuPlatform.from_engine_args(args, model_config.device, model_config.dtype)
-        return cls(model_config, scheduler_config, cache_config, platform, tokenizer,
-                   model_config.eos_token_ids(tokenizer))
-
-    def structured_output(self):
-        """A grammar manager (xgrammar loads on the first structured request)."""
-        from tokenmill.structured_output.manager import StructuredOutputManager
-        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                       self.eos_token_ids)
-
-
-def load_tokenizer(path: str):
-    if not any(os.path.exists(os.path.join(path, f))
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        logger.warning("no tokenizer in %s: prompts must be token ids, outputs have no text", path)
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-
-
-def build_engine_core(args: EngineArgs, setup: EngineSetup | None = None) -> EngineCore:
-    """The engine core of `args`, in this process (also the main of a core process)."""
-    import torch  # noqa: local so `tokenmill --help` stays fast
-    torch.manual_seed(args.seed)
-    setup = setup or EngineSetup.from_args(args)
-    spec = args.speculative_config
-    return EngineCore(setup.model_config, setup.cache_config, setup.scheduler_config,
-                      async_scheduling=resolve_async(args.async_scheduling,
-                                                     setup.model_config.device, spec),
-                      kv_connector_config=args.kv_connector, platform=setup.platform,
-                      speculative_config=spec, structured_output=setup.structured_output(),
-                      tensor_parallel_size=args.tensor_parallel_size)
 
 
 class LLMEngine:

@@ -37,7 +37,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import FusedMoE, grouped_topk
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from tokenmill.models.tensor_parallel import materialize
+from tokenmill.models.checkpoint_io import materialize
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 

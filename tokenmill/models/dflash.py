@@ -323,7 +323,7 @@ class DFlashContext:
 
 
 def _checkpoint_names(path: str) -> set[str]:
-    from tokenmill.models.loader import safetensors_files
+    from tokenmill.models.checkpoint_io import safetensors_files
     names = set()
     for f in safetensors_files(path):
         with safe_open(f, framework="pt") as st:

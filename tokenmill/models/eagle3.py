@@ -28,7 +28,8 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import Attention, DecoderConfig
-from tokenmill.models.loader import UNUSED_TENSOR_SUFFIXES, _copy, _param_name, safetensors_files
+from tokenmill.models.checkpoint_io import safetensors_files
+from tokenmill.models.loader import UNUSED_TENSOR_SUFFIXES, _copy, _param_name
 from tokenmill.models.quantization import check_quantization
 
 # Checkpoint matrices packed into one parameter (as in llama.py).

@@ -1,31 +1,13 @@
 """Build a model and fill it from a Hugging Face folder of safetensors."""
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.models.checkpoint_io import iter_checkpoint, iter_checkpoint_lazy
 from tokenmill.models.quantization import check_quantization
 from tokenmill.models.registry import resolve_model_class
-
-def safetensors_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not found:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    return [os.path.join(model_dir, f) for f in found]
-
 
 def mapped_checkpoint(model: nn.Module, tensors):
     """A model's `map_checkpoint(name, tensor)` may rename, split or drop tensors."""
@@ -35,13 +17,6 @@ def mapped_checkpoint(model: nn.Module, tensors):
             yield name, tensor
         else:
             yield from mapper(name, tensor)
-
-
-def iter_checkpoint(model_dir: str):
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def _param_name(ckpt_name: str, packed: dict) -> tuple[str, int | None]:
@@ -230,7 +205,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         torch.set_default_dtype(torch_default)
     if tp:
         plan = tensor_parallel.ShardPlan(model, hf_config, tp_group.rank, tp_group.size)
-        load_weights(model, model_dir, tensor_parallel.iter_checkpoint_lazy(model_dir),
+        load_weights(model, model_dir, iter_checkpoint_lazy(model_dir),
                      shard_plan=plan)
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:

@@ -32,7 +32,8 @@ from tokenmill.config import flatten_text_config
 from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
-from tokenmill.models.loader import load_weights, safetensors_files
+from tokenmill.models.checkpoint_io import safetensors_files
+from tokenmill.models.loader import load_weights
 from tokenmill.models.qwen3_next import (HybridDecoderLayer, Qwen3NextForCausalLM,
                                          ZeroCenteredRMSNorm)
 

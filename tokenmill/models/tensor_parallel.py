@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.models.checkpoint_io import materialize
+
 TP_FIELD = "tensor_parallel_size"
 # Submodules every rank holds whole and runs alone: a vision tower (small beside the
 # language model, run once per image) gives every rank the same embeddings.
@@ -179,42 +181,6 @@ class FirstRankOnly:
 def _read(tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
     index = (slice(None),) * dim + (slice(lo, hi),)
     return tensor[index]
-
-
-class LazyTensor:
-    """A checkpoint tensor not read yet: slicing reads only the slice; anything else
-    (a model's checkpoint mapper reshaping it) reads it whole."""
-
-    def __init__(self, f, name: str):
-        self._f, self._name = f, name
-        self._slice = f.get_slice(name)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self._slice.get_shape())
-
-    def __getitem__(self, index) -> torch.Tensor:
-        return self._slice[index]
-
-    def full(self) -> torch.Tensor:
-        return self._f.get_tensor(self._name)
-
-    def __getattr__(self, name):
-        return getattr(self.full(), name)
-
-
-def materialize(tensor) -> torch.Tensor:
-    return tensor.full() if isinstance(tensor, LazyTensor) else tensor
-
-
-def iter_checkpoint_lazy(model_dir: str):
-    from safetensors import safe_open
-
-    from tokenmill.models.loader import safetensors_files
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, LazyTensor(f, name)
 
 
 class ShardPlan:

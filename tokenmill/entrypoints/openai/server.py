@@ -85,8 +85,8 @@ def run_server(args) -> int:
     import uvicorn
 
     from tokenmill.demo_model import DEMO_MODEL_NAME
-    from tokenmill.engine.llm_engine import EngineArgs
-    from tokenmill.entrypoints.cli import engine_kwargs, resolve_model
+    from tokenmill.engine.engine_args import EngineArgs
+    from tokenmill.engine.arg_utils import engine_kwargs, resolve_model
 
     model_arg = args.model_pos or args.model
     model = resolve_model(model_arg)
