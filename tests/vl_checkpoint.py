@@ -70,11 +70,11 @@ def build_tokenizer(path: str):
 
 
 def _build(path: str, config_cls, model_cls, text: dict, vision: dict, seed: int,
-           larger: tuple[str, ...] = ("norm",)):
+           larger: tuple[str, ...] = ("norm",), finish=None):
     """Save a tiny random VL model (fp32), the tokenizer and the image processor to
     `path`; return the HF model (eval). Biases, norms (names containing one of
     `larger`) and the vision weights are drawn wider than HF's init, so that every
-    part moves the output."""
+    part moves the output; then `finish(model)`, if given, before saving."""
     import transformers as tf
     os.makedirs(path, exist_ok=True)
     tok = build_tokenizer(path)
@@ -97,8 +97,8 @@ def _build(path: str, config_cls, model_cls, text: dict, vision: dict, seed: int
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "visual" in name:  # larger vision weights: image features that matter
                 p.normal_(0.0, 0.3)
-            elif name.endswith("A_log"):  # (Gated DeltaNet) far from its default
-                p.normal_(0.0, 0.2)
+    if finish is not None:
+        finish(model)
     model.save_pretrained(path)
     tf.Qwen2VLImageProcessor(**IMAGE_PROCESSOR).save_pretrained(path)
     return model
@@ -133,8 +133,9 @@ def build_qwen3_vl_checkpoint(path: str, seed: int = 0):
 
 # Qwen3.5: the hybrid text model (Gated DeltaNet layers 0 and 2, gated attention layers
 # 1 and 3; 2 key heads serve 4 value heads), partial rotary over 16 of 32 head dims
-# with interleaved M-RoPE; Qwen3-VL's tower without DeepStack.
-QWEN3_5_VL_TEXT = dict(VL_TEXT, num_hidden_layers=4, head_dim=32,
+# with interleaved M-RoPE; Qwen3-VL's tower without DeepStack. Weights drawn with std
+# 0.1 and the Gated DeltaNet / norm parameters of hybrid_like_trained: see there.
+QWEN3_5_VL_TEXT = dict(VL_TEXT, num_hidden_layers=4, head_dim=32, initializer_range=0.1,
                        layer_types=["linear_attention", "full_attention"] * 2,
                        linear_num_key_heads=2, linear_num_value_heads=4,
                        linear_key_head_dim=16, linear_value_head_dim=8,
@@ -147,15 +148,45 @@ QWEN3_5_MOE_VL_TEXT = dict(QWEN3_5_VL_TEXT, num_experts=4, num_experts_per_tok=2
 QWEN3_5_VL_VISION = {k: v for k, v in QWEN3_VL_VISION.items() if k != "deepstack_visual_indexes"}
 
 
+def hybrid_like_trained(model) -> None:
+    """Draw a Qwen3.5 / Qwen3-Next model's Gated DeltaNet decay parameters and its
+    zero-centred norms the way trained checkpoints have them (the last step of the tiny
+    hybrid test checkpoints; the vision tower is left alone), all far from HF's
+    defaults, so that a loader that drops or mistransforms one of them fails.
+
+    - A token's decay g = -exp(A_log) * softplus(a + dt_bias): A_log ~ N(-1, 0.3) and
+      dt_bias ~ N(-2, 0.3) make g ~ -0.05 (as Mamba-style A in [1, 16] times dt in
+      [1e-3, 0.1]): the state keeps tens of tokens. Around A_log = dt_bias = 0 it kept
+      one or two, so a head's output was about one key's (q . k) v, near 0 whenever q
+      is near orthogonal to k, and the gated RMSNorm over the head's values scaled that
+      cancellation, fp32 error included, up to unit size.
+    - The other RMSNorms scale by 1 + weight, and trained weights sit around 0:
+      N(0, 0.2). (The 1 + 0.2 * randn meant for weight-scaled norms doubled every
+      block's input and the logits, and made the attention logits 4x.)
+
+    With the weights' std 0.1 (HYBRID, QWEN3_5_VL_TEXT), fp32 rounding moves these
+    checkpoints' logprobs by ~1e-5 (it was up to 7e-4: past the parity suites' 1e-4).
+    """
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if "visual" in name:
+                continue
+            if type(m).__name__.endswith("RMSNorm"):  # (...RMSNormGated scales by its weight)
+                m.weight.normal_(0.0, 0.2)
+            elif hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                m.A_log.normal_(-1.0, 0.3)
+                m.dt_bias.normal_(-2.0, 0.3)
+
+
 def build_qwen3_5_vl_checkpoint(path: str, seed: int = 0, moe: bool = False):
     """Tiny Qwen3_5ForConditionalGeneration (or, `moe`, Qwen3_5MoeForConditionalGeneration)
     with the same tokenizer and image processor."""
     import transformers as tf
     if moe:
         return _build(path, tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration,
-                      QWEN3_5_MOE_VL_TEXT, QWEN3_5_VL_VISION, seed)
+                      QWEN3_5_MOE_VL_TEXT, QWEN3_5_VL_VISION, seed, finish=hybrid_like_trained)
     return _build(path, tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, QWEN3_5_VL_TEXT,
-                  QWEN3_5_VL_VISION, seed)
+                  QWEN3_5_VL_VISION, seed, finish=hybrid_like_trained)
 
 
 def hf_processor(path: str):

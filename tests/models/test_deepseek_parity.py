@@ -5,7 +5,8 @@ from test_hf_parity.py (both configs are in conftest.MODEL_SPECS). Here: the
 layers follow the config, the KV cache holds exactly the latent bytes, the
 PyTorch decode path (no native kernels) matches too, prefix caching (hits on a
 shared prefix, with chunked prefill and under preemption), n > 1, and logprobs
-and prompt logprobs close to HF's.
+and prompt logprobs close to HF's. Every greedy run here also checks the top-5
+logprobs of its tokens against HF's dense forward (logprob_check.py).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from conftest import make_llm, runner_of, scheduler_of
-from test_hf_parity import assert_same_tokens, run_greedy
-from test_logprobs import check_completion, check_prompt_logprobs, generate
+from logprob_check import K, check_completion, check_prompt_logprobs
+from test_hf_parity import assert_same_tokens_and_logprobs, run_greedy_logprobs
+from test_logprobs import generate
 from test_prefix_caching import assert_idle, shared_prefix_prompts, stats
 from tokenmill import SamplingParams
 
@@ -76,7 +78,7 @@ def test_pytorch_decode_path_matches_hf(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     llm = make_llm(tm.path, cpu_kernels="torch", block_size=4)
     assert runner_of(llm).native_ops is None
-    assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+    assert_same_tokens_and_logprobs(tm, tm.prompts, run_greedy_logprobs(llm, tm.prompts))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -96,7 +98,7 @@ def test_native_mla_decode_kernel_matches_hf(tiny_model_factory, name, block_siz
         monkeypatch.setattr(ops, "mla_decode",
                             lambda *a, _span=span, _orig=orig: calls.append(1)
                             or _orig(*a, span_tokens=_span))
-        assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+        assert_same_tokens_and_logprobs(tm, tm.prompts, run_greedy_logprobs(llm, tm.prompts))
         assert calls
         monkeypatch.setattr(ops, "mla_decode", orig)
 
@@ -113,7 +115,7 @@ def test_naive_decode_matches_hf(tiny_model_factory, name, monkeypatch):
     monkeypatch.setattr(PagedMLAAttention, "_decode_naive",
                         lambda self, *a: calls.append(1) or orig(self, *a))
     llm = make_llm(tm.path, block_size=4)
-    assert_same_tokens(tm, tm.prompts, run_greedy(llm, tm.prompts))
+    assert_same_tokens_and_logprobs(tm, tm.prompts, run_greedy_logprobs(llm, tm.prompts))
     assert calls
 
 
@@ -128,15 +130,25 @@ def _greedy(llm, prompts, n):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _greedy_checked(tm, llm, prompts, n, where):
+    """Greedy tokens (returned), each completion's top-K logprobs checked against HF."""
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=K)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        check_completion(tm, p, o.outputs[0], K, f"{where} prompt {i}", greedy=True)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_prefix_caching_hits_and_matches_hf(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     prompts = shared_prefix_prompts(tm.vocab_size, prefix_len=60, n=4, suffix=(1, 20))
     llm = make_llm(tm.path, block_size=PC_BS, max_model_len=128, max_num_batched_tokens=24)
     assert scheduler_of(llm).kv_cache_manager.enable_caching
-    first = _greedy(llm, prompts, 12)
+    first = _greedy_checked(tm, llm, prompts, 12, name)
     assert stats(llm)["prefix_cache_hits"] > 0
-    again = _greedy(llm, prompts[::-1], 12)[::-1]  # now every prompt starts cached
+    # Now every prompt starts cached.
+    again = _greedy_checked(tm, llm, prompts[::-1], 12, f"{name} cached")[::-1]
     for p, a, b in zip(prompts, first, again):
         assert a == b == tm.reference(p, 12)
     assert_idle(llm)
@@ -147,7 +159,7 @@ def test_preemption_with_prefix_caching_matches_hf(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     prompts = shared_prefix_prompts(tm.vocab_size, prefix_len=40, n=6, seed=3, suffix=(1, 20))
     llm = make_llm(tm.path, max_model_len=96, block_size=PC_BS, num_kv_blocks=25)
-    got = _greedy(llm, prompts, 20)
+    got = _greedy_checked(tm, llm, prompts, 20, f"{name} preempted")
     assert scheduler_of(llm).num_preemptions > 0, "the pool was meant to force preemption"
     assert stats(llm)["prefix_cache_hits"] > 0
     for p, g in zip(prompts, got):
@@ -209,7 +221,7 @@ def test_kv_connector_moves_latent_blocks(tiny_model_factory, name):
     assert geo.payload_bytes == c["num_hidden_layers"] * PC_BS * width * 4
     first = _greedy(llm, prompts, 12)
     scheduler_of(llm).kv_cache_manager.reset_prefix_cache()  # served by the store now
-    again = _greedy(llm, prompts, 12)
+    again = _greedy_checked(tm, llm, prompts, 12, f"{name} external hits")
     ext = core.kv_cache_stats()["external"]
     assert ext["hit_blocks"] > 0 and ext["load_failures"] == 0
     for p, a, b in zip(prompts, first, again):

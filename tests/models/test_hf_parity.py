@@ -4,7 +4,10 @@ Every config in conftest.MODEL_SPECS (Llama / Qwen2 / Qwen3; GQA and MQA; a
 Qwen3 head_dim that is not hidden / heads; tied and untied embeddings; llama3,
 linear and yarn rope scaling) must reproduce HF `generate(do_sample=False)`
 token for token: one prompt, a batch of mixed lengths, forced chunked prefill,
-forced preemption, and a sharded checkpoint. Mistral with a sliding window shorter
+forced preemption, and a sharded checkpoint; those runs also ask for the top-5
+logprobs of every generated token, which must be HF's (log_softmax of a dense fp32
+forward over prompt + generated tokens, within 1e-4: logprob_check.py), so an
+error too small to flip an argmax still fails. Mistral with a sliding window shorter
 than most prompts, Gemma 3 (local and global layers: two KV cache groups) and
 DeepSeek-V2 / V3 (multi-head latent attention over a latent KV cache, DeepSeek
 MoE routing) run through all of it. The rope inverse frequencies are
@@ -22,14 +25,24 @@ from safetensors import safe_open
 
 from conftest import (MODEL_SPECS, NUM_NEW, PARITY_MODELS, TinyModel, build_checkpoint,
                       hf_greedy, make_llm, preempt_pool, scheduler_of)
+from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
+                                 logprobs=K)
 
 
 def run_greedy(llm, prompts):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def run_greedy_logprobs(llm, prompts) -> list:
+    """Greedy completions (CompletionOutput) with the top-K logprobs of each token."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
+                        use_tqdm=False)
+    return [o.outputs[0] for o in outs]
 
 
 def assert_same_tokens(tm: TinyModel, prompts, got):
@@ -39,6 +52,18 @@ def assert_same_tokens(tm: TinyModel, prompts, got):
         assert g == ref, (f"{tm.name}: prompt {i} (len {len(p)}) diverges from HF at "
                           f"token {next(k for k in range(len(ref)) if k >= len(g) or g[k] != ref[k])}"
                           f"\n  hf:        {ref}\n  tokenmill: {g}")
+
+
+def assert_same_tokens_and_logprobs(tm: TinyModel, prompts, comps, ref=None):
+    """HF's greedy tokens (tm.reference, or `ref` when given), then every generated
+    token's top-K logprobs against HF's dense forward (logprob_check)."""
+    if ref is None:
+        assert_same_tokens(tm, prompts, [c.token_ids for c in comps])
+    else:
+        for p, c, r in zip(prompts, comps, ref):
+            assert c.token_ids == r, f"{tm.name}\n  hf:        {r}\n  tokenmill: {c.token_ids}"
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        check_completion(tm, p, c, K, f"{tm.name}: prompt {i} (len {len(p)})", greedy=True)
 
 
 def record_schedules(llm) -> list:
@@ -62,8 +87,7 @@ def test_single_prompt(tiny_model_factory, name):
     prompt = tm.prompts[1]
     ref = hf_greedy(tm.hf, prompt, NUM_NEW)  # one unpadded HF generate call
     llm = make_llm(tm.path)
-    got = run_greedy(llm, [prompt])[0]
-    assert got == ref, f"{tm.name}\n  hf:        {ref}\n  tokenmill: {got}"
+    assert_same_tokens_and_logprobs(tm, [prompt], run_greedy_logprobs(llm, [prompt]), [ref])
     # The batched (left-padded) HF references used elsewhere agree with it.
     assert tm.reference(prompt) == ref
 
@@ -74,7 +98,7 @@ def test_batch_of_mixed_lengths(tiny_model_factory, name):
     prompts = tm.prompts
     assert len({len(p) for p in prompts}) == len(prompts)
     llm = make_llm(tm.path)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0
 
 
@@ -85,7 +109,7 @@ def test_chunked_prefill(tiny_model_factory, name, block_size):
     prompts = tm.prompts
     llm = make_llm(tm.path, max_num_batched_tokens=16, block_size=block_size)
     seen = record_schedules(llm)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     # The budget really forced chunks: some prompt was scheduled in pieces.
     assert max(so.total_num_scheduled_tokens for so in seen) <= 16
     prompt_len = {nr.req_id: len(nr.prompt_token_ids)
@@ -111,13 +135,13 @@ def test_preemption(tiny_model_factory, name, config):
 
 
 def check_preemption(tm, config: str) -> None:
-    """Greedy tokens equal HF's under a KV pool that forces preemption."""
+    """Greedy tokens and their logprobs equal HF's under a KV pool that forces preemption."""
     prompts = tm.prompts
     llm = make_llm(tm.path, **preempt_pool(tm.name, PREEMPT_CONFIGS[config]))
-    got = run_greedy(llm, prompts)
+    got = run_greedy_logprobs(llm, prompts)
     sched = scheduler_of(llm)
     assert sched.num_preemptions > 0, "the config was meant to force preemption"
-    assert_same_tokens(tm, prompts, got)
+    assert_same_tokens_and_logprobs(tm, prompts, got)
     assert sched.kv_cache_manager.num_used_blocks == 0
 
 
@@ -126,11 +150,11 @@ def test_block_size_one_and_no_chunked_prefill(tiny_model_factory, name):
     tm = tiny_model_factory(name)
     prompts = tm.prompts
     llm = make_llm(tm.path, block_size=1, max_num_batched_tokens=16)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     llm = make_llm(tm.path, enable_chunked_prefill=False, max_num_batched_tokens=128,
                    max_num_seqs=3)
     seen = record_schedules(llm)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     for so in seen:  # every prompt went in whole
         for nr in so.scheduled_new_reqs:
             assert so.num_scheduled_tokens[nr.req_id] == len(nr.prompt_token_ids)
@@ -166,14 +190,14 @@ def test_staggered_arrivals(tiny_model_factory, name):
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i in arrivals.get(step, []):
-            engine.add_request(f"p{i}", {"prompt_token_ids": prompts[i]}, GREEDY)
+            engine.add_request(f"p{i}", {"prompt_token_ids": prompts[i]}, GREEDY_LOGPROBS)
         for out in engine.step():
             if out.finished:
-                got[int(out.request_id[1:])] = out.outputs[0].token_ids
+                got[int(out.request_id[1:])] = out.outputs[0]
         step += 1
         assert step < 500
     assert sorted(got) == list(range(len(prompts)))
-    assert_same_tokens(tm, prompts, [got[i] for i in range(len(prompts))])
+    assert_same_tokens_and_logprobs(tm, prompts, [got[i] for i in range(len(prompts))])
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2_tied", "qwen3_mqa_tied"])
@@ -187,7 +211,7 @@ def test_tied_embeddings(tiny_model_factory, name):
     assert model.lm_head.weight is model.embed_tokens.weight  # tied: one tensor
     assert torch.equal(model.lm_head.dense_weight(), emb)
     prompts = tm.prompts[:3]
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
 
 
 @pytest.mark.parametrize("name", ["llama_mqa_llama3", "qwen2_yarn", "qwen3_headdim"])
@@ -215,7 +239,7 @@ def test_sharded_checkpoint(tmp_path_factory, name):
     tm = TinyModel(name + "_sharded", path, arch, hf)
     prompts = tm.prompts[:4]
     llm = make_llm(path)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
 
 
 def test_tied_checkpoint_has_no_separate_head(tiny_model_factory):

@@ -16,6 +16,10 @@ reproduce HF `generate(do_sample=False)` token for token, fp32:
   (e) n=2 seeded sampling: each completion equals a lone request with seed + i,
       and no prompt blocks are shared (a recurrent state cannot be shared).
 
+(a)-(d) also ask for the top-5 logprobs of every generated token, which must be
+HF's (log_softmax of a dense fp32 forward over prompt + generated tokens, within
+1e-4: logprob_check.py).
+
 The HF references of the 8 prompts come from one left-padded batch per model
 (HF masks the padding in its DeltaNet layers; test_single_prompt checks the
 batched reference against an unpadded generate).
@@ -31,14 +35,19 @@ import torch
 
 from conftest import NUM_NEW, TINY, TinyModel, build_checkpoint, hf_greedy, make_llm, \
     make_prompts, runner_of, scheduler_of
-from test_hf_parity import assert_same_tokens, record_schedules, run_greedy
+from logprob_check import K
+from test_hf_parity import assert_same_tokens_and_logprobs, record_schedules, run_greedy_logprobs
 from tokenmill import SamplingParams
+from vl_checkpoint import hybrid_like_trained
 
 # 4 layers: layer_types default to 3 linear-attention layers, then 1 full-attention layer.
-# 2 key heads serve 4 value heads (Hv > Hk); conv kernel 4.
+# 2 key heads serve 4 value heads (Hv > Hk); conv kernel 4. Weights drawn with std 0.1
+# (a gain of ~0.8 per 64-wide projection, as trained checkpoints' ~0.02 at width 2048):
+# TINY's 0.2 (gain 1.6) over 4 layers amplified fp32 rounding past the 1e-4 of the
+# logprob checks. The decay parameters and norms: vl_checkpoint.hybrid_like_trained.
 HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-              linear_conv_kernel_dim=4)
+              linear_conv_kernel_dim=4, initializer_range=0.1)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=48)
 
@@ -84,22 +93,14 @@ class HybridModel(TinyModel):
         return make_prompts(HYBRID_LENGTHS, self.vocab_size, seed=5)
 
 
-def _randomise_state_params(model) -> None:
-    """A_log / dt_bias far from their defaults, so a loader that drops them fails."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.normal_(0.0, 0.2)
-
-
 def build_hybrid(path: str, arch: str, overrides: dict, seed: int = 0):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if arch.endswith("_vl"):
             return _build_vl(path, arch, overrides, seed)
         hf = build_checkpoint(path, arch, overrides, seed=seed)
-        _randomise_state_params(hf)
-        hf.save_pretrained(path)  # again, with the randomised A_log
+        hybrid_like_trained(hf)
+        hf.save_pretrained(path)  # again, with the new A_log, dt_bias and norms
     return hf
 
 
@@ -122,7 +123,7 @@ def _build_vl(path: str, arch: str, overrides: dict, seed: int):
                 p.normal_(0.0, 0.2)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    _randomise_state_params(model)
+    hybrid_like_trained(model)
     model.save_pretrained(path)
     return model
 
@@ -175,8 +176,7 @@ def test_single_prompt(hybrid_model, name):
             for layer in runner.model.layers]
     assert ours == [(hasattr(h, "linear_attn"), "Sparse" in type(h.mlp).__name__)
                     for h in hf_layers]
-    got = run_greedy(llm, [prompt])[0]
-    assert got == ref, f"{tm.name}\n  hf:        {ref}\n  tokenmill: {got}"
+    assert_same_tokens_and_logprobs(tm, [prompt], run_greedy_logprobs(llm, [prompt]), [ref])
     assert tm.reference(prompt) == ref  # the left-padded batch reference agrees
     assert_idle(llm)
 
@@ -189,7 +189,7 @@ def test_batch_of_mixed_lengths(hybrid_model, name):
     prompts = tm.prompts
     assert sorted(len(p) for p in prompts) == sorted(HYBRID_LENGTHS)
     llm = hybrid_llm(tm)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     assert_idle(llm)
 
 
@@ -222,7 +222,7 @@ def test_chunked_prefill(hybrid_model, name):
     for budget, block_size in ((3, 4), (5, 16)):
         llm = hybrid_llm(tm, max_num_batched_tokens=budget, block_size=block_size)
         seen = record_schedules(llm)
-        assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+        assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
         assert max(so.total_num_scheduled_tokens for so in seen) <= budget
         log += _chunk_log(seen)
         assert_idle(llm)
@@ -251,12 +251,12 @@ def test_preemption(hybrid_model, name, config):
     prompts = tm.prompts
     llm = hybrid_llm(tm, **PREEMPT_CONFIGS[config])
     seen = record_schedules(llm)
-    got = run_greedy(llm, prompts)
+    got = run_greedy_logprobs(llm, prompts)
     sched = scheduler_of(llm)
     assert sched.num_preemptions > 0, "the config was meant to force preemption"
     # Preempted requests came back from the start (their state recomputed).
     assert any(any(so.scheduled_cached_reqs.resumed_from_preemption) for so in seen)
-    assert_same_tokens(tm, prompts, got)
+    assert_same_tokens_and_logprobs(tm, prompts, got)
     assert_idle(llm)
 
 
@@ -322,13 +322,13 @@ def test_vl_checkpoint_loads_the_tower(hybrid_model, name, arch):
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
 def test_a_fault_fails_only_its_request(hybrid_model, name):
     """A request whose sampling faults fails alone; the others are requeued from a clean
-    batch with fresh state slots, and still give HF's tokens."""
+    batch with fresh state slots, and still give HF's tokens and logprobs."""
     from tokenmill import faults
     tm = hybrid_model(name)
     prompts = tm.prompts[:4]
     llm = hybrid_llm(tm)
     engine = llm.llm_engine
-    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=K)
     for i, p in enumerate(prompts[:3]):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, greedy)
     finals = {}
@@ -348,6 +348,6 @@ def test_a_fault_fails_only_its_request(hybrid_model, name):
     finally:
         faults.disarm_all()
     assert finals["victim"].outputs[0].finish_reason == "error"
-    got = [finals[f"r{i}"].outputs[0].token_ids for i in range(3)]
-    assert_same_tokens(tm, prompts[:3], got)
+    got = [finals[f"r{i}"].outputs[0] for i in range(3)]
+    assert_same_tokens_and_logprobs(tm, prompts[:3], got)
     assert_idle(llm)

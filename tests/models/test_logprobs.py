@@ -17,65 +17,12 @@ import pytest
 import torch
 
 from conftest import make_llm, make_prompts, preempt_pool, scheduler_of
+from logprob_check import check_completion, check_prompt_logprobs
 from tokenmill import SamplingParams
 from tokenmill.sampling_params import RequestOutputKind
 
 MODELS = ["llama_gqa_tied", "qwen3_headdim", "mistral_swa", "gemma3", "gemma4",
           "gemma4_moe_keqv", "gemma4_ple", "gemma4_kvshare", "gemma4_all"]
-TOL = 1e-4
-
-
-@torch.no_grad()
-def hf_logprobs(tm, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab]: row i is HF's log-distribution of the token after tokens[:i+1]."""
-    return tm.hf(torch.tensor([tokens])).logits[0].float().log_softmax(-1).clone()
-
-
-def check_position(d: dict, hf_row: torch.Tensor, chosen: int, k: int, where: str) -> None:
-    """One position's {token id: Logprob} against HF: the chosen token with its value and
-    rank, plus the top-k (ranks 1..k, values and ids HF's)."""
-    assert chosen in d, where
-    x = hf_row[chosen].item()
-    assert d[chosen].logprob == pytest.approx(x, abs=TOL), where
-    # Rank = 1 + number of strictly more likely tokens; near-ties get TOL of slack.
-    lo = 1 + int((hf_row > x + TOL).sum())
-    hi = 1 + int((hf_row > x - TOL).sum())
-    assert lo <= d[chosen].rank <= hi, (where, d[chosen].rank, lo, hi)
-    assert len(d) in (k, k + 1), where
-    top_vals = hf_row.topk(k).values.tolist() if k else []
-    ranks = []
-    for tok, lp in d.items():
-        assert lp.logprob == pytest.approx(hf_row[tok].item(), abs=TOL), (where, tok)
-        if tok == chosen and lp.rank > k:
-            continue  # the chosen token outside the top-k
-        assert 1 <= lp.rank <= k, (where, tok, lp.rank)
-        ranks.append(lp.rank)
-        # It is the rank-th most likely token of HF's distribution.
-        assert lp.logprob == pytest.approx(top_vals[lp.rank - 1], abs=TOL), (where, tok)
-    assert sorted(ranks) == list(range(1, k + 1)), (where, ranks)
-
-
-def check_completion(tm, prompt, comp, k, where=""):
-    toks = comp.token_ids
-    assert comp.logprobs is not None and len(comp.logprobs) == len(toks)
-    hf = hf_logprobs(tm, prompt + toks[:-1])[len(prompt) - 1:]
-    for i, (t, d) in enumerate(zip(toks, comp.logprobs)):
-        check_position(d, hf[i], t, k, f"{where} token {i}")
-    total = sum(d[t].logprob for t, d in zip(toks, comp.logprobs))
-    assert comp.cumulative_logprob == pytest.approx(total, abs=1e-5)
-    assert comp.cumulative_logprob == pytest.approx(
-        float(hf[torch.arange(len(toks)), torch.tensor(toks)].sum()), abs=TOL * len(toks))
-    return hf
-
-
-def check_prompt_logprobs(tm, prompt, plp, k, where=""):
-    assert plp is not None and len(plp) == len(prompt), where
-    assert plp[0] is None
-    if len(prompt) < 2:
-        return
-    hf = hf_logprobs(tm, prompt)
-    for j in range(1, len(prompt)):
-        check_position(plp[j], hf[j - 1], prompt[j], k, f"{where} prompt position {j}")
 
 
 def generate(llm, prompts, params):

@@ -3,7 +3,8 @@ and loading both checkpoint layouts of the experts.
 
 Like test_hf_parity.py (whose helpers this reuses) for the MoE configs below:
 one prompt, a batch of 8 mixed lengths, forced chunked prefill (also chunks of
-1-3 tokens), forced preemption. transformers 5 `save_pretrained` writes the
+1-3 tokens), forced preemption, each with the top-5 logprobs of every generated
+token against HF's dense forward (logprob_check.py). transformers 5 `save_pretrained` writes the
 per-expert layout of the hub checkpoints ("mlp.experts.{e}.gate_proj.weight");
 the fused layout ("mlp.experts.gate_up_proj" [E, 2I, H]) is written here by
 hand from the same tensors.
@@ -21,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import NUM_NEW, TinyModel, build_checkpoint, hf_greedy, make_llm, scheduler_of
-from test_hf_parity import (PREEMPT_CONFIGS, assert_same_tokens, check_preemption,
-                            record_schedules, run_greedy)
+from test_hf_parity import (PREEMPT_CONFIGS, assert_same_tokens_and_logprobs,
+                            check_preemption, record_schedules, run_greedy_logprobs)
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -91,8 +92,7 @@ def test_single_prompt(moe_model, name):
     prompt = tm.prompts[1]
     ref = hf_greedy(tm.hf, prompt, NUM_NEW)
     llm = make_llm(tm.path)
-    got = run_greedy(llm, [prompt])[0]
-    assert got == ref, f"{tm.name}\n  hf:        {ref}\n  tokenmill: {got}"
+    assert_same_tokens_and_logprobs(tm, [prompt], run_greedy_logprobs(llm, [prompt]), [ref])
     assert tm.reference(prompt) == ref  # the left-padded batch references agree
 
 
@@ -126,7 +126,7 @@ def test_batch_of_mixed_lengths(moe_model, name):
     prompts = tm.prompts
     assert len(prompts) == 8 and len({len(p) for p in prompts}) == 8
     llm = make_llm(tm.path)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     assert scheduler_of(llm).kv_cache_manager.num_used_blocks == 0
 
 
@@ -137,7 +137,7 @@ def test_chunked_prefill(moe_model, name, budget, block_size):
     prompts = tm.prompts
     llm = make_llm(tm.path, max_num_batched_tokens=budget, block_size=block_size)
     seen = record_schedules(llm)
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     assert max(so.total_num_scheduled_tokens for so in seen) <= budget
     # Every prompt chunk, by request: the budget really split the prompts.
     prompt_len = {nr.req_id: len(nr.prompt_token_ids)
@@ -175,7 +175,7 @@ def test_some_experts_get_no_tokens(moe_model):
     moe_mod.fused_experts = spy
     try:
         prompts = tm.prompts[:4]
-        assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+        assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
     finally:
         moe_mod.fused_experts = orig
     assert any(hit < experts for _, hit, experts in counts)
@@ -222,7 +222,7 @@ def test_fused_expert_checkpoint(moe_model, tmp_path):
         assert torch.equal(model.layers[layer].mlp.experts.gate_up_proj,
                            tm.hf.model.layers[layer].mlp.experts.gate_up_proj)
     prompts = tm.prompts[:3]
-    assert_same_tokens(tm, prompts, run_greedy(llm, prompts))
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
 
 
 def test_sharded_per_expert_checkpoint(tmp_path):
@@ -237,7 +237,8 @@ def test_sharded_per_expert_checkpoint(tmp_path):
     assert len(files) > 1
     tm = TinyModel("qwen3_moe_sharded", str(tmp_path), arch, hf)
     prompts = tm.prompts[:3]
-    assert_same_tokens(tm, prompts, run_greedy(make_llm(str(tmp_path)), prompts))
+    assert_same_tokens_and_logprobs(tm, prompts,
+                                    run_greedy_logprobs(make_llm(str(tmp_path)), prompts))
 
 
 @pytest.mark.parametrize("drop", ["model.layers.2.mlp.experts.5.up_proj.weight",

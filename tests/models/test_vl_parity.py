@@ -4,7 +4,12 @@ token for token with HF (fp32, greedy).
 Tiny random checkpoints with their tokenizer and image processor
 (tests/vl_checkpoint.py). The HF reference gets the same prompt text, expanded as
 HF's processor does (each <|image_pad|> -> t*h*w/merge^2 copies), and the same
-image processor's pixel values.
+image processor's pixel values. The parity runs also ask for the top-5 logprobs of
+every generated token, which must be HF's (within 1e-4, logprob_check.py): the
+log_softmax of one dense fp32 forward over prompt + generated tokens with every
+input HF's generate got (pixel_values, image_grid_thw, and mm_token_type_ids, 0 for
+the generated tokens: without it transformers silently falls back to 1-D
+positions).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import pytest
 import torch
 
 from conftest import make_llm, runner_of, scheduler_of
+from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.errors import ParamError
 from vl_checkpoint import (build_qwen3_5_vl_checkpoint, build_qwen3_vl_checkpoint,
@@ -72,6 +78,25 @@ class VL:
             self._refs[key] = out[0, len(ids):].tolist()
         return self._refs[key]
 
+    @torch.inference_mode()
+    def hf_logprobs(self, text, image_ids, tokens):
+        """[len(tokens), vocab]: HF's log-distributions after each prefix of `tokens` (the
+        expanded prompt, then generated tokens), one dense forward with the inputs
+        `reference` gives generate."""
+        key = ("logprobs", text, tuple(image_ids), tuple(tokens))
+        if key not in self._refs:
+            ids, kw = self.hf_inputs(text, [self.img[i] for i in image_ids])
+            assert list(tokens[:len(ids)]) == ids
+            if "mm_token_type_ids" in kw:  # generated tokens are text
+                mm = kw["mm_token_type_ids"]
+                kw["mm_token_type_ids"] = torch.cat(
+                    [mm, mm.new_zeros(1, len(tokens) - len(ids))], dim=1)
+            logits = self.hf(input_ids=torch.tensor([tokens]),
+                             attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                             **kw).logits
+            self._refs[key] = logits[0].float().log_softmax(-1)
+        return self._refs[key]
+
     def prompt(self, text, image_ids):
         if not image_ids:
             return text
@@ -103,6 +128,7 @@ MODELS = {"qwen2_5_vl": "vl", "qwen3_vl": "vl3", "qwen3_5_vl": "vl35", "qwen3_5_
 
 
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=K)
 # (text, images) of a batch that mixes text-only and image requests
 CASES = [(ONE, [0]), (TEXT, []), (TWO, [0, 1]), (LONG, [2]), (TWO, [1, 2])]
 
@@ -110,6 +136,26 @@ CASES = [(ONE, [0]), (TEXT, []), (TWO, [0, 1]), (LONG, [2]), (TWO, [1, 2])]
 def run(llm, vl, cases):
     outs = llm.generate([vl.prompt(t, ims) for t, ims in cases], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def run_with_logprobs(llm, vl, cases) -> list:
+    """The RequestOutputs of greedy runs that report the top-K logprobs of each token."""
+    return llm.generate([vl.prompt(t, ims) for t, ims in cases], GREEDY_LOGPROBS,
+                        use_tqdm=False)
+
+
+def assert_parity(vl, cases, outs, where=""):
+    """HF's greedy tokens, then each generated token's top-K logprobs against HF's dense
+    forward over the expanded prompt + generated tokens, with the images."""
+    for (text, images), out in zip(cases, outs):
+        comp = out.outputs[0]
+        assert comp.token_ids == vl.reference(text, images), (where, text[:30], images)
+    for i, ((text, images), out) in enumerate(zip(cases, outs)):
+        ids, _ = vl.hf_inputs(text, [vl.img[j] for j in images])
+        assert list(out.prompt_token_ids) == ids, (where, i)  # the same expanded prompt
+        check_completion(lambda toks, t=text, ims=images: vl.hf_logprobs(t, ims, toks), ids,
+                         out.outputs[0], K, f"{where} case {i} {text[:20]!r} {images}",
+                         greedy=True)
 
 
 @pytest.mark.parametrize("which", list(MODELS))
@@ -170,9 +216,7 @@ def test_mrope_positions_match_get_rope_index(request, which):
 def test_mixed_batch_parity(vl, config):
     llm = make_llm(vl.path, **config)
     try:
-        got = run(llm, vl, CASES)
-        for (text, images), tokens in zip(CASES, got):
-            assert tokens == vl.reference(text, images), (text[:30], images)
+        assert_parity(vl, CASES, run_with_logprobs(llm, vl, CASES), "qwen2_5_vl")
         if not config.get("engine_process"):
             # three distinct images among five requests: each encoded once
             assert runner_of(llm).num_encoded_images == 3
@@ -183,10 +227,9 @@ def test_mixed_batch_parity(vl, config):
 def test_preemption_parity_and_no_reencoding(vl):
     llm = make_llm(vl.path, block_size=8, num_kv_blocks=18, max_num_batched_tokens=32)
     cases = [(ONE, [0]), (LONG, [2]), (TWO, [0, 1])]
-    got = run(llm, vl, cases)
+    outs = run_with_logprobs(llm, vl, cases)
     assert scheduler_of(llm).num_preemptions > 0
-    for (text, images), tokens in zip(cases, got):
-        assert tokens == vl.reference(text, images)
+    assert_parity(vl, cases, outs, "qwen2_5_vl preempted")
     assert runner_of(llm).num_encoded_images == 3
 
 
@@ -282,9 +325,7 @@ def test_qwen3_vl_parity(request, which, config):
     images come from the encoder cache)."""
     vl = request.getfixturevalue(MODELS[which])
     llm = make_llm(vl.path, **config)
-    got = run(llm, vl, CASES)
-    for (text, images), tokens in zip(CASES, got):
-        assert tokens == vl.reference(text, images), (text[:30], images)
+    assert_parity(vl, CASES, run_with_logprobs(llm, vl, CASES), which)
     if "num_kv_blocks" in config:
         assert scheduler_of(llm).num_preemptions > 0
     assert runner_of(llm).num_encoded_images == 3
@@ -300,8 +341,7 @@ def test_qwen3_5_vl_async_and_drafts(vl35, config):
     with n-gram drafts verified on top of an image prompt (a verifying row's tokens
     at position + delta, its state slots stepping per draft): HF's tokens."""
     llm = make_llm(vl35.path, **config)
-    for (text, images), tokens in zip(CASES, run(llm, vl35, CASES)):
-        assert tokens == vl35.reference(text, images), (text[:30], images)
+    assert_parity(vl35, CASES, run_with_logprobs(llm, vl35, CASES), "qwen3_5_vl")
     llm.llm_engine.shutdown()
 
 
@@ -312,8 +352,7 @@ def test_ngram_drafts_and_n_completions(vl):
     llm = make_llm(vl.path, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3})
-    for (text, images), tokens in zip(CASES, run(llm, vl, CASES)):
-        assert tokens == vl.reference(text, images)
+    assert_parity(vl, CASES, run_with_logprobs(llm, vl, CASES), "qwen2_5_vl ngram")
     llm = make_llm(vl.path, block_size=8, enable_prefix_caching=True)
     outs = llm.generate([vl.prompt(t, ims) for t, ims in CASES],
                         SamplingParams(n=2, max_tokens=N, temperature=1.0, top_k=1,
@@ -331,8 +370,6 @@ def test_tensor_parallel_parity(request, which):
     model = request.getfixturevalue(MODELS[which])
     llm = make_llm(model.path, tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
-        got = run(llm, model, CASES)
-        for (text, images), tokens in zip(CASES, got):
-            assert tokens == model.reference(text, images), (text[:30], images)
+        assert_parity(model, CASES, run_with_logprobs(llm, model, CASES), f"{which} tp=2")
     finally:
         llm.llm_engine.shutdown()
