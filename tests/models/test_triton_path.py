@@ -182,6 +182,47 @@ def test_triton_decode_serves_rows_verifying_drafts(tiny_model_factory, triton_p
         assert o.outputs[0].token_ids == tm.reference(p, 10)
 
 
+def test_eagle3_drafter_runs_the_triton_kernels(tiny_model_factory, triton_platform,
+                                                tmp_path, monkeypatch):
+    """An EAGLE-3 drafter builds its metadata through the runner's builder, so its K/V
+    writes and decode steps take the Triton kernels the platform chose for the target
+    (they fell back to the PyTorch path): same tokens as without speculation."""
+    import json
+
+    from tokenmill.ops import triton_attention
+    from tokenmill.spec_decode.random_drafters import build_eagle3_checkpoint
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    tm = tiny_model_factory("llama_gqa_tied")
+    draft = str(tmp_path / "eagle3")
+    os.makedirs(draft)
+    build_eagle3_checkpoint(draft, json.load(open(os.path.join(tm.path, "config.json"))))
+    prompts = [tm.prompts[0][:7], tm.prompts[1][:5]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    llm = make_llm(tm.path, cpu_kernels="torch", speculative_config=dict(
+        method="eagle3", num_speculative_tokens=2, model=draft, adaptive=False))
+    runner = runner_of(llm)
+    assert runner.triton_ops is triton_attention
+    draft_layer = runner.draft_model.attention_layers()[0]
+    calls = {"write": 0, "decode": 0}
+    for name, key in (("write_kv", "write"), ("paged_decode", "decode")):
+        real = getattr(triton_attention, name)
+
+        def counting(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(triton_attention, name, counting)
+    seen = []
+    real_write = draft_layer.write_kv
+    monkeypatch.setattr(draft_layer, "write_kv",
+                        lambda k, v, meta: (seen.append(meta.triton_ops), real_write(k, v, meta)))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+    assert seen and all(ops is triton_attention for ops in seen)  # the drafter's metadata
+    assert calls["write"] > 0 and calls["decode"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == tm.reference(p, 5)
+
+
 def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
     """Qwen3.5 (Gated DeltaNet + attention): the pad rows' recurrent state goes to the
     scratch slot after the real ones; same tokens as the PyTorch path without graphs,

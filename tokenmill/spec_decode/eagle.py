@@ -145,14 +145,8 @@ class EagleProposer:
         rows_t = target[torch.from_numpy(step_rows).to(dev)]
         hidden = rows_t if e_hidden is None else torch.cat([e_hidden, rows_t])
         combined = self.model.combine_target_hidden(hidden)
-        table = runner.input_batch.block_tables[runner.draft_group_id]
-        bs = table.block_size
-        meta = AttentionMetadata(
-            num_decodes=0,
-            slot_block=torch.from_numpy(
-                table.block_table[all_req, all_pos // bs].astype(np.int64)).to(dev),
-            slot_offset=torch.from_numpy(all_pos % bs).to(dev),
-            native_ops=runner.native_ops)
+        meta = runner.attn_metadata.write_only(
+            runner.input_batch.block_tables[runner.draft_group_id], all_req, all_pos)
         self.model.write_kv(ids, pos, combined, meta)
         return ids, pos, combined, index
 
@@ -162,15 +156,5 @@ class EagleProposer:
 
     def _decode_meta(self, runner, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """One decode query per row at `positions` (a draft step's own K/V slot)."""
-        table = runner.input_batch.block_tables[runner.draft_group_id]
-        bs = table.block_size
-        dev = self.device
-        block_ids = table.block_table[rows, positions // bs].astype(np.int64)
-        nb = int(positions.max()) // bs + 1
-        return AttentionMetadata(
-            num_decodes=rows.size,
-            slot_block=torch.from_numpy(block_ids).to(dev),
-            slot_offset=torch.from_numpy(positions % bs).to(dev),
-            native_ops=runner.native_ops,
-            decode_block_table=torch.from_numpy(table.block_table[rows, :nb].copy()).to(dev),
-            decode_seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev))
+        return runner.attn_metadata.decodes(
+            runner.input_batch.block_tables[runner.draft_group_id], rows, positions)

@@ -22,7 +22,7 @@ from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunn
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
 from tokenmill.cpu_platform import CpuPlatform
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk, StateMetadata
+from tokenmill.models.layers.attention import AttentionMetadata, StateMetadata
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.sample.bitmask import apply_grammar_bitmask
 from tokenmill.sample.sampler import Sampler, apply_processors, gather_logprobs
@@ -32,6 +32,7 @@ from tokenmill.spec_decode.dflash_proposer import DFlashProposer
 from tokenmill.spec_decode.eagle import EagleProposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.verify import verify_greedy
+from tokenmill.worker.attn_metadata import AttentionMetadataBuilder
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
@@ -161,6 +162,9 @@ class ModelRunner:
         if self.platform.attention == "triton":
             from tokenmill.ops import triton_attention
             self.triton_ops = triton_attention
+        # Every attention metadata of a step (the target's and the drafters') comes from here.
+        self.attn_metadata = AttentionMetadataBuilder(self.device, self.native_ops,
+                                                      self.triton_ops)
         # CUDA graphs of pure-decode steps (worker/cuda_graph.py), captured at
         # initialize_kv_cache where the platform says so; None: every step eager.
         self.cuda_graphs = None
@@ -432,8 +436,10 @@ class ModelRunner:
         single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
         not_single = np.nonzero(~single)[0]
         nd = int(not_single[0]) if not_single.size else n
-        groups = {gid: self._group_metadata(gid, req_indices, positions, seq_lens, computed,
-                                            num_sched, query_start_loc, nd)
+        groups = {gid: self.attn_metadata.step(
+                      batch.block_tables[gid], self.kv_cache_config.groups[gid].sliding_window,
+                      req_indices, positions, seq_lens, computed, num_sched, query_start_loc,
+                      nd, n)
                   for gid in self.attn_group_ids}
         meta = groups[self.attn_group_id]
         if len(groups) > 1:
@@ -453,68 +459,6 @@ class ModelRunner:
             num_drafts=num_drafts)
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
-
-    def _group_metadata(self, gid: int, req_indices: np.ndarray, positions: np.ndarray,
-                        seq_lens: np.ndarray, computed: np.ndarray, num_sched: np.ndarray,
-                        query_start_loc: np.ndarray, nd: int) -> AttentionMetadata:
-        """One KV cache group's attention metadata: where the step's K/V go (slot
-        mapping through the group's block table) and the decode / prefill tables."""
-        batch = self.input_batch
-        table = batch.block_tables[gid]
-        bs = table.block_size
-        window = self.kv_cache_config.groups[gid].sliding_window
-        block_ids = table.block_table.reshape(-1)[
-            req_indices * table.max_num_blocks_per_req + positions // bs]
-        nd_tokens = int(query_start_loc[nd])
-        dev = self.device
-        meta = AttentionMetadata(
-            num_decodes=nd_tokens,
-            slot_block=torch.from_numpy(block_ids.astype(np.int64)).to(dev),
-            slot_offset=torch.from_numpy(positions % bs).to(dev),
-            native_ops=self.native_ops)
-        if nd:
-            nb = -(-int(seq_lens[:nd].max()) // bs)
-            rows = table.block_table[:nd, :nb].copy()  # (a later step edits the table)
-            if nd_tokens == nd:
-                lens = seq_lens[:nd]
-            else:
-                rows = np.repeat(rows, num_sched[:nd], axis=0)
-                lens = positions[:nd_tokens] + 1
-            if window is not None:
-                # Blocks before a row's window may be back in the pool (a stale id in
-                # this table): the null block stands in, so nothing unowned is read.
-                first = np.maximum(lens - window, 0) // bs  # (query at lens - 1)
-                rows = np.where(np.arange(nb)[None, :] < first[:, None], 0, rows)
-            meta.decode_block_table = torch.from_numpy(rows).to(dev)
-            meta.decode_seq_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
-        for r in range(nd, batch.num_reqs()):
-            nb = -(-int(seq_lens[r]) // bs)
-            meta.prefills.append(PrefillChunk(
-                int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
-                torch.from_numpy(table.block_table[r, :nb].astype(np.int64)).to(dev)))
-        if self.triton_ops is not None:
-            self._triton_metadata(meta, table, block_ids, positions, seq_lens,
-                                  query_start_loc, nd)
-        return meta
-
-    def _triton_metadata(self, meta: AttentionMetadata, table, block_ids: np.ndarray,
-                         positions: np.ndarray, seq_lens: np.ndarray,
-                         query_start_loc: np.ndarray, nd: int) -> None:
-        """The flat inputs of the Triton kernels (CUDA): the slot mapping and every
-        prompt chunk's query range, length and block table in one tensor each."""
-        dev, bs = self.device, table.block_size
-        meta.triton_ops = self.triton_ops
-        meta.slot_mapping = torch.from_numpy(block_ids.astype(np.int64) * bs
-                                             + positions % bs).to(dev)
-        n = self.input_batch.num_reqs()
-        if n > nd:
-            qsl = query_start_loc[nd:n + 1] - query_start_loc[nd]
-            lens = seq_lens[nd:n]
-            nb = -(-int(lens.max()) // bs)
-            meta.prefill_query_start_loc = torch.from_numpy(qsl.astype(np.int64)).to(dev)
-            meta.prefill_seq_lens = torch.from_numpy(lens.astype(np.int32)).to(dev)
-            meta.prefill_block_table = torch.from_numpy(table.block_table[nd:n, :nb].copy()).to(dev)
-            meta.prefill_max_query_len = int(np.diff(qsl).max())
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
                         computed: np.ndarray, num_drafts: np.ndarray | None = None
