@@ -261,16 +261,11 @@ class DeepseekV2ForCausalLM(nn.Module):
                 tensor = torch.cat([tensor[:r], tensor[r:][perm]])
         yield name, tensor
 
-    # Drafters that read hidden states between layers (EAGLE-3, DFlash) set this; not
-    # provided here yet, so such a pairing fails at its first step instead of drafting
-    # from the wrong states.
-    aux_layer_ids: tuple[int, ...] = ()
+    # No hidden-state taps (provides_aux_hidden): spec_decode/loading.py refuses EAGLE-3 /
+    # DFlash drafters for this model at start-up.
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if self.aux_layer_ids:
-            raise ValueError(f"{type(self).__name__} does not provide the hidden states an "
-                             f"EAGLE-3 / DFlash drafter reads (aux_layer_ids)")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:

@@ -15,7 +15,7 @@ IMPLEMENTED: dict[str, str] = {}
 CONFIG_KEYS = ("quantization_config", "compression_config")
 
 
-def quantization_method(hf_config: dict) -> tuple[str, str] | None:
+def quantization_method(hf_config: dict, where: str = "checkpoint") -> tuple[str, str] | None:
     """(config key, quant_method) of a checkpoint's quantization, or None for none.
 
     Looked for at the top level and in a vision-language config's text_config (hub
@@ -28,14 +28,15 @@ def quantization_method(hf_config: dict) -> tuple[str, str] | None:
             if qc is None:
                 continue
             if not isinstance(qc, dict):
-                raise ValueError(f"{key} must be an object, got {type(qc).__name__}")
-            method = qc.get("quant_method", qc.get("format"))
+                raise ValueError(f"{where}: {key} must be an object, got "
+                                 f"{type(qc).__name__}")
+            method = qc.get("quant_method")
             # compressed-tensors' older files name the method only by the key's presence.
             if method is None and key == "compression_config":
                 method = "compressed-tensors"
             if not isinstance(method, str) or not method:
-                raise ValueError(f"{key} has no quant_method: cannot tell how its weights "
-                                 f"are stored")
+                raise ValueError(f"{where}: {key} has no quant_method: cannot tell how its "
+                                 f"weights are stored")
             return key, method
     return None
 
@@ -44,7 +45,7 @@ def check_quantization(hf_config: dict, where: str) -> str | None:
     """The checkpoint's quant_method when tokenmill implements it, None when it is not
     quantized; raises ValueError naming the method otherwise. `where`: the checkpoint,
     for the message."""
-    found = quantization_method(hf_config)
+    found = quantization_method(hf_config, where)
     if found is None:
         return None
     key, method = found
