@@ -6,7 +6,7 @@ Every test runs at each capability level this CPU runs (the layers' packed bf16
 linears, and so this path, exist where the level's `has_fast_linear_bf16` says so;
 elsewhere the Python layers run), with the GEMMs widened as on a CPU without native
 bf16 (`widened`), so the packed path is tested whatever CPU the suite lands on. The
-CPU platform (tokenmill/cpu_platform.py) decides whether a model gets the loop; the
+CPU platform (tokenmill/platforms/cpu.py) decides whether a model gets the loop; the
 engine argument decode_layers=False turns it off."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
-from tokenmill import cpu_platform
+from tokenmill.platforms import cpu as cpu_platform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.decode_layers import DecodeLayers
 

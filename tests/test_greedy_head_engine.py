@@ -13,7 +13,8 @@ import torch
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
-from tokenmill import cpu_platform, kernels
+from tokenmill import kernels
+from tokenmill.platforms import cpu as cpu_platform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead
 

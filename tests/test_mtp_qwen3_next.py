@@ -33,7 +33,7 @@ MAX_TOKENS = 16
 def no_row_budget(monkeypatch):
     """Drafts at every batch size (as in test_spec_decode.py): the CPU's row budget
     would otherwise leave a batch of several requests without drafts."""
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
 
 

@@ -24,7 +24,7 @@ def no_row_budget(monkeypatch):
     """Drafts at every batch size: the tests below check speculation in batches larger
     than the CPU's row budget (which would leave them no drafts); the budget itself is
     tested in test_row_budget_shares_the_free_rows."""
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
 
 
@@ -597,7 +597,7 @@ def test_row_budget_shares_the_free_rows(base, monkeypatch):
     """With the CPU's row budget (the rows a decode step takes at about the cost of
     one), each verifying step stays within it: drafts fill the rows the batch leaves
     free, none once the batch fills it; the output is unchanged."""
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: 4))
     tm, prompts, want = base
     llm = make_llm(tm.path, speculative_config=NGRAM)

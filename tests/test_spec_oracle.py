@@ -70,7 +70,7 @@ CHUNKED = {"max_num_batched_tokens": 16, "num_kv_blocks": 14, "block_size": 8,
 def no_row_budget(monkeypatch):
     """No CPU row budget: the drafts of a step do not depend on the batch size, so the
     expected verifications follow from each request alone."""
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
 
 

@@ -209,7 +209,7 @@ def test_tp1_runs_the_runner_itself(tp_model):
 
 
 def test_platform_with_tp():
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     p = CpuPlatform.create("cpu", None, tensor_parallel_size=2)
     assert not p.decode_layers and p.lm_head == "full" and p.greedy_head_max_rows == 0
     assert "tensor parallel over 2 ranks" in p.describe()

@@ -23,6 +23,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.models import loader
 from tokenmill.models.checkpoint_io import safetensors_files
 from tokenmill.models.loader import load_model
+from tokenmill.platforms import create_platform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
@@ -53,7 +54,8 @@ def write_variant(src: str, dst: str, tensors: dict, config: dict | None = None)
 
 def load(path: str):
     cfg = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-    return load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device)
+    return load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device,
+                      create_platform(cfg.device, cfg.dtype))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ def test_quantized_checkpoint_is_refused_by_method(qwen3, tmp_path, fmt, monkeyp
         make_llm(path)
     with pytest.raises(ValueError, match=f"quant_method '{fmt}'"):
         load_model(path, {**_config(qwen3), "quantization_config": qc}, torch.float32,
-                   torch.device("cpu"))
+                   torch.device("cpu"), create_platform("cpu", torch.float32))
 
 
 @pytest.mark.parametrize("qc, named", [

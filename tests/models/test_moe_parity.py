@@ -267,7 +267,7 @@ def test_expert_index_out_of_range(moe_model, tmp_path):
 
 def test_bf16_model_widens_expert_gemms(moe_model, monkeypatch):
     """A bf16 MoE model with fp32 GEMMs (the policy on CPUs without native bf16)."""
-    from tokenmill import cpu_platform
+    from tokenmill.platforms import cpu as cpu_platform
     from tokenmill.models.loader import load_model
     tm = moe_model("qwen3_moe_norm")
     monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)

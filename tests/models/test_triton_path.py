@@ -13,8 +13,8 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import (HEAD_SHAPE_SPECS, TINY, TinyModel, build_checkpoint,  # noqa: E402
                       hf_greedy, make_llm, make_prompts, runner_of)
-from tokenmill import SamplingParams  # noqa: E402
-from tokenmill.cpu_platform import CpuPlatform  # noqa: E402
+from tokenmill import SamplingParams, platforms  # noqa: E402
+from tokenmill.platforms.cpu import CpuPlatform  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -57,12 +57,12 @@ def _generate(path, prompts, **kw):
 @pytest.fixture
 def triton_platform(monkeypatch):
     """The CPU platform with the attention decision CUDA makes."""
-    make = CpuPlatform.from_engine_args.__func__
+    make = platforms.from_engine_args
 
-    def with_triton(cls, args, device, dtype):
-        return dataclasses.replace(make(cls, args, device, dtype), attention="triton")
+    def with_triton(args, device, dtype):
+        return dataclasses.replace(make(args, device, dtype), attention="triton")
 
-    monkeypatch.setattr(CpuPlatform, "from_engine_args", classmethod(with_triton))
+    monkeypatch.setattr(platforms, "from_engine_args", with_triton)
 
 
 class NoHostReads(TorchFunctionMode):

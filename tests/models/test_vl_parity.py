@@ -24,6 +24,7 @@ from conftest import make_llm, runner_of, scheduler_of
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.errors import ParamError
+from tokenmill.platforms import create_platform
 from vl_checkpoint import (build_qwen3_5_vl_checkpoint, build_qwen3_vl_checkpoint,
                            build_vl_checkpoint, make_image)
 
@@ -165,7 +166,8 @@ def test_mrope_positions_match_get_rope_index(request, which):
     import json
     cfg = json.load(open(f"{vl.path}/config.json"))
     from tokenmill.config import flatten_text_config
-    model = load_model(vl.path, flatten_text_config(cfg), torch.float32, torch.device("cpu"))
+    model = load_model(vl.path, flatten_text_config(cfg), torch.float32, torch.device("cpu"),
+                       create_platform("cpu", torch.float32))
     for text, images in [(ONE, [0]), (TWO, [0, 1]), (TWO, [2, 0]), (LONG, [1])]:
         ids, kw = vl.hf_inputs(text, [vl.img[i] for i in images])
         ref, delta = vl.hf.model.get_rope_index(torch.tensor([ids]), kw["mm_token_type_ids"],

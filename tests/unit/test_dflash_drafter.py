@@ -21,6 +21,7 @@ from conftest import build_checkpoint, make_prompts
 from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
 from tokenmill.models.dflash import DFlashContext, load_dflash_drafter
 from tokenmill.models.loader import load_model
+from tokenmill.platforms import create_platform
 
 CPU = torch.device("cpu")
 TAPS = (0, 1)  # target layers whose outputs the context reads (of 3)
@@ -33,7 +34,8 @@ class Pair:
         self.hf = build_checkpoint(self.target_path, "qwen3",
                                    dict(num_hidden_layers=3, tie_word_embeddings=False))
         self.target_config = json.load(open(os.path.join(self.target_path, "config.json")))
-        self.target = load_model(self.target_path, self.target_config, torch.float32, CPU)
+        self.target = load_model(self.target_path, self.target_config, torch.float32, CPU,
+                                 create_platform(CPU, torch.float32))
 
     def draft(self, name, root, **kw):
         path = os.path.join(root, name)
@@ -58,7 +60,8 @@ def pair(tmp_path_factory):
     p = Pair(root)
     p.root = root
     p.draft_path = p.draft("draft", root)
-    p.drafter = load_dflash_drafter(p.draft_path, p.target, torch.float32, CPU)
+    p.drafter = load_dflash_drafter(p.draft_path, p.target, torch.float32, CPU,
+                                    create_platform(CPU, torch.float32))
     return p
 
 
@@ -171,7 +174,8 @@ def test_propose_matches_naive_reference(pair):
 
 def test_own_embedding_is_used(pair):
     path = pair.draft("own_embed", pair.root, own_embed=True, seed=1)
-    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU)
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
     assert drafter.embed_tokens is not None and drafter.lm_head is None
     tokens = requests(pair)[1][1]
     ctx = DFlashContext(drafter)
@@ -241,7 +245,7 @@ def test_context_grows_only_by_appended_positions(pair):
 def test_loader_errors_name_the_problem(pair):
     def load(name, **kw):
         return load_dflash_drafter(pair.draft(name, pair.root, **kw), pair.target,
-                                   torch.float32, CPU)
+                                   torch.float32, CPU, create_platform(CPU, torch.float32))
 
     with pytest.raises(ValueError, match=r"lacks weights for: \['hidden_norm.weight'\]"):
         load("no_hidden_norm", drop=("hidden_norm.weight",))
@@ -266,8 +270,9 @@ def test_loader_errors_name_the_problem(pair):
 def test_bf16_follows_fp32(pair):
     """In bf16 the platform packs the draft's Linear layers (the target's are its own):
     the context keeps bf16 K/V and the logits stay near the fp32 ones."""
-    target = load_model(pair.target_path, pair.target_config, torch.bfloat16, CPU)
-    drafter = load_dflash_drafter(pair.draft_path, target, torch.bfloat16, CPU)
+    platform = create_platform(CPU, torch.bfloat16)
+    target = load_model(pair.target_path, pair.target_config, torch.bfloat16, CPU, platform)
+    drafter = load_dflash_drafter(pair.draft_path, target, torch.bfloat16, CPU, platform)
     reqs = requests(pair)
     logits = {}
     for model in (pair.drafter, drafter):

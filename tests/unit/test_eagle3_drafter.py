@@ -17,7 +17,7 @@ from tokenmill.spec_decode.random_drafters import (build_eagle3_checkpoint, eagl
                                                    eagle3_tensors, write_eagle3_checkpoint)
 from tokenmill import kernels
 from tokenmill.core.kv_cache_spec import FullAttentionSpec
-from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.models.eagle3 import Eagle3DraftModel, default_aux_layer_ids, load_eagle3_drafter
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.models.loader import load_model
@@ -191,7 +191,8 @@ def test_bf16_with_the_platforms_kernels(drafts, llama_tiny):
 
 def test_draft_token_ids_map_through_d2t(drafts, target_fp32):
     path, cfg, t = drafts("own_embed_prefixed")
-    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"))
+    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"),
+                                _platform(torch.float32, False))
     out = torch.randn(32, TINY["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         got = model.draft_token_ids(out)
@@ -204,7 +205,8 @@ def test_draft_token_ids_map_through_d2t(drafts, target_fp32):
 
 # ---- loader errors --------------------------------------------------------------------
 def _load(path, target):
-    return load_eagle3_drafter(str(path), target, torch.float32, torch.device("cpu"))
+    return load_eagle3_drafter(str(path), target, torch.float32, torch.device("cpu"),
+                               _platform(torch.float32, False))
 
 
 def _write(path, cfg=None, tensors=None, **kw):

@@ -216,7 +216,7 @@ def test_fp32_head_screens_few_blocks_and_handles_nan(ops):
 def test_greedy_head_for_an_fp32_linear_layer(ops):
     """The CPU platform packs an fp32 lm_head for linear_f32 and builds the screen of
     it: the same token as the layer's own logits."""
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms.cpu import CpuPlatform
     torch.manual_seed(8)
     lin = Linear(40, 300, bias=False)
     platform = CpuPlatform.create("cpu", torch.float32)
@@ -233,8 +233,8 @@ def test_every_level_has_the_screen(ops):
     the CPU platform packs a bf16 lm_head there (packed weights only where bf16 is
     emulated) for it to screen."""
     assert ops.has_greedy_lm_head and ops.has_fast_linear_bf16
-    from tokenmill import cpu_platform
-    from tokenmill.cpu_platform import CpuPlatform
+    from tokenmill.platforms import cpu as cpu_platform
+    from tokenmill.platforms.cpu import CpuPlatform
     torch.manual_seed(6)
     lin = Linear(40, 300, bias=False).bfloat16()
     ref = lin.weight.detach().clone()

@@ -40,6 +40,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.kv_cache import TORCH_DTYPES
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.platforms import create_platform
 
 BS = 4
 MAX_LEN = 96
@@ -92,9 +93,10 @@ def make_kv_config(hy, num_blocks=24, num_slots=8, conv_dtype="float32", ssm_dty
 
 
 def make_runner(tm, config, max_num_reqs=8):
-    model = load_model(tm.path, tm.hf_config, torch.float32, CPU)
+    platform = create_platform(CPU, torch.float32)
+    model = load_model(tm.path, tm.hf_config, torch.float32, CPU, platform)
     runner = ModelRunner(model, dtype=torch.float32, device=CPU, max_num_reqs=max_num_reqs,
-                         max_model_len=MAX_LEN, max_num_batched_tokens=128)
+                         max_model_len=MAX_LEN, max_num_batched_tokens=128, platform=platform)
     runner.initialize_kv_cache(config)
     return runner
 
@@ -441,9 +443,10 @@ def test_preempted_request_releases_its_slot_and_restarts_from_zero(hy):
 # ---- full-attention-only model -------------------------------------------------------------
 
 def test_full_attention_only_model_has_no_state(dense):
-    model = load_model(dense.path, dense.hf_config, torch.float32, CPU)
+    platform = create_platform(CPU, torch.float32)
+    model = load_model(dense.path, dense.hf_config, torch.float32, CPU, platform)
     runner = ModelRunner(model, dtype=torch.float32, device=CPU, max_num_reqs=8,
-                         max_model_len=MAX_LEN, max_num_batched_tokens=64)
+                         max_model_len=MAX_LEN, max_num_batched_tokens=64, platform=platform)
     assert runner.state_layers() == {}
     specs = runner.get_kv_cache_spec(BS)
     assert all(isinstance(s, FullAttentionSpec) for s in specs.values())

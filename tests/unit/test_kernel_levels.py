@@ -143,7 +143,7 @@ def test_a_level_forced_below_avx512_takes_the_fp32_gemm_path(fresh):
     says; by the environment or by the engine argument cpu_capability."""
     import torch
 
-    from tokenmill.cpu_platform import CpuPlatform, cpu_has_native_bf16
+    from tokenmill.platforms.cpu import CpuPlatform, cpu_has_native_bf16
     cpu = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
     fresh.setattr(kernels, "_cpu_flags", lambda: cpu)
     fresh.setattr("builtins.open", _cpuinfo_with(" ".join(sorted(cpu))))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill import cpu_platform
-from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.platforms import cpu as cpu_platform
+from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear import Linear
 

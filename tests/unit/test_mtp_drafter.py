@@ -31,6 +31,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.models.mtp import MtpDraftModel, load_mtp_drafter, mtp_tensor_names
 from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
 from tokenmill.worker.kv_cache import allocate_kv_caches
+from tokenmill.platforms import create_platform
 
 # The hybrid parity suite's tiny configs (tests/models is not on sys.path from here).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -199,8 +200,9 @@ def test_paged_draft_steps_equal_dense_reference(ckpt, name, native):
         pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
     ck = ckpt(name)
     cfg = ck.config
-    target = load_model(ck.path, cfg, torch.float32, CPU)
-    drafter = load_mtp_drafter(ck.path, target, torch.float32, CPU)
+    platform = create_platform(CPU, torch.float32)
+    target = load_model(ck.path, cfg, torch.float32, CPU, platform)
+    drafter = load_mtp_drafter(ck.path, target, torch.float32, CPU, platform)
     assert drafter.aux_layer_ids is None
     layer = drafter.layers[0]
     assert not layer.is_linear
@@ -248,11 +250,12 @@ def test_paged_draft_steps_equal_dense_reference(ckpt, name, native):
 @pytest.fixture(scope="module")
 def qwen3_next_target(ckpt):
     ck = ckpt("qwen3_next")
-    return ck, load_model(ck.path, ck.config, torch.float32, CPU)
+    return ck, load_model(ck.path, ck.config, torch.float32, CPU,
+                          create_platform(CPU, torch.float32))
 
 
 def _load(path, target):
-    return load_mtp_drafter(path, target, torch.float32, CPU)
+    return load_mtp_drafter(path, target, torch.float32, CPU, create_platform(CPU, torch.float32))
 
 
 def test_loader_errors_name_the_problem(qwen3_next_target, tmp_path):

@@ -17,6 +17,7 @@ from tokenmill.core.sched_output import CachedRequestData, NewRequestData, Sched
 from tokenmill.models.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.platforms import create_platform
 
 BS = 4  # block size of every runner here
 MAX_LEN = 64
@@ -31,9 +32,10 @@ def tm(tiny_model_factory):
 
 def make_runner(tm, num_blocks=32, block_size=BS, page_size_padded=None, max_num_reqs=8):
     # A fresh model per runner: initialize_kv_cache binds the caches onto its layers.
-    model = load_model(tm.path, tm.hf_config, torch.float32, CPU)
+    platform = create_platform(CPU, torch.float32)
+    model = load_model(tm.path, tm.hf_config, torch.float32, CPU, platform)
     runner = ModelRunner(model, dtype=torch.float32, device=CPU, max_num_reqs=max_num_reqs,
-                         max_model_len=MAX_LEN, max_num_batched_tokens=64)
+                         max_model_len=MAX_LEN, max_num_batched_tokens=64, platform=platform)
     spec = FullAttentionSpec(block_size, model.config.num_kv_heads, model.config.head_dim,
                              "float32", page_size_padded=page_size_padded)
     config = KVCacheConfig(num_blocks, [KVCacheGroup(list(runner.attention_layers()), spec)])

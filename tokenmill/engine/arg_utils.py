@@ -59,8 +59,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
-    """The engine arguments that choose the CPU kernels (tokenmill/cpu_platform.py)."""
-    from tokenmill import cpu_platform as cp
+    """The engine arguments that choose the CPU kernels (tokenmill/platforms/cpu.py)."""
+    from tokenmill.platforms import cpu as cp
     from tokenmill.kernels import all_levels
     g = p.add_argument_group("CPU kernels")
     g.add_argument("--cpu-kernels", choices=cp.CPU_KERNELS, default="auto",

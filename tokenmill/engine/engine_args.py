@@ -10,9 +10,10 @@ from dataclasses import dataclass, fields
 
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.core.scheduler import SchedulerConfig
-from tokenmill.cpu_platform import DEFAULT_GREEDY_HEAD_MAX_ROWS, CpuPlatform, check_cpu_args
+from tokenmill import platforms
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.limits import RequestLimits
+from tokenmill.platforms import DEFAULT_GREEDY_HEAD_MAX_ROWS, Platform, check_cpu_args
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class EngineArgs:
     # Caps on what one request may ask for (tokenmill.limits.RequestLimits or a dict of
     # its fields; None: the defaults).
     limits: object = None
-    # Which CPU kernels run (tokenmill/cpu_platform.py decides from these and the CPU):
+    # Which CPU kernels run (tokenmill/platforms/cpu.py decides from these and the CPU):
     # "auto" (native where they build, else PyTorch), "native" (or an error), "torch".
     cpu_kernels: str = "auto"
     # A kernel capability level below the CPU's best (None: the best, or the
@@ -166,7 +167,7 @@ class EngineSetup:
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
-    platform: CpuPlatform
+    platform: Platform
     tokenizer: object
     eos_token_ids: frozenset[int]
 
@@ -195,7 +196,7 @@ class EngineSetup:
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget
         cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
         # Which kernels run: decided here, once, for the whole engine.
-        platform = CpuPlatform.from_engine_args(args, model_config.device, model_config.dtype)
+        platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
         return cls(model_config, scheduler_config, cache_config, platform, tokenizer,
                    model_config.eos_token_ids(tokenizer))
 

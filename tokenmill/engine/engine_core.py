@@ -17,7 +17,7 @@ from tokenmill.core.kv_cache_spec import (KVCacheConfig, MambaSpec, SlidingWindo
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import EngineCoreOutput, Scheduler, SchedulerConfig
-from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.platforms import Platform
 from tokenmill.engine.core_messages import CoreInfo, CoreStats
 from tokenmill.errors import EngineDeadError, RequestFault
 from tokenmill.kv_connector.setup import kv_cache_stats, make_kv_connector, resolve_prefix_caching
@@ -84,16 +84,16 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, model=None, async_scheduling: bool = False,
-                 kv_connector_config=None, platform: CpuPlatform | None = None,
+                 scheduler_config: SchedulerConfig, platform: Platform, model=None,
+                 async_scheduling: bool = False, kv_connector_config=None,
                  speculative_config=None, structured_output=None,
                  tensor_parallel_size: int = 1):
         """`structured_output`: the StructuredOutputManager (None: no grammars).
         `tensor_parallel_size` > 1: the model sharded over that many ranks
         (tokenmill/executor); `self.runner` is then their executor."""
         self.model_config = model_config
-        # Which kernels run (tokenmill/cpu_platform.py): the engine's, or this device's defaults.
-        self.platform = platform or CpuPlatform.create(model_config.device, model_config.dtype)
+        # Which kernels run (tokenmill/platforms): decided once, by whoever built the engine.
+        self.platform = platform
         self.async_scheduling = async_scheduling
         # One worker thread runs the steps in order when scheduling is async.
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-step")

@@ -44,14 +44,6 @@ READY, FAILED = b"r", b"x"
 STARTUP_TIMEOUT_S = 600.0
 
 
-def _with_ops(platform):
-    """The platform as the engine decided it, with this process's kernels module."""
-    if platform.kernels != "native" or platform.capability is None:
-        return platform
-    from tokenmill import kernels
-    return dataclasses.replace(platform, ops=kernels.cpu_ops(platform.capability))
-
-
 def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict):
     from tokenmill.models.loader import load_model
     from tokenmill.worker.model_runner import ModelRunner
@@ -68,7 +60,7 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
     torch.set_num_threads(threads)
     try:
         group = TPGroup(rank, size, port, timeout_s)
-        runner = _build_runner(model_config, _with_ops(platform), group, runner_kwargs)
+        runner = _build_runner(model_config, platform.in_this_process(), group, runner_kwargs)
         conn.send_bytes(READY)
         with torch.inference_mode():
             while True:

@@ -41,6 +41,8 @@ import time
 
 # The level table and how a level is built live in levels.py (no torch import there:
 # setup.py reads it to build every level at install).
+from tokenmill import envs
+
 from . import levels as _levels
 from .levels import COMMON_FLAGS, LEVELS, Level  # noqa: F401 (re-exported)
 
@@ -101,11 +103,11 @@ def _check(level: str, source: str = "level") -> str:
 
 @functools.cache
 def _chosen_level() -> str:
-    forced = os.environ.get("TOKENMILL_CPU_CAPABILITY", "").strip()
+    forced = envs.forced_cpu_capability()
     if forced:
         return _check(forced, "TOKENMILL_CPU_CAPABILITY")
     runnable = runnable_levels()
-    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    aten = envs.aten_cpu_capability()
     if aten in LEVELS:  # torch's override: at most that level (torch ignores higher ones too)
         names = all_levels()
         runnable = [lv for lv in runnable if names.index(lv) <= names.index(aten)] or ["default"]
@@ -177,7 +179,7 @@ def _build(level: str):
 
 @functools.cache
 def _build_locked(level: str):
-    if os.environ.get("TOKENMILL_NO_NATIVE") == "1":
+    if envs.no_native_kernels():
         return None
     problem, refused = _prebuilt_problem(level)
     if problem is None:

@@ -332,10 +332,9 @@ def _checkpoint_names(path: str) -> set[str]:
 
 
 def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
-                        device: torch.device, platform=None) -> DFlashDraftModel:
+                        device: torch.device, platform) -> DFlashDraftModel:
     """Build the drafter from a DFlash folder for `target` (a loaded tokenmill model),
     check that the two fit, fill it, and hand it the platform's kernel decisions."""
-    from tokenmill.cpu_platform import CpuPlatform
     from tokenmill.models.loader import load_weights
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
@@ -374,5 +373,5 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
         torch.set_default_dtype(default)
     load_weights(model, path)
     model.share_target(target)
-    (platform or CpuPlatform.create(device, dtype)).prepare_model(model)
+    platform.prepare_model(model)
     return model.eval().requires_grad_(False)

@@ -207,10 +207,10 @@ def _checkpoint(path: str):
 
 
 def load_eagle3_drafter(path: str, target: nn.Module, dtype: torch.dtype,
-                        device: torch.device, platform=None) -> Eagle3DraftModel:
+                        device: torch.device, platform) -> Eagle3DraftModel:
     """Build the drafter of the EAGLE-3 folder `path` for `target` and fill every weight
-    (a missing or unknown tensor is an error naming it). `platform` (a CpuPlatform):
-    its prepare_model hands the drafter the same kernels as the target; None: plain PyTorch.
+    (a missing or unknown tensor is an error naming it). `platform` (the engine's):
+    its prepare_model hands the drafter the same kernels as the target.
     """
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
@@ -225,8 +225,7 @@ def load_eagle3_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(torch_default)
     _fill(model, path, tensors())
-    if platform is not None:
-        platform.prepare_model(model)
+    platform.prepare_model(model)
     return model.eval().requires_grad_(False)
 
 

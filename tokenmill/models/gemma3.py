@@ -143,26 +143,25 @@ class Gemma3Attention(nn.Module):
 
 class GeluTanhMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`. The
-    kernels module (gelu_tanh_mul) comes from the CPU platform at load (`set_native_ops`)."""
-
-    native_ops = None
+    activation is the platform's `activation` decision, handed over once at load
+    (`set_activation_kernels`): the native gelu_tanh_mul or PyTorch's."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.act_and_mul = self._torch_act_and_mul
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        ops = self.native_ops
-        if ops is not None and gate_up.device.type == "cpu" and gate_up.dim() == 2:
-            return self.down_proj(ops.gelu_tanh_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
-    def set_native_ops(self, ops) -> None:
-        self.native_ops = ops if ops is not None and hasattr(ops, "gelu_tanh_mul") else None
+    def _torch_act_and_mul(self, gate_up):
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def set_activation_kernels(self, ops) -> None:
+        self.act_and_mul = ops.gelu_tanh_mul if ops is not None else self._torch_act_and_mul
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.checkpoint_io import iter_checkpoint, iter_checkpoint_lazy
 from tokenmill.models.quantization import check_quantization
 from tokenmill.models.registry import resolve_model_class
@@ -180,9 +179,9 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device, platform=None, tp_group=None) -> nn.Module:
-    """Build and fill the model, then let `platform` (a tokenmill.cpu_platform.CpuPlatform;
-    None: this device's defaults) hand its kernel decisions to the layers: packed bf16
+               device: torch.device, platform, tp_group=None) -> nn.Module:
+    """Build and fill the model, then let `platform` (tokenmill.platforms: the engine's)
+    hand its kernel decisions to the layers: packed bf16
     weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels.
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
     of the model (models/tensor_parallel.py)."""
@@ -192,7 +191,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     if tp:
         from tokenmill.models import tensor_parallel
         tensor_parallel.check_divisible(hf_config, tp_group.size)
-        if platform is None or platform.tensor_parallel_size != tp_group.size:
+        if platform.tensor_parallel_size != tp_group.size:
             raise ValueError("a tensor-parallel model needs a platform made for "
                              f"{tensor_parallel.TP_FIELD}={tp_group.size}")
     torch_default = torch.get_default_dtype()
@@ -210,6 +209,6 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:
         load_weights(model, model_dir)
-    (platform or CpuPlatform.create(device, dtype)).prepare_model(model)
+    platform.prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

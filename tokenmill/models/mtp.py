@@ -29,7 +29,6 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.config import flatten_text_config
-from tokenmill.cpu_platform import CpuPlatform
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.checkpoint_io import safetensors_files
@@ -129,7 +128,7 @@ def _mtp_tensors(path: str):
 
 
 def load_mtp_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: torch.device,
-                     platform=None) -> MtpDraftModel:
+                     platform) -> MtpDraftModel:
     """The MTP drafter of the target loaded from `path` (the target's own folder), with the
     platform's kernel decisions applied as for the target (see loader.load_model)."""
     with open(os.path.join(path, "config.json")) as f:
@@ -160,6 +159,6 @@ def load_mtp_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: t
     except ValueError as e:
         raise ValueError(f"MTP weights of checkpoint {path} (mtp.*; the names below drop "
                          f"that prefix): {e}") from None
-    (platform or CpuPlatform.create(device, dtype)).prepare_model(drafter)
+    platform.prepare_model(drafter)
     logger.info("MTP drafter: %d layer(s) from %s", len(drafter.layers), path)
     return drafter.eval().requires_grad_(False)

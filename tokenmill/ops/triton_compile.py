@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import envs
+
 # Shared memory one block may use (the opt-in maximum), per compute capability:
 # A100 (8.0), the Ampere / Ada cards (8.6, 8.9), H100 / H200 (9.0), consumer
 # Blackwell (12.0).
@@ -89,7 +91,7 @@ class CompiledKernel:
 def load_kernels():
     """ops/triton_attention.py loaded as a private copy (its wrappers call the
     module's kernel names, which `compile_launches` swaps for compilers)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if envs.triton_interpret():
         raise RuntimeError("run without TRITON_INTERPRET: the interpreter replaces "
                            "Triton's own jit functions at import")
     path = Path(__file__).with_name("triton_attention.py")

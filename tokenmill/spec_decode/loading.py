@@ -22,7 +22,7 @@ def check_hidden_state_target(method: str, target) -> None:
             f"'ngram' works everywhere, 'mtp' on checkpoints with an MTP head)")
 
 
-def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platform=None):
+def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platform):
     if spec is None or spec.method == "ngram":
         return None
     dtype, device = model_config.dtype, model_config.device

@@ -21,7 +21,7 @@ from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCa
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
-from tokenmill.cpu_platform import CpuPlatform
+from tokenmill.platforms import Platform
 from tokenmill.models.layers.attention import AttentionMetadata, StateMetadata
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.sample.bitmask import apply_grammar_bitmask
@@ -100,15 +100,15 @@ def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
 class ModelRunner:
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 platform: CpuPlatform | None = None,
+                 platform: Platform,
                  speculative_config: SpeculativeConfig | None = None, draft_model=None):
-        """`platform`: the engine's kernel decisions (tokenmill/cpu_platform.py; the
-        model was prepared with it at load); None: the defaults for this device.
+        """`platform`: the engine's kernel decisions (tokenmill/platforms; the model was
+        prepared with it at load).
         `speculative_config`: propose drafts after each step and verify them in the
         next (tokenmill/spec_decode); None: no speculation. `draft_model`: the draft
         model of an eagle3 / mtp config (an EagleStyleDrafter) or of a dflash one."""
         self.model = model
-        self.platform = platform or CpuPlatform.create(device, dtype)
+        self.platform = platform
         self.dtype = dtype
         self.device = device
         self.max_num_reqs = max_num_reqs

@@ -9,7 +9,7 @@ makes the same kernel calls in the same order from C++: the output is
 bit-identical to the Python layers, which stay the model's definition (and run
 every other step: prefill, fp32, MoE, or no native kernels).
 
-Whether a model gets one is the CPU platform's decision (tokenmill/cpu_platform.py,
+Whether a model gets one is the CPU platform's decision (tokenmill/platforms/cpu.py,
 engine argument `decode_layers`): it builds it at load, after packing the weights.
 """
 from __future__ import annotations

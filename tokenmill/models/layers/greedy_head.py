@@ -81,7 +81,7 @@ class GreedyHead:
         """The screen of `lm_head` with the kernels module `ops`, or None where it cannot
         give the packed kernel's answer (no packed weights, a bias, or a kernel that
         refuses): the runner then takes the full lm_head. Whether to build one at all
-        is the CPU platform's decision (tokenmill/cpu_platform.py)."""
+        is the CPU platform's decision (tokenmill/platforms/cpu.py)."""
         packed = (getattr(lm_head, "_linear_bf16", None) is not None
                   and lm_head.packed_bf16 is not None) or (
             getattr(lm_head, "_linear_f32", None) is not None

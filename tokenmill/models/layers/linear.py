@@ -11,7 +11,7 @@ weights (packed once at load) and widens them in registers - the same math
 again, fp32 products and sums, over half the bytes of fp32 weights (a decode
 step is bound by reading them). Which layers do so, for how many rows, and
 whether an fp32 (or the bf16) copy is kept for larger inputs, is the CPU
-platform's decision (tokenmill/cpu_platform.py); it calls `pack_bf16` once at load.
+platform's decision (tokenmill/platforms/cpu.py); it calls `pack_bf16` once at load.
 
 An fp32 model's decode-sized inputs take `linear_f32` the same way (`pack_f32`): the
 same math as F.linear up to summation order, but it streams the weights at the

@@ -9,24 +9,24 @@ from tokenmill.models.layers.linear import Linear
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up packed in one `gate_up_proj`. The
-    kernels module (silu_mul) comes from the CPU platform at load (`set_native_ops`)."""
-
-    native_ops = None
+    activation is the platform's `activation` decision, handed over once at load
+    (`set_activation_kernels`): the native silu_mul (one op instead of split + silu +
+    mul) or PyTorch's."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_and_mul = self._torch_act_and_mul
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if gate_up.device.type == "cpu" and gate_up.dim() == 2:
-            ops = self.native_ops
-            if ops is not None:  # one op instead of split + silu + mul
-                return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
-    def set_native_ops(self, ops) -> None:
-        self.native_ops = ops
+    def _torch_act_and_mul(self, gate_up):
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
+
+    def set_activation_kernels(self, ops) -> None:
+        # The kernel takes [T, 2I] rows (the layer's input is always flattened tokens).
+        self.act_and_mul = ops.silu_mul if ops is not None else self._torch_act_and_mul

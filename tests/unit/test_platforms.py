@@ -1,4 +1,4 @@
-"""The CPU platform (tokenmill/cpu_platform.py): the one place that decides which
+"""The CPU platform (tokenmill/platforms/cpu.py): the one place that decides which
 kernels run, from the CPU's capabilities and the engine arguments, and hands the
 decisions to the layers at load.
 
@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from conftest import make_llm, runner_of
-from tokenmill import SamplingParams, cpu_platform, kernels
-from tokenmill.cpu_platform import CpuPlatform, check_cpu_args
+from tokenmill import SamplingParams, kernels
+from tokenmill.platforms import cpu as cpu_platform
+from tokenmill.platforms import CudaPlatform, create_platform
+from tokenmill.platforms.cpu import CpuPlatform, check_cpu_args
 from tokenmill.engine.engine_args import EngineArgs
 from tokenmill.entrypoints.cli import main
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
@@ -175,20 +177,21 @@ def test_cuda_device_decisions(no_cpu_ops, monkeypatch):
     """CUDA (decided without a GPU: only imports are looked at): Triton attention and
     decode graphs where triton imports, fla where it imports; --enforce-eager and a
     missing triton turn the graphs off; no CPU kernel anywhere."""
-    from tokenmill import cuda_platform
+    from tokenmill.platforms import cuda as cuda_platform
     have = {"triton": True, "fla": False}
     monkeypatch.setattr(cuda_platform, "module_available", lambda name: have[name])
-    p = CpuPlatform.create("cuda", BF16)
+    p = create_platform("cuda", BF16)
+    assert isinstance(p, CudaPlatform)
     assert (p.attention, p.linear_attention, p.cuda_graphs) == ("triton", "torch", True)
     assert (p.linear, p.lm_head, p.decode_layers, p.ops) == ("torch", "full", False, None)
     assert p.gemm_dtype == "bfloat16" and "CUDA graphs" in p.describe()
-    assert not CpuPlatform.create("cuda", BF16, enforce_eager=True).cuda_graphs
+    assert not create_platform("cuda", BF16, enforce_eager=True).cuda_graphs
     have.update(triton=False, fla=True)
-    p = CpuPlatform.create("cuda", BF16)
+    p = create_platform("cuda", BF16)
     assert (p.attention, p.linear_attention, p.cuda_graphs) == ("torch", "fla", False)
     assert "eager (no Triton)" in p.describe()
     # an fp32 model keeps the exact PyTorch Gated DeltaNet (fla may multiply in TF32)
-    assert CpuPlatform.create("cuda", torch.float32).linear_attention == "torch"
+    assert create_platform("cuda", torch.float32).linear_attention == "torch"
 
 
 def test_native_bf16_detection(monkeypatch):

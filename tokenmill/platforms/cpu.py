@@ -41,10 +41,13 @@ layer looks anything up per call. `describe()` is the line logged at start-up,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import platform as _host
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from tokenmill.platforms.interface import Platform, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -152,10 +155,9 @@ def check_cpu_args(cpu_kernels="auto", cpu_capability=None,
     return cpu_capability
 
 
-@dataclass(frozen=True)
-class CpuPlatform:
+@dataclass(frozen=True, kw_only=True)
+class CpuPlatform(Platform):
     # What the machine is.
-    device: str
     arch: str                       # platform.machine()
     runnable_levels: tuple[str, ...]  # kernel levels this CPU executes, lowest first
     torch_capability: str           # torch.backends.cpu.get_cpu_capability()
@@ -163,34 +165,9 @@ class CpuPlatform:
     # What was asked.
     cpu_kernels: str                # auto / native / torch
     capability_forced: bool         # a level below the CPU's best (argument or env)
-    # What runs.
+    # What runs (the rest: Platform's fields).
     capability: str | None          # the kernel level (None: not a CPU device)
-    kernels: str                    # "native" (ops below) or "torch"
-    model_dtype: str
-    gemm_dtype: str                 # what GEMMs compute in
-    linear: str                     # "packed_bf16" or "torch"
-    linear_bf16_max_rows: int       # rows that take packed_bf16 (0: linear is torch;
-                                    # ALL_ROWS: every input)
-    gemm: str                       # the other inputs: "onednn_prepacked" or "torch"
-    weights: str                    # what the Linear layers keep in memory
-    attention: str                  # "native" or "torch": paged decode, KV writes, q/k norm + rope
-    norm: str                       # "native" or "torch": RMSNorm (half-precision activations)
-    activation: str                 # "native" or "torch": silu_mul
-    lm_head: str                    # "greedy_int8" or "full"
-    greedy_head_max_rows: int       # rows that take greedy_int8 (0: lm_head is full)
-    decode_layers: bool             # the native decode-layer loop
-    linear_f32_max_rows: int = 0    # fp32 model: rows that take packed_f32 (0: never)
-    # Ranks the model is sharded over (tokenmill/executor): above 1, the native
-    # decode-layer loop and the greedy lm_head are off (neither can all-reduce or
-    # gather inside its native call; TP on CPU is a correctness path).
-    tensor_parallel_size: int = 1
-    # CUDA (tokenmill/cuda_platform.py): Gated DeltaNet kernels ("fla" / "torch"),
-    # decode steps as CUDA graphs, and whether eager was asked for.
-    linear_attention: str = "torch"
-    cuda_graphs: bool = False
-    enforce_eager: bool = False
-    # The native kernels module of `capability`, or None (the PyTorch path).
-    ops: object = field(default=None, compare=False, repr=False)
+    kernels: str                    # "native" (ops) or "torch"
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -198,8 +175,7 @@ class CpuPlatform:
                cpu_capability: str | None = None,
                linear_bf16_max_rows: int | None = None,
                greedy_head_max_rows: int = DEFAULT_GREEDY_HEAD_MAX_ROWS,
-               decode_layers: bool = True, tensor_parallel_size: int = 1,
-               enforce_eager: bool = False) -> CpuPlatform:
+               decode_layers: bool = True, tensor_parallel_size: int = 1) -> CpuPlatform:
         """The platform for a model of `model_dtype` (default fp32) on `device`."""
         import torch
 
@@ -244,8 +220,8 @@ class CpuPlatform:
                    and model_dtype in (torch.float32, torch.bfloat16)
                    and not (packed and linear_bf16_max_rows >= ALL_ROWS)
                    and onednn_prepack_works(model_dtype))
-        dense = (f"{_name(gemm)} prepacked for oneDNN" if prepack else
-                 f"{_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy")
+        dense = (f"{dtype_name(gemm)} prepacked for oneDNN" if prepack else
+                 f"{dtype_name(gemm)} (the model's)" if gemm == model_dtype else "fp32 copy")
         if packed_f32:
             weights = "packed fp32 + " + dense
         elif not packed:
@@ -259,21 +235,17 @@ class CpuPlatform:
                   and getattr(ops, "has_greedy_lm_head", False))
         packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
         native = "native" if ops is not None else "torch"
-        cuda = {}
-        if device.type == "cuda":
-            from tokenmill.cuda_platform import cuda_decisions
-            cuda = cuda_decisions(enforce_eager, half)
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
             torch_capability=str(torch.backends.cpu.get_cpu_capability()),
             cpu_bf16=cpu_bf16, cpu_kernels=cpu_kernels,
             capability_forced=bool(on_cpu and level and runnable and level != runnable[-1]),
             capability=level if on_cpu else None, kernels=native,
-            model_dtype=_name(model_dtype), gemm_dtype=_name(gemm),
+            model_dtype=dtype_name(model_dtype), gemm_dtype=dtype_name(gemm),
             linear="packed_bf16" if packed else "packed_f32" if packed_f32 else "torch",
             linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
             gemm="onednn_prepacked" if prepack else "torch", weights=weights,
-            attention=cuda.get("attention", native),
+            attention=native,
             norm=native if ops is not None and half else "torch",
             activation=native,
             lm_head="greedy_int8" if greedy else "full",
@@ -281,28 +253,9 @@ class CpuPlatform:
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
-            tensor_parallel_size=tensor_parallel_size,
-            linear_attention=cuda.get("linear_attention", "torch"),
-            cuda_graphs=cuda.get("cuda_graphs", False), enforce_eager=bool(enforce_eager),
-            ops=ops)
-
-    @classmethod
-    def from_engine_args(cls, args, device, model_dtype) -> CpuPlatform:
-        return cls.create(device, model_dtype, cpu_kernels=args.cpu_kernels,
-                          cpu_capability=args.cpu_capability,
-                          linear_bf16_max_rows=args.linear_bf16_max_rows,
-                          greedy_head_max_rows=args.greedy_head_max_rows,
-                          decode_layers=args.decode_layers,
-                          tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                          enforce_eager=getattr(args, "enforce_eager", False))
+            tensor_parallel_size=tensor_parallel_size, ops=ops)
 
     # ---- what it decided ---------------------------------------------------------------
-    @property
-    def widen_to(self):
-        """The torch dtype the GEMM layers are widened to, or None (they keep the model's)."""
-        import torch
-        return None if self.gemm_dtype == self.model_dtype else getattr(torch, self.gemm_dtype)
-
     @property
     def fast_decode_rows(self) -> int | None:
         """Rows a decode step may have at about the cost of one: it takes the packed
@@ -322,18 +275,8 @@ class CpuPlatform:
             rows = min(rows, self.greedy_head_max_rows)
         return rows
 
-    def as_dict(self) -> dict:
-        """Every decision and what it was made from (JSON-ready; no kernels module)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ops"}
-        out["runnable_levels"] = list(self.runnable_levels)
-        out["description"] = self.describe()
-        return out
-
     def describe(self) -> str:
         """One line for the start-up log."""
-        if self.device.startswith("cuda"):
-            from tokenmill.cuda_platform import describe_cuda
-            return describe_cuda(self)
         if self.capability is None:
             return (f"{self.device}: not a CPU device; PyTorch kernels, "
                     f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}")
@@ -365,63 +308,10 @@ class CpuPlatform:
                    f"layers and lm_head off the native paths (no collectives inside them)"
                    if self.tensor_parallel_size > 1 else ""))
 
-    # ---- handing the decisions to the layers ------------------------------------------
-    def prepare_model(self, model) -> None:
-        """After the weights are loaded: pack the bf16 weights of the Linear layers and MoE
-        experts that take packed_bf16 (one that takes every input keeps no other copy), widen the
-        remaining GEMM layers, give each layer that has native kernels
-        its module (`set_native_ops`) and the model its decode-layer loop
-        (`set_decode_layers`). Nothing is decided per forward call afterwards."""
-        import torch
-
-        from tokenmill.models.layers.linear import Linear, widen_gemms
-        from tokenmill.models.layers.moe import FusedMoE
-        if self.linear == "packed_bf16":
-            for module in model.modules():
-                weight = (module.weight if isinstance(module, Linear) else
-                          module.gate_up_proj if isinstance(module, FusedMoE) else None)
-                if (weight is not None and weight.dtype == torch.bfloat16
-                        and weight.device.type == "cpu"):
-                    module.pack_bf16(self.ops, self.linear_bf16_max_rows)
-        elif self.linear == "packed_f32":
-            for module in model.modules():
-                if (isinstance(module, Linear) and module.weight.dtype == torch.float32
-                        and module.weight.device.type == "cpu"):
-                    module.pack_f32(self.ops, self.linear_f32_max_rows)
-        if self.gemm == "onednn_prepacked":
-            dtype = getattr(torch, self.model_dtype)
-            # Parameters more than one module holds (a head tied to the embedding).
-            seen: dict[int, int] = {}
-            for _, p in model.named_parameters(remove_duplicate=False):
-                seen[id(p)] = seen.get(id(p), 0) + 1
-            for module in model.modules():
-                if (isinstance(module, Linear) and module.weight.dtype == dtype
-                        and module.weight.device.type == "cpu" and not module.packed_only
-                        and not module.weight.is_meta):
-                    module.prepack_onednn(keep_weight=seen.get(id(module.weight), 0) > 1)
-        widen = self.widen_to
-        if widen is not None:
-            n = widen_gemms(model, widen)  # packed-only layers keep their bf16 weights
-            if n:
-                logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
-                            n, self.gemm_dtype, self.model_dtype)
-        if self.device.startswith("cuda"):
-            for module in model.modules():
-                if isinstance(module, FusedMoE):
-                    module.sync_free = True  # no per-expert host sync (CUDA graphs, async)
-                set_la = getattr(module, "set_linear_attention", None)
-                if set_la is not None:
-                    set_la(self.linear_attention)
-        for module in model.modules():
-            set_ops = getattr(module, "set_native_ops", None)
-            if set_ops is not None:
-                set_ops(self.ops)
-        set_decode_layers = getattr(model, "set_decode_layers", None)
-        if set_decode_layers is not None:
-            set_decode_layers(self.ops if self.decode_layers else None,
-                              self.linear_f32_max_rows if self.linear == "packed_f32"
-                              else self.linear_bf16_max_rows)
-
-
-def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    def in_this_process(self) -> CpuPlatform:
+        """The same decisions with this process's kernels module (a tensor-parallel
+        worker: the engine's module object does not cross the process boundary)."""
+        if self.kernels != "native" or self.capability is None:
+            return self
+        from tokenmill import kernels
+        return dataclasses.replace(self, ops=kernels.cpu_ops(self.capability))

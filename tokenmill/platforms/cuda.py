@@ -1,0 +1,69 @@
+"""The CUDA platform: which attention and Gated DeltaNet kernels run on an NVIDIA GPU, and
+whether decode steps replay CUDA graphs. Decided from what imports, so the decision
+(and its tests) need no GPU.
+
+- attention: "triton" (tokenmill/ops/triton_attention.py: paged KV write, decode
+  and prefill over the block table) where triton imports, else "torch" (the
+  PyTorch gather + SDPA path the CPU runs without native kernels);
+- linear_attention: "fla" (flash-linear-attention's chunked / fused-recurrent
+  Gated DeltaNet kernels) for bf16 / fp16 models where `fla` imports, else
+  "torch" (an fp32 model keeps the exact PyTorch path: fla's kernels may
+  multiply in TF32);
+- cuda_graphs: decode steps replay graphs captured at start (worker/cuda_graph.py)
+  unless `enforce_eager`, and only with Triton attention (the PyTorch decode path
+  builds its masks with host-sized shapes per step);
+- GEMMs in the model's dtype through PyTorch (cuBLAS); MoE experts grouped without a
+  host sync per expert (graphs and async scheduling need none).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+from tokenmill.platforms.interface import Platform, dtype_name
+
+
+@functools.cache
+def module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaPlatform(Platform):
+    enforce_eager: bool = False     # asked for: no CUDA graphs
+
+    @classmethod
+    def create(cls, device="cuda", model_dtype=None, *, enforce_eager: bool = False,
+               tensor_parallel_size: int = 1) -> CudaPlatform:
+        import torch
+        model_dtype = model_dtype or torch.float32
+        half = model_dtype in (torch.bfloat16, torch.float16)
+        triton = module_available("triton")
+        name = dtype_name(model_dtype)
+        return cls(device=str(torch.device(device)), model_dtype=name, gemm_dtype=name,
+                   attention="triton" if triton else "torch", weights=f"{name} (the model's)",
+                   linear_attention="fla" if half and module_available("fla") else "torch",
+                   cuda_graphs=bool(triton and not enforce_eager),
+                   enforce_eager=bool(enforce_eager),
+                   tensor_parallel_size=tensor_parallel_size)
+
+    def describe(self) -> str:
+        graphs = ("CUDA graphs for decode steps" if self.cuda_graphs else
+                  "eager (enforce_eager)" if self.enforce_eager else "eager (no Triton)")
+        return (f"{self.device}: attention {self.attention}, Gated DeltaNet "
+                f"{self.linear_attention}, MoE sorted grouped GEMMs without host sync, "
+                f"{graphs}; {self.model_dtype} model, GEMMs in {self.gemm_dtype}")
+
+    def prepare_model(self, model) -> None:
+        from tokenmill.models.layers.moe import FusedMoE
+        super().prepare_model(model)
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.sync_free = True  # no per-expert host sync (CUDA graphs, async)
+            set_la = getattr(module, "set_linear_attention", None)
+            if set_la is not None:
+                set_la(self.linear_attention)
