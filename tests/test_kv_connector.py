@@ -458,9 +458,9 @@ def test_a_stuck_store_stalls_no_step(llama_tiny, prompts, baseline, monkeypatch
     # queued, the next step's blocks are dropped (store failures), not waited for.
     release.clear()
     entered.clear()
-    from tokenmill.core.sched_output import KVConnectorMetadata
+    from tokenmill.core.sched_output import KVConnectorMetadata, KVStoreBlock
     for i in range(4):
-        worker.save_kv(KVConnectorMetadata(stores=[("r", 1, bytes([i]) * 32, (0,))]))
+        worker.save_kv(KVConnectorMetadata(stores=[KVStoreBlock("r", 1, bytes([i]) * 32, (0,))]))
         if i == 0:
             assert entered.wait(10)  # the writer holds the first batch, in the store
     assert ext(llm)["store_failures"] == 1

@@ -14,8 +14,8 @@ from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
 from tokenmill.core import serial
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, KVConnectorMetadata,
-                                         KVLoad, ModelRunnerOutput, MultiModalFeature,
-                                         NewRequestData, SchedulerOutput)
+                                         KVLoad, KVStoreBlock, ModelRunnerOutput,
+                                         MultiModalFeature, NewRequestData, SchedulerOutput)
 
 
 def same(a, b) -> bool:
@@ -127,14 +127,15 @@ def test_connector_metadata_round_trips():
     meta = KVConnectorMetadata(
         loads=[KVLoad("a", 2, [7, 9], [bytes(range(32)), bytes(32)], [[0], [1, 0]]),
                KVLoad("b", 0, [3], [b"\xff" * 32], [[1]])],
-        stores=[("a", 11, b"\x01" * 32, (0, 1)), ("c", 4, b"\x02" * 32, (1,))])
+        stores=[KVStoreBlock("a", 11, b"\x01" * 32, (0, 1)),
+                KVStoreBlock("c", 4, b"\x02" * 32, (1,))])
     so = SchedulerOutput([], CachedRequestData(["a", "b", "c"], [False] * 3, [None] * 3,
                                                [16, 0, 40]),
                          {"a": 5, "b": 8, "c": 1}, 14, kv_connector_metadata=meta)
     back = serial.decode(serial.encode(so), SchedulerOutput)
     assert same(so, back), first_difference(so, back)
     assert isinstance(back.kv_connector_metadata.loads[0], KVLoad)
-    assert back.kv_connector_metadata.stores[0] == ("a", 11, b"\x01" * 32, (0, 1))
+    assert back.kv_connector_metadata.stores[0] == KVStoreBlock("a", 11, b"\x01" * 32, (0, 1))
     out = ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[], [5]], invalid_block_ids={9})
     back = serial.decode(serial.encode(out), ModelRunnerOutput)
     assert same(out, back) and back.invalid_block_ids == {9}

@@ -8,8 +8,9 @@ from tokenmill import SamplingParams
 from tokenmill.core import serial
 from tokenmill.core.sched_output import LogprobsLists
 from tokenmill.core.scheduler import EngineCoreOutput
-from tokenmill.engine.core_messages import (INPUT_TYPES, OUTPUT_TYPES, CoreOutputs, CoreStats,
-                                            EngineCoreRequest, FailCommand, FinishCommand,
+from tokenmill.engine.core_messages import (INPUT_TYPES, OUTPUT_TYPES, AbortCommand, CoreDead,
+                                            CoreOutputs, CoreStats, EngineCoreRequest,
+                                            FailCommand, FinishCommand, RequestFailure,
                                             UtilityCall, merge_stats)
 from tokenmill.structured_output.params import StructuredOutputsParams
 
@@ -45,9 +46,12 @@ def test_a_busy_steps_outputs_round_trip():
     assert np.array_equal(back.outputs[0].new_logprobs.logprobs, lp.logprobs)
     assert back.stats == outs.stats
     for kind, msg in ((b"finish", FinishCommand(["a"], "stop", 4)),
-                      (b"fail", FailCommand({"a": ("output", "why")}, False)),
-                      (b"call", UtilityCall(3, "kv_cache_stats")), (b"abort", ["a", "b"])):
+                      (b"fail", FailCommand({"a": RequestFailure("output", "why")}, False)),
+                      (b"call", UtilityCall(3, "kv_cache_stats")),
+                      (b"abort", AbortCommand(["a", "b"]))):
         assert serial.decode(serial.encode(msg), INPUT_TYPES[kind]) == msg
+    dead = CoreDead("ValueError", "bad model")
+    assert serial.decode(serial.encode(dead), OUTPUT_TYPES[b"dead"]) == dead
 
 
 def test_replica_stats_merge():

@@ -72,14 +72,25 @@ class KVLoad:
 
 
 @dataclass
+class KVStoreBlock:
+    """One block the external KV tier stores after this step (a prompt block that
+    became complete and that some store lacks): ids only, the worker half copies the
+    KV out of the cache itself (tokenmill.kv_connector)."""
+
+    req_id: str
+    block_id: int
+    block_hash: bytes  # the block's chained hash: its key in every store
+    store_ids: tuple[int, ...]  # indices of the stores to write it to
+
+
+@dataclass
 class KVConnectorMetadata:
     """One step's connector work, built by the scheduler half (tokenmill.kv_connector)
     for the worker half: which blocks to load before the forward, which to store after
     it. Ids and hashes only, never KV bytes."""
 
     loads: list[KVLoad] = field(default_factory=list)
-    # (request id, block id, block hash, indices of the stores to write)
-    stores: list[tuple[str, int, bytes, tuple[int, ...]]] = field(default_factory=list)
+    stores: list[KVStoreBlock] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores)

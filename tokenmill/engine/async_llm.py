@@ -86,6 +86,21 @@ class _Stream:
             pass
 
 
+# Commands the caller threads queue for the engine thread (AsyncLLM._pending).
+@dataclass(frozen=True)
+class _AddRequest:
+    """Add a prepared request; `future` gets its id once it is in (or why not)."""
+    request_id: str
+    prepared: PreparedRequest
+    stream: _Stream
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _AbortRequest:
+    request_id: str
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 5.0,
                  observer=None, *, max_num_waiting: int | None = None,
@@ -105,7 +120,7 @@ class AsyncLLM:
         self.step_timeout = step_timeout
         self.stats = EngineStats()
         self._cond = threading.Condition()
-        self._pending: list[tuple] = []
+        self._pending: list[_AddRequest | _AbortRequest] = []
         self._stopped = False
         self._dead: BaseException | None = None
         self._death_callbacks: list = []
@@ -125,7 +140,7 @@ class AsyncLLM:
         return cls(LLMEngine(args), **kwargs)
 
     # ---- caller side ---------------------------------------------------------
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, cmd: _AddRequest | _AbortRequest) -> None:
         with self._cond:
             if self._stopped or self._dead is not None:
                 raise EngineDeadError("the engine is not running")
@@ -190,7 +205,7 @@ class AsyncLLM:
         try:
             prepared = await self._prepare(prompt, sampling_params)
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._submit(("add", request_id, prepared, stream, fut))
+            self._submit(_AddRequest(request_id, prepared, stream, fut))
             try:
                 await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
@@ -227,7 +242,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown or finished ids are ignored)."""
         try:
-            self._submit(("abort", request_id))
+            self._submit(_AbortRequest(request_id))
         except EngineDeadError:
             pass
 
@@ -263,9 +278,7 @@ class AsyncLLM:
                 return
             self._dead = err
             cmds, self._pending = self._pending, []
-        for cmd in cmds:
-            if cmd[0] == "add" and not cmd[4].done():
-                cmd[4].set_exception(err)
+        self._fail_adds(cmds, err)
         for stream in list(self._streams.values()):
             stream.put(err)
         for fn in list(self._death_callbacks):
@@ -366,9 +379,7 @@ class AsyncLLM:
             with self._cond:
                 cmds, self._pending = self._pending, []
             err = EngineDeadError("the engine was shut down")
-            for cmd in cmds:
-                if cmd[0] == "add" and not cmd[4].done():
-                    cmd[4].set_exception(err)
+            self._fail_adds(cmds, err)
             for stream in self._streams.values():
                 stream.put(self._dead or err)
             self._streams.clear()
@@ -380,10 +391,17 @@ class AsyncLLM:
             if faults.fires("step_loop", rid, state.prompt_token_ids):
                 raise faults.InjectedFault(f"the step loop, with {rid}")
 
-    def _handle(self, cmds: list[tuple]) -> None:
+    @staticmethod
+    def _fail_adds(cmds: list[_AddRequest | _AbortRequest], err: BaseException) -> None:
+        """Commands that will never run: their adds' callers get `err`."""
         for cmd in cmds:
-            if cmd[0] == "add":
-                _, rid, prepared, stream, fut = cmd
+            if isinstance(cmd, _AddRequest) and not cmd.future.done():
+                cmd.future.set_exception(err)
+
+    def _handle(self, cmds: list[_AddRequest | _AbortRequest]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, _AddRequest):
+                rid, prepared, stream, fut = cmd.request_id, cmd.prepared, cmd.stream, cmd.future
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
@@ -394,8 +412,8 @@ class AsyncLLM:
                 self._streams[rid] = stream
                 self.stats.prompt_tokens_total += len(prepared.prompt_token_ids)
                 fut.set_result(rid)
-            elif cmd[0] == "abort":
-                rid = cmd[1]
+            elif isinstance(cmd, _AbortRequest):
+                rid = cmd.request_id
                 self._streams.pop(rid, None)
                 self.engine.abort_request([rid])
 

@@ -36,9 +36,9 @@ from concurrent.futures import Future
 from tokenmill.core import serial
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import EngineCoreOutput
-from tokenmill.engine.core_messages import (OUTPUT_TYPES, CoreInfo, CoreStats,
+from tokenmill.engine.core_messages import (OUTPUT_TYPES, AbortCommand, CoreInfo, CoreStats,
                                             EngineCoreRequest, FailCommand, FinishCommand,
-                                            UtilityCall, merge_stats)
+                                            RequestFailure, UtilityCall, merge_stats)
 from tokenmill.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -182,19 +182,21 @@ class MPEngineCoreClient:
         return min(alive, key=lambda r: len(r.unfinished))
 
     def abort_requests(self, request_ids) -> list[str]:
-        return self._forget(request_ids, b"abort", lambda ids: ids)
+        return self._forget(request_ids, b"abort", AbortCommand)
 
     def finish_requests(self, request_ids, status, stop_reason=None) -> list[str]:
         return self._forget(request_ids, b"finish",
                             lambda ids: FinishCommand(ids, status.value, stop_reason))
 
     def fail_requests(self, failures: dict[str, tuple[str, str]], emit: bool = True) -> list[str]:
+        def named(ids) -> dict[str, RequestFailure]:
+            return {i: RequestFailure(*failures[i]) for i in ids}
+
         if emit:  # the core's error output finishes them here
             for replica, ids in self._by_replica(failures).items():
-                self._send(replica, b"fail", FailCommand({i: failures[i] for i in ids}, True))
+                self._send(replica, b"fail", FailCommand(named(ids), True))
             return list(failures)
-        return self._forget(list(failures), b"fail",
-                            lambda ids: FailCommand({i: failures[i] for i in ids}, False))
+        return self._forget(list(failures), b"fail", lambda ids: FailCommand(named(ids), False))
 
     def _forget(self, request_ids, kind: bytes, payload) -> list[str]:
         """Requests this side has finished: tell their cores, stop tracking them."""
@@ -302,7 +304,7 @@ class MPEngineCoreClient:
                 else:
                     fut.set_result(msg.result)
         elif kind == b"dead":
-            replica.death = ": ".join(msg)
+            replica.death = f"{msg.error_type}: {msg.message}"
             self._replica_died(replica)
 
     def _check_health(self) -> None:

@@ -66,6 +66,11 @@ class CoreOutputs:
 
 
 @dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
 class FinishCommand:
     request_ids: list[str]
     status: str  # a RequestStatus value
@@ -73,8 +78,16 @@ class FinishCommand:
 
 
 @dataclass
+class RequestFailure:
+    """Why the front end fails a request (EngineCore.fail_requests takes it as the
+    (reason, message) pair the scheduler uses)."""
+    reason: str  # e.g. "output": a key of CoreStats.num_errors
+    message: str
+
+
+@dataclass
 class FailCommand:
-    failures: dict[str, tuple[str, str]]  # request id -> (reason, message)
+    failures: dict[str, RequestFailure]  # request id -> why
     emit: bool = True
 
 
@@ -94,12 +107,19 @@ class UtilityResult:
     error: str | None = None
 
 
+@dataclass
+class CoreDead:
+    """The core failed (to start, or in its loop) and exits."""
+    error_type: str  # the exception's class name
+    message: str
+
+
 # Front end -> core.
-INPUT_TYPES = {b"add": EngineCoreRequest, b"abort": list[str], b"finish": FinishCommand,
+INPUT_TYPES = {b"add": EngineCoreRequest, b"abort": AbortCommand, b"finish": FinishCommand,
                b"fail": FailCommand, b"call": UtilityCall, b"shutdown": None}
-# Core -> front end. "dead": the core failed; the payload says why.
+# Core -> front end.
 OUTPUT_TYPES = {b"ready": CoreInfo, b"out": CoreOutputs, b"call": UtilityResult,
-                b"dead": list[str]}  # [exception type name, message]
+                b"dead": CoreDead}
 # The methods a UtilityCall may name.
 UTILITY_METHODS = frozenset({"kv_cache_stats"})
 

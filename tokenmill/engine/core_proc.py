@@ -19,7 +19,7 @@ import signal
 import sys
 
 from tokenmill.core import serial
-from tokenmill.engine.core_messages import (INPUT_TYPES, UTILITY_METHODS, CoreOutputs,
+from tokenmill.engine.core_messages import (INPUT_TYPES, UTILITY_METHODS, CoreDead, CoreOutputs,
                                             EngineCoreRequest, UtilityCall, UtilityResult)
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def run_engine_core(args, input_addr: str, output_addr: str, replica: int,
         core = build_engine_core(args)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
         logger.exception("engine core %d failed to start", replica)
-        send(b"dead", [type(e).__name__, str(e)])
+        send(b"dead", CoreDead(type(e).__name__, str(e)))
         inp.close(linger=0)  # an open socket would hold ctx.term() until we are killed
         out.close()
         ctx.term()
@@ -85,7 +85,7 @@ def run_engine_core(args, input_addr: str, output_addr: str, replica: int,
         loop.run(lambda: watch_parent and os.getppid() != parent)
     except BaseException as e:  # noqa: BLE001 - say why, then go
         logger.exception("engine core %d died", replica)
-        send(b"dead", [type(e).__name__, str(e) or type(e).__name__])
+        send(b"dead", CoreDead(type(e).__name__, str(e) or type(e).__name__))
     finally:
         try:
             core.shutdown()
@@ -140,12 +140,13 @@ class _CoreLoop:
         if kind == b"add":
             self._add(msg)
         elif kind == b"abort":
-            core.abort_requests(msg)
+            core.abort_requests(msg.request_ids)
         elif kind == b"finish":
             from tokenmill.core.request import RequestStatus
             core.finish_requests(msg.request_ids, RequestStatus(msg.status), msg.stop_reason)
-        elif kind == b"fail":
-            core.fail_requests(msg.failures, msg.emit)
+        elif kind == b"fail":  # (named on the wire; EngineCore takes the scheduler's pairs)
+            core.fail_requests({rid: (f.reason, f.message) for rid, f in msg.failures.items()},
+                               msg.emit)
         elif kind == b"call":
             self._call(msg)
         elif kind == b"shutdown":

@@ -6,8 +6,9 @@ execute_model (the SchedulerOutput as its msgpack message, tokenmill/core/serial
 runs the forward on every rank, the layers' collectives keep them in lockstep; only
 rank 0 samples, and sends the sampled ids to the others, whose batches need them
 as the next step's input ids. Finished requests and the batch reset after a failed
-step are sent too. Messages are one byte (the operation) + msgpack, over one pipe
-per worker; workers answer only when ready and when they fail.
+step are sent too. Messages are one byte (the operation) + the msgpack of that
+operation's named message (BODY_TYPES), over one pipe per worker; workers answer
+only when ready and when they fail.
 
 Failure: a worker that dies fails rank 0's pending collective at once (gloo sees the
 connection close) or is seen by a watcher thread before the next step; either way
@@ -38,10 +39,38 @@ from tokenmill.executor.tp_group import TPGroup, free_port
 
 logger = logging.getLogger(__name__)
 
-# One-byte operations, then the msgpack body.
+# One-byte operations, then the msgpack body (BODY_TYPES; RESET and QUIT have none).
 EXECUTE, SAMPLED, REMOVE, RESET, INIT_KV, QUIT = b"E", b"S", b"R", b"B", b"K", b"Q"
 READY, FAILED = b"r", b"x"
 STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    """What rank 0 sampled: the other ranks' batches need it as the next step's input."""
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveRequests:
+    """Finished requests: every rank drops them from its batch."""
+    req_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class InitKVCache:
+    """Rank 0's KV cache layout; each rank builds its own over its own specs (its heads),
+    so only the sizes and the layers of each group cross."""
+    num_blocks: int
+    num_state_slots: int
+    block_size: int
+    group_layers: list[list[str]]  # per KV cache group, its layer names
+
+
+# The message each operation's body is (decoded as that type, not by position).
+BODY_TYPES = {EXECUTE: SchedulerOutput, SAMPLED: SampledTokens, REMOVE: RemoveRequests,
+              INIT_KV: InitKVCache}
 
 
 def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict):
@@ -61,6 +90,7 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
     try:
         group = TPGroup(rank, size, port, timeout_s)
         runner = _build_runner(model_config, platform.in_this_process(), group, runner_kwargs)
+        decode = {op: serial.decoder(t) for op, t in BODY_TYPES.items()}
         conn.send_bytes(READY)
         with torch.inference_mode():
             while True:
@@ -70,17 +100,17 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
                     return
                 op, body = msg[:1], memoryview(msg)[1:]
                 if op == EXECUTE:
-                    runner.execute_model(serial.decode(body, SchedulerOutput))
+                    runner.execute_model(decode[EXECUTE](body))
                 elif op == SAMPLED:
-                    req_ids, sampled = serial.decode(body, tuple[list[str], list[list[int]]])
-                    runner.apply_sampled_tokens(req_ids, sampled)
+                    sampled = decode[SAMPLED](body)
+                    runner.apply_sampled_tokens(sampled.req_ids, sampled.sampled_token_ids)
                 elif op == REMOVE:
-                    runner.remove_requests(serial.decode(body, list[str]))
+                    runner.remove_requests(decode[REMOVE](body).req_ids)
                 elif op == RESET:
                     runner.reset_batch()
                 elif op == INIT_KV:
-                    runner.initialize_kv_cache(_rank_kv_cache_config(
-                        runner, *serial.decode(body, tuple[int, int, int, list[list[str]]])))
+                    runner.initialize_kv_cache(_rank_kv_cache_config(runner,
+                                                                     decode[INIT_KV](body)))
                 elif op == QUIT:
                     return
                 else:
@@ -94,13 +124,12 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
         raise SystemExit(1)
 
 
-def _rank_kv_cache_config(runner, num_blocks: int, num_state_slots: int, block_size: int,
-                          group_layers: list[list[str]]) -> KVCacheConfig:
+def _rank_kv_cache_config(runner, msg: InitKVCache) -> KVCacheConfig:
     """Rank 0's KV cache layout (blocks, slots, groups) over this rank's own specs
     (its heads only)."""
-    specs = runner.get_kv_cache_spec(block_size)
-    return KVCacheConfig(num_blocks, [KVCacheGroup(names, specs[names[0]])
-                                      for names in group_layers], num_state_slots)
+    specs = runner.get_kv_cache_spec(msg.block_size)
+    return KVCacheConfig(msg.num_blocks, [KVCacheGroup(names, specs[names[0]])
+                                          for names in msg.group_layers], msg.num_state_slots)
 
 
 def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:
@@ -289,7 +318,7 @@ class MultiprocTPExecutor:
 
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         out = self.runner.sample_tokens(grammar)
-        self._send(SAMPLED + serial.encode((out.req_ids, out.sampled_token_ids)))
+        self._send(SAMPLED + serial.encode(SampledTokens(out.req_ids, out.sampled_token_ids)))
         return out
 
     @property
@@ -305,15 +334,15 @@ class MultiprocTPExecutor:
             raise ValueError("the external KV tier (kv_connector) is not supported with "
                              "tensor_parallel_size > 1")
         attn = config.groups[config.attention_group_id].spec
-        self._send(INIT_KV + serial.encode((config.num_blocks, config.num_state_slots,
-                                            attn.block_size,
-                                            [g.layer_names for g in config.groups])))
+        self._send(INIT_KV + serial.encode(InitKVCache(
+            config.num_blocks, config.num_state_slots, attn.block_size,
+            [g.layer_names for g in config.groups])))
         self.runner.initialize_kv_cache(config)
 
     def remove_requests(self, req_ids) -> None:
         req_ids = list(req_ids)
         if req_ids:
-            self._send(REMOVE + serial.encode(req_ids))
+            self._send(REMOVE + serial.encode(RemoveRequests(req_ids)))
         self.runner.remove_requests(req_ids)
 
     def reset_batch(self) -> None:

@@ -15,8 +15,17 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenmill.kv_connector.stores import StoreUnavailable
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call handed to a StoreCaller's thread: run `fn`, settle `future` with it."""
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
 
 
 class StoreCaller:
@@ -25,7 +34,7 @@ class StoreCaller:
         self.blocking = blocking  # False: call in the caller's thread (it cannot hang)
         self._lock = threading.Lock()
         self._busy = False
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # _Call; None: stop
         self._thread: threading.Thread | None = None
         self.num_timeouts = 0
 
@@ -51,7 +60,7 @@ class StoreCaller:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name=self.name)
                 self._thread.start()
-        self._queue.put((fn, fut))
+        self._queue.put(_Call(fn, fut))
         return fut
 
     def call(self, fn, timeout: float):
@@ -76,9 +85,9 @@ class StoreCaller:
             item = self._queue.get()
             if item is None:
                 return
-            fn, fut = item
+            fut = item.future
             try:
-                result, error = fn(), None
+                result, error = item.fn(), None
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 result, error = None, e
             with self._lock:  # free before the waiter wakes: its next call is accepted

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import request_block_hashes
-from tokenmill.core.sched_output import KVConnectorMetadata, KVLoad
+from tokenmill.core.sched_output import KVConnectorMetadata, KVLoad, KVStoreBlock
 from tokenmill.kv_connector.calls import StoreCaller
 from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, kv_namespace,
                                            namespace_digest)
@@ -326,7 +326,7 @@ class KVConnectorScheduler:
                 known = self._known.get(hashes[i])
                 targets = tuple(sorted(all_stores - known))
                 if targets:
-                    meta.stores.append((rid, blocks[i], hashes[i], targets))
+                    meta.stores.append(KVStoreBlock(rid, blocks[i], hashes[i], targets))
                     known.update(targets)
                     self._bad.peek(hashes[i]).difference_update(targets)  # written anew
             state.stored_upto = complete
@@ -369,6 +369,6 @@ class KVConnectorScheduler:
             state = self._reqs.get(rid)
             if state is not None:
                 state.stored_upto = 0  # listed again against what the stores hold
-        for rid, _, h, targets in meta.stores:
-            if rid in redo:  # not written: the stores lack them
-                self._known.get(h).difference_update(targets)
+        for store in meta.stores:
+            if store.req_id in redo:  # not written: the stores lack them
+                self._known.get(store.block_hash).difference_update(store.store_ids)

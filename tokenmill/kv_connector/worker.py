@@ -38,9 +38,11 @@ import queue
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
+from tokenmill.core.sched_output import KVStoreBlock
 from tokenmill.kv_connector.connector import KVConnector, KVConnectorMetadata
 from tokenmill.kv_connector.stores import (EntryError, StoreUnavailable, decode_entry,
                                            encode_entry)
@@ -49,6 +51,15 @@ from tokenmill.worker.kv_cache import TORCH_DTYPES, dtype_name
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_STORES = 32  # steps' worth of blocks waiting for the writer thread
+
+
+@dataclass(frozen=True)
+class _StoreBatch:
+    """One step's blocks, handed to the writer thread: payloads[j] is the KV of blocks[j]
+    (an [n, payload_bytes] uint8 array copied off the cache, or the memoryviews of
+    entries read back for a repair)."""
+    payloads: object
+    blocks: list[KVStoreBlock]
 
 
 class _LoadJob:
@@ -81,7 +92,7 @@ class KVConnectorWorker:
         self.layers = layers
         self.dtype = TORCH_DTYPES[g.dtype]
         self.block_shape = (g.num_layers,) + want
-        self._pending: queue.Queue = queue.Queue(MAX_PENDING_STORES)
+        self._pending: queue.Queue = queue.Queue(MAX_PENDING_STORES)  # _StoreBatch; None: stop
         self._writer: threading.Thread | None = None
         self._job: _LoadJob | None = None
 
@@ -200,8 +211,9 @@ class KVConnectorWorker:
                                     tuple(load.store_ids[k][:tried])))
             invalid.update(load.block_ids[pos[j]:])
         if repairs:
+            # (the writer needs only the hash and the stores: no request, no block id)
             self._queue([p for p, _, _ in repairs],
-                        [("", 0, h, targets) for _, h, targets in repairs])
+                        [KVStoreBlock("", 0, h, targets) for _, h, targets in repairs])
         if copies:
             self._copy_in(copies)
             size = conn.geometry.payload_bytes
@@ -231,11 +243,11 @@ class KVConnectorWorker:
         `skip_req_ids` (their load failed this step: what they computed over it is wrong)."""
         if meta is None or not meta.stores:
             return
-        stores = [s for s in meta.stores if s[0] not in skip_req_ids] if skip_req_ids \
+        stores = [s for s in meta.stores if s.req_id not in skip_req_ids] if skip_req_ids \
             else list(meta.stores)
         if not stores:
             return
-        ids = torch.tensor([b for _, b, _, _ in stores], dtype=torch.long,
+        ids = torch.tensor([s.block_id for s in stores], dtype=torch.long,
                            device=self.layers[0].device)
         # [n, layers, *layer_block_shape] -> host bytes, one row per block (a
         # copy: the blocks may be reused as soon as this step is over)
@@ -243,7 +255,7 @@ class KVConnectorWorker:
         raw = blocks.cpu().contiguous().view(torch.uint8).reshape(len(stores), -1).numpy()
         self._queue(raw, stores)
 
-    def _queue(self, raw, stores) -> None:
+    def _queue(self, raw, stores: list[KVStoreBlock]) -> None:
         """Hand blocks (`raw[j]`: the payload of `stores[j]`) to the writer thread."""
         conn = self.connector
         if self._writer is None:
@@ -251,9 +263,9 @@ class KVConnectorWorker:
                                             name="tokenmill-kv-store")
             self._writer.start()
         try:
-            self._pending.put_nowait((raw, stores))
+            self._pending.put_nowait(_StoreBatch(raw, stores))
         except queue.Full:  # the stores are that far behind: skip rather than wait
-            dropped = Counter(si for _, _, _, targets in stores for si in targets)
+            dropped = Counter(si for s in stores for si in s.store_ids)
             for si, n in dropped.items():
                 conn.stats.add(conn.store_names[si], "store_failures", n)
             logger.debug("KV connector: store queue full, %d blocks not stored", len(stores))
@@ -288,20 +300,20 @@ class KVConnectorWorker:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                self._write(item)
             except Exception:  # noqa: BLE001 - a store's bug must not kill the writer
                 logger.exception("KV connector: writing blocks failed")
             finally:
                 self._pending.task_done()
 
-    def _write(self, raw, stores) -> None:
+    def _write(self, batch: _StoreBatch) -> None:
         """Encode one step's blocks and write them to each store that should hold them."""
         conn = self.connector
         per_store: dict[int, list[tuple[str, bytes]]] = {}
-        for j, (_, _, block_hash, targets) in enumerate(stores):
-            entry = encode_entry(conn.ns_digest, block_hash, raw[j])
-            key = block_hash.hex()
-            for si in targets:
+        for j, block in enumerate(batch.blocks):
+            entry = encode_entry(conn.ns_digest, block.block_hash, batch.payloads[j])
+            key = block.block_hash.hex()
+            for si in block.store_ids:
                 per_store.setdefault(si, []).append((key, entry))
         for si, items in per_store.items():
             name = conn.store_names[si]
