@@ -285,8 +285,10 @@ def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, 
     model = runner.model
     packed = platform.linear == "packed_bf16"
     for m in model.modules():
-        if isinstance(m, (RMSNorm, GatedMLP)):
-            assert m.native_ops is ops
+        if isinstance(m, RMSNorm):  # bf16 activations: the native norm
+            assert platform.norm == "native" and m._ops is ops
+        if isinstance(m, GatedMLP):
+            assert platform.activation == "native" and m.act_and_mul == ops.silu_mul
         if isinstance(m, Linear):
             assert m.weight.dtype == FP32 and not m.weight.is_meta
             assert (m.packed_bf16 is not None) == packed
@@ -342,7 +344,7 @@ def test_cpu_capability_argument_reaches_the_layers(tiny_model_factory, widened)
     if platform.ops is None:
         pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
     norms = [m for m in runner_of(llm).model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.native_ops.capability == level for m in norms)
+    assert norms and all(m._ops.capability == level for m in norms)
     assert runner_of(llm).native_ops.capability == level
 
 
@@ -352,8 +354,9 @@ def test_cpu_kernels_torch_end_to_end(tiny_model_factory, no_cpu_ops):
     llm = make_llm(tm.path, dtype="float32", cpu_kernels="torch", max_num_seqs=4)
     runner = runner_of(llm)
     assert runner.native_ops is None and runner.greedy_head is None
-    assert all(m.native_ops is None for m in runner.model.modules()
-               if isinstance(m, (RMSNorm, GatedMLP)))
+    assert all(m._ops is None for m in runner.model.modules() if isinstance(m, RMSNorm))
+    assert all(m.act_and_mul == m._torch_act_and_mul for m in runner.model.modules()
+               if isinstance(m, GatedMLP))
     outs = llm.generate([{"prompt_token_ids": p} for p in tm.prompts[:3]],
                         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)

@@ -1,6 +1,7 @@
-"""The CPU platform: which kernels the engine runs, decided in one place, once.
+"""The CPU platform: which kernels the engine runs on a CPU, decided in one place, once.
 
-`CpuPlatform.create` is called at engine start with the device, the model dtype
+`CpuPlatform.create` is called at engine start (through
+`tokenmill.platforms.create_platform`) with the device, the model dtype
 and the engine arguments (`cpu_kernels`, `cpu_capability`, `linear_bf16_max_rows`,
 `greedy_head_max_rows`, `decode_layers`). It reads what this CPU can do (the
 kernel levels it runs, tokenmill.kernels; whether it has native bf16 GEMMs) and
@@ -33,11 +34,11 @@ fixes, for the whole run:
   (bf16 models with packed bf16 linears, fp32 models with packed fp32 ones), on
   or off.
 
-`prepare_model` hands those decisions to the layers once, after the weights are
-loaded (packed weights, widened GEMMs, each layer's kernels module, the decode
-loop); the model runner takes the rest (attention metadata, the greedy head). No
-layer looks anything up per call. `describe()` is the line logged at start-up,
-`as_dict()` what the benchmarks write into their JSON.
+`prepare_model` (platforms/interface.py) hands those decisions to the layers once,
+after the weights are loaded (packed weights, widened GEMMs, each layer's kernels,
+the decode loop); the model runner takes the rest (attention metadata, the greedy
+head). No layer looks anything up per call. `describe()` is the line logged at
+start-up, `as_dict()` what the benchmarks write into their JSON.
 """
 from __future__ import annotations
 
