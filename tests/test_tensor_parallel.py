@@ -269,3 +269,50 @@ def test_worker_exception_is_reported(tp_model, monkeypatch):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_layers_declare_their_splits(tp_model):
+    """What a rank reads and where the ranks' partial sums meet come from the layers'
+    declarations (Linear roles, tp_plan, tp_reduces), read on a Qwen3-Next rank built on
+    the meta device: packed q|k|v by heads, Gated DeltaNet's sections by key heads, the
+    experts' intermediate dim; one all-reduce per block, the MoE block's for its experts
+    and shared expert both."""
+    import json
+
+    import torch
+
+    from tokenmill.models import tensor_parallel as tp
+    from tokenmill.models.registry import resolve_model_class
+    with open(f"{tp_model('qwen3_next')}/config.json") as f:
+        cfg = json.load(f)
+    cls = resolve_model_class(cfg)
+    with torch.device("meta"):
+        model = cls(tp.rank_config(cfg, 2, cls))
+    rules = tp.ShardPlan(model, cfg, rank=1, size=2).rules
+    attn = next(i for i, layer in enumerate(model.layers) if not layer.is_linear)
+    q = 2 * cfg["num_attention_heads"] * 16  # q and gate rows, 16 per head
+    pre = f"layers.{attn}.self_attn"
+    assert rules[(f"{pre}.qkv_proj.weight", 0)] == tp.Split(0, ((q, 2, 1),))
+    assert rules[(f"{pre}.qkv_proj.weight", None)].segments[0] == (q, 2, 1)
+    assert rules[(f"{pre}.o_proj.weight", None)] == tp.Split(1, ((q // 2, 2, 1),))
+    kd, vd = 2 * 16, 4 * 8  # key heads x key dim, value heads x value dim
+    assert rules[("layers.0.linear_attn.in_proj.weight", 0)] == tp.Split(
+        0, ((kd, 2, 1), (kd, 2, 1), (vd, 2, 1)))
+    assert rules[("layers.0.linear_attn.dt_bias", None)] == tp.Split(0, ((4, 2, 1),))
+    assert rules[("layers.0.mlp.experts.gate_up_proj", None)] == tp.Split(
+        1, ((32, 2, 1), (32, 2, 1)))
+    assert ("layers.0.mlp.gate.weight", None) not in rules  # the router: replicated
+
+    class Group:
+        rank = 0
+
+        def all_reduce(self, x):
+            return x
+
+    tp.shard_model(model, Group(), cfg["vocab_size"])
+    reducing = {name for name, m in model.named_modules() if m._forward_hooks}
+    assert reducing == ({f"layers.{i}.mlp" for i in range(len(model.layers))}
+                        | {f"layers.{i}.self_attn.o_proj" for i in range(len(model.layers))
+                           if not model.layers[i].is_linear}
+                        | {f"layers.{i}.linear_attn.out_proj" for i in range(len(model.layers))
+                           if model.layers[i].is_linear} | {"lm_head"})

@@ -191,6 +191,7 @@ def test_triton_kernels_on_the_gpu_match_the_interpreter_reference(d, softcap):
 def test_sync_free_moe_on_the_gpu():
     """The CUDA experts (torch._grouped_mm in bf16 on compute capability 9.0+, else the
     gathered bmm) against the fp32 stacked-expert path on the CPU."""
+    from tokenmill.models.layers.linear_methods import SyncFreeFusedMoEMethod
     from tokenmill.models.layers.moe import FusedMoE, route
     g = torch.Generator().manual_seed(0)
     moe = FusedMoE(16, 256, 128)
@@ -203,7 +204,7 @@ def test_sync_free_moe_on_the_gpu():
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         gpu = FusedMoE(16, 256, 128).to("cuda", dtype)
         gpu.load_state_dict(moe.state_dict())
-        gpu.sync_free = True
+        gpu.set_method(SyncFreeFusedMoEMethod())
         got = gpu(x.to("cuda", dtype), weights.to("cuda", dtype), ids.cuda())
         torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
 from tokenmill.core.kv_cache_spec import KVCacheConfig, group_layer_specs
-from tokenmill.models.gemma4 import Gemma4Config
+from tokenmill.models.gemma4 import Gemma4Config, Gemma4ForCausalLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 IMAGE_TOKEN = 383  # the tiny vision-language checkpoint's image placeholder id
@@ -170,8 +170,8 @@ def test_tensor_parallel_rank_config_splits_each_layer(form):
         else:
             cfg = _config(num_attention_heads=4, num_key_value_heads=2, global_head_dim=32,
                           attention_k_eq_v=True, num_global_key_value_heads=global_kv)
-        check_divisible(cfg, 2)
-        c = Gemma4Config(rank_config(cfg, 2))
+        check_divisible(cfg, 2, Gemma4ForCausalLM)
+        c = Gemma4Config(rank_config(cfg, 2, Gemma4ForCausalLM))
         assert c.num_heads == 2 and c.head_dims == [16, 32, 16, 32]
         assert c.kv_heads == [1, rank_kv, 1, rank_kv]
         assert Gemma4Config(cfg).kv_heads == [2, global_kv, 2, global_kv]  # not mutated
@@ -191,4 +191,4 @@ def test_tensor_parallel_refuses_uneven_global_kv_heads(form):
                       attention_k_eq_v=True, num_global_key_value_heads=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2.*num_key_value_heads of "
                                          "layer 1 .*\\(3\\)"):
-        check_divisible(cfg, 2)
+        check_divisible(cfg, 2, Gemma4ForCausalLM)

@@ -162,7 +162,7 @@ def test_preemption(moe_model, name, config):
 
 def test_some_experts_get_no_tokens(moe_model):
     """The top-1 config really leaves experts idle in a step (and the engine still matches HF)."""
-    import tokenmill.models.layers.moe as moe_mod
+    import tokenmill.models.layers.linear_methods.fused_moe as moe_mod
     tm = moe_model("qwen3_moe_top1")
     llm = make_llm(tm.path)
     counts = []
@@ -277,7 +277,7 @@ def test_bf16_model_widens_expert_gemms(moe_model, monkeypatch):
     moe = model.layers[1].mlp
     assert moe.gate.weight.dtype == torch.float32
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float32
-    assert moe.experts.compute_dtype == torch.float32
+    assert moe.experts.method.compute_dtype == torch.float32
     # Exact upcast of the bf16-rounded checkpoint weights.
     ref = tm.hf.model.layers[1].mlp.experts.gate_up_proj.to(torch.bfloat16).float()
     assert torch.equal(moe.experts.gate_up_proj, ref)

@@ -328,9 +328,11 @@ def test_hybrid_on_fla_and_triton_kernels_matches_pytorch_path(tmp_path, eager_g
 
 def test_moe_decode_graphs_with_sync_free_experts(tmp_path, eager_graphs):
     """Qwen3-MoE (top-1 of 16: most experts idle in a step) with the experts as CUDA
-    runs them (FusedMoE.sync_free, set by the platform on CUDA): graphed decode steps
+    runs them (SyncFreeFusedMoEMethod, the CUDA platform's choice): graphed decode steps
     read nothing on the host and give the tokens of the PyTorch path without graphs."""
     from test_moe_parity import MOE_SPECS
+    from tokenmill.models.layers.linear_methods import (SyncFreeFusedMoEMethod,
+                                                        UnquantizedFusedMoEMethod)
     from tokenmill.models.layers.moe import FusedMoE
     arch, overrides = MOE_SPECS["qwen3_moe_top1"]
     build_checkpoint(str(tmp_path), arch, overrides)
@@ -343,7 +345,7 @@ def test_moe_decode_graphs_with_sync_free_experts(tmp_path, eager_graphs):
         experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert experts
         for m in experts:
-            m.sync_free = sync_free
+            m.set_method(SyncFreeFusedMoEMethod() if sync_free else UnquantizedFusedMoEMethod())
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                             use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], runner

@@ -20,6 +20,7 @@ from tokenmill.kernels.testing import (IS_X86, aarch64_tools, build_and_run, hos
                                        kernel_level, ops)  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
 from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods import PackedBf16LinearMethod, UnquantizedLinearMethod
 
 NO_BIAS = torch.empty(0)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -156,16 +157,14 @@ def test_pack_bounds_the_quantisation_error():
 def test_greedy_head_for_a_linear_layer(ops):
     torch.manual_seed(5)
     lin = Linear(48, 700, bias=False).bfloat16()
-    lin.pack_bf16(ops, 128)
-    lin.set_compute_dtype(torch.float32)
+    lin.set_method(PackedBf16LinearMethod(ops, 128, UnquantizedLinearMethod(torch.float32)))
     head = GreedyHead.build(lin, ops)
     assert head is not None
     x = torch.randn(3, 48).bfloat16()
     assert head(x).tolist() == lin(x).float().argmax(dim=-1).tolist()
     assert head.blocks_recomputed >= 1
     biased = Linear(48, 70, bias=True).bfloat16()
-    biased.pack_bf16(ops, 128)
-    biased.set_compute_dtype(torch.float32)
+    biased.set_method(PackedBf16LinearMethod(ops, 128, UnquantizedLinearMethod(torch.float32)))
     assert GreedyHead.build(biased, ops) is None  # the screen has no bias term
     plain = Linear(48, 70, bias=False)  # fp32 weights, not packed
     assert GreedyHead.build(plain, ops) is None
@@ -243,8 +242,8 @@ def test_every_level_has_the_screen(ops):
         platform = CpuPlatform.create("cpu", torch.bfloat16)
     assert platform.lm_head == "greedy_int8"
     platform.prepare_model(lin)
-    assert lin.packed_bf16 is not None and lin.packed_only
-    assert torch.equal(lin.bf16_weight(), ref)  # the screen is built from the packed copy
+    assert isinstance(lin.method, PackedBf16LinearMethod) and lin.method.fallback is None
+    assert torch.equal(lin.dense_weight(), ref)  # the screen is built from the packed copy
     head = GreedyHead.build(lin, ops)
     x = torch.randn(5, 40)
     assert head(x).tolist() == lin(x).argmax(dim=-1).tolist()

@@ -99,3 +99,34 @@ def test_the_checker_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
     graph = import_graph()
     assert "tokenmill.engine.llm_engine" in graph["tokenmill.llm"]  # edges are found
+
+
+def test_tensor_parallel_knows_no_model():
+    """models/tensor_parallel.py holds the generic mechanics only: which tensors split and
+    where the ranks' partial sums are reduced is declared by the layers (their `tp`
+    roles and `tp_plan`s), so it imports no model or layer module."""
+    imported = import_graph()["tokenmill.models.tensor_parallel"]
+    assert imported <= {"tokenmill.models.checkpoint_io"}, sorted(imported)
+
+
+def test_gemm_kernels_are_chosen_by_the_methods_and_the_platform():
+    """The GEMM kernels of the Linear and expert layers are called from their methods
+    (models/layers/linear_methods/) only, chosen by the platform only; the layers
+    call their method."""
+    import re
+    kernels = re.compile(r"_linear_pointwise|_reorder_linear_weight|\.linear_(bf16|f32)\b"
+                         r"|pack_(bf16|f32)_weight|_grouped_mm\(")
+    allowed = ("models/layers/linear_methods/", "platforms/", "kernels/")
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(allowed):
+            found += [f"{rel}: {m.group(0)}" for m in kernels.finditer(path.read_text())]
+    assert not found, found
+    choosers = ("Prepacked", "PackedBf16", "PackedF32", "SyncFree")
+    outside = [f"{path.relative_to(ROOT)}: {c}" for path in ROOT.rglob("*.py")
+               for c in choosers if c + "LinearMethod" in path.read_text()
+               or c + "FusedMoEMethod" in path.read_text()
+               if not path.relative_to(ROOT).as_posix().startswith(
+                   ("models/layers/linear_methods/", "platforms/"))]
+    assert not outside, outside

@@ -10,6 +10,7 @@ from tokenmill.platforms import cpu as cpu_platform
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods import PackedBf16LinearMethod, UnquantizedLinearMethod
 
 
 # Row counts cover the one-row kernel, the remainders of the 12-row micro-kernel,
@@ -84,15 +85,18 @@ def test_widened_linear_uses_the_packed_kernel_for_few_rows(ops, monkeypatch):
     lin = Linear(96, 200, bias=True).bfloat16()
     ref_w, ref_b = lin.weight.detach().float(), lin.bias.detach().float()
     platform.prepare_model(lin)
-    assert lin.weight.dtype == torch.float32 and lin.compute_dtype == torch.float32
+    assert lin.weight.dtype == torch.float32
     calls = []
     if packs:
-        assert lin.packed_bf16 is not None and lin.packed_bf16.dtype == torch.bfloat16
-        assert lin.bf16_max_rows == 8
-        real = lin._linear_bf16
-        lin._linear_bf16 = lambda *a: calls.append(1) or real(*a)
+        method = lin.method
+        assert isinstance(method, PackedBf16LinearMethod)
+        assert method.packed_weight.dtype == torch.bfloat16 and method.max_rows == 8
+        assert method.fallback.compute_dtype == torch.float32  # the fp32 copy above 8 rows
+        real = method.kernel
+        method.kernel = lambda *a: calls.append(1) or real(*a)
     else:
-        assert lin.packed_bf16 is None and lin._linear_bf16 is None
+        assert type(lin.method) is UnquantizedLinearMethod
+        assert lin.method.compute_dtype == torch.float32 and lin.method.packed_weight is None
     for rows in (1, 3, 8, 9, 40):
         x = torch.randn(rows, 96).bfloat16()
         before = len(calls)

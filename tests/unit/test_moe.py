@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear import ALL_ROWS, widen_gemms
+from tokenmill.models.layers.linear_methods import (PackedBf16FusedMoEMethod,
+                                                    SyncFreeFusedMoEMethod)
+from tokenmill.models.layers.linear_methods import fused_moe as moe_mod
 from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, fused_experts, route
 
 
@@ -112,7 +115,7 @@ def test_widened_experts_match_bf16_experts():
     # gate, experts, shared gate_up / down, shared_expert_gate
     assert widen_gemms(block, torch.float32) == 5
     assert block.experts.gate_up_proj.dtype == block.experts.down_proj.dtype == torch.float32
-    assert block.experts.compute_dtype == torch.float32
+    assert block.experts.method.compute_dtype == torch.float32
     assert torch.equal(block.experts.gate_up_proj, w13)
     assert widen_gemms(block, torch.float32) == 0
     wide = block(x)
@@ -138,14 +141,14 @@ def test_packed_experts_match_widened_experts(ops, max_rows, activation):
     moe = _experts(8, 40, 24, dtype=torch.bfloat16, activation=activation)
     assert widen_gemms(ref_moe, torch.float32) == 1
     ref = ref_moe(x, weights.bfloat16(), ids)
-    moe.pack_bf16(ops, max_rows)
-    assert moe.packed_only == (max_rows == ALL_ROWS)
-    assert widen_gemms(moe, torch.float32) == 1
+    moe.set_method(PackedBf16FusedMoEMethod(ops, max_rows, torch.float32))
+    assert widen_gemms(moe, torch.float32) == 0  # a chosen method is kept
     if max_rows == ALL_ROWS:
         assert moe.gate_up_proj.is_meta and moe.down_proj.is_meta
     else:
         assert moe.gate_up_proj.dtype == torch.float32
-    assert all(p.dtype == torch.bfloat16 for p in moe.packed.w13 + moe.packed.w2)
+    packed = moe.method.packed
+    assert all(p.dtype == torch.bfloat16 for p in packed.w13 + packed.w2)
     got = moe(x, weights.bfloat16(), ids)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -224,13 +227,12 @@ def test_sparse_moe_block_matches_hf(kind, norm):
 @pytest.mark.parametrize("tokens,num_experts,top_k,renorm", CASES)
 def test_sync_free_experts_match_reference_without_host_reads(tokens, num_experts, top_k,
                                                               renorm, activation, monkeypatch):
-    """The CUDA path (FusedMoE.sync_free): the same sums, and the expert groups never
+    """The CUDA path (SyncFreeFusedMoEMethod): the same sums, and the expert groups never
     reach the host (no tolist / item / nonzero / bincount: those stall a CUDA stream and cannot be
     captured in a graph); chunked gathers (a tiny GATHER_BYTES) change nothing."""
-    from tokenmill.models.layers import moe as moe_mod
     torch.manual_seed(tokens)
     moe = _experts(num_experts, 24, 12, seed=num_experts, activation=activation)
-    moe.sync_free = True
+    moe.set_method(SyncFreeFusedMoEMethod())
     x = torch.randn(tokens, 24)
     weights, ids = route(torch.randn(tokens, num_experts), top_k, renorm)
     ref = naive_moe(x, moe.gate_up_proj, moe.down_proj, weights, ids, activation)
@@ -251,11 +253,10 @@ def test_sync_free_grouped_gemm_matches_the_gathered_fallback(tokens, num_expert
     still no host reads."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
-    from tokenmill.models.layers import moe as moe_mod
     torch.manual_seed(tokens)
     hidden, inter = 32, 24  # rows of 16-byte multiples, as the operator needs
     moe = _experts(num_experts, hidden, inter, seed=num_experts, dtype=torch.bfloat16)
-    moe.sync_free = True
+    moe.set_method(SyncFreeFusedMoEMethod())
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     weights, ids = route(torch.randn(tokens, num_experts).to(torch.bfloat16), top_k,
                          renorm)

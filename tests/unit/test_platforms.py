@@ -28,6 +28,9 @@ from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.decode_layers import DecodeLayers
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.models.layers.linear import ALL_ROWS, Linear
+from tokenmill.models.layers.linear_methods import (OneDNNPrepackedLinearMethod,
+                                                    PackedBf16FusedMoEMethod,
+                                                    PackedBf16LinearMethod)
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 
@@ -285,14 +288,14 @@ def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, 
     model = runner.model
     packed = platform.linear == "packed_bf16"
     for m in model.modules():
-        if isinstance(m, RMSNorm):  # bf16 activations: the native norm
-            assert platform.norm == "native" and m._ops is ops
+        if isinstance(m, RMSNorm):
+            assert m._ops is ops
         if isinstance(m, GatedMLP):
-            assert platform.activation == "native" and m.act_and_mul == ops.silu_mul
+            assert m.act_and_mul == ops.silu_mul
         if isinstance(m, Linear):
             assert m.weight.dtype == FP32 and not m.weight.is_meta
-            assert (m.packed_bf16 is not None) == packed
-            assert m.bf16_max_rows == (16 if packed else 0)
+            assert (m.method.packed_dtype == BF16) == packed
+            assert m.method.max_rows == (16 if packed else 0)
     assert (model.decode_layers is not None) == platform.decode_layers
     reference = _generate(llm, tm)
     # Decided once: the hot path never asks tokenmill.kernels again.
@@ -354,8 +357,9 @@ def test_cpu_kernels_torch_end_to_end(tiny_model_factory, no_cpu_ops):
     llm = make_llm(tm.path, dtype="float32", cpu_kernels="torch", max_num_seqs=4)
     runner = runner_of(llm)
     assert runner.native_ops is None and runner.greedy_head is None
-    assert all(m._ops is None for m in runner.model.modules() if isinstance(m, RMSNorm))
-    assert all(m.act_and_mul == m._torch_act_and_mul for m in runner.model.modules()
+    modules = list(runner.model.modules())
+    assert all(m._ops is None for m in modules if isinstance(m, RMSNorm))
+    assert all(m.act_and_mul == m._torch_act_and_mul for m in modules
                if isinstance(m, GatedMLP))
     outs = llm.generate([{"prompt_token_ids": p} for p in tm.prompts[:3]],
                         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -383,15 +387,16 @@ def test_packed_weights_are_the_only_copy_without_native_bf16(tiny_model_factory
     llm = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4)
     assert llm.llm_engine.platform.weights == "packed bf16 only"
     linears = [m for m in runner_of(llm).model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_only and m.weight.is_meta for m in linears)
-    assert all(m.packed_bf16.dtype == BF16 for m in linears)
+    assert linears and all(isinstance(m.method, PackedBf16LinearMethod)
+                           and m.method.fallback is None and m.weight.is_meta for m in linears)
+    assert all(m.method.packed_weight.dtype == BF16 for m in linears)
     fp32_bytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters()
                      if not p.is_meta and p.dtype == FP32 and p.dim() == 2)
     assert fp32_bytes == 0
     # The unpacked view of the packed weights is the checkpoint's bf16 weights.
     lm_head = runner_of(llm).model.lm_head
     assert isinstance(lm_head, Linear)
-    assert torch.equal(lm_head.bf16_weight(), tm.hf.lm_head.weight.detach().bfloat16())
+    assert torch.equal(lm_head.dense_weight(), tm.hf.lm_head.weight.detach().bfloat16())
     both = make_llm(tm.path, dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=2)
     assert both.llm_engine.platform.weights == "packed bf16 + fp32 copy"
     assert _generate(llm, tm) == _generate(both, tm)
@@ -415,8 +420,9 @@ def test_moe_experts_are_packed_without_native_bf16(tmp_path, ops, kernel_level,
 
     llm = make_llm(str(tmp_path), dtype="bfloat16", max_num_seqs=4)
     experts = [m for m in runner_of(llm).model.modules() if isinstance(m, FusedMoE)]
-    assert experts and all(m.packed_only and m.gate_up_proj.is_meta and m.down_proj.is_meta
-                           for m in experts)
+    assert experts and all(isinstance(m.method, PackedBf16FusedMoEMethod)
+                           and m.method.max_rows == ALL_ROWS and m.gate_up_proj.is_meta
+                           and m.down_proj.is_meta for m in experts)
     both = make_llm(str(tmp_path), dtype="bfloat16", max_num_seqs=4, linear_bf16_max_rows=2)
     assert all(m.gate_up_proj.dtype == FP32 for m in runner_of(both).model.modules()
                if isinstance(m, FusedMoE))
@@ -440,7 +446,9 @@ def test_onednn_prepacked_layers_match_f_linear(tiny_model_factory, ops, kernel_
         lin = Linear(48, 200, bias=True).to(dtype)
         ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
         platform.prepare_model(lin)
-        assert lin.onednn_weight is not None and lin.weight.is_meta
+        # (behind the packed kernel's method where the level has one)
+        gemm = getattr(lin.method, "fallback", lin.method)
+        assert isinstance(gemm, OneDNNPrepackedLinearMethod) and lin.weight.is_meta
         assert torch.equal(lin.dense_weight(), ref_w)
         x = torch.randn(2, 40, 48).to(dtype)  # 80 rows: past the packed kernels
         got, want = lin(x), F.linear(x, ref_w, ref_b)
@@ -452,6 +460,7 @@ def test_onednn_prepacked_layers_match_f_linear(tiny_model_factory, ops, kernel_
     tm = tiny_model_factory("qwen3_headdim")
     llm = make_llm(tm.path)  # fp32: HF's greedy tokens with prepacked prefill GEMMs
     if llm.llm_engine.platform.gemm == "onednn_prepacked":
-        assert any(m.onednn_weight is not None for m in runner_of(llm).model.modules()
-                   if isinstance(m, Linear))
+        assert any(isinstance(getattr(m.method, "fallback", m.method),
+                              OneDNNPrepackedLinearMethod)
+                   for m in runner_of(llm).model.modules() if isinstance(m, Linear))
     assert _generate(llm, tm) == [tm.reference(p, 8) for p in tm.prompts[:3]]

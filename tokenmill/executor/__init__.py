@@ -24,8 +24,10 @@ def make_executor(model_config, platform, runner_kwargs: dict, tensor_parallel_s
         raise ValueError("tensor_parallel_size > 1: every rank loads its own shard (no "
                          "prebuilt model), and speculative decoding is not supported")
     from tokenmill.executor.multiproc_tp import MultiprocTPExecutor
+    from tokenmill.models.registry import resolve_model_class
     from tokenmill.models.tensor_parallel import check_divisible
-    check_divisible(model_config.hf_config, tensor_parallel_size)  # before any rank starts
+    hf_config = model_config.hf_config  # checked before any rank starts
+    check_divisible(hf_config, tensor_parallel_size, resolve_model_class(hf_config))
     if model_config.device.type != "cpu":
         raise ValueError(f"tensor_parallel_size > 1 runs on CPU (gloo) only for now, not on "
                          f"{model_config.device}")

@@ -143,7 +143,10 @@ class TopkRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts (stacked, layers/moe.py) plus the shared experts, always on."""
+    """Routed experts (stacked, layers/moe.py) plus the shared experts, always on.
+    Tensor parallel: their partial sums added first, all-reduced once, here."""
+
+    tp_reduces = True
 
     def __init__(self, c: DeepseekConfig):
         super().__init__()
@@ -167,17 +170,17 @@ class MLAttention(nn.Module):
         self.c = c
         h, qk = c.num_heads, c.qk_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, h * qk, bias=False)
+            self.q_proj = Linear(c.hidden_size, h * qk, bias=False, tp="column")
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)  # HF: the default eps
-            self.q_b_proj = Linear(c.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = Linear(c.q_lora_rank, h * qk, bias=False, tp="column")
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
                                          bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim),
-                                bias=False)
-        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+                                bias=False, tp="column")
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, bias=c.attention_bias, tp="row")
         self.attn = PagedMLAAttention(h, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
                                       c.kv_lora_rank, c.softmax_scale)
 

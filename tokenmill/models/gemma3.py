@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from tokenmill.models.weight_names import text_model_name
 
@@ -107,8 +107,10 @@ class Gemma3Attention(nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=c.attention_bias)
-        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+                               bias=c.attention_bias,
+                               tp=QKVParallel(self.q_size, self.kv_size, self.kv_size,
+                                              c.head_dim))
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias, tp="row")
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
@@ -149,8 +151,9 @@ class GeluTanhMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False,
+                                   tp="column", output_sizes=(intermediate_size,) * 2)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, tp="row")
         self.act_and_mul = self._torch_act_and_mul
 
     def forward(self, x):

@@ -31,7 +31,7 @@ from torch import nn
 from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.layers.rotary import RotaryEmbedding
 from tokenmill.models.weight_names import text_model_name
@@ -195,9 +195,12 @@ class Gemma4Attention(nn.Module):
         self.k_eq_v = c.k_eq_v(i)
         self.k_size = 0 if self.kv_source is not None else self.kv_size
         self.v_size = 0 if self.k_eq_v else self.k_size
+        # Split at this layer's own head shape and KV head count (layer_idx).
         self.qkv_proj = Linear(c.hidden_size, self.q_size + self.k_size + self.v_size,
-                               bias=c.attention_bias)
-        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+                               bias=c.attention_bias,
+                               tp=QKVParallel(self.q_size, self.k_size, self.v_size,
+                                              self.head_dim, layer_idx=i))
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias, tp="row")
         self.q_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
         if self.kv_source is None:
             self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
@@ -322,6 +325,27 @@ class PerLayerInputs(nn.Module):
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
     """Gemma 3's model (logits) over Gemma 4's layers, norm, rope tables and per-layer
     inputs."""
+
+    # ---- tensor parallelism: the global layers' own KV head counts ----------------
+    @classmethod
+    def tp_layer_kv_heads(cls, hf_config: dict) -> list[int] | None:
+        """Each layer's KV head count where layers differ (the global layers' own:
+        per_layer_config, or num_global_key_value_heads); None: one count for all."""
+        if not (hf_config.get("per_layer_config") or hf_config.get("global_head_dim")):
+            return None
+        return Gemma4Config(hf_config).kv_heads
+
+    @classmethod
+    def tp_rank_config(cls, c: dict, size: int) -> None:
+        """A rank's config (models/tensor_parallel.py rank_config): the global layers'
+        KV heads split, or replicated when fewer than ranks; head_dim is per head."""
+        if c.get("num_global_key_value_heads"):
+            c["num_global_key_value_heads"] = max(1, c["num_global_key_value_heads"] // size)
+        if c.get("per_layer_config"):
+            c["per_layer_config"] = {
+                k: dict(v, num_key_value_heads=max(1, v["num_key_value_heads"] // size))
+                if v.get("num_key_value_heads") else v
+                for k, v in c["per_layer_config"].items()}
 
     def __init__(self, hf_config: dict):
         nn.Module.__init__(self)

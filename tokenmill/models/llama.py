@@ -11,7 +11,7 @@ from torch import nn
 from tokenmill.config import sliding_window
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.decode_layers import DecodeLayers
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
@@ -59,8 +59,10 @@ class Attention(nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.qkv_proj = Linear(input_size or c.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=c.qkv_bias)
-        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.o_bias)
+                               bias=c.qkv_bias,
+                               tp=QKVParallel(self.q_size, self.kv_size, self.kv_size,
+                                              c.head_dim))
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.o_bias, tp="row")
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,

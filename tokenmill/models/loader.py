@@ -182,7 +182,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                device: torch.device, platform, tp_group=None) -> nn.Module:
     """Build and fill the model, then let `platform` (tokenmill.platforms: the engine's)
     hand its kernel decisions to the layers: packed bf16
-    weights, GEMMs widened to its gemm dtype (see layers/linear.py), native kernels.
+    weights, GEMMs widened to its gemm dtype (see layers/linear_methods/), native kernels.
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
     of the model (models/tensor_parallel.py)."""
     check_quantization(hf_config, f"checkpoint {model_dir}")
@@ -190,7 +190,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     tp = tp_group is not None and tp_group.size > 1
     if tp:
         from tokenmill.models import tensor_parallel
-        tensor_parallel.check_divisible(hf_config, tp_group.size)
+        tensor_parallel.check_divisible(hf_config, tp_group.size, cls)
         if platform.tensor_parallel_size != tp_group.size:
             raise ValueError("a tensor-parallel model needs a platform made for "
                              f"{tensor_parallel.TP_FIELD}={tp_group.size}")
@@ -198,7 +198,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(tensor_parallel.rank_config(hf_config, tp_group.size) if tp
+            model = cls(tensor_parallel.rank_config(hf_config, tp_group.size, cls) if tp
                         else hf_config)
     finally:
         torch.set_default_dtype(torch_default)

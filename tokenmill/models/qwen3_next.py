@@ -22,7 +22,7 @@ from torch import nn
 from tokenmill.config import flatten_text_config
 from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
 from tokenmill.models.layers.rotary import RotaryEmbedding
@@ -84,8 +84,10 @@ class GatedAttention(nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         # q_proj yields, per head, head_dim query features then head_dim gate features.
-        self.qkv_proj = Linear(c.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
-        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.qkv_bias)
+        self.qkv_proj = Linear(c.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=c.qkv_bias,
+                               tp=QKVParallel(2 * self.q_size, self.kv_size, self.kv_size,
+                                              c.head_dim))
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.qkv_bias, tp="row")
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)

@@ -1,40 +1,32 @@
 """Tensor parallelism, the Megatron way: which slice of each weight a rank holds,
 and the collectives that put the ranks' partial results together.
 
-A rank's model is the model class built from a *rank config*: the head counts and
-intermediate sizes divided by the number of ranks (`rank_config`), so every layer
-allocates its shard only and computes with its local heads unchanged (the KV cache
-and the Gated DeltaNet state per rank hold its heads only). Then:
+The generic mechanics only: what is split, and how, is declared by the layers.
 
-- column-parallel: qkv_proj (its q, k and v heads; KV heads replicated when there
-  are fewer than ranks), gate_up_proj (its gate and up rows; Gemma's gelu-tanh MLP
-  too), Gated DeltaNet's
-  in_proj / conv1d / dt_bias / A_log (its key heads and their value heads), each
-  MoE expert's gate_up rows;
-- row-parallel: o_proj, down_proj, out_proj, each expert's down columns; the block
-  that ends in one (attention, Gated DeltaNet, MLP, MoE block with its shared
-  expert) all-reduces its output once; a row-parallel bias is added by rank 0 only;
-- vocab-parallel: the embedding (each rank its rows, ids outside them masked, then
-  all-reduced) and lm_head (each rank its vocabulary shard, all-gathered);
-- replicated: norms, the MoE router, the shared-expert gate, a vision tower, Gemma 4's
-  per-layer input tables and gates (small, and computed from replicated activations).
-
-Gemma 4's layers differ in head shape (global layers: their own head_dim, maybe their
-own KV head count): each layer splits at its own (`layer_kv_heads`; head_dim is per
-head, unchanged). Its k = v layers pack no V rows and its KV-shared layers no K / V
-(they read their source's cache, split the same way). Its experts sit beside the
-dense MLP, each normalised apart, so its FusedMoE all-reduces on its own.
-
-Multi-head latent attention (DeepSeek-V2 / V3) splits by heads too: q_proj / q_b_proj
-and kv_b_proj column-parallel (each rank its heads' rows), o_proj row-parallel. The
-latent projection (kv_a_proj_with_mqa, q_a_proj) and its norms are replicated: the
-latent row serves every head, so each rank caches the whole latent of a token (as
-vLLM does) and absorbs its own heads' kv_b_proj for decode.
-
-MoE: each expert's intermediate dim is split (not the experts): every rank routes
-every token the same way and runs every expert that received tokens on its slice,
-so the work is even whatever the routing, and the MoE block reduces once like a
-dense MLP (its shared expert's partial sum joins the same all-reduce).
+- A rank's model is the model class built from a *rank config*: the head counts and
+  intermediate sizes divided by the number of ranks (`rank_config`; a model class
+  may adjust its own fields with `tp_rank_config`), so every layer allocates its
+  shard only and computes with its local heads unchanged (the KV cache and the
+  Gated DeltaNet state per rank hold its heads only).
+- Each module may declare `tp_plan(tp) -> {(parameter, checkpoint shard): slice}`,
+  built with the `RankSlices` helpers below. A `Linear` derives its plan from the
+  role its model gave it (layers/linear.py: "column", "row", a packed q|k|v split by
+  heads, "replicated"); modules with weights of their own layout (the stacked MoE
+  experts, Gated DeltaNet's conv and per-head tensors) declare theirs. Anything not
+  named is replicated (norms, routers, the latent projection of MLA, Gemma 4's
+  per-layer inputs).
+- A module whose output is a partial sum over the ranks says so (`tp_reduces`: a
+  row-parallel Linear, the experts, an MoE block that adds its shared expert first);
+  the outermost such module all-reduces its output, once. A row-parallel bias is
+  added by rank 0 only.
+- Vocab-parallel: the embedding (each rank its rows, ids outside them masked, then
+  all-reduced) and lm_head (each rank its vocabulary shard, all-gathered).
+- KV heads: split like the query heads, or replicated where the model has fewer than
+  ranks (each rank the KV head its query heads read). A model whose layers differ in
+  KV head count (Gemma 4's global layers) gives each layer's with
+  `tp_layer_kv_heads(hf_config)`; each layer splits at its own.
+- Submodules every rank holds whole (REPLICATED_SUBMODULES: a vision tower) get no
+  slices and no collectives.
 
 The checkpoint is read slice by slice (`safe_open(...).get_slice(name)[...]`):
 no rank holds more than its shards and one tensor at a time.
@@ -69,18 +61,17 @@ def check_tensor_parallel_size(size) -> int:
     return size
 
 
-def layer_kv_heads(hf_config: dict) -> list[int] | None:
-    """Each layer's KV head count where layers differ (Gemma 4: its global layers' own
-    count, per_layer_config or num_global_key_value_heads); None: one count for all."""
-    if not (hf_config.get("per_layer_config") or hf_config.get("global_head_dim")):
-        return None
-    from tokenmill.models.gemma4 import Gemma4Config
-    return Gemma4Config(hf_config).kv_heads
+def layer_kv_heads(hf_config: dict, model_cls=None) -> list[int] | None:
+    """Each layer's KV head count where the model's layers differ (its class's
+    `tp_layer_kv_heads`); None: one count for all."""
+    per_layer = getattr(model_cls, "tp_layer_kv_heads", None)
+    return per_layer(hf_config) if per_layer is not None else None
 
 
-def check_divisible(hf_config: dict, size: int) -> None:
+def check_divisible(hf_config: dict, size: int, model_cls=None) -> None:
     """The model's heads and sizes split evenly over `size` ranks, or a ValueError
-    naming tensor_parallel_size and the field that does not."""
+    naming tensor_parallel_size and the field that does not (`model_cls`: the model
+    class, for its per-layer KV head counts)."""
     heads = hf_config["num_attention_heads"]
     kv = hf_config.get("num_key_value_heads") or heads
     checks = [("num_attention_heads", heads)]
@@ -94,7 +85,7 @@ def check_divisible(hf_config: dict, size: int) -> None:
             raise ValueError(f"{TP_FIELD}={size} does not divide the model's {name} "
                              f"({value})")
     kv_counts = [("num_key_value_heads", kv)]
-    per_layer = layer_kv_heads(hf_config)
+    per_layer = layer_kv_heads(hf_config, model_cls)
     if per_layer is not None:
         kv_counts += [(f"num_key_value_heads of layer {i} (per_layer_config / "
                        f"num_global_key_value_heads)", n) for i, n in enumerate(per_layer)]
@@ -104,35 +95,25 @@ def check_divisible(hf_config: dict, size: int) -> None:
                              f"by it, or divide it (KV heads replicated)")
 
 
-def rank_config(hf_config: dict, size: int) -> dict:
-    """The config one rank's model is built from: its share of every split dim."""
+def rank_config(hf_config: dict, size: int, model_cls=None) -> dict:
+    """The config one rank's model is built from: its share of every split dim (and
+    of the model class's own, `tp_rank_config`)."""
     c = dict(hf_config)
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     c["head_dim"] = c.get("head_dim") or c["hidden_size"] // heads  # unchanged per head
     c["num_attention_heads"] = heads // size
     c["num_key_value_heads"] = max(1, kv // size)
-    # Gemma 4's global layers: their own KV head count, split (or replicated) the same
-    # way; their head_dim is per head, unchanged.
-    if c.get("num_global_key_value_heads"):
-        c["num_global_key_value_heads"] = max(1, c["num_global_key_value_heads"] // size)
-    if c.get("per_layer_config"):
-        c["per_layer_config"] = {
-            k: dict(v, num_key_value_heads=max(1, v["num_key_value_heads"] // size))
-            if v.get("num_key_value_heads") else v
-            for k, v in c["per_layer_config"].items()}
     for name in ("intermediate_size", "moe_intermediate_size",
                  "shared_expert_intermediate_size", "linear_num_key_heads",
                  "linear_num_value_heads"):
         if c.get(name):
             c[name] //= size
     c["vocab_size"] = cdiv(c["vocab_size"], size)
+    own = getattr(model_cls, "tp_rank_config", None)
+    if own is not None:
+        own(c, size)
     return c
-
-
-def _is_attention(m: nn.Module) -> bool:
-    """Llama's Attention or the hybrids' GatedAttention: qkv_proj -> heads -> o_proj."""
-    return hasattr(m, "qkv_proj") and hasattr(m, "o_proj") and hasattr(m, "attn")
 
 
 # ---- which slice of each checkpoint tensor --------------------------------------------
@@ -183,89 +164,88 @@ def _read(tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
     return tensor[index]
 
 
+class RankSlices:
+    """What a module's `tp_plan(tp)` builds its slices with: this rank, the ranks, and
+    the checkpoint's KV head counts. Sizes are of the full (checkpoint) tensors."""
+
+    def __init__(self, rank: int, size: int, kv_heads: int,
+                 kv_by_layer: list[int] | None = None):
+        self.rank, self.size = rank, size
+        self._kv_heads, self._kv_by_layer = kv_heads, kv_by_layer
+
+    def kv_heads(self, layer_idx: int | None = None) -> int:
+        """The checkpoint's KV head count (of layer `layer_idx` where layers differ)."""
+        return self._kv_heads if self._kv_by_layer is None else self._kv_by_layer[layer_idx]
+
+    def split(self, dim: int, *fulls: int) -> Split:
+        """Each of the consecutive segments `fulls` (along `dim`) in equal pieces."""
+        return Split(dim, tuple((f, self.size, self.rank) for f in fulls))
+
+    def first_rank_only(self) -> FirstRankOnly:
+        return FirstRankOnly(self.rank)
+
+    def column(self, out_features: int, output_sizes=None) -> dict:
+        """A column-parallel Linear of `out_features` rows on this rank: its rows of
+        each packed segment (`output_sizes`, this rank's, one checkpoint shard each; a
+        shard may itself be several segments), or of the whole."""
+        shards = [(s,) if isinstance(s, int) else tuple(s)
+                  for s in (output_sizes or (out_features,))]
+        full = [[n * self.size for n in shard] for shard in shards]
+        rules = {}
+        for w in ("weight", "bias"):
+            rules[(w, None)] = self.split(0, *(n for shard in full for n in shard))
+            if output_sizes:
+                for i, shard in enumerate(full):
+                    rules[(w, i)] = self.split(0, *shard)
+        return rules
+
+    def row(self, in_features: int) -> dict:
+        """A row-parallel Linear of `in_features` input columns on this rank; its bias
+        added once."""
+        return {("weight", None): self.split(1, in_features * self.size),
+                ("bias", None): self.first_rank_only()}
+
+    def qkv(self, spec) -> dict:
+        """A packed q | k | v Linear (layers/linear.py QKVParallel): q by heads; K and V
+        by heads too, or (fewer KV heads than ranks) the one KV head this rank's query
+        heads read. A missing section (k_rows / v_rows 0) has no shard to cut."""
+        d = spec.head_dim
+        kv_full = self.kv_heads(spec.layer_idx)
+        kv_pieces = min(kv_full, self.size)
+        kv_seg = (kv_full * d, kv_pieces, self.rank * kv_pieces // self.size)
+        q = spec.q_rows * self.size
+        segments = [(q, self.size, self.rank)] + [kv_seg for n in (spec.k_rows, spec.v_rows)
+                                                  if n]
+        rules = {}
+        for w in ("weight", "bias"):
+            rules[(w, 0)] = self.split(0, q)
+            for shard, n in ((1, spec.k_rows), (2, spec.v_rows)):
+                if n:
+                    rules[(w, shard)] = Split(0, (kv_seg,))
+            rules[(w, None)] = Split(0, tuple(segments))
+        return rules
+
+
 class ShardPlan:
     """(parameter name, packed shard index or None) -> how this rank slices the
-    checkpoint tensor that fills it; anything not named is replicated."""
+    checkpoint tensor that fills it, from the modules' `tp_plan`s; anything not
+    named is replicated."""
 
     def __init__(self, model: nn.Module, hf_config: dict, rank: int, size: int):
-        from tokenmill.models.deepseek_v2 import MLAttention
-        from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
-        from tokenmill.models.layers.mlp import GatedMLP
-        from tokenmill.models.layers.moe import FusedMoE
-        from tokenmill.models.gemma3 import GeluTanhMLP
+        kv = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+        tp = RankSlices(rank, size, kv, layer_kv_heads(hf_config, type(model)))
         self.rules: dict[tuple[str, int | None], object] = {}
-        kv_model = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
-        kv_by_layer = layer_kv_heads(hf_config)
-        rules = self.rules
-
-        def split(dim, *fulls, n=size, i=rank):
-            return Split(dim, tuple((f, n, i) for f in fulls))
-
         for mod_name, m in model.named_modules():
-            p = mod_name + "." if mod_name else ""
-            if _replicated(mod_name):
+            plan = getattr(m, "tp_plan", None)
+            if plan is None or _replicated(mod_name):
                 continue
-            if _is_attention(m):
-                d = m.head_dim
-                kv_full = (kv_model if kv_by_layer is None
-                           else kv_by_layer[m.layer_idx])  # Gemma 4: this layer's
-                kv_pieces = min(kv_full, size)
-                kv_index = rank * kv_pieces // size
-                kv_seg = (kv_full * d, kv_pieces, kv_index)
-                # Packed K and V rows; Gemma 4 packs none for a missing projection (k = v:
-                # no V; KV-shared: neither): those shards stay empty, nothing to cut.
-                k_rows = getattr(m, "k_size", m.kv_size)
-                v_rows = getattr(m, "v_size", m.kv_size)
-                # q rows (a gated attention's q_proj: q and gate rows per head)
-                q = (m.qkv_proj.out_features - k_rows - v_rows) * size
-                segments = [(q, size, rank)] + [kv_seg for n in (k_rows, v_rows) if n]
-                for w in ("weight", "bias"):
-                    rules[(f"{p}qkv_proj.{w}", 0)] = split(0, q)
-                    for shard, n in ((1, k_rows), (2, v_rows)):
-                        if n:
-                            rules[(f"{p}qkv_proj.{w}", shard)] = Split(0, (kv_seg,))
-                    rules[(f"{p}qkv_proj.{w}", None)] = Split(0, tuple(segments))
-                rules[(f"{p}o_proj.weight", None)] = split(1, m.q_size * size)
-                rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
-            elif isinstance(m, MLAttention):
-                c = m.c  # this rank's config: its heads
-                heads = c.num_heads * size
-                for q in ("q_proj", "q_b_proj"):
-                    rules[(f"{p}{q}.weight", None)] = split(0, heads * c.qk_head_dim)
-                rules[(f"{p}kv_b_proj.weight", None)] = split(
-                    0, heads * (c.qk_nope_head_dim + c.v_head_dim))
-                rules[(f"{p}o_proj.weight", None)] = split(1, heads * c.v_head_dim)
-                rules[(f"{p}o_proj.bias", None)] = FirstRankOnly(rank)
-            elif isinstance(m, (GatedMLP, GeluTanhMLP)):
-                inter = m.intermediate_size * size
-                for w in ("weight", "bias"):
-                    rules[(f"{p}gate_up_proj.{w}", 0)] = split(0, inter)
-                    rules[(f"{p}gate_up_proj.{w}", 1)] = split(0, inter)
-                    rules[(f"{p}gate_up_proj.{w}", None)] = split(0, inter, inter)
-                rules[(f"{p}down_proj.weight", None)] = split(1, inter)
-                rules[(f"{p}down_proj.bias", None)] = FirstRankOnly(rank)
-            elif isinstance(m, FusedMoE):
-                inter = m.gate_up_proj.shape[1] // 2 * size
-                # per-expert tensors ([I, H] / [H, I]) and the fused stacked ones
-                rules[(f"{p}gate_up_proj", 0)] = split(0, inter)
-                rules[(f"{p}gate_up_proj", 1)] = split(0, inter)
-                rules[(f"{p}down_proj", 0)] = split(1, inter)
-                rules[(f"{p}gate_up_proj", None)] = split(1, inter, inter)
-                rules[(f"{p}down_proj", None)] = split(2, inter)
-            elif isinstance(m, GatedDeltaNet):
-                kd, vd, hv = m.key_dim * size, m.value_dim * size, m.num_v_heads * size
-                rules[(f"{p}in_proj.weight", 0)] = split(0, kd, kd, vd)
-                rules[(f"{p}in_proj.weight", 1)] = split(0, vd)
-                rules[(f"{p}in_proj.weight", 2)] = split(0, hv)
-                rules[(f"{p}in_proj.weight", 3)] = split(0, hv)
-                rules[(f"{p}conv1d.weight", None)] = split(0, kd, kd, vd)
-                rules[(f"{p}dt_bias", None)] = split(0, hv)
-                rules[(f"{p}A_log", None)] = split(0, hv)
-                rules[(f"{p}out_proj.weight", None)] = split(1, vd)
+            p = mod_name + "." if mod_name else ""
+            for (name, shard), rule in plan(tp).items():
+                self.rules[(p + name, shard)] = rule
         vocab = hf_config["vocab_size"]
         shard = cdiv(vocab, size)
         for name in ("embed_tokens.weight", "lm_head.weight"):
-            rules[(name, None)] = VocabSplit(vocab, shard, rank)
+            self.rules[(name, None)] = VocabSplit(vocab, shard, rank)
 
     def take(self, name: str, shard: int | None, tensor) -> torch.Tensor:
         rule = self.rules.get((name, shard))
@@ -291,13 +271,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     """After loading: the embedding becomes vocab-parallel, lm_head all-gathers its
-    logits (cut to `vocab_size`), and each block ending in a row-parallel projection
-    all-reduces its output."""
-    from tokenmill.models.deepseek_v2 import DeepseekMoE, MLAttention
-    from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
-    from tokenmill.models.layers.mlp import GatedMLP
-    from tokenmill.models.gemma3 import GeluTanhMLP
-    from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock
+    logits (cut to `vocab_size`), and each outermost module whose output is a partial
+    sum (`tp_reduces`) all-reduces it."""
 
     def reduce(module, args, out):
         return group.all_reduce(out)
@@ -306,20 +281,12 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
         logits = group.all_gather_last(out)
         return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
-    # A shared expert's partial sum joins its MoE block's all-reduce.
-    shared = {id(getattr(m, "shared_expert", None) or getattr(m, "shared_experts", None))
-              for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))}
-    # Experts inside such a block reduce with it; experts outside one (Gemma 4's, beside
-    # the dense MLP, each normalised apart) reduce their own output.
-    in_block = {id(e) for m in model.modules() if isinstance(m, (SparseMoeBlock, DeepseekMoE))
-                for e in m.modules() if isinstance(e, FusedMoE)}
-    for name, m in list(model.named_modules()):
-        if _replicated(name):
+    inside: set[int] = set()  # modules a reducing module around them reduces for
+    for name, m in model.named_modules():  # (parents before their children)
+        if _replicated(name) or id(m) in inside or not getattr(m, "tp_reduces", False):
             continue
-        if isinstance(m, (GatedDeltaNet, SparseMoeBlock, DeepseekMoE, MLAttention)) or (
-                isinstance(m, (GatedMLP, GeluTanhMLP)) and id(m) not in shared) or (
-                isinstance(m, FusedMoE) and id(m) not in in_block) or _is_attention(m):
-            m.register_forward_hook(reduce)
+        m.register_forward_hook(reduce)
+        inside.update(id(sub) for sub in m.modules())
     emb = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(emb.weight, group.rank * emb.num_embeddings,
                                                 group)

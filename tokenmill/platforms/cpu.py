@@ -24,8 +24,8 @@ fixes, for the whole run:
   DEFAULT_F32_PACKED_ROWS rows (decode; a second, packed, copy of the weights) and
   oneDNN above, where the level's linear is vectorised; else `torch`;
 - the GEMM of the inputs the packed kernels do not take (batched decode, prefill):
-  `onednn_prepacked` (the weights reordered once for oneDNN, layers/linear.py
-  `prepack_onednn`; fp32 models, and bf16 ones where bf16 is native) or `torch`
+  `onednn_prepacked` (the weights reordered once for oneDNN, layers/linear_methods/
+  `OneDNNPrepackedLinearMethod`; fp32 models, and bf16 ones where bf16 is native) or `torch`
   (F.linear); the prepacked copy replaces the plain weights;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
@@ -34,11 +34,12 @@ fixes, for the whole run:
   (bf16 models with packed bf16 linears, fp32 models with packed fp32 ones), on
   or off.
 
-`prepare_model` (platforms/interface.py) hands those decisions to the layers once,
-after the weights are loaded (packed weights, widened GEMMs, each layer's kernels,
-the decode loop); the model runner takes the rest (attention metadata, the greedy
-head). No layer looks anything up per call. `describe()` is the line logged at
-start-up, `as_dict()` what the benchmarks write into their JSON.
+`prepare_model` (platforms/interface.py) hands those decisions to the layers once, after the weights are
+loaded (each GEMM layer's method, chosen from these fields by
+`Platform.linear_method` / `moe_method`; each layer's kernels module; the decode
+loop); the model runner takes the rest (attention metadata, the greedy head). No
+layer looks anything up per call. `describe()` is the line logged at start-up,
+`as_dict()` what the benchmarks write into their JSON.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ DEFAULT_F32_PACKED_ROWS = 8
 DEFAULT_NATIVE_BF16_PACKED_ROWS = 8
 # linear_bf16_max_rows of a packed layer that takes every input (no other copy of the
 # weights is kept): layers/linear.py's ALL_ROWS.
-from tokenmill.models.layers.linear import ALL_ROWS  # noqa: E402
+from tokenmill.models.layers.linear_methods import ALL_ROWS  # noqa: E402
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.

@@ -58,12 +58,19 @@ class CudaPlatform(Platform):
                 f"{self.linear_attention}, MoE sorted grouped GEMMs without host sync, "
                 f"{graphs}; {self.model_dtype} model, GEMMs in {self.gemm_dtype}")
 
+    def moe_method(self, layer):
+        """The experts' grouped GEMMs without a host sync on the expert groups (CUDA
+        graphs, async scheduling); a non-default method is kept."""
+        from tokenmill.models.layers.linear_methods import (SyncFreeFusedMoEMethod,
+                                                            UnquantizedFusedMoEMethod)
+        current = layer.method
+        if type(current) is not UnquantizedFusedMoEMethod or current.compute_dtype is not None:
+            return current
+        return SyncFreeFusedMoEMethod()
+
     def prepare_model(self, model) -> None:
-        from tokenmill.models.layers.moe import FusedMoE
         super().prepare_model(model)
         for module in model.modules():
-            if isinstance(module, FusedMoE):
-                module.sync_free = True  # no per-expert host sync (CUDA graphs, async)
             set_la = getattr(module, "set_linear_attention", None)
             if set_la is not None:
                 set_la(self.linear_attention)

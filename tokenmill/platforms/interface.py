@@ -74,42 +74,10 @@ class Platform:
         return out
 
     def prepare_model(self, model) -> None:
-        """After the weights are loaded: hand the decisions to the layers (packed and
-        prepacked weights, widened GEMMs, each layer's kernels module, the decode loop).
-        Nothing is decided per forward call afterwards."""
-        import torch
-
-        from tokenmill.models.layers.linear import Linear, widen_gemms
-        from tokenmill.models.layers.moe import FusedMoE
-        if self.linear == "packed_bf16":
-            for module in model.modules():
-                weight = (module.weight if isinstance(module, Linear) else
-                          module.gate_up_proj if isinstance(module, FusedMoE) else None)
-                if (weight is not None and weight.dtype == torch.bfloat16
-                        and weight.device.type == "cpu"):
-                    module.pack_bf16(self.ops, self.linear_bf16_max_rows)
-        elif self.linear == "packed_f32":
-            for module in model.modules():
-                if (isinstance(module, Linear) and module.weight.dtype == torch.float32
-                        and module.weight.device.type == "cpu"):
-                    module.pack_f32(self.ops, self.linear_f32_max_rows)
-        if self.gemm == "onednn_prepacked":
-            dtype = getattr(torch, self.model_dtype)
-            # Parameters more than one module holds (a head tied to the embedding).
-            seen: dict[int, int] = {}
-            for _, p in model.named_parameters(remove_duplicate=False):
-                seen[id(p)] = seen.get(id(p), 0) + 1
-            for module in model.modules():
-                if (isinstance(module, Linear) and module.weight.dtype == dtype
-                        and module.weight.device.type == "cpu" and not module.packed_only
-                        and not module.weight.is_meta):
-                    module.prepack_onednn(keep_weight=seen.get(id(module.weight), 0) > 1)
-        widen = self.widen_to
-        if widen is not None:
-            n = widen_gemms(model, widen)  # packed-only layers keep their bf16 weights
-            if n:
-                logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
-                            n, self.gemm_dtype, self.model_dtype)
+        """After the weights are loaded: hand the decisions to the layers (each GEMM
+        layer's method, each layer's kernels module, the decode loop). Nothing is
+        decided per forward call afterwards."""
+        self.prepare_gemm_layers(model)
         norm_ops = self.ops if self.norm == "native" else None
         act_ops = self.ops if self.activation == "native" else None
         for module in model.modules():
@@ -122,6 +90,88 @@ class Platform:
             set_decode_layers(self.ops if self.decode_layers else None,
                               self.linear_f32_max_rows if self.linear == "packed_f32"
                               else self.linear_bf16_max_rows)
+
+    # ---- the GEMM layers' methods (layers/linear_methods/) ----------------------------
+    def prepare_gemm_layers(self, model) -> None:
+        """Give every Linear and FusedMoE of `model` its method (`linear_method`,
+        `moe_method`), which repacks the loaded weights once."""
+        from tokenmill.models.layers.linear import Linear
+        from tokenmill.models.layers.moe import FusedMoE
+        # Parameters more than one module holds (a head tied to the embedding).
+        seen: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+        widened = 0
+        for module in model.modules():
+            if isinstance(module, Linear):
+                method = self.linear_method(module, shared=seen.get(id(module.weight), 0) > 1)
+                dtype = module.weight.dtype
+            elif isinstance(module, FusedMoE):
+                method, dtype = self.moe_method(module), module.gate_up_proj.dtype
+            else:
+                continue
+            if method is not module.method:
+                widened += self.widen_to is not None and dtype != self.widen_to
+                module.set_method(method)
+        if widened:
+            logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
+                        widened, self.gemm_dtype, self.model_dtype)
+
+    def linear_method(self, layer, shared: bool = False):
+        """The method `layer` (a Linear, weights loaded) runs through: the one place the
+        GEMM kernel of a dense layer is chosen, from this platform's decisions.
+
+        - `linear` "packed_bf16" / "packed_f32": a layer of that dtype on the CPU takes
+          the packed kernel for up to `linear_*_max_rows` rows (bf16 ALL_ROWS: every
+          input, the packed copy the only one);
+        - the other inputs: oneDNN's prepacked GEMM where `gemm` says so (weights in
+          the model's dtype; `shared`: the weight is tied to another module and stays),
+          else F.linear, widened to `gemm_dtype` where that differs.
+
+        A layer whose method is not the plain unquantized one (a quantized format's,
+        or one already chosen) keeps it."""
+        import torch
+
+        from tokenmill.models.layers.linear_methods import (
+            ALL_ROWS, OneDNNPrepackedLinearMethod, PackedBf16LinearMethod,
+            PackedF32LinearMethod, UnquantizedLinearMethod)
+        current = layer.method
+        if type(current) is not UnquantizedLinearMethod or current.compute_dtype is not None:
+            return current
+        w = layer.weight
+        on_cpu = w.device.type == "cpu"
+        widen = self.widen_to
+        if self.gemm == "onednn_prepacked" and on_cpu and w.dtype == getattr(
+                torch, self.model_dtype):
+            rest = OneDNNPrepackedLinearMethod(keep_weight=shared)
+        elif widen is not None and w.dtype != widen:
+            rest = UnquantizedLinearMethod(compute_dtype=widen)
+        else:
+            rest = current
+        if self.linear == "packed_bf16" and on_cpu and w.dtype == torch.bfloat16:
+            rows = self.linear_bf16_max_rows
+            return PackedBf16LinearMethod(self.ops, rows, None if rows >= ALL_ROWS else rest)
+        if self.linear == "packed_f32" and on_cpu and w.dtype == torch.float32:
+            return PackedF32LinearMethod(self.ops, self.linear_f32_max_rows, rest)
+        return rest
+
+    def moe_method(self, layer):
+        """The method a FusedMoE's experts (weights loaded) run through: the packed bf16
+        kernel for expert slices of up to `linear_bf16_max_rows` rows where `linear`
+        is "packed_bf16", the grouped GEMMs (widened to `gemm_dtype` where that
+        differs) for the rest. A non-default method is kept."""
+        import torch
+
+        from tokenmill.models.layers.linear_methods import (PackedBf16FusedMoEMethod,
+                                                            UnquantizedFusedMoEMethod)
+        current = layer.method
+        if type(current) is not UnquantizedFusedMoEMethod or current.compute_dtype is not None:
+            return current
+        w = layer.gate_up_proj
+        widen = self.widen_to if self.widen_to is not None and w.dtype != self.widen_to else None
+        if self.linear == "packed_bf16" and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+            return PackedBf16FusedMoEMethod(self.ops, self.linear_bf16_max_rows, widen)
+        return current if widen is None else UnquantizedFusedMoEMethod(widen)
 
 
 def dtype_name(dtype) -> str:

@@ -700,7 +700,7 @@ class ModelRunner:
 
     def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
         """Whether argmax of the raw logits is all this step samples, at a size where
-        the screened lm_head pays and gives the packed kernel's logits (layers/linear.py)."""
+        the screened lm_head pays and gives the packed kernel's logits (layers/linear_methods/)."""
         return (self.greedy_head is not None
                 and num_rows <= self.greedy_head_max_rows
                 and self.input_batch.all_plain_greedy())

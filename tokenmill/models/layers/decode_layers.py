@@ -42,8 +42,8 @@ class DecodeLayers:
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
         # The activations' dtype the loop serves: bf16 (packed bf16 linears) or fp32.
-        self.dtype = torch.float32 if model.layers[0].self_attn.qkv_proj._linear_f32 \
-            is not None else torch.bfloat16
+        self.dtype = torch.float32 if packed_dtype(model.layers[0].self_attn.qkv_proj) \
+            == torch.float32 else torch.bfloat16
         self.supported = all(self._layer_supported(layer, self.dtype)
                              for layer in model.layers)
 
@@ -55,11 +55,8 @@ class DecodeLayers:
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.q_norm is not None:
             norms += [attn.q_norm, attn.k_norm]
-        f32 = dtype == torch.float32
         return (type(mlp) is GatedMLP
-                and all(lin is not None and
-                        (lin._linear_f32 if f32 else lin._linear_bf16) is not None
-                        for lin in linears)
+                and all(lin is not None and packed_dtype(lin) == dtype for lin in linears)
                 and all(n.weight.dtype == dtype and n.eps == layer.input_layernorm.eps
                         for n in norms))
 
@@ -130,8 +127,14 @@ class DecodeLayers:
         return x
 
 
+def packed_dtype(linear) -> torch.dtype | None:
+    """The native packed layout a Linear's method keeps (layers/linear_methods/
+    cpu_packed.py: bf16 or fp32), or None."""
+    return linear.method.packed_dtype
+
+
 def _packed(linear) -> torch.Tensor:
-    return linear.packed_f32 if linear._linear_f32 is not None else linear.packed_bf16
+    return linear.method.packed_weight
 
 
 def _bias(linear, none: torch.Tensor) -> torch.Tensor:

@@ -180,16 +180,27 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
+        # Checkpoint shards: q|k|v (the conv input), z, b, a; each section split by heads.
         self.in_proj = Linear(hidden_size, self.conv_dim + self.value_dim + 2 * num_v_heads,
-                              bias=False)
+                              bias=False, tp="column",
+                              output_sizes=((self.key_dim, self.key_dim, self.value_dim),
+                                            self.value_dim, num_v_heads, num_v_heads))
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False, tp="row")
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
         self.fla = None  # flash-linear-attention's kernels (set_linear_attention)
+
+    def tp_plan(self, tp) -> dict:
+        """Tensor parallel, by key heads and their value heads: in_proj column-parallel
+        and out_proj row-parallel (their roles), the conv weights of the q|k|v sections
+        and the per-value-head dt_bias / A_log split the same way."""
+        kd, vd, hv = self.key_dim * tp.size, self.value_dim * tp.size, self.num_v_heads * tp.size
+        return {("conv1d.weight", None): tp.split(0, kd, kd, vd),
+                ("dt_bias", None): tp.split(0, hv), ("A_log", None): tp.split(0, hv)}
 
     def set_linear_attention(self, kind: str) -> None:
         """"fla": flash-linear-attention's kernels where installed (CUDA); else PyTorch."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.models.layers.attention import AttentionMetadata
-from tokenmill.models.layers.decode_layers import _bias, _packed
+from tokenmill.models.layers.decode_layers import _bias, _packed, packed_dtype
 
 
 class GemmaDecodeLayers:
@@ -32,7 +32,7 @@ class GemmaDecodeLayers:
         first = model.layers[0].self_attn
         self.scale = first.attn.scale
         self.softcap = first.attn.logit_softcap or 0.0
-        self.dtype = torch.float32 if first.qkv_proj._linear_f32 is not None \
+        self.dtype = torch.float32 if packed_dtype(first.qkv_proj) == torch.float32 \
             else torch.bfloat16
         self.supported = all(self._layer_supported(layer) for layer in model.layers)
         self._weights: list[torch.Tensor] | None = None
@@ -42,10 +42,8 @@ class GemmaDecodeLayers:
 
     def _layer_supported(self, layer) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
-        f32 = self.dtype == torch.float32
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (all((lin._linear_f32 if f32 else lin._linear_bf16) is not None
-                    for lin in linears)
+        return (all(packed_dtype(lin) == self.dtype for lin in linears)
                 and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
                 and attn.head_dim == self.dims[2] and attn.attn.scale == self.scale
                 and (attn.attn.logit_softcap or 0.0) == self.softcap)
@@ -123,21 +121,19 @@ class Gemma4DecodeLayers(GemmaDecodeLayers):
         self.kinds = list(model.rotary.keys())
         self.num_heads = c.num_heads
         self.eps = c.rms_norm_eps
-        self.dtype = torch.float32 if model.layers[0].self_attn.qkv_proj._linear_f32 \
-            is not None else torch.bfloat16
+        self.dtype = torch.float32 if packed_dtype(model.layers[0].self_attn.qkv_proj) \
+            == torch.float32 else torch.bfloat16
         self.supported = all(self._layer_supported(layer) for layer in model.layers)
         self._weights, self._bound = None, None
         self._group_ids, self._info = [], []
 
     def _layer_supported(self, layer) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
-        f32 = self.dtype == torch.float32
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         if layer.per_layer_input_gate is not None:
             linears += [layer.per_layer_input_gate, layer.per_layer_projection]
         return (not layer.enable_moe_block
-                and all((lin._linear_f32 if f32 else lin._linear_bf16) is not None
-                        for lin in linears)
+                and all(packed_dtype(lin) == self.dtype for lin in linears)
                 and all(lin.bias is None for lin in linears[2:])
                 and attn.attn.scale == 1.0 and attn.attn.logit_softcap is None)
 

@@ -69,10 +69,9 @@ class GreedyHead:
     def __init__(self, lm_head, ops):
         self.lm_head = lm_head
         self.ops = ops
-        bf16 = lm_head.packed_bf16 is not None
-        self.packed = lm_head.packed_bf16 if bf16 else lm_head.packed_f32
-        self.dtype = torch.bfloat16 if bf16 else torch.float32
-        weight = lm_head.bf16_weight() if bf16 else lm_head.dense_weight()
+        self.packed = lm_head.method.packed_weight  # the packed kernel's own copy
+        self.dtype = lm_head.method.packed_dtype
+        weight = lm_head.dense_weight().to(self.dtype)
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
 
@@ -82,10 +81,7 @@ class GreedyHead:
         give the packed kernel's answer (no packed weights, a bias, or a kernel that
         refuses): the runner then takes the full lm_head. Whether to build one at all
         is the CPU platform's decision (tokenmill/platforms/cpu.py)."""
-        packed = (getattr(lm_head, "_linear_bf16", None) is not None
-                  and lm_head.packed_bf16 is not None) or (
-            getattr(lm_head, "_linear_f32", None) is not None
-            and lm_head.packed_f32 is not None)
+        packed = lm_head.method.packed_dtype in (torch.bfloat16, torch.float32)
         if ops is None or not packed or lm_head.bias is not None:
             return None
         head = cls(lm_head, ops)
