@@ -13,7 +13,7 @@ from tokenmill.models.layers.linear import ALL_ROWS, widen_gemms
 from tokenmill.models.layers.linear_methods import (PackedBf16FusedMoEMethod,
                                                     SyncFreeFusedMoEMethod)
 from tokenmill.models.layers.linear_methods import fused_moe as moe_mod
-from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, fused_experts, route
+from tokenmill.models.layers.moe import FusedMoE, SparseMoeBlock, route
 
 
 def naive_moe(x, w13, w2, weights, ids, activation="silu"):

@@ -4,6 +4,10 @@ Each step spends a token budget: running requests first (oldest first), then
 waiting ones. There is no prefill or decode phase: a request simply has
 `num_tokens - num_computed_tokens` tokens left to compute, and a step computes
 as many of them as the budget allows (a prompt chunk, or one decode token).
+
+Longer than 500 lines on purpose: admission, preemption, the async placeholders and
+the connector's loads all move the same request counters and block lists, and their
+invariants (ARCHITECTURE.md "Contracts and invariants") read best side by side.
 """
 from __future__ import annotations
 

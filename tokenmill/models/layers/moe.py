@@ -20,9 +20,9 @@ from torch import nn
 
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
-# (the grouped expert GEMMs live with their methods; re-exported for the models)
-from tokenmill.models.layers.linear_methods.fused_moe import (  # noqa: F401
-    ACTIVATIONS, UnquantizedFusedMoEMethod, act_and_mul, fused_experts)
+# (the grouped expert GEMMs live with their methods)
+from tokenmill.models.layers.linear_methods.fused_moe import (ACTIVATIONS,
+                                                              UnquantizedFusedMoEMethod)
 from tokenmill.models.layers.mlp import GatedMLP
 
 
