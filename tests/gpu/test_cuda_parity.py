@@ -88,7 +88,7 @@ def test_cuda_greedy_equals_cpu(checkpoint, name, eager):
     prompts = make_prompts(LENGTHS, TINY["vocab_size"], seed=3)
     got, llm = _greedy(path, "cuda", prompts, enforce_eager=eager)
     runner = llm.llm_engine.engine_core.runner
-    assert runner.triton_ops is not None
+    assert {b.name for b in runner.attn_backends.values()} == {"triton"}
     assert (runner.cuda_graphs is None) == eager  # decode steps replayed unless eager
     assert got == _cpu_reference(path, prompts)
 
@@ -102,7 +102,9 @@ def test_cuda_head_sizes_and_softcap_equal_cpu(checkpoint, name):
     got, llm = _greedy(path, "cuda", prompts, max_num_batched_tokens=16)
     runner = llm.llm_engine.engine_core.runner
     assert runner.cuda_graphs is not None
-    assert all(layer.triton_attention for layer in runner.attention_layers().values())
+    assert {b.name for b in runner.attn_backends.values()} == {"triton"}
+    assert all(type(layer.impl).__name__ == "TritonAttentionImpl"
+               for layer in runner.attention_layers().values())
     assert got == _cpu_reference(path, prompts, max_num_batched_tokens=16)
 
 

@@ -77,7 +77,7 @@ def test_pytorch_decode_path_matches_hf(tiny_model_factory, name):
     """cpu_kernels=torch: the absorbed decode as batched matmuls over gathered blocks."""
     tm = tiny_model_factory(name)
     llm = make_llm(tm.path, cpu_kernels="torch", block_size=4)
-    assert runner_of(llm).native_ops is None
+    assert {b.name for b in runner_of(llm).attn_backends.values()} == {"mla_torch"}
     assert_same_tokens_and_logprobs(tm, tm.prompts, run_greedy_logprobs(llm, tm.prompts))
 
 
@@ -89,9 +89,10 @@ def test_native_mla_decode_kernel_matches_hf(tiny_model_factory, name, block_siz
     merge on every step) and at the automatic split: HF's tokens either way."""
     tm = tiny_model_factory(name)
     llm = make_llm(tm.path, block_size=block_size)
-    ops = runner_of(llm).native_ops
-    if ops is None:
+    backends = list(runner_of(llm).attn_backends.values())
+    if backends[0].name != "mla_cpu_native":
         pytest.skip("no native CPU kernels")
+    ops = backends[0].ops
     for span in (3, 0):
         calls = []
         orig = ops.mla_decode

@@ -131,7 +131,8 @@ def test_triton_attention_engine_matches_pytorch_path(tiny_model_factory, triton
     prompts = [tm.prompts[0][:5], tm.prompts[1][:19], tm.prompts[2][:11]]
     got, llm = _generate(tm.path, prompts, max_num_batched_tokens=8)
     runner = llm.llm_engine.engine_core.runner
-    assert runner.triton_ops is not None and runner.last_attn_meta.slot_mapping is not None
+    assert {b.name for b in runner.attn_backends.values()} == {"triton"}
+    assert runner.last_attn_meta.slot_mapping is not None
     for p, g in zip(prompts, got):
         assert g == tm.reference(p, len(g)), name
 
@@ -201,8 +202,8 @@ def test_eagle3_drafter_runs_the_triton_kernels(tiny_model_factory, triton_platf
     llm = make_llm(tm.path, cpu_kernels="torch", speculative_config=dict(
         method="eagle3", num_speculative_tokens=2, model=draft, adaptive=False))
     runner = runner_of(llm)
-    assert runner.triton_ops is triton_attention
     draft_layer = runner.draft_model.attention_layers()[0]
+    assert draft_layer.impl.ops is triton_attention
     calls = {"write": 0, "decode": 0}
     for name, key in (("write_kv", "write"), ("paged_decode", "decode")):
         real = getattr(triton_attention, name)
@@ -214,10 +215,11 @@ def test_eagle3_drafter_runs_the_triton_kernels(tiny_model_factory, triton_platf
     seen = []
     real_write = draft_layer.write_kv
     monkeypatch.setattr(draft_layer, "write_kv",
-                        lambda k, v, meta: (seen.append(meta.triton_ops), real_write(k, v, meta)))
+                        lambda k, v, meta: (seen.append(meta.slot_mapping), real_write(k, v, meta)))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
-    assert seen and all(ops is triton_attention for ops in seen)  # the drafter's metadata
+    # The drafter's metadata came from the Triton builder: its flat slot mapping is there.
+    assert seen and all(slots is not None for slots in seen)
     assert calls["write"] > 0 and calls["decode"] > 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == tm.reference(p, 5)
@@ -269,7 +271,8 @@ def test_triton_kernels_serve_head_96_512_and_soft_capping(triton_model, triton_
     got, llm = _generate(tm.path, prompts, max_num_batched_tokens=8)
     runner = llm.llm_engine.engine_core.runner
     layers = runner.attention_layers().values()
-    assert runner.triton_ops is not None and all(lay.triton_attention for lay in layers)
+    assert {b.name for b in runner.attn_backends.values()} == {"triton"}
+    assert all(type(lay.impl).__name__ == "TritonAttentionImpl" for lay in layers)
     cap = 2.0 if name == "gemma3_softcap" else 0.0
     heads = {"phi3_hd96": {96}, "gemma4_hd512": {16, 512}, "gemma3_softcap": {32}}[name]
     assert {c[0] for c in caps} == {"paged_decode", "paged_prefill"}

@@ -1,5 +1,5 @@
-"""The paged attention backend: native decode kernel (at every capability level this CPU
-runs) vs the PyTorch path vs a dense reference."""
+"""The paged attention backends' decode: the CPU native kernel (at every capability level
+this CPU runs) vs the PyTorch reference vs a dense reference."""
 import os
 import shutil
 
@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.cpu_native import CpuNativeAttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import TorchAttentionBackend
 from tokenmill.kernels import cpu_ops
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.attention import PagedAttention
 
 
 def _setup(dtype, seq_lens, block_size=4, hkv=2, hq=6, d=16, num_blocks=64, seed=0):
@@ -38,11 +41,13 @@ def _dense(cache, table, q, seq_lens, scale):
 
 
 def _decode(layer, cache, table, q, seq_lens, native):
+    """The decode rows through the CPU native backend's implementation of `layer`
+    (`native`: the kernels module) or the PyTorch reference's (None)."""
     meta = AttentionMetadata(num_decodes=len(seq_lens), slot_block=None, slot_offset=None,
                              decode_block_table=table,
-                             decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                             native_ops=native)
-    return layer._decode(q, cache, meta)
+                             decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    backend = TorchAttentionBackend() if native is None else CpuNativeAttentionBackend(native)
+    return backend.make_impl(layer).decode(q, cache, meta)
 
 
 def test_native_kernels_build_where_a_compiler_exists(kernel_level):

@@ -5,7 +5,7 @@ CPU over the static buffers, is in tests/models/test_triton_path.py."""
 import pytest
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.worker.cuda_graph import DecodeGraphBuffers, capture_sizes, padded_size
 
 
@@ -76,7 +76,7 @@ def test_fill_refuses_a_step_larger_than_its_graph():
 
 
 def test_pad_rows_of_a_hybrid_model_use_the_scratch_state_slot():
-    from tokenmill.models.layers.attention import StateMetadata
+    from tokenmill.attention.metadata import StateMetadata
     buf = DecodeGraphBuffers(8, {0: 2}, "cpu", pad_state_slot=12)
     meta = _meta(3, 2, seed=4)
     meta.state = StateMetadata(3, torch.tensor([4, 0, 7]))

@@ -17,9 +17,9 @@ from tokenmill.spec_decode.random_drafters import (build_eagle3_checkpoint, eagl
                                                    eagle3_tensors, write_eagle3_checkpoint)
 from tokenmill import kernels
 from tokenmill.core.kv_cache_spec import FullAttentionSpec
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.models.eagle3 import Eagle3DraftModel, default_aux_layer_ids, load_eagle3_drafter
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.draft_model import EagleStyleDrafter
 from tokenmill.worker.kv_cache import _allocate_layer
@@ -108,28 +108,32 @@ def reference(cfg, t, embed, ids, hidden):
 
 
 # ---- running the module over a paged cache -------------------------------------------
-def _chunk_meta(s, e, ops):
+def _chunk_meta(s, e):
     pos = torch.arange(s, e)
     return AttentionMetadata(num_decodes=0, slot_block=TABLE[pos // BLOCK], slot_offset=pos % BLOCK,
-                             prefills=[PrefillChunk(0, e - s, s, TABLE[:-(-e // BLOCK)])],
-                             native_ops=ops)
+                             prefills=[PrefillChunk(0, e - s, s, TABLE[:-(-e // BLOCK)])])
 
 
-def _decode_meta(p, ops):
+def _decode_meta(p):
     nb = -(-(p + 1) // BLOCK)
     return AttentionMetadata(num_decodes=1, slot_block=TABLE[p // BLOCK].view(1),
                              slot_offset=torch.tensor([p % BLOCK]),
                              decode_block_table=TABLE[None, :nb].to(torch.int32),
-                             decode_seq_lens=torch.tensor([p + 1], dtype=torch.int32),
-                             native_ops=ops)
+                             decode_seq_lens=torch.tensor([p + 1], dtype=torch.int32))
 
 
-def run_sequence(model, ops, dtype, seed=0):
+def _bind(layer, spec, platform):
+    """A fresh cache and the platform's attention implementation, as the runner binds."""
+    layer.kv_cache = _allocate_layer(spec, 16, torch.device("cpu"))
+    layer.impl = platform.attention_backend(spec).make_impl(layer)
+
+
+def run_sequence(model, platform, dtype, seed=0):
     """Chunks from fresh target hidden states, then draft steps on the model's own output.
     -> (ids, hidden inputs, outs, next_hiddens, combined) over all positions, in fp32."""
     layer = model.attention_layers()[0]
     spec = FullAttentionSpec(BLOCK, layer.num_kv_heads, layer.head_size, str(dtype)[6:])
-    layer.kv_cache = _allocate_layer(spec, 16, torch.device("cpu"))
+    _bind(layer, spec, platform)
     g = torch.Generator().manual_seed(seed)
     n = CHUNKS[-1][1] + NUM_STEPS
     ids = torch.randint(0, TINY["vocab_size"], (n,), generator=g)
@@ -140,11 +144,11 @@ def run_sequence(model, ops, dtype, seed=0):
         combined = model.combine_target_hidden(aux.to(dtype))
         for s, e in CHUNKS:
             hid = combined[s:e]
-            out, nxt = model(ids[s:e], torch.arange(s, e), hid, _chunk_meta(s, e, ops))
+            out, nxt = model(ids[s:e], torch.arange(s, e), hid, _chunk_meta(s, e))
             hiddens.append(hid), outs.append(out), nexts.append(nxt)
         for p in range(CHUNKS[-1][1], n):
             hid = nexts[-1][-1:]  # the previous step's pre-norm stream at p - 1
-            out, nxt = model(ids[p:p + 1], torch.tensor([p]), hid, _decode_meta(p, ops))
+            out, nxt = model(ids[p:p + 1], torch.tensor([p]), hid, _decode_meta(p))
             hiddens.append(hid), outs.append(out), nexts.append(nxt)
     f = lambda xs: torch.cat(xs).float()  # noqa: E731
     return ids, aux, f(hiddens), f(outs), f(nexts), combined.float()
@@ -153,16 +157,17 @@ def run_sequence(model, ops, dtype, seed=0):
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_forward_matches_dense_reference(drafts, target_fp32, variant, native):
-    ops = _native_ops() if native else None
+    if native:
+        _native_ops()
+    platform = _platform(torch.float32, native)
     path, cfg, t = drafts(variant)
-    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"),
-                                _platform(torch.float32, native))
+    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"), platform)
     # EagleStyleDrafter is a plain Protocol (not runtime-checkable): its members, by name.
     assert all(hasattr(model, m) for m in EagleStyleDrafter.__annotations__.keys()
                | {"combine_target_hidden", "forward", "draft_token_ids", "attention_layers"})
     embed = t["embed_tokens.weight"] if "embed_tokens.weight" in t else \
         target_fp32.embed_tokens.weight.detach()
-    ids, aux, hidden, out, nxt, combined = run_sequence(model, ops, torch.float32)
+    ids, aux, hidden, out, nxt, combined = run_sequence(model, platform, torch.float32)
     # Checked after the steps: the chunks' `hidden` (slices of combined) were not written.
     torch.testing.assert_close(combined, aux @ t["fc.weight"].T, atol=1e-5, rtol=1e-5)
     # The steps' inputs were the module's own outputs: the reference takes the same rows.
@@ -182,7 +187,7 @@ def test_bf16_with_the_platforms_kernels(drafts, llama_tiny):
                         torch.device("cpu"), platform)
     path, cfg, t = drafts("shared_embed")
     model = load_eagle3_drafter(path, target, torch.bfloat16, torch.device("cpu"), platform)
-    ids, aux, hidden, out, nxt, combined = run_sequence(model, platform.ops, torch.bfloat16)
+    ids, aux, hidden, out, nxt, combined = run_sequence(model, platform, torch.bfloat16)
     assert model.lm_head.weight.dtype == torch.bfloat16 or (
         model.lm_head.method.packed_dtype == torch.bfloat16)
     ref_out, ref_next = reference(cfg, t, target.embed_tokens.weight.float(), ids, hidden)
@@ -299,10 +304,11 @@ def test_pytorch_model_bin(tmp_path, drafts, target_fp32):
 def test_write_kv_writes_what_forward_writes(drafts, target_fp32, native):
     """write_kv (the proposer's pass over a step's tokens) leaves the same K/V in the
     cache as the full forward, for a chunk at a cached prefix."""
-    ops = _native_ops() if native else None
+    if native:
+        _native_ops()
+    platform = _platform(torch.float32, native)
     path, cfg, t = drafts(list(VARIANTS)[0])
-    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"),
-                                _platform(torch.float32, native))
+    model = load_eagle3_drafter(path, target_fp32, torch.float32, torch.device("cpu"), platform)
     layer = model.attention_layers()[0]
     spec = FullAttentionSpec(BLOCK, layer.num_kv_heads, layer.head_size, "float32")
     g = torch.Generator().manual_seed(3)
@@ -313,9 +319,9 @@ def test_write_kv_writes_what_forward_writes(drafts, target_fp32, native):
     with torch.inference_mode():
         hid = model.combine_target_hidden(aux)
         for use_write_kv in (False, True):
-            layer.kv_cache = _allocate_layer(spec, 16, torch.device("cpu"))
+            _bind(layer, spec, platform)
             for s, end in CHUNKS:
-                meta = _chunk_meta(s, end, ops)
+                meta = _chunk_meta(s, end)
                 if use_write_kv:
                     model.write_kv(ids[s:end], torch.arange(s, end), hid[s:end], meta)
                 else:

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
+from tokenmill.attention.mla import CpuNativeMLABackend, TorchMLABackend
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, MLAAttentionSpec,
                                           group_layer_specs)
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.models.layers.mla import PagedMLAAttention
 from tokenmill.models.layers.moe import grouped_topk
 from tokenmill.worker.kv_cache import allocate_kv_caches
@@ -64,9 +65,12 @@ H, NOPE, ROPE, V, R = 4, 16, 8, 12, 32
 BS = 4
 
 
-def _layer(dtype=torch.float32, seed=0):
+def _layer(dtype=torch.float32, seed=0, ops=None):
+    """The layer bound to the PyTorch MLA backend, or with `ops` to the native one."""
     g = torch.Generator().manual_seed(seed)
     attn = PagedMLAAttention(H, NOPE, ROPE, V, R, scale=0.17)
+    backend = TorchMLABackend() if ops is None else CpuNativeMLABackend(ops)
+    attn.impl = backend.make_impl(attn)
     kv_b = nn.Linear(R, H * (NOPE + V), bias=False).to(dtype)
     with torch.no_grad():
         kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=g) * 0.3)
@@ -83,12 +87,11 @@ def _filled_cache(seq_lens, dtype, seed=1):
     return cache, perm.to(torch.int32)
 
 
-def _decode_meta(tables, seq_lens, native_ops=None):
+def _decode_meta(tables, seq_lens):
     return AttentionMetadata(num_decodes=len(seq_lens), slot_block=torch.zeros(0, dtype=torch.long),
                              slot_offset=torch.zeros(0, dtype=torch.long),
                              decode_block_table=tables,
-                             decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                             native_ops=native_ops)
+                             decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
 
 
 def _dense_reference(q, cache, tables, seq_lens, kv_b, scale):
@@ -233,7 +236,7 @@ def test_mla_decode_kernel_refuses_mismatched_inputs(ops):
 
 
 class _CountingOps:
-    """native_ops with only the MLA kernel, counting its calls."""
+    """A kernels module with only the MLA kernel, counting its calls."""
 
     def __init__(self, ops):
         self.ops, self.calls = ops, 0
@@ -245,35 +248,36 @@ class _CountingOps:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_layer_decodes_through_the_kernel_like_the_torch_form(ops, dtype, tol):
-    """PagedMLAAttention takes the kernel when the step has native ops: same output as
-    its batched-matmul form, and (fp32) as the dense reference."""
+    """PagedMLAAttention bound to the native MLA backend takes the kernel: same output as
+    the PyTorch backend's batched matmuls, and (fp32) as the dense reference."""
     attn, kv_b = _layer(dtype)
     cache, tables = _filled_cache(SEQ_LENS, dtype)
     q = torch.randn(len(SEQ_LENS), H, NOPE + ROPE).to(dtype)
     torch_out = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
     counting = _CountingOps(ops)
-    native = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, counting), kv_b)
+    attn.impl = CpuNativeMLABackend(counting).make_impl(attn)
+    native = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
     assert counting.calls == 1
     torch.testing.assert_close(native.float(), torch_out.float(), atol=tol, rtol=tol)
     if dtype == torch.float32:
         ref = _dense_reference(q, cache, tables, SEQ_LENS, kv_b, attn.scale)
         torch.testing.assert_close(native.double(), ref, atol=1e-5, rtol=1e-5)
-    attn.native_decode = False  # the switch back to the batched matmuls
-    attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, counting), kv_b)
+    attn.impl = TorchMLABackend().make_impl(attn)  # bound back to the batched matmuls
+    attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
     assert counting.calls == 1
 
 
 def test_kernel_ignores_latents_past_each_rows_length(ops):
-    attn, kv_b = _layer()
+    attn, kv_b = _layer(ops=ops)
     cache, tables = _filled_cache(SEQ_LENS, torch.float32)
     q = torch.randn(len(SEQ_LENS), H, NOPE + ROPE)
-    before = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    before = attn._decode(q, cache, _decode_meta(tables, SEQ_LENS), kv_b)
     poisoned = cache.clone()
     for i, n in enumerate(SEQ_LENS):
         flat = poisoned[tables[i].long()].reshape(-1, R + ROPE)
         flat[n:] = 1e4
         poisoned[tables[i].long()] = flat.view(-1, BS, R + ROPE)
-    after = attn._decode(q, poisoned, _decode_meta(tables, SEQ_LENS, ops), kv_b)
+    after = attn._decode(q, poisoned, _decode_meta(tables, SEQ_LENS), kv_b)
     assert torch.equal(after, before)
 
 

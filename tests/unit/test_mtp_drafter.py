@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_greedy, make_llm, make_prompts
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
+from tokenmill.attention.torch_ref import TorchAttentionBackend
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from tokenmill.kernels import cpu_ops
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.models.loader import load_model
 from tokenmill.models.mtp import MtpDraftModel, load_mtp_drafter, mtp_tensor_names
 from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
@@ -150,7 +151,7 @@ class Seq:
         return len(self.ids)
 
 
-def run_step(drafter, rows, ops):
+def run_step(drafter, rows):
     """rows: (seq, ids [n], hidden [n, H]) in batch order, one-token rows (decodes) first.
     Builds the step's AttentionMetadata as the runner does, runs one draft step and
     records inputs and outputs on each seq."""
@@ -168,7 +169,7 @@ def run_step(drafter, rows, ops):
             prefills.append(PrefillChunk(start, start + n, ctx, seq.table[:-(-(ctx + n) // BS)]))
         start += n
     meta = AttentionMetadata(num_decodes=nd, slot_block=torch.cat(blocks),
-                             slot_offset=torch.cat(offsets), prefills=prefills, native_ops=ops)
+                             slot_offset=torch.cat(offsets), prefills=prefills)
     if nd:
         lens = torch.tensor([len(seq) + 1 for seq, _, _ in rows[:nd]], dtype=torch.int32)
         width = -(-int(lens.max()) // BS)
@@ -220,6 +221,11 @@ def test_paged_draft_steps_equal_dense_reference(ckpt, name, native):
     attn_layers = drafter.attention_layers()
     assert len(attn_layers) == 1
     attn_layers[0].kv_cache = cache
+    # Its implementation, as the runner binds it: the platform's choice for the spec.
+    pick = platform if native else create_platform(CPU, torch.float32, cpu_kernels="torch")
+    backend = pick.attention_backend(spec)
+    assert backend.name == ("cpu_native" if native else "torch")
+    attn_layers[0].impl = backend.make_impl(attn_layers[0])
 
     g = torch.Generator().manual_seed(3)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
@@ -231,10 +237,10 @@ def test_paged_draft_steps_equal_dense_reference(ckpt, name, native):
         return seq, torch.tensor(seq.drafts[-1:]), seq.out[-1][-1:].clone()
 
     a, b = Seq([5, 2, 9, 7, 12]), Seq([3, 11, 1, 6, 14])
-    run_step(drafter, [(a, *prompt(6)), (b, *prompt(3))], ops)  # two first chunks
-    run_step(drafter, [follow(b), (a, *prompt(3))], ops)  # a decode row, then a chunk at 6
+    run_step(drafter, [(a, *prompt(6)), (b, *prompt(3))])  # two first chunks
+    run_step(drafter, [follow(b), (a, *prompt(3))])  # a decode row, then a chunk at 6
     for _ in range(5):
-        run_step(drafter, [follow(a), follow(b)], ops)  # one-row steps across block edges
+        run_step(drafter, [follow(a), follow(b)])  # one-row steps across block edges
     assert (len(a), len(b)) == (14, 9)
 
     embed, lm_head = target.embed_tokens.weight, target.lm_head.dense_weight()
@@ -339,7 +345,9 @@ def test_write_kv_writes_what_forward_writes(qwen3_next_target):
         for use_write_kv in (False, True):
             cache = allocate_kv_caches(
                 KVCacheConfig(9, [KVCacheGroup(["mtp.layers.0.attn"], spec)]), CPU)
-            drafter.attention_layers()[0].kv_cache = cache["mtp.layers.0.attn"]
+            layer = drafter.attention_layers()[0]
+            layer.kv_cache = cache["mtp.layers.0.attn"]
+            layer.impl = TorchAttentionBackend().make_impl(layer)
             for s, e in ((0, 6), (6, n)):
                 pos = torch.arange(s, e)
                 meta = AttentionMetadata(

@@ -277,6 +277,17 @@ def _generate(llm, tm, n=3):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _handed(module, ops) -> bool:
+    """Whether a layer that takes kernels at load got `ops` (None: the PyTorch ops);
+    True for every other module."""
+    if isinstance(module, RMSNorm) or hasattr(module, "set_qk_norm_rope"):
+        return module._ops is ops
+    if isinstance(module, GatedMLP):
+        return module.act_and_mul == (ops.silu_mul if ops is not None
+                                      else module._torch_act_and_mul)
+    return True
+
+
 def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, widened,
                                          monkeypatch):
     tm = tiny_model_factory("qwen3_headdim")
@@ -284,14 +295,14 @@ def test_layers_get_the_platform_at_load(tiny_model_factory, ops, kernel_level, 
     platform = llm.llm_engine.platform
     runner = runner_of(llm)
     assert platform is llm.llm_engine.engine_core.platform is runner.platform
-    assert platform.ops is ops and runner.native_ops is ops
+    assert platform.ops is ops
+    assert {b.name for b in runner.attn_backends.values()} == {"cpu_native"}
+    assert all(b.ops is ops for b in runner.attn_backends.values())
+    assert all(layer.impl.ops is ops for layer in runner.attention_layers().values())
     model = runner.model
     packed = platform.linear == "packed_bf16"
     for m in model.modules():
-        if isinstance(m, RMSNorm):
-            assert m._ops is ops
-        if isinstance(m, GatedMLP):
-            assert m.act_and_mul == ops.silu_mul
+        assert _handed(m, ops)
         if isinstance(m, Linear):
             assert m.weight.dtype == FP32 and not m.weight.is_meta
             assert (m.method.packed_dtype == BF16) == packed
@@ -348,7 +359,7 @@ def test_cpu_capability_argument_reaches_the_layers(tiny_model_factory, widened)
         pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
     norms = [m for m in runner_of(llm).model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m._ops.capability == level for m in norms)
-    assert runner_of(llm).native_ops.capability == level
+    assert all(b.ops.capability == level for b in runner_of(llm).attn_backends.values())
 
 
 def test_cpu_kernels_torch_end_to_end(tiny_model_factory, no_cpu_ops):
@@ -356,11 +367,9 @@ def test_cpu_kernels_torch_end_to_end(tiny_model_factory, no_cpu_ops):
     tm = tiny_model_factory("llama_gqa_tied")
     llm = make_llm(tm.path, dtype="float32", cpu_kernels="torch", max_num_seqs=4)
     runner = runner_of(llm)
-    assert runner.native_ops is None and runner.greedy_head is None
-    modules = list(runner.model.modules())
-    assert all(m._ops is None for m in modules if isinstance(m, RMSNorm))
-    assert all(m.act_and_mul == m._torch_act_and_mul for m in modules
-               if isinstance(m, GatedMLP))
+    assert runner.greedy_head is None
+    assert {b.name for b in runner.attn_backends.values()} == {"torch"}
+    assert all(_handed(m, None) for m in runner.model.modules())
     outs = llm.generate([{"prompt_token_ids": p} for p in tm.prompts[:3]],
                         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)

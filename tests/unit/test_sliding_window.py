@@ -23,9 +23,12 @@ from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup,
                                           MambaSpec, SlidingWindowSpec, group_layer_specs)
+from tokenmill.attention.cpu_native import CpuNativeAttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
+from tokenmill.attention.torch_ref import TorchAttentionBackend
 from tokenmill.core.request import Request
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention, PrefillChunk
+from tokenmill.models.layers.attention import PagedAttention
 
 # ---- attention ---------------------------------------------------------------------
 
@@ -79,10 +82,11 @@ def test_windowed_decode_matches_dense(ops, d, window):
     for native in (None, ops):
         meta = AttentionMetadata(num_decodes=len(seq_lens), slot_block=None, slot_offset=None,
                                  decode_block_table=table,
-                                 decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                                 native_ops=native)
+                                 decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+        backend = (TorchAttentionBackend() if native is None
+                   else CpuNativeAttentionBackend(native))
         src = poisoned if native is not None else cache  # (the runner nulls them for torch)
-        got = layer._decode(q, src, meta)
+        got = backend.make_impl(layer).decode(q, src, meta)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -114,8 +118,8 @@ def test_windowed_prefill_matches_dense(context_len, n, softcap):
     for b in range(max(0, context_len - window + 1) // bs):
         poisoned[table[b].long()] = float("nan")
     layer = PagedAttention(hq, hkv, d, d ** -0.5, sliding_window=window, logit_softcap=softcap)
-    got = layer._prefill(q, k_new, v_new, poisoned,
-                         PrefillChunk(0, n, context_len, table.long()))
+    got = TorchAttentionBackend().make_impl(layer).prefill(
+        q, k_new, v_new, poisoned, PrefillChunk(0, n, context_len, table.long()))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 

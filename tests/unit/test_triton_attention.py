@@ -186,13 +186,15 @@ def test_paged_prefill_with_cached_prefix_matches_reference(hq, hkv, d, window, 
 def test_prefill_and_decode_agree_with_the_cpu_layer(d, softcap):
     """The CPU path's PagedAttention (PyTorch) on the same cache and metadata; with
     soft-capping its decode and its written-out prefill attention."""
-    from tokenmill.models.layers.attention import (AttentionMetadata, PagedAttention,
-                                                   PrefillChunk)
+    from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
+    from tokenmill.attention.torch_ref import TorchAttentionBackend
+    from tokenmill.models.layers.attention import PagedAttention
     bs, hkv, hq = 4, 2, 4
     scale = d ** -0.5 * (4 if softcap else 1)
     cache = _cache(20, bs, hkv, d, torch.float32)
     layer = PagedAttention(hq, hkv, d, scale, logit_softcap=softcap)
     layer.kv_cache = cache
+    layer.impl = TorchAttentionBackend().make_impl(layer)
     table = _table([6, 11], bs, 20)
     g = torch.Generator().manual_seed(7)
     # one decode row at length 6, then a 4-token chunk after 7 cached tokens
@@ -255,10 +257,15 @@ def test_tanh_follows_torch():
 @pytest.mark.parametrize("head_size,softcap", [(640, None), (24, None), (16, 30.0),
                                                (96, 2.0)])
 def test_layers_take_the_kernels_up_to_head_size_512(head_size, softcap):
-    """Any head size up to 512, soft-capped or not, runs the Triton K/V write and
-    attention; a larger head (none of the supported models has one) keeps the PyTorch
-    path even where Triton is picked. Same output either way."""
-    from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+    """Where the platform picks Triton, any head size up to 512, soft-capped or not, gets
+    the Triton backend (its K/V write and attention); a larger head (none of the
+    supported models has one) the PyTorch reference. Same output either way."""
+    from tokenmill.attention.metadata import AttentionMetadata
+    from tokenmill.attention.torch_ref import TorchAttentionBackend
+    from tokenmill.attention.triton import TritonAttentionBackend
+    from tokenmill.core.kv_cache_spec import FullAttentionSpec
+    from tokenmill.models.layers.attention import PagedAttention
+    from tokenmill.platforms.cuda import CudaPlatform
 
     class Spy:
         calls = []
@@ -271,6 +278,11 @@ def test_layers_take_the_kernels_up_to_head_size_512(head_size, softcap):
                 return fn(*a, **k)
             return wrapped
 
+    platform = CudaPlatform(device="cuda", model_dtype="float32", gemm_dtype="float32",
+                            attention="triton")
+    backend = platform.attention_backend(FullAttentionSpec(4, 1, head_size, "float32"))
+    takes = head_size <= 512
+    assert type(backend) is (TritonAttentionBackend if takes else TorchAttentionBackend)
     layer = PagedAttention(2, 1, head_size, head_size ** -0.5 * 4, logit_softcap=softcap)
     layer.kv_cache = torch.zeros(4, 2, 4, 1, head_size)
     g = torch.Generator().manual_seed(0)
@@ -278,14 +290,15 @@ def test_layers_take_the_kernels_up_to_head_size_512(head_size, softcap):
     base = dict(num_decodes=1, slot_block=torch.tensor([1]), slot_offset=torch.tensor([2]),
                 decode_block_table=torch.tensor([[1]], dtype=torch.int32),
                 decode_seq_lens=torch.tensor([3], dtype=torch.int32))
+    layer.impl = TorchAttentionBackend().make_impl(layer)
     ref = layer(q, k, v, AttentionMetadata(**base))
     layer.kv_cache.zero_()
-    got = layer(q, k, v, AttentionMetadata(**base, triton_ops=Spy(),
-                                           slot_mapping=torch.tensor([6])))
+    layer.impl = backend.make_impl(layer)
+    if takes:
+        layer.impl.ops = Spy()
+    got = layer(q, k, v, AttentionMetadata(**base, slot_mapping=torch.tensor([6])))
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
-    takes = head_size <= 512
     assert Spy.calls == (["write_kv", "paged_decode"] if takes else [])
-    assert (layer.triton_kv, layer.triton_attention) == (takes, takes)
 
 
 @pytest.mark.parametrize("splits,d,softcap", [(2, 16, 0.0), (4, 16, 0.0), (16, 16, 0.0),

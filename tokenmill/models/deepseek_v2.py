@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mla import PagedMLAAttention
 from tokenmill.models.layers.mlp import GatedMLP

@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm

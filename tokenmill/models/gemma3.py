@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
@@ -118,28 +119,39 @@ class Gemma3Attention(nn.Module):
                                    sliding_window=c.sliding_window if kind == SLIDING else None,
                                    logit_softcap=c.attn_logit_softcapping)
         self._no_norm = torch.empty(0)
+        self.set_qk_norm_rope(None)
 
-    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
-        t = x.shape[0]
-        if meta.native_ops is not None:
-            # Gemma's q/k norms written back into qkv, then the native rotary (q out, k
-            # rotated in place): the calls the native decode loop makes.
-            qkv = self.qkv_proj(x)
-            qv = qkv[:, :self.q_size]
-            kv = qkv[:, self.q_size:self.q_size + self.kv_size]
-            qv.copy_(self.q_norm(qv.reshape(t, self.num_heads, self.head_dim)).view(t, -1))
-            kv.copy_(self.k_norm(kv.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1))
-            q = meta.native_ops.qk_norm_rope(qkv, self._no_norm, self._no_norm, cos, sin,
-                                             self.num_heads, self.num_kv_heads,
-                                             self.head_dim, self.head_dim, 0.0)
-            k = kv.view(t, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn(q, k, v, meta))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def set_qk_norm_rope(self, ops) -> None:
+        """The platform's decision, at load: the native rotary (`ops.qk_norm_rope` with
+        no norm weights, after Gemma's q/k norms are written back into qkv: the calls
+        the native decode loop makes) or the PyTorch ops (None)."""
+        self._ops = ops
+        self._qkv_roped = self._qkv_roped_native if ops is not None else self._qkv_roped_torch
+
+    def _qkv_roped_torch(self, qkv, cos, sin, rotary: RotaryEmbedding):
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        return rotary.apply(q, cos, sin), rotary.apply(k, cos, sin), v
+
+    def _qkv_roped_native(self, qkv, cos, sin, rotary: RotaryEmbedding):
+        # q out, k rotated in place inside qkv.
+        t = qkv.shape[0]
+        qv = qkv[:, :self.q_size]
+        kv = qkv[:, self.q_size:self.q_size + self.kv_size]
+        qv.copy_(self.q_norm(qv.reshape(t, self.num_heads, self.head_dim)).view(t, -1))
+        kv.copy_(self.k_norm(kv.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1))
+        q = self._ops.qk_norm_rope(qkv, self._no_norm, self._no_norm, cos, sin,
+                                   self.num_heads, self.num_kv_heads,
+                                   self.head_dim, self.head_dim, 0.0)
+        k = kv.view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
+        q, k, v = self._qkv_roped(self.qkv_proj(x), cos, sin, rotary)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

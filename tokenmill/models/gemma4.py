@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, GeluTanhMLP
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.moe import FusedMoE

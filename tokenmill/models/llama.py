@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import sliding_window
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.decode_layers import DecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
@@ -68,48 +69,51 @@ class Attention(nn.Module):
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
                                    sliding_window=sliding_window)
         self._no_norm = torch.empty(0)
+        self.set_qk_norm_rope(None)
+
+    def set_qk_norm_rope(self, ops) -> None:
+        """The platform's decision, at load: q/k norm + rotary in one native op
+        (`ops.qk_norm_rope`, k rotated in place inside qkv) instead of ~25, or the
+        PyTorch ops (None)."""
+        self._ops = ops
+        self._qkv_roped = self._qkv_roped_native if ops is not None else self._qkv_roped_torch
+
+    def _qkv_roped_torch(self, qkv, cos, sin, rotary: RotaryEmbedding, with_q: bool = True):
+        """qkv [T, q + 2 kv] -> q (None unless `with_q`), k normed and rotated, v."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = rotary.apply(k, cos, sin)
+        if not with_q:
+            return None, k, v
+        q = q.view(t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return rotary.apply(q, cos, sin), k, v
+
+    def _qkv_roped_native(self, qkv, cos, sin, rotary: RotaryEmbedding, with_q: bool = True):
+        t = qkv.shape[0]
+        norm = self.q_norm is not None
+        q = self._ops.qk_norm_rope(
+            qkv, self.q_norm.weight if norm else self._no_norm,
+            self.k_norm.weight if norm else self._no_norm, cos, sin, self.num_heads,
+            self.num_kv_heads, self.head_dim, rotary.rotary_dim,
+            self.q_norm.eps if norm else 0.0)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
+        return q, k, v
 
     def write_kv(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata) -> None:
         """Only the K/V that forward would write into the cache for these rows (a
         draft model keeping its cache complete for positions it proposes nothing from)."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
-        if meta.native_ops is not None:  # as forward: k normed and rotated inside qkv
-            norm = self.q_norm is not None
-            meta.native_ops.qk_norm_rope(
-                qkv, self.q_norm.weight if norm else self._no_norm,
-                self.k_norm.weight if norm else self._no_norm, cos, sin, self.num_heads,
-                self.num_kv_heads, self.head_dim, rotary.rotary_dim,
-                self.q_norm.eps if norm else 0.0)
-        else:
-            if self.k_norm is not None:
-                k = self.k_norm(k)
-            k = rotary.apply(k, cos, sin)
+        _, k, v = self._qkv_roped(self.qkv_proj(x), cos, sin, rotary, with_q=False)
         self.attn.write_kv(k, v, meta)
 
     def forward(self, x, cos, sin, rotary: RotaryEmbedding, meta: AttentionMetadata):
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if meta.native_ops is not None:
-            # One native op for q/k norm + rotary (k rotated inside qkv) instead of ~25.
-            norm = self.q_norm is not None
-            q = meta.native_ops.qk_norm_rope(
-                qkv, self.q_norm.weight if norm else self._no_norm,
-                self.k_norm.weight if norm else self._no_norm, cos, sin, self.num_heads,
-                self.num_kv_heads, self.head_dim, rotary.rotary_dim,
-                self.q_norm.eps if norm else 0.0)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
-            v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
-            return self.o_proj(self.attn(q, k, v, meta))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        q, k, v = self._qkv_roped(self.qkv_proj(x), cos, sin, rotary)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

@@ -28,8 +28,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import flatten_text_config
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.checkpoint_io import safetensors_files
 from tokenmill.models.loader import load_weights

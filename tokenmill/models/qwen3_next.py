@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import flatten_text_config
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.llama import Qwen3ForCausalLM
 from tokenmill.models.qwen2_5_vl import (PatchEmbed, VisionAttention, VisionLanguageMixin,

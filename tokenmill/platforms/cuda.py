@@ -4,7 +4,9 @@ whether decode steps replay CUDA graphs. Decided from what imports, so the decis
 
 - attention: "triton" (tokenmill/ops/triton_attention.py: paged KV write, decode
   and prefill over the block table) where triton imports, else "torch" (the
-  PyTorch gather + SDPA path the CPU runs without native kernels);
+  PyTorch gather + SDPA path the CPU runs without native kernels); per KV cache
+  group, `attention_backend` keeps a head size above 512 and MLA's latent cache on
+  the PyTorch backends (tokenmill/attention/);
 - linear_attention: "fla" (flash-linear-attention's chunked / fused-recurrent
   Gated DeltaNet kernels) for bf16 / fp16 models where `fla` imports, else
   "torch" (an fp32 model keeps the exact PyTorch path: fla's kernels may

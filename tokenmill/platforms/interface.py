@@ -22,7 +22,8 @@ class Platform:
     model_dtype: str                # the checkpoint's compute dtype (activations, KV cache)
     gemm_dtype: str                 # what the GEMMs compute in (wider where bf16 is emulated)
     # Attention kernels: "native" (the CPU kernels), "triton" (CUDA) or "torch" (the
-    # PyTorch reference path, every device).
+    # PyTorch reference path, every device); `attention_backend` turns it into each KV
+    # cache group's backend (tokenmill/attention/).
     attention: str = "torch"
     # Dense layers: the decode-sized inputs' kernel ("packed_bf16", "packed_f32" or
     # "torch"), how many rows take it, and the GEMM of the other inputs.
@@ -73,21 +74,48 @@ class Platform:
         out["description"] = self.describe()
         return out
 
+    def attention_backend(self, spec):
+        """The attention backend of the layers whose KV cache spec is `spec` (the runner
+        asks once per KV cache group, at initialize_kv_cache, and binds each layer's
+        implementation from it): the first backend of the platform's `attention` kernels
+        that takes the spec (Triton: head sizes up to 512; the CPU kernels: paged K/V and
+        MLA's latent rows), else the PyTorch reference of the spec's kind. The one place
+        an attention implementation is chosen."""
+        from tokenmill.attention import cpu_native, mla, torch_ref, triton
+        preferred = {
+            "native": (cpu_native.CpuNativeAttentionBackend(self.ops),
+                       mla.CpuNativeMLABackend(self.ops)),
+            "triton": (triton.TritonAttentionBackend(),),
+            "torch": (),
+        }[self.attention]
+        for backend in preferred + (torch_ref.TorchAttentionBackend(), mla.TorchMLABackend()):
+            if backend.supports(spec):
+                return backend
+        raise ValueError(f"no attention backend takes the KV cache spec {spec}")
+
     def prepare_model(self, model) -> None:
         """After the weights are loaded: hand the decisions to the layers (each GEMM
         layer's method, each layer's kernels module, the decode loop). Nothing is
-        decided per forward call afterwards."""
+        decided per forward call afterwards. (The attention layers get their
+        implementation when the runner binds the KV caches: `attention_backend`.)"""
         self.prepare_gemm_layers(model)
         norm_ops = self.ops if self.norm == "native" else None
         act_ops = self.ops if self.activation == "native" else None
+        # The fused q/k norm + rotary goes with the native attention kernels (the native
+        # decode loops make the same calls).
+        rope_ops = self.ops if self.attention == "native" else None
         for module in model.modules():
             if hasattr(module, "set_norm_kernels"):
                 module.set_norm_kernels(norm_ops)
             if hasattr(module, "set_activation_kernels"):
                 module.set_activation_kernels(act_ops)
+            if hasattr(module, "set_qk_norm_rope"):
+                module.set_qk_norm_rope(rope_ops)
         set_decode_layers = getattr(model, "set_decode_layers", None)
         if set_decode_layers is not None:
-            set_decode_layers(self.ops if self.decode_layers else None,
+            # (the loop calls the native attention kernels itself)
+            set_decode_layers(self.ops if self.decode_layers and self.attention == "native"
+                              else None,
                               self.linear_f32_max_rows if self.linear == "packed_f32"
                               else self.linear_bf16_max_rows)
 

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.attention import PagedAttention
 
 
 class EagleStyleDrafter(Protocol):

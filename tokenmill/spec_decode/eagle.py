@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.spec_decode.deferred import DeferredRows
 from tokenmill.spec_decode.draft_model import target_greedy_head
 
@@ -145,8 +145,9 @@ class EagleProposer:
         rows_t = target[torch.from_numpy(step_rows).to(dev)]
         hidden = rows_t if e_hidden is None else torch.cat([e_hidden, rows_t])
         combined = self.model.combine_target_hidden(hidden)
-        meta = runner.attn_metadata.write_only(
-            runner.input_batch.block_tables[runner.draft_group_id], all_req, all_pos)
+        gid = runner.draft_group_id
+        meta = runner.attn_builders[gid].write_only(runner.input_batch.block_tables[gid],
+                                                    all_req, all_pos)
         self.model.write_kv(ids, pos, combined, meta)
         return ids, pos, combined, index
 
@@ -155,6 +156,8 @@ class EagleProposer:
         self.deferred.remove(req_id)
 
     def _decode_meta(self, runner, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
-        """One decode query per row at `positions` (a draft step's own K/V slot)."""
-        return runner.attn_metadata.decodes(
-            runner.input_batch.block_tables[runner.draft_group_id], rows, positions)
+        """One decode query per row at `positions` (a draft step's own K/V slot), built
+        by the builder of the drafter's KV cache group (its layers' backend's)."""
+        gid = runner.draft_group_id
+        return runner.attn_builders[gid].decodes(runner.input_batch.block_tables[gid], rows,
+                                                 positions)

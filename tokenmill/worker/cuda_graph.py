@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata, StateMetadata
+from tokenmill.attention.metadata import AttentionMetadata, StateMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class GroupBuffers:
 class DecodeGraphBuffers:
     """The static inputs every captured graph reads, and how a step fills them."""
 
-    def __init__(self, max_size: int, blocks_per_req: dict[int, int], device, triton_ops=None,
+    def __init__(self, max_size: int, blocks_per_req: dict[int, int], device,
                  pad_state_slot: int | None = None):
         """`blocks_per_req`: group id -> the width of its block table; `pad_state_slot`:
         the scratch recurrent-state slot of the pad rows (None: no recurrent layers)."""
@@ -80,20 +80,20 @@ class DecodeGraphBuffers:
                               torch.zeros(max_size, dtype=torch.long, device=device))
             for gid, width in blocks_per_req.items()}
         self.primary = next(iter(self.groups))
-        self.triton_ops = triton_ops
         self.pad_state_slot = pad_state_slot
         self.state_indices = (None if pad_state_slot is None else
                               torch.full((max_size,), pad_state_slot, dtype=torch.long,
                                          device=device))
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """The static AttentionMetadata a graph of `size` rows is captured with."""
+        """The static AttentionMetadata a graph of `size` rows is captured with: the
+        decode fields and the flat slot mapping the graphable backend (Triton) reads."""
         metas = {}
         for gid, g in self.groups.items():
             metas[gid] = AttentionMetadata(
                 num_decodes=size, slot_block=g.zeros[:size], slot_offset=g.zeros[:size],
                 decode_block_table=g.block_table[:size], decode_seq_lens=g.seq_lens[:size],
-                triton_ops=self.triton_ops, slot_mapping=g.slot_mapping[:size])
+                slot_mapping=g.slot_mapping[:size])
         meta = metas[self.primary]
         if len(metas) > 1:
             meta.by_group = metas
@@ -161,8 +161,7 @@ class DecodeGraphRunner:
         sizes = capture_sizes(runner.max_num_reqs)
         # (the scratch slot allocate_state_caches added after the config's slots)
         pad_slot = runner.kv_cache_config.num_state_slots if runner.state_caches else None
-        buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, runner.triton_ops,
-                                     pad_slot)
+        buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, pad_slot)
         graphs = cls(runner.model, buffers, sizes)
         try:
             graphs.capture()

@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from tokenmill import faults
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.builder import AttentionMetadataBuilder
+from tokenmill.attention.metadata import AttentionMetadata, StateMetadata
 from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
                                           MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
 from tokenmill.errors import RequestFault
 from tokenmill.platforms import Platform
-from tokenmill.models.layers.attention import AttentionMetadata, StateMetadata
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.sample.bitmask import apply_grammar_bitmask
 from tokenmill.sample.sampler import Sampler, apply_processors, gather_logprobs
@@ -32,7 +34,6 @@ from tokenmill.spec_decode.dflash_proposer import DFlashProposer
 from tokenmill.spec_decode.eagle import EagleProposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.verify import verify_greedy
-from tokenmill.worker.attn_metadata import AttentionMetadataBuilder
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
@@ -155,16 +156,11 @@ class ModelRunner:
         self._step_hidden = None  # the target's hidden states and metadata, for the drafter
         self._step_meta = None
         self.rejection_sampler = RejectionSampler()
-        # Native attention (and q/k norm + rope) kernels for every step, or None.
-        self.native_ops = self.platform.ops if self.platform.attention == "native" else None
-        # CUDA: the Triton attention kernels (imported only here: triton is optional).
-        self.triton_ops = None
-        if self.platform.attention == "triton":
-            from tokenmill.ops import triton_attention
-            self.triton_ops = triton_attention
-        # Every attention metadata of a step (the target's and the drafters') comes from here.
-        self.attn_metadata = AttentionMetadataBuilder(self.device, self.native_ops,
-                                                      self.triton_ops)
+        # Per attention KV cache group: the backend the platform chose for its spec and
+        # the builder of its metadata, through which every attention metadata of a step
+        # (the target's and the drafters') is built. Set in initialize_kv_cache.
+        self.attn_backends: dict[int, AttentionBackend] = {}
+        self.attn_builders: dict[int, AttentionMetadataBuilder] = {}
         # CUDA graphs of pure-decode steps (worker/cuda_graph.py), captured at
         # initialize_kv_cache where the platform says so; None: every step eager.
         self.cuda_graphs = None
@@ -284,14 +280,25 @@ class ModelRunner:
              if any(n.startswith("draft.") for n in config.groups[gid].layer_names)),
             self.attn_group_id)
         multi = len(self.attn_group_ids) > 1
+        group_of = {}
+        self.attn_backends, self.attn_builders = {}, {}
         for gid in self.attn_group_ids:
-            for name in config.groups[gid].layer_names:
+            group = config.groups[gid]
+            backend = self.platform.attention_backend(group.spec)
+            self.attn_backends[gid] = backend
+            self.attn_builders[gid] = backend.make_builder(self.device)
+            logger.debug("KV cache group %d (%s): attention backend %s", gid,
+                         type(group.spec).__name__, backend.name)
+            for name in group.layer_names:
+                group_of[name] = gid
                 if name in layers:
                     layers[name].kv_group = gid if multi else None
+                    layers[name].impl = backend.make_impl(layers[name])
         # KV-sharing layers read their target's cache through its group's tables.
         for name, target in self.kv_sharing_targets().items():
             layers[name].kv_cache = layers[target].kv_cache
             layers[name].kv_group = layers[target].kv_group
+            layers[name].impl = self.attn_backends[group_of[target]].make_impl(layers[name])
         graphs = self._cuda_graphs_apply()
         # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
         self.state_caches = allocate_state_caches(config, self.device, int(graphs))
@@ -313,14 +320,12 @@ class ModelRunner:
         """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
         attention, not enforce_eager), for models whose decode step is all in the graph:
         no drafter (its proposals read the step's hidden states after the next replay),
-        every attention layer on the Triton kernels (the PyTorch decode path sizes its
-        mask per step). Recurrent layers are in the graph: their pad rows use a scratch
-        state slot."""
+        every attention group on a backend whose decode steps replay (Triton: the
+        PyTorch decode path sizes its mask per step). Recurrent layers are in the graph:
+        their pad rows use a scratch state slot."""
         return (self.platform.cuda_graphs and self.device.type == "cuda"
-                and self.triton_ops is not None
                 and self.drafter is None
-                and all(getattr(layer, "triton_attention", False)
-                        for layer in self.attention_layers().values()))
+                and all(b.cuda_graphs for b in self.attn_backends.values()))
 
     # ---- step, part 1 ------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -436,7 +441,7 @@ class ModelRunner:
         single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
         not_single = np.nonzero(~single)[0]
         nd = int(not_single[0]) if not_single.size else n
-        groups = {gid: self.attn_metadata.step(
+        groups = {gid: self.attn_builders[gid].step(
                       batch.block_tables[gid], self.kv_cache_config.groups[gid].sliding_window,
                       req_indices, positions, seq_lens, computed, num_sched, query_start_loc,
                       nd, n)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.mlp import GatedMLP
 
 
@@ -61,9 +61,10 @@ class DecodeLayers:
                         for n in norms))
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode-only step on CPU where every layer would take its native path."""
-        return (meta.native_ops is not None and not meta.prefills
-                and meta.state is None
+        """A decode-only step on CPU where every layer would take its native path (the
+        platform builds the loop only where the layers' attention is the CPU native
+        backend, whose kernels the loop calls itself)."""
+        return (not meta.prefills and meta.state is None
                 and meta.num_decodes == x.shape[0]
                 and x.dtype == self.dtype and x.shape[0] <= self.max_rows
                 and self._caches_ok(x.dtype))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 
 CHUNK = 64

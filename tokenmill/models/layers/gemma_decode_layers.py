@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.decode_layers import _bias, _packed, packed_dtype
 
 
@@ -50,7 +50,7 @@ class GemmaDecodeLayers:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU whose rows the packed linears take."""
-        return (meta.native_ops is not None and not meta.prefills and meta.state is None
+        return (not meta.prefills and meta.state is None
                 and meta.num_decodes == x.shape[0] and x.dtype == self.dtype
                 and x.shape[0] <= self.max_rows and self._bind())
 

@@ -17,14 +17,13 @@ head.
   each cached token's kv_lora_rank + rope_dim values once for all heads: one
   batched matmul pair over the rows' gathered blocks.
 
-With the native kernels (meta.native_ops), decode rows take their own kernel,
-`mla_decode` (kernels/cpu_mla_decode.cpp): per row it walks the block table's
-latent rows once for all heads (scores [H, D] x [D, tile], online softmax, then
-[H, tile] x [tile, kv_lora_rank]), and splits long rows across threads. The
-batched matmuls stay as the fallback (no kernels, a cache dtype unlike q's) and
-as the reference the kernel is tested against. The paged decode kernel's MQA
-route (one KV head of width kv_lora_rank + rope_dim) was dropped: it computed
-each head on its own, re-reading every latent row once per head.
+The latent-space attention between those projections is the layer's `impl`, bound
+by the runner from its group's MLA backend (tokenmill/attention/mla.py): the native
+`mla_decode` kernel (kernels/cpu_mla_decode.cpp: per row it walks the block table's
+latent rows once for all heads) or the batched matmuls over gathered blocks (every
+other platform, and the reference the kernel is tested against). The paged decode
+kernel's MQA route (one KV head of width kv_lora_rank + rope_dim) was dropped: it
+computed each head on its own, re-reading every latent row once per head.
 """
 from __future__ import annotations
 
@@ -32,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.attention.backend import MLAImpl
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 class PagedMLAAttention(nn.Module):
@@ -41,9 +41,6 @@ class PagedMLAAttention(nn.Module):
     latent_cache = True
     sliding_window = None
     num_kv_heads = 1
-    # Decode rows through the native mla_decode kernel when the step has native ops
-    # (False: the PyTorch batched matmuls; benchmarks compare the two).
-    native_decode = True
     # False: decode rows take the naive form too (K/V expanded per head from the whole
     # latent context every step): what the absorption saves (`tokenmill bench window`).
     absorb_decode = True
@@ -56,15 +53,16 @@ class PagedMLAAttention(nn.Module):
         self.kv_lora_rank = kv_lora_rank
         self.head_size = kv_lora_rank + qk_rope_head_dim
         self.scale = scale
-        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        # Bound by the runner: the cache, its KV cache group, the backend's implementation.
+        self.kv_cache: torch.Tensor | None = None
         self.kv_group: int | None = None
+        self.impl: MLAImpl | None = None
         # (W_UK [H, nope, r], W_UV [H, r, v]) from kv_b_proj, built at the first decode.
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write_latent(self, latent: torch.Tensor, meta: AttentionMetadata) -> None:
         """latent [T, kv_lora_rank + rope_dim] into the paged cache at the step's slots."""
-        meta = meta.for_group(self.kv_group)
-        self.kv_cache[meta.slot_block, meta.slot_offset] = latent
+        self.impl.write_kv(latent, self.kv_cache, meta.for_group(self.kv_group))
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, kv_b_proj: nn.Module,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -101,20 +99,9 @@ class PagedMLAAttention(nn.Module):
         if not self.absorb_decode:
             return self._decode_naive(q, cache, meta, kv_b_proj)
         w_uk, w_uv = self.absorbed_weights(kv_b_proj, q.dtype)
-        r = self.kv_lora_rank
-        nd = q.shape[0]
         q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [H, nd, r]
         qa = torch.cat([q_lat.transpose(0, 1), q[..., self.nope:]], dim=-1)  # [nd, H, r + rope]
-        ops = meta.native_ops
-        if self.native_decode and ops is not None and cache.dtype == q.dtype:
-            o = ops.mla_decode(qa, cache, meta.decode_block_table, meta.decode_seq_lens,
-                               self.scale, r)
-        else:
-            latents = cache[meta.decode_block_table.long()].view(nd, -1, self.head_size)
-            scores = torch.bmm(qa, latents.transpose(1, 2)).float() * self.scale
-            scores = scores + meta.decode_mask(cache.shape[1])[:, 0]  # [nd, 1, L]
-            probs = scores.softmax(dim=-1).to(latents.dtype)
-            o = torch.bmm(probs, latents[..., :r])  # [nd, H, r]
+        o = self.impl.decode(qa, cache, meta)  # [nd, H, r]
         return torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)  # [nd, H, v]
 
     def _decode_naive(self, q, cache, meta: AttentionMetadata, kv_b_proj) -> torch.Tensor:

@@ -1,40 +1,41 @@
-"""Attention metadata from block tables: one builder for every path that runs attention.
+"""Attention metadata from block tables: the base builder every backend's builder extends.
 
-The model runner builds a step's metadata here (per KV cache group), and so do the draft
-proposers for their own K/V writes and decode steps; each gets the same kernel handles
-(native CPU ops, or Triton's with the flat slot mapping its kernels read), so a drafter
-runs the attention implementation the platform chose for the target, not whichever
-fields it happened to fill.
+The model runner builds a step's metadata per KV cache group through that group's
+builder (the group's backend made it), and the draft proposers build their K/V-write
+and decode metadata through the builder of the group their layers are in, so a
+drafter's attention reads exactly the fields its implementation needs. A backend
+whose kernels read more (Triton's flat slot mapping, its prompt chunks at once)
+extends `_fill_slots` / `step`.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tokenmill.models.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 class AttentionMetadataBuilder:
-    def __init__(self, device: torch.device, native_ops=None, triton_ops=None):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.native_ops = native_ops  # tokenmill.kernels' ops, or None (PyTorch path)
-        self.triton_ops = triton_ops  # tokenmill.ops.triton_attention, or None
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
 
     def _slots(self, table, block_ids: np.ndarray, positions: np.ndarray,
                num_decodes: int) -> AttentionMetadata:
-        """Where each token's K/V goes (block id and offset; Triton: the flat slot)."""
+        """Where each token's K/V goes: its block id and the offset inside the block."""
         bs = table.block_size
         block_ids = block_ids.astype(np.int64)
+        offsets = positions % bs
         meta = AttentionMetadata(num_decodes=num_decodes, slot_block=self._tensor(block_ids),
-                                 slot_offset=self._tensor(positions % bs),
-                                 native_ops=self.native_ops)
-        if self.triton_ops is not None:
-            meta.triton_ops = self.triton_ops
-            meta.slot_mapping = self._tensor(block_ids * bs + positions % bs)
+                                 slot_offset=self._tensor(offsets))
+        self._fill_slots(meta, block_ids, offsets, bs)
         return meta
+
+    def _fill_slots(self, meta: AttentionMetadata, block_ids: np.ndarray,
+                    offsets: np.ndarray, block_size: int) -> None:
+        """A backend's own per-token slot fields (none here)."""
 
     def write_only(self, table, req_rows: np.ndarray, positions: np.ndarray
                    ) -> AttentionMetadata:
@@ -86,13 +87,4 @@ class AttentionMetadataBuilder:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 self._tensor(table.block_table[r, :nb].astype(np.int64))))
-        if self.triton_ops is not None and num_reqs > nd:
-            # Every prompt chunk at once, for the Triton prefill kernel.
-            qsl = query_start_loc[nd:num_reqs + 1] - query_start_loc[nd]
-            lens = seq_lens[nd:num_reqs]
-            nb = -(-int(lens.max()) // bs)
-            meta.prefill_query_start_loc = self._tensor(qsl.astype(np.int64))
-            meta.prefill_seq_lens = self._tensor(lens.astype(np.int32))
-            meta.prefill_block_table = self._tensor(table.block_table[nd:num_reqs, :nb].copy())
-            meta.prefill_max_query_len = int(np.diff(qsl).max())
         return meta

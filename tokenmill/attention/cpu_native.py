@@ -1,0 +1,45 @@
+"""The CPU native backend: tokenmill.kernels' paged attention kernels.
+
+K/V go into the cache through `kv_cache_write` (kernels/cpu_fused.cpp) and decode rows
+attend through `paged_decode` (kernels/cpu_paged_attention.cpp: any head size, GQA, a
+sliding window started at its first position, soft-capped scores), one call for all
+decode rows. Prompt chunks take the PyTorch reference's SDPA path (torch_ref.py),
+whose GEMMs are oneDNN's already.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import is_paged_kv
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.torch_ref import TorchAttentionBackend, TorchAttentionImpl
+
+
+class CpuNativeAttentionImpl(TorchAttentionImpl):
+    def __init__(self, layer, ops):
+        super().__init__(layer)
+        self.ops = ops  # the platform's kernels module (tokenmill.kernels.cpu_ops())
+
+    def write_kv(self, k, v, cache, meta: AttentionMetadata) -> None:
+        if k.dtype != cache.dtype:  # the kernel copies bytes: no cast inside it
+            return super().write_kv(k, v, cache, meta)
+        self.ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset)
+
+    def decode(self, q, cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
+                                     meta.decode_seq_lens, self.scale,
+                                     self.sliding_window or 0, self.logit_softcap or 0.0)
+
+
+class CpuNativeAttentionBackend(TorchAttentionBackend):
+    name = "cpu_native"
+    impl_class = CpuNativeAttentionImpl
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def supports(self, spec) -> bool:
+        return self.ops is not None and is_paged_kv(spec)
+
+    def make_impl(self, layer) -> CpuNativeAttentionImpl:
+        return self.impl_class(layer, self.ops)
