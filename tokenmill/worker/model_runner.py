@@ -324,7 +324,7 @@ class ModelRunner:
         PyTorch decode path sizes its mask per step). Recurrent layers are in the graph:
         their pad rows use a scratch state slot."""
         return (self.platform.cuda_graphs and self.device.type == "cuda"
-                and self.drafter is None
+                and self.drafter is None and bool(self.attn_backends)
                 and all(b.cuda_graphs for b in self.attn_backends.values()))
 
     # ---- step, part 1 ------------------------------------------------------------
