@@ -213,20 +213,21 @@ def test_a_retry_that_fails_too_kills_the_engine(monkeypatch):
         engine.step()
 
 
-def test_check_sampled_flags_nan_rows_and_ids_outside_the_vocabulary(llm):
+def test_check_sampled_flags_nan_rows_and_ids_outside_the_vocabulary():
     import numpy as np
-    runner = llm.llm_engine.engine_core.runner
+
+    from tokenmill.worker.step_checks import check_sampled
     discard = np.array([False, False, False, True])
     nan_rows = np.array([False, True, False, True])
     sampled = np.array([[3], [4], [10_000_000], [-1]])
-    errored = runner._check_sampled(["r0", "r1", "r2", "r3"], discard, nan_rows, sampled,
-                                    np.ones(4, dtype=np.int64), 1000)
+    errored = check_sampled(["r0", "r1", "r2", "r3"], discard, nan_rows, sampled,
+                            np.ones(4, dtype=np.int64), 1000)
     assert {k: v[0] for k, v in errored.items()} == {"r1": "nan_logits",
                                                       "r2": "token_out_of_vocab"}
     # Several tokens a row (speculative decoding): only the emitted ones are checked.
     tokens = np.array([[3, 5000], [4, 5], [6, -1], [7, 8]])
-    errored = runner._check_sampled(["r0", "r1", "r2", "r3"], discard, np.zeros(4, bool),
-                                    tokens, np.array([1, 2, 2, 2]), 1000)
+    errored = check_sampled(["r0", "r1", "r2", "r3"], discard, np.zeros(4, bool),
+                            tokens, np.array([1, 2, 2, 2]), 1000)
     assert {k: v[0] for k, v in errored.items()} == {"r2": "token_out_of_vocab"}
 
 

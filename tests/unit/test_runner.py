@@ -563,7 +563,7 @@ def test_empty_step_returns_empty_output(tm):
     assert out.req_ids == [] and out.sampled_token_ids == []
     assert runner.input_batch.num_reqs() == 0
     # And the reorder helper reports a real move for a prefill-first batch.
-    from tokenmill.worker.model_runner import reorder_decodes_first
+    from tokenmill.worker.runner_inputs import reorder_decodes_first
     runner.execute_model(SchedulerOutput(
         [new_req("P", prompt_of(4, 1), [1]), new_req("D", prompt_of(3, 2), [2], output=[5],
                                                       num_computed=3)],

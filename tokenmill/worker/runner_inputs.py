@@ -1,0 +1,267 @@
+"""The model runner's input concern: the persistent batch updated from a SchedulerOutput,
+reordered decode-first, and turned into the step's flat inputs (numpy, vectorised: ids,
+positions, query_start_loc, logits indices), each KV cache group's attention metadata
+(through its backend's builder) and the recurrent layers' state slots. A mixin of
+`ModelRunner` (worker/model_runner.py), whose constructor sets the attributes it reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.attention.metadata import StateMetadata
+from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.worker import step_checks
+from tokenmill.worker.input_batch import CachedRequestState, InputBatch
+
+# Rows scheduling at most this many tokens count as decodes in the reorder.
+DECODE_THRESHOLD = 1
+
+
+@dataclass
+class StepInputs:
+    """The flat inputs of the last step, kept for inspection and tests."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    discard_mask: np.ndarray  # rows still consuming their prompt: they sample nothing
+    block_table: np.ndarray  # group 0, rows [0, num_reqs)
+    # Speculative decoding: logits rows of request i are cu_num_logits[i]..[i+1]-1
+    # (its drafts' positions, then one more); num_drafts[i] = that count - 1.
+    cu_num_logits: np.ndarray | None = None
+    num_drafts: np.ndarray | None = None
+
+
+def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
+                          decode_threshold: int = DECODE_THRESHOLD,
+                          spec_tokens: dict[str, list[int]] | None = None) -> bool:
+    """Order rows decode -> short extend -> long extend -> prefill, with few swaps.
+
+    A row verifying drafts (`spec_tokens`) is a decode: its tokens beyond the one
+    decode token are its drafts. Only rows that sit in the wrong region move; each
+    follows its swap chain. Returns whether anything moved.
+    """
+    n = batch.num_reqs()
+    if n <= 1:
+        return False
+    spec = spec_tokens or {}
+    sched = np.array([num_scheduled[batch.req_ids[i]] - len(spec.get(batch.req_ids[i], ()))
+                      for i in range(n)])
+    computed = batch.num_computed_tokens_cpu[:n]
+    prompt = batch.num_prompt_tokens[:n]
+    region = np.where(computed == 0, 3,
+                      np.where(sched > decode_threshold, 2,
+                               np.where(computed < prompt, 1, 0)))
+    target = np.sort(region, kind="stable")
+    wrong = np.nonzero(region != target)[0]
+    if wrong.size == 0:
+        return False
+    sources = wrong[np.argsort(region[wrong], kind="stable")]
+    dest = {int(s): int(d) for s, d in zip(sources, wrong)}
+    for src in sources.tolist():
+        dst = dest[src]
+        while src != dst:
+            batch.swap_states(src, dst)
+            nxt = dest.get(dst, dst)
+            dest[dst] = dst
+            dst = nxt
+    return True
+
+
+class InputPrepMixin:
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for h in so.free_encoder_hashes:
+            self.encoder_cache.pop(h, None)
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self._prompt_logprobs_reqs.discard(rid)
+            batch.remove_request(rid)
+            if self.drafter is not None:
+                self.drafter.remove(rid)
+            if self.state_slots is not None:
+                self.state_slots.release(rid)
+        if self.state_slots is not None:
+            for rid in so.preempted_req_ids:  # resumed later from 0: a fresh state then
+                self.state_slots.release(rid)
+        # Preempted or simply not scheduled: out of the batch, state kept.
+        for rid in list(batch.req_id_to_index):
+            if rid not in so.num_scheduled_tokens:
+                batch.remove_request(rid)
+        for new in so.scheduled_new_reqs:
+            step_checks.input_fault(new.req_id, new.prompt_token_ids)
+            sp = new.sampling_params
+            old = self.requests.get(new.req_id)
+            if old is not None and old.generator is not None:
+                # Sent again after a failed step (reset_batch): its seeded stream goes on.
+                gen = old.generator
+            elif sp.seed is not None and not sp.greedy:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(sp.seed)
+            else:
+                gen = None
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
+                                       [list(b) for b in new.block_ids],
+                                       new.num_computed_tokens, list(new.output_token_ids),
+                                       mm_features=new.mm_features or None)
+            if state.mm_features and self.uses_mrope:
+                state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
+                    len(state.prompt_token_ids),
+                    [(f.offset, f.length, tuple(f.image_grid_thw)) for f in state.mm_features])
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+            if sp.prompt_logprobs is not None:
+                self._prompt_logprobs_reqs.add(new.req_id)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests[rid]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                state.block_ids = [list(b) for b in new_blocks]
+            elif new_blocks is not None:
+                for group_ids, ids in zip(state.block_ids, new_blocks):
+                    group_ids.extend(ids)
+            row = batch.req_id_to_index.get(rid)
+            if row is None:
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            if resumed:
+                for table, ids in zip(batch.block_tables, state.block_ids):
+                    table.add_row(ids, row)
+            elif new_blocks is not None:
+                for table, ids in zip(batch.block_tables, new_blocks):
+                    table.append_row(ids, row)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput):
+        batch = self.input_batch
+        n = batch.num_reqs()
+        num_sched = np.array([so.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)],
+                             dtype=np.int64)
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = None
+        if spec:
+            # The drafts follow the row's real tokens; they are inputs like any other.
+            num_drafts = np.zeros(n, dtype=np.int64)
+            for rid, drafts in spec.items():
+                r = batch.req_id_to_index[rid]
+                num_drafts[r] = len(drafts)
+                start = int(batch.num_tokens_no_spec[r])
+                batch.token_ids_cpu[r, start:start + len(drafts)] = drafts
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        query_start_loc[1:] = cu
+        req_indices = np.repeat(np.arange(n), num_sched)
+        # Offset of each token inside its request's chunk.
+        offsets = self._arange_upto(total) - np.repeat(query_start_loc[:-1], num_sched)
+        computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+        positions = computed[req_indices] + offsets
+        input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
+        seq_lens = computed + num_sched
+        discard = seq_lens < batch.num_tokens_no_spec[:n]
+        cu_num_logits = None
+        if num_drafts is None:
+            logits_indices = cu - 1
+        else:
+            # A verifying row samples at its last token and at every draft.
+            num_logits = num_drafts + 1
+            cu_num_logits = np.zeros(n + 1, dtype=np.int64)
+            cu_num_logits[1:] = np.cumsum(num_logits)
+            logits_indices = (np.repeat(cu - num_logits, num_logits)
+                              + self._arange_upto(int(cu_num_logits[-1]))
+                              - np.repeat(cu_num_logits[:-1], num_logits))
+
+        # Leading decode rows (one token, or one plus its drafts) share one batched
+        # decode call: each of their tokens is a query row that sees the cache up to
+        # itself (every token's K/V is written before attention runs).
+        single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
+        not_single = np.nonzero(~single)[0]
+        nd = int(not_single[0]) if not_single.size else n
+        groups = {gid: self.attn_builders[gid].step(
+                      batch.block_tables[gid], self.kv_cache_config.groups[gid].sliding_window,
+                      req_indices, positions, seq_lens, computed, num_sched, query_start_loc,
+                      nd, n)
+                  for gid in self.attn_group_ids}
+        meta = groups[self.attn_group_id]
+        if len(groups) > 1:
+            meta.by_group = groups
+        table = batch.block_tables[self.attn_group_id]
+        bs = table.block_size
+        slot_mapping = (table.block_table.reshape(-1)[
+            req_indices * table.max_num_blocks_per_req + positions // bs].astype(np.int64) * bs
+            + positions % bs)
+        if self.state_slots is not None:
+            meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts)
+        self.last_step = StepInputs(
+            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, slot_mapping=slot_mapping,
+            logits_indices=logits_indices, discard_mask=discard,
+            block_table=table.block_table[:n].copy(), cu_num_logits=cu_num_logits,
+            num_drafts=num_drafts)
+        self.last_attn_meta = meta
+        return input_ids, positions, logits_indices, meta, discard
+
+    def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
+                        computed: np.ndarray, num_drafts: np.ndarray | None = None
+                        ) -> StateMetadata:
+        """Each row's state slot; a request seen for the first time gets a zeroed one.
+
+        `num_decodes` rows lead the batch; with drafts (`num_drafts`) each of them has
+        1 + drafts tokens, run as decode steps in order, each leaving its state in
+        the next slot of the request's group (StateSlots.write_slots)."""
+        batch = self.input_batch
+        n = batch.num_reqs()
+        slots = np.empty(n, dtype=np.int64)
+        fresh = []
+        for r in range(n):
+            slot, new = self.state_slots.get_or_allocate(batch.req_ids[r])
+            slots[r] = slot
+            if new:
+                fresh.append(slot)
+            if computed[r] == 0 and not new:
+                # Back from the start with a slot still held (not preempted): reset it.
+                fresh.append(slot)
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for tensors in self.state_caches.values():
+                for t in tensors:
+                    t.index_fill_(0, idx, 0)
+        self._spec_write_slots = {}
+        nd_tokens = int(query_start_loc[num_decodes])
+        meta = StateMetadata(nd_tokens, torch.from_numpy(slots).to(self.device))
+        if nd_tokens > num_decodes:
+            meta.decode_steps = self._state_decode_steps(num_decodes, query_start_loc, slots)
+        for r in range(num_decodes, n):
+            meta.prefills.append((int(query_start_loc[r]), int(query_start_loc[r + 1]),
+                                  int(slots[r])))
+        return meta
+
+    def _state_decode_steps(self, nd: int, query_start_loc: np.ndarray, slots: np.ndarray):
+        """Step j reads each row's state after its token j - 1 and writes the state after
+        token j; which one the request keeps is decided by its accepted drafts."""
+        batch = self.input_batch
+        counts = np.diff(query_start_loc[:nd + 1])
+        write = {}
+        for r in range(nd):
+            rid = batch.req_ids[r]
+            write[rid] = self.state_slots.write_slots(rid, int(counts[r]))
+        self._spec_write_slots = write
+        dev = self.device
+        steps = []
+        for j in range(int(counts.max())):
+            rows = np.nonzero(counts > j)[0]
+            ws = [write[batch.req_ids[r]] for r in rows.tolist()]
+            read = [int(slots[r]) if j == 0 else w[j - 1] for r, w in zip(rows.tolist(), ws)]
+            steps.append((torch.from_numpy(query_start_loc[rows] + j).to(dev),
+                          torch.tensor(read, dtype=torch.long, device=dev),
+                          torch.tensor([w[j] for w in ws], dtype=torch.long, device=dev)))
+        return steps

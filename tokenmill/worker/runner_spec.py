@@ -1,0 +1,82 @@
+"""The model runner's draft-verification concern: a step whose rows carry drafts is
+verified against the target's logits rows (greedy argmax, or the lossless rejection
+sampler with the grammar mask and processors applied), the acceptance counted, and a
+hybrid model's requests moved onto the state slot of their last accepted token. A
+mixin of `ModelRunner` (worker/model_runner.py)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.sample.bitmask import apply_grammar_bitmask
+from tokenmill.sample.sampler import apply_processors
+from tokenmill.spec_decode.verify import verify_greedy
+
+
+class DraftVerifyMixin:
+    def _verify_drafts(self, logits, sampled, discard):
+        """A step with drafts: verify each row's drafts against the target's rows.
+
+        Returns (tokens [n, 1 + max drafts]: row r emits tokens[r, :num_emitted[r]],
+        num_emitted [n], (raw logprobs [T, V], top-k width) or None, per-row NaN flags,
+        vocabulary size). Rows without drafts (and rows still
+        in their prompt) sample their one token as the plain sampler would."""
+        batch = self.input_batch
+        step = self.last_step
+        n = batch.num_reqs()
+        cu = step.cu_num_logits
+        num_drafts = step.num_drafts
+        num_logits = int(cu[-1])
+        # The drafts sit in token_ids_cpu right after each row's real tokens.
+        draft_req = np.repeat(np.arange(n), num_drafts)
+        draft_pos = (self._arange_upto(draft_req.size)
+                     - np.repeat(cu[:-1] - np.arange(n), num_drafts))
+        drafts = batch.token_ids_cpu[draft_req, batch.num_tokens_no_spec[draft_req] + draft_pos]
+        drafts = drafts.astype(np.int64)
+        logprobs = None
+        md = None
+        if sampled is not None:  # the greedy lm_head: argmax of every verified row
+            target = sampled.to("cpu", dtype=torch.int64).numpy()
+            nan_t = self._pending_nonfinite_hidden.to("cpu").numpy()
+            vocab = self.greedy_head.lm_head.out_features
+        else:
+            nan_t = torch.isnan(logits.amax(dim=1)).to("cpu").numpy()
+            vocab = logits.shape[1]
+            md = self._sampling_metadata(discard, cu)
+            if md.all_greedy and md.no_processors and md.grammar_bitmask is None \
+                    and md.max_num_logprobs is None:
+                target = logits.argmax(dim=-1).to("cpu", dtype=torch.int64).numpy()
+                md = None
+        if md is None:
+            accepted = verify_greedy(target, drafts, cu)
+            num_emitted = accepted + 1
+            width = int(num_emitted.max())
+            idx = np.minimum(cu[:-1, None] + np.arange(width), num_logits - 1)
+            tokens = target[idx]
+        else:
+            logits = logits.float()
+            raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+            # The grammar masks every verified position (its rows follow the drafts);
+            # the processors act on each request's last row: a request with drafts has
+            # none (the runner gives such requests no drafts).
+            if md.grammar_bitmask is not None:
+                logits = apply_grammar_bitmask(logits, *md.grammar_bitmask)
+            if not md.no_processors:
+                last = torch.from_numpy(cu[1:] - 1).to(self.device)
+                logits = logits.clone()
+                logits[last] = apply_processors(logits[last], md)
+            result = self.rejection_sampler(
+                logits, torch.from_numpy(cu).to(self.device),
+                torch.from_numpy(drafts).to(self.device), md)
+            tokens = result.token_ids.to("cpu").numpy()
+            num_emitted = result.num_emitted.to("cpu").numpy().astype(np.int64)
+            accepted = num_emitted - 1
+            if raw is not None:  # gathered once the emitted tokens are final
+                logprobs = (raw, md.max_num_logprobs)
+        self.drafter.observe(batch.req_ids[:n], num_drafts, accepted)
+        if self.state_slots is not None:  # each verifying row goes on from its accepted state
+            for r in np.nonzero(num_drafts)[0].tolist():
+                rid = batch.req_ids[r]
+                self.state_slots.accept(rid, self._spec_write_slots[rid][int(accepted[r])])
+        nan_rows = np.logical_or.reduceat(nan_t, cu[:-1]) if nan_t.size else nan_t
+        return tokens, num_emitted, logprobs, nan_rows, vocab
