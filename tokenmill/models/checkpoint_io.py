@@ -63,3 +63,15 @@ def iter_checkpoint_lazy(model_dir: str):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, LazyTensor(f, name)
+
+
+def checkpoint_header(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's name -> (safetensors dtype, "F8_E4M3" / "BF16" / ..., shape), from
+    the files' headers: no tensor data is read."""
+    out = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                out[name] = (s.get_dtype(), tuple(s.get_shape()))
+    return out

@@ -341,7 +341,8 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
         raise FileNotFoundError(f"DFlash draft {path}: no config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
-    check_quantization(hf_config, f"DFlash draft {path}")
+    # A drafter places no quantized layers (yet): every quantized format is refused.
+    check_quantization(hf_config, f"DFlash draft {path}", implemented=())
     names = _checkpoint_names(path)
     if "d2t" in names:
         raise ValueError(f"DFlash draft {path}: a reduced draft vocabulary (d2t) is not "

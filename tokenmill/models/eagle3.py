@@ -215,7 +215,8 @@ def load_eagle3_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     """
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
-    check_quantization(hf_config, f"EAGLE-3 draft {path}")
+    # A drafter places no quantized layers (yet): every quantized format is refused.
+    check_quantization(hf_config, f"EAGLE-3 draft {path}", implemented=())
     names, tensors = _checkpoint(path)
     own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n in names)
     torch_default = torch.get_default_dtype()

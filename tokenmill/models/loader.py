@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.models.checkpoint_io import iter_checkpoint, iter_checkpoint_lazy
-from tokenmill.models.quantization import check_quantization
+from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
+                                            iter_checkpoint_lazy)
+from tokenmill.models.quantization import check_quantization, fp8_config
+from tokenmill.models.quantized_layers import apply_fp8
 from tokenmill.models.registry import resolve_model_class
 
 def mapped_checkpoint(model: nn.Module, tensors):
@@ -170,7 +172,12 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != "
                          f"model shape {tuple(param.shape)}")
-    if param.is_floating_point() and tensor.dtype not in _VALUE_DTYPES:
+    if param.is_floating_point() and param.dtype not in _VALUE_DTYPES:
+        # A quantized layer's parameter (fp8 weights): its own dtype and nothing else.
+        if tensor.dtype != param.dtype:
+            raise ValueError(f"weight {name}: checkpoint dtype {tensor.dtype} where the "
+                             f"quantized layer holds {param.dtype}")
+    elif param.is_floating_point() and tensor.dtype not in _VALUE_DTYPES:
         raise ValueError(f"weight {name}: checkpoint dtype {tensor.dtype} is not a plain "
                          f"floating-point weight (a quantized checkpoint without its "
                          f"quantization_config?); tokenmill loads bf16 / fp16 / fp32 weights")
@@ -185,9 +192,15 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     weights, GEMMs widened to its gemm dtype (see layers/linear_methods/), native kernels.
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
     of the model (models/tensor_parallel.py)."""
-    check_quantization(hf_config, f"checkpoint {model_dir}")
+    where = f"checkpoint {model_dir}"
+    check_quantization(hf_config, where)
+    fp8 = fp8_config(hf_config, where)
     cls = resolve_model_class(hf_config)
     tp = tp_group is not None and tp_group.size > 1
+    if tp and fp8 is not None:
+        raise ValueError(f"{where}: fp8 checkpoints with tensor parallelism "
+                         f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
+                         f"the block scales would have to be sharded with the weights")
     if tp:
         from tokenmill.models import tensor_parallel
         tensor_parallel.check_divisible(hf_config, tp_group.size, cls)
@@ -200,6 +213,9 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         with torch.device(device):
             model = cls(tensor_parallel.rank_config(hf_config, tp_group.size, cls) if tp
                         else hf_config)
+            if fp8 is not None:
+                # The layers the checkpoint quantizes register its layout before loading.
+                apply_fp8(model, fp8, checkpoint_header(model_dir), dtype, where)
     finally:
         torch.set_default_dtype(torch_default)
     if tp:

@@ -157,13 +157,18 @@ class Platform:
           else F.linear, widened to `gemm_dtype` where that differs.
 
         A layer whose method is not the plain unquantized one (a quantized format's,
-        or one already chosen) keeps it."""
+        or one already chosen) keeps it; a quantized method that can compute in another
+        dtype (`with_compute_dtype`: fp8's dequantized GEMMs) gets the widened one."""
         import torch
 
         from tokenmill.models.layers.linear_methods import (
             ALL_ROWS, OneDNNPrepackedLinearMethod, PackedBf16LinearMethod,
             PackedF32LinearMethod, UnquantizedLinearMethod)
         current = layer.method
+        widen_quantized = getattr(current, "with_compute_dtype", None)
+        if (widen_quantized is not None and self.widen_to is not None
+                and current.compute_dtype is None):
+            return widen_quantized(self.widen_to)
         if type(current) is not UnquantizedLinearMethod or current.compute_dtype is not None:
             return current
         w = layer.weight

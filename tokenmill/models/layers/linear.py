@@ -59,6 +59,14 @@ class Linear(nn.Module):
         self.method = method if method is not None else UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, out_features, bias, dtype)
 
+    def use_method(self, method: LinearMethod, dtype: torch.dtype | None = None) -> None:
+        """Before loading: keep the weights as `method` registers them (a quantized
+        checkpoint's layout: models/quantized_layers.py) instead of the unquantized
+        [N, K] the layer was built with."""
+        self.method = method
+        method.create_weights(self, self.in_features, self.out_features,
+                              self.bias is not None, dtype)
+
     def set_method(self, method: LinearMethod) -> None:
         """Run through `method` from now on (the platform's choice, after loading): it
         turns the loaded weights into its kernel's layout first."""

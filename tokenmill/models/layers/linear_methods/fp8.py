@@ -1,0 +1,111 @@
+"""FP8 weights with block scales, as DeepSeek-V3 and the Qwen `-FP8` checkpoints publish
+them: `weight` float8_e4m3fn [N, K] and `weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)],
+one scale per [bn, bk] block (the last row / column of blocks may be partial). The
+weight the checkpoint stands for is W = weight.float() * scale, each scale broadcast
+over its block (despite the name, `weight_scale_inv` multiplies: it is the inverse of
+the quantizer's scale).
+
+W8A16: the activations are not quantized. The checkpoints' `activation_scheme:
+dynamic` asks for per-token-group e4m3 activations on hardware with fp8 GEMMs; here
+the activations stay in the model's dtype, so the result is that of the dequantized
+weights (more accurate than the checkpoint's own runtime, and what HF transformers
+computes when it dequantizes). The memory saving is the point: the resident weight is
+the 1-byte e4m3 tensor.
+
+`apply` dequantizes per call, in tiles of whole block rows of W (ROW_TILE_ELEMENTS
+elements at most, ~16 MiB in fp32), each multiplied and dropped before the next: a
+dequantized copy of the whole matrix is never kept, nor built at once for a large
+layer. The cost is one dequantization of W per forward call, cheap beside the GEMM for
+prefill, dominant for one-token decode; a native fp8 kernel is the next increment.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.layers.linear_methods.base import LinearMethod
+
+FP8_DTYPE = torch.float8_e4m3fn
+# Elements of W dequantized at once (rounded down to whole block rows, at least one).
+ROW_TILE_ELEMENTS = 1 << 22
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block_size: tuple[int, int],
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [n, K] e4m3 (whole block rows, the last may be partial), scale_inv
+    [ceil(n/bn), ceil(K/bk)] -> W [n, K] in `dtype` (computed in fp32, then rounded)."""
+    bn, bk = block_size
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (weight.float() * scale).to(dtype)
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    """y = x W^T + b over block-scaled e4m3 weights (module docstring). `compute_dtype`:
+    the GEMMs' dtype (the platform's widened one where bf16 GEMMs are emulated); None:
+    the input's."""
+
+    def __init__(self, block_size: tuple[int, int],
+                 compute_dtype: torch.dtype | None = None):
+        bn, bk = block_size
+        self.block_size = (int(bn), int(bk))
+        self.compute_dtype = compute_dtype
+
+    def create_weights(self, layer, in_features, out_features, bias, dtype=None):
+        bn, bk = self.block_size
+        # The model's dtype: the bias's, and dense_weight's.
+        self.dtype = dtype or torch.get_default_dtype()
+        layer.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE),
+                                    requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(
+            torch.ones(cdiv(out_features, bn), cdiv(in_features, bk), dtype=torch.float32),
+            requires_grad=False)
+        layer.register_parameter(
+            "bias", nn.Parameter(torch.zeros(out_features, dtype=self.dtype),
+                                 requires_grad=False)
+            if bias else None)
+
+    def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockLinearMethod":
+        """The same method (weights untouched) with its GEMMs in `dtype`."""
+        method = Fp8BlockLinearMethod(self.block_size, dtype)
+        method.dtype = self.dtype
+        return method
+
+    def _tile_rows(self, in_features: int) -> int:
+        bn = self.block_size[0]
+        return max(1, ROW_TILE_ELEMENTS // max(1, in_features * bn)) * bn
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        bn = self.block_size[0]
+        w, s = layer.weight, layer.weight_scale_inv
+        n = w.shape[0]
+        xc = x.to(dtype)
+        tile = self._tile_rows(w.shape[1])
+        if tile >= n:  # one tile: no output buffer to fill
+            y = F.linear(xc, dequantize_block_fp8(w, s, self.block_size, dtype))
+        else:
+            y = xc.new_empty(*x.shape[:-1], n)
+            for r0 in range(0, n, tile):
+                r1 = min(n, r0 + tile)
+                wt = dequantize_block_fp8(w[r0:r1], s[r0 // bn:cdiv(r1, bn)],
+                                          self.block_size, dtype)
+                y[..., r0:r1] = F.linear(xc, wt)
+        if layer.bias is not None:
+            y = y + layer.bias.to(dtype)
+        return y.to(x.dtype)
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return dequantize_block_fp8(layer.weight.detach(), layer.weight_scale_inv.detach(),
+                                    self.block_size, self.dtype)
+
+    def describe(self) -> str:
+        bn, bk = self.block_size
+        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
+        return f"{type(self).__name__}([{bn}, {bk}]{wide})"
