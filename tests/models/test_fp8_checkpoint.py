@@ -396,3 +396,25 @@ def test_fp8_with_tensor_parallelism_is_refused(qwen3_src, tmp_path):
                                          r"\(tensor_parallel_size 2\) are not implemented"):
         load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device,
                    create_platform(cfg.device, cfg.dtype), tp_group=group)
+
+
+def test_drafters_refuse_fp8():
+    """EAGLE-3 / DFlash drafters place no quantized layers: their loaders refuse fp8."""
+    from tokenmill.models.quantization import check_quantization
+    cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert check_quantization(cfg, "model m") == "fp8"
+    with pytest.raises(ValueError, match=r"EAGLE-3 draft d: quantization_config.quant_method "
+                                         r"'fp8' is not implemented"):
+        check_quantization(cfg, "EAGLE-3 draft d", implemented=())
+
+
+def test_fp8_config_over_plain_weights_loads_them_plain(qwen3_src, tmp_path, caplog):
+    import logging
+    cfg = json.load(open(os.path.join(qwen3_src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    path = write_variant(qwen3_src, str(tmp_path / "plain"), read_tensors(qwen3_src), cfg)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.models.loader"):
+        model = load(path)
+    assert "no layer's weights are e4m3" in caplog.text
+    assert not any(isinstance(m.method, Fp8BlockLinearMethod) for m in model.modules()
+                   if isinstance(m, Linear))

@@ -1,6 +1,8 @@
 """Build a model and fill it from a Hugging Face folder of safetensors."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,6 +11,9 @@ from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
 from tokenmill.models.quantization import check_quantization, fp8_config
 from tokenmill.models.quantized_layers import apply_fp8
 from tokenmill.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
 
 def mapped_checkpoint(model: nn.Module, tensors):
     """A model's `map_checkpoint(name, tensor)` may rename, split or drop tensors."""
@@ -215,7 +220,12 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                         else hf_config)
             if fp8 is not None:
                 # The layers the checkpoint quantizes register its layout before loading.
-                apply_fp8(model, fp8, checkpoint_header(model_dir), dtype, where)
+                n = apply_fp8(model, fp8, checkpoint_header(model_dir), dtype, where)
+                logger.info("%s: %d Linear layers load fp8 weights with %s block scales "
+                            "(activations stay %s)", where, n, list(fp8.block_size), dtype)
+                if n == 0:
+                    logger.warning("%s: quantization_config says fp8 but no layer's weights "
+                                   "are e4m3: loading it as an unquantized checkpoint", where)
     finally:
         torch.set_default_dtype(torch_default)
     if tp:

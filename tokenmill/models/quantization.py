@@ -135,7 +135,7 @@ def check_quantization(hf_config: dict, where: str, implemented=None) -> str | N
         if method.lower() == "fp8":
             fp8_config(hf_config, where)
         return method.lower()
-    implemented = ", ".join(sorted(implemented)) or "none"
+    implemented = ", ".join(sorted(implemented)) or "none (for this loader)"
     raise ValueError(
         f"{where}: {key}.quant_method {method!r} is not implemented; tokenmill loads "
         f"unquantized (bf16 / fp16 / fp32) checkpoints and these quantization methods: "
