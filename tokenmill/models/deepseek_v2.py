@@ -252,12 +252,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         if c.rope_interleave and len(parts) > 3 and parts[2] == "self_attn":
             rope = c.qk_rope_head_dim
             perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-            if parts[3] in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa") and (
-                    name.endswith("_scale_inv") or tensor.dtype == torch.float8_e4m3fn):
-                # Reordering the rows of block-quantized weights would move rows across
-                # their blocks' scales.
-                raise ValueError(f"tensor {name}: fp8 MLA projections with interleaved "
-                                 f"rope rows are not implemented")
+            if parts[3] in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+                tensor = materialize(tensor)  # read whole below in any case
+                if name.endswith("_scale_inv") or tensor.dtype == torch.float8_e4m3fn:
+                    # Reordering the rows of block-quantized weights would move rows
+                    # across their blocks' scales.
+                    raise ValueError(f"tensor {name}: fp8 MLA projections with "
+                                     f"interleaved rope rows are not implemented")
             if parts[3] in ("q_proj", "q_b_proj"):
                 # Every head of the checkpoint (a tensor-parallel rank's config counts
                 # its own only; the rank's slice is taken after this).
