@@ -43,7 +43,8 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     bn, bk = block_size
     n, k = weight.shape
     scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (weight.float() * scale).to(dtype)
+    w = weight.float()  # a new fp32 tensor (e4m3 -> fp32 is exact): scaled in place
+    return w.mul_(scale).to(dtype)
 
 
 class Fp8BlockLinearMethod(LinearMethod):
