@@ -105,12 +105,15 @@ def hf_dequantized(src: str, deq: dict[str, torch.Tensor]):
 
 # (spec, arch, overrides, block): GQA with a q/k-normed Qwen3 (head_dim 32, untied);
 # Llama GQA tied; a block whose bk does not divide K (64 = 48 + 16, 128 = 2*48 + 32);
-# Qwen2's q/k/v biases beside the fp8 weights.
+# Qwen2's q/k/v biases beside the fp8 weights; Phi-3's checkpoint-fused projections.
 CASES = {
     "qwen3_b16": ("qwen3", dict(head_dim=32, tie_word_embeddings=False), (16, 16)),
     "llama_gqa_tied_b16": ("llama", dict(tie_word_embeddings=True), (16, 16)),
     "qwen3_b32x48": ("qwen3", dict(head_dim=32, tie_word_embeddings=False), (32, 48)),
     "qwen2_bias_b16": ("qwen2", dict(tie_word_embeddings=False), (16, 16)),
+    # Phi-3: q/k/v and gate/up stored fused in the checkpoint (one fp8 tensor each).
+    "phi3_fused_b16": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                    tie_word_embeddings=False), (16, 16)),
 }
 
 
