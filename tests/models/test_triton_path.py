@@ -314,7 +314,8 @@ def test_hybrid_on_fla_and_triton_kernels_matches_pytorch_path(tmp_path, eager_g
         layers = [m for m in runner_of(llm).model.modules() if isinstance(m, GatedDeltaNet)]
         assert len(layers) == 3
         for layer in layers:  # what the platform does on CUDA ("fla" where it imports)
-            layer.fla = (counted("chunk", chunk), counted("fused", fused)) if fla else None
+            layer.set_linear_attention("fla" if fla else "torch",
+                                       (counted("chunk", chunk), counted("fused", fused)))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                             use_tqdm=False)
         graphs = runner_of(llm).cuda_graphs.graphs.values()

@@ -192,7 +192,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False, tp="row")
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
-        self.fla = None  # flash-linear-attention's kernels (set_linear_attention)
+        # The delta-rule implementations, bound once by set_linear_attention (PyTorch's
+        # until then): a prompt chunk's and a batch of decode rows'.
+        self._chunked, self._decode = delta_rule_chunked, delta_rule_decode
 
     def tp_plan(self, tp) -> dict:
         """Tensor parallel, by key heads and their value heads: in_proj column-parallel
@@ -202,9 +204,15 @@ class GatedDeltaNet(nn.Module):
         return {("conv1d.weight", None): tp.split(0, kd, kd, vd),
                 ("dt_bias", None): tp.split(0, hv), ("A_log", None): tp.split(0, hv)}
 
-    def set_linear_attention(self, kind: str) -> None:
-        """"fla": flash-linear-attention's kernels where installed (CUDA); else PyTorch."""
-        self.fla = load_fla_kernels() if kind == "fla" else None
+    def set_linear_attention(self, kind: str, kernels=None) -> None:
+        """"fla": flash-linear-attention's kernels where installed (CUDA); else PyTorch.
+        `kernels`: (chunk, fused recurrent) to use instead of fla's own (tests)."""
+        fla = (kernels or load_fla_kernels()) if kind == "fla" else None
+        if fla is None:
+            self._chunked, self._decode = delta_rule_chunked, delta_rule_decode
+        else:
+            self._chunked = functools.partial(fla_chunked, fla[0])
+            self._decode = functools.partial(fla_decode, fla[1])
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.conv_dim, self.conv_kernel - 1),
@@ -250,11 +258,7 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
                            device=x.device)
-        if self.fla is not None:
-            chunked = functools.partial(fla_chunked, self.fla[0])
-            decode = functools.partial(fla_decode, self.fla[1])
-        else:
-            chunked, decode = delta_rule_chunked, delta_rule_decode
+        chunked, decode = self._chunked, self._decode
         if sm.decode_steps is not None:
             for rows, read, write in sm.decode_steps:
                 core[rows] = decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
