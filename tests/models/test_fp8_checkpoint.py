@@ -8,8 +8,8 @@ unquantized checkpoint with those Linear weights replaced by the dequantized one
 (w8.float() * scale per block), fp32: greedy tokens equal and logprobs within 1e-4.
 
 Every variant not implemented (e5m2, static activation scales, per-tensor scales, a
-packed shard that is not whole block rows, fp8 MoE experts, tensor parallelism) and a
-missing scale are refused with an error naming what.
+packed shard that is not whole block rows, tensor parallelism) and a missing scale are
+refused with an error naming what. FP8 MoE experts: test_fp8_moe.py.
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from tokenmill.platforms import create_platform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint_refusals import load, read_tensors, write_variant  # noqa: E402
-from test_moe_parity import MOE_SPECS  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
                                  logprobs=K)
@@ -363,32 +362,6 @@ def test_fp8_packed_layer_half_quantized_is_refused(qwen3_src, tmp_path):
     write_variant(path, str(tmp_path / "half"), tensors)
     with pytest.raises(ValueError, match=r"gate_up_proj packs .*up_proj\.weight \(F32\) not"):
         load(str(tmp_path / "half"))
-
-
-def test_fp8_moe_experts_are_refused_naming_the_tensor(tmp_path):
-    arch, overrides = MOE_SPECS["qwen3_moe_norm"]
-    src = str(tmp_path / "moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        build_checkpoint(src, arch, overrides)
-    tensors = {}
-    for name, t in read_tensors(src).items():
-        expert = ".experts." in name and name.endswith(("proj.weight", "proj"))
-        if is_linear_weight(name, t) or expert:
-            tensors[name] = t.to(torch.float8_e4m3fn)
-            tensors[name + "_scale_inv"] = torch.ones(*t.shape[:-2],
-                                                      -(-t.shape[-2] // 16),
-                                                      -(-t.shape[-1] // 16))
-        else:
-            tensors[name] = t
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
-    write_variant(src, str(tmp_path / "moe_fp8"), tensors, cfg)
-    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.mlp\.experts\.\S+ is an "
-                                         r"fp8 MoE expert weight: fp8 experts are not "
-                                         r"implemented"):
-        make_llm(str(tmp_path / "moe_fp8"))
 
 
 def test_fp8_with_tensor_parallelism_is_refused(qwen3_src, tmp_path):

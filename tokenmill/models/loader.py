@@ -39,19 +39,30 @@ def _param_name(ckpt_name: str, packed: dict) -> tuple[str, int | None]:
     return name, None
 
 
+# Per-expert tensor kinds -> the suffix of the stacked parameter they fill: the weight,
+# and an fp8 checkpoint's block scales (stacked the same way, in block rows).
+EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale_inv"}
+
+
 def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
     """A per-expert HF name -> (stacked parameter, expert index, shard), else None.
 
     "model.layers.1.mlp.experts.3.up_proj.weight" with experts
-    {"up_proj": ("gate_up_proj", 1), ...} -> ("layers.1.mlp.experts.gate_up_proj", 3, 1).
+    {"up_proj": ("gate_up_proj", 1), ...} -> ("layers.1.mlp.experts.gate_up_proj", 3, 1);
+    "....experts.3.up_proj.weight_scale_inv" -> ("....experts.gate_up_proj_scale_inv", 3, 1).
     """
     parts = ckpt_name.removeprefix("model.").split(".")
-    if len(parts) < 4 or parts[-1] != "weight" or parts[-2] not in experts:
+    if len(parts) < 4 or parts[-1] not in EXPERT_TENSORS or parts[-2] not in experts:
         return None
     if parts[-4] != "experts" or not parts[-3].isdigit():
         return None
     target, shard = experts[parts[-2]]
-    return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
+    return ".".join(parts[:-3] + [target + EXPERT_TENSORS[parts[-1]]]), int(parts[-3]), shard
+
+
+def _expert_target(name: str) -> str:
+    """"layers.1.mlp.experts.gate_up_proj_scale_inv" -> "gate_up_proj" (expert_modules')."""
+    return name.rsplit(".", 1)[-1].removesuffix("_scale_inv")
 
 
 # Checkpoint tensors that no parameter takes, on purpose, for every model. Anything else
@@ -77,7 +88,8 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
     parameter, e.g. q/k/v -> qkv_proj) and `expert_modules` (per-expert matrices
     "...experts.{e}.{name}.weight" copied into row e of a stacked parameter
     "...experts.{target}" [E, ...], at shard i of its dim 1 (equal-sized shards), as
-    they arrive). A checkpoint that already stores the stacked tensors under the
+    they arrive; an fp8 checkpoint's "...{name}.weight_scale_inv" likewise into
+    "...experts.{target}_scale_inv"). A checkpoint that already stores the stacked tensors under the
     parameter's own name (HF's fused "experts.gate_up_proj") loads as is.
 
     `shard_plan` (tensor parallelism, models/tensor_parallel.py): the (lazily read)
@@ -118,7 +130,7 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
                                  f"has {param.shape[0]} experts)")
             if shard_plan is not None:
                 tensor = shard_plan.take(name, shard, tensor)
-            n_shards = num_expert_shards[name.rsplit(".", 1)[-1]]
+            n_shards = num_expert_shards[_expert_target(name)]
             rows = param.shape[1] // n_shards
             _copy(param[e, shard * rows:(shard + 1) * rows], tensor, ckpt_name)
             seen = expert_seen.setdefault(name, set())
@@ -152,8 +164,9 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
                          f"{name}; incomplete: {sorted(pending)})")
     for name, seen in expert_seen.items():
         if name not in loaded:
-            shards = {shard: source for source, (target, shard) in experts.items()
-                      if target == name.rsplit(".", 1)[-1]}
+            kind = ".weight_scale_inv" if name.endswith("_scale_inv") else ""
+            shards = {shard: source + kind for source, (target, shard) in experts.items()
+                      if target == _expert_target(name)}
             absent = [f"{e}.{shards[s]}" for e in range(params[name].shape[0])
                       for s in sorted(shards) if (e, s) not in seen]
             raise ValueError(f"checkpoint {model_dir} lacks experts of {name}: "
@@ -221,8 +234,9 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
             if fp8 is not None:
                 # The layers the checkpoint quantizes register its layout before loading.
                 n = apply_fp8(model, fp8, checkpoint_header(model_dir), dtype, where)
-                logger.info("%s: %d Linear layers load fp8 weights with %s block scales "
-                            "(activations stay %s)", where, n, list(fp8.block_size), dtype)
+                logger.info("%s: %d layers (Linear, MoE experts) load fp8 weights with %s "
+                            "block scales (activations stay %s)", where, n,
+                            list(fp8.block_size), dtype)
                 if n == 0:
                     logger.warning("%s: quantization_config says fp8 but no layer's weights "
                                    "are e4m3: loading it as an unquantized checkpoint", where)

@@ -192,12 +192,17 @@ class Platform:
         """The method a FusedMoE's experts (weights loaded) run through: the packed bf16
         kernel for expert slices of up to `linear_bf16_max_rows` rows where `linear`
         is "packed_bf16", the grouped GEMMs (widened to `gemm_dtype` where that
-        differs) for the rest. A non-default method is kept."""
+        differs) for the rest. A non-default method is kept; a quantized one that can
+        compute in another dtype (fp8's dequantized experts) gets the widened one."""
         import torch
 
         from tokenmill.models.layers.linear_methods import (PackedBf16FusedMoEMethod,
                                                             UnquantizedFusedMoEMethod)
         current = layer.method
+        widen_quantized = getattr(current, "with_compute_dtype", None)
+        if (widen_quantized is not None and self.widen_to is not None
+                and current.compute_dtype is None):
+            return widen_quantized(self.widen_to)
         if type(current) is not UnquantizedFusedMoEMethod or current.compute_dtype is not None:
             return current
         w = layer.gate_up_proj

@@ -101,6 +101,13 @@ class FusedMoE(nn.Module):
                 f"intermediate_size={self.intermediate_size}, "
                 f"method={self.method.describe()}")
 
+    def use_method(self, method: FusedMoEMethod, dtype: torch.dtype | None = None) -> None:
+        """Before loading: keep the experts as `method` registers them (a quantized
+        checkpoint's layout: models/quantized_layers.py)."""
+        self.method = method
+        method.create_weights(self, self.num_experts, self.hidden_size,
+                              self.intermediate_size, dtype)
+
     def set_method(self, method: FusedMoEMethod) -> None:
         """Run through `method` from now on (the platform's choice, after loading)."""
         method.process_weights_after_loading(self)

@@ -10,8 +10,9 @@ call it.
   CPU kernels' packed layouts for decode-sized inputs, each over a fallback method;
 - fused_moe.py: the grouped expert GEMMs and `UnquantizedFusedMoEMethod`,
   `SyncFreeFusedMoEMethod` (CUDA), `PackedBf16FusedMoEMethod` (CPU);
-- fp8.py: `Fp8BlockLinearMethod`, block-scaled e4m3 weights (FP8 checkpoints as
-  published), given to a layer before loading (models/quantized_layers.py).
+- fp8.py: `Fp8BlockLinearMethod` and `Fp8BlockFusedMoEMethod` (stacked experts),
+  block-scaled e4m3 weights (FP8 checkpoints as published), given to a layer before
+  loading (models/quantized_layers.py).
 
 A quantized format plugs in as another method pair: its `create_weights` registers
 what its checkpoint holds (packed integers, scales), its `apply` runs its kernel.
@@ -19,7 +20,8 @@ what its checkpoint holds (packed integers, scales), its `apply` runs its kernel
 from tokenmill.models.layers.linear_methods.base import ALL_ROWS, FusedMoEMethod, LinearMethod
 from tokenmill.models.layers.linear_methods.cpu_packed import (PackedBf16LinearMethod,
                                                                PackedF32LinearMethod)
-from tokenmill.models.layers.linear_methods.fp8 import Fp8BlockLinearMethod
+from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
+                                                        Fp8BlockLinearMethod)
 from tokenmill.models.layers.linear_methods.fused_moe import (PackedBf16FusedMoEMethod,
                                                               SyncFreeFusedMoEMethod,
                                                               UnquantizedFusedMoEMethod)
@@ -29,7 +31,7 @@ from tokenmill.models.layers.linear_methods.unquantized import (OneDNNPrepackedL
 __all__ = ["ALL_ROWS", "LinearMethod", "FusedMoEMethod", "UnquantizedLinearMethod",
            "OneDNNPrepackedLinearMethod", "PackedBf16LinearMethod", "PackedF32LinearMethod",
            "UnquantizedFusedMoEMethod", "SyncFreeFusedMoEMethod", "PackedBf16FusedMoEMethod",
-           "Fp8BlockLinearMethod", "widen_gemms"]
+           "Fp8BlockLinearMethod", "Fp8BlockFusedMoEMethod", "widen_gemms"]
 
 
 def widen_gemms(model, dtype) -> int:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.models.layers.linear_methods.base import LinearMethod
+from tokenmill.models.layers.linear_methods.base import FusedMoEMethod, LinearMethod
+from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
 
 FP8_DTYPE = torch.float8_e4m3fn
 # Elements of W dequantized at once (rounded down to whole block rows, at least one).
@@ -105,6 +106,71 @@ class Fp8BlockLinearMethod(LinearMethod):
     def dense_weight(self, layer) -> torch.Tensor:
         return dequantize_block_fp8(layer.weight.detach(), layer.weight_scale_inv.detach(),
                                     self.block_size, self.dtype)
+
+    def describe(self) -> str:
+        bn, bk = self.block_size
+        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
+        return f"{type(self).__name__}([{bn}, {bk}]{wide})"
+
+
+class DequantizedExperts:
+    """Stacked e4m3 experts [E, N, K] + scales [E, ceil(N/bn), ceil(K/bk)] read as the
+    stacked matrices `fused_experts` indexes: `[e]` dequantizes expert e (a transient
+    [N, K] in `dtype`), so no dequantized copy of all experts exists at once."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 block_size: tuple[int, int], dtype: torch.dtype):
+        self.weight, self.scale_inv = weight, scale_inv
+        self.block_size, self.dtype = block_size, dtype
+        self.shape = weight.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return dequantize_block_fp8(self.weight[e], self.scale_inv[e], self.block_size,
+                                    self.dtype)
+
+
+class Fp8BlockFusedMoEMethod(FusedMoEMethod):
+    """The experts' grouped GEMMs over block-scaled e4m3 weights (W8A16, as
+    Fp8BlockLinearMethod). `gate_up_proj` [E, 2I, H] stacks gate rows then up rows,
+    each whole block rows (I a multiple of bn), so one scale tensor
+    [E, 2I/bn, ceil(H/bk)] covers both; `down_proj` [E, H, I]. `compute_dtype`: the
+    GEMMs' dtype where the platform widens; None: the activations'."""
+
+    def __init__(self, block_size: tuple[int, int],
+                 compute_dtype: torch.dtype | None = None):
+        bn, bk = block_size
+        self.block_size = (int(bn), int(bk))
+        self.compute_dtype = compute_dtype
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
+        bn, bk = self.block_size
+        if intermediate_size % bn:
+            raise ValueError(f"fp8 experts: intermediate size {intermediate_size} is not a "
+                             f"multiple of the block's {bn} rows (gate and up scales would "
+                             f"share a block row)")
+        e, h, i = num_experts, hidden_size, intermediate_size
+
+        def param(*shape, dtype):
+            init = torch.ones if dtype == torch.float32 else torch.zeros
+            return nn.Parameter(init(*shape, dtype=dtype), requires_grad=False)
+
+        layer.gate_up_proj = param(e, 2 * i, h, dtype=FP8_DTYPE)
+        layer.gate_up_proj_scale_inv = param(e, 2 * i // bn, cdiv(h, bk), dtype=torch.float32)
+        layer.down_proj = param(e, h, i, dtype=FP8_DTYPE)
+        layer.down_proj_scale_inv = param(e, cdiv(h, bn), cdiv(i, bk), dtype=torch.float32)
+
+    def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
+        """The same method (weights untouched) with its GEMMs in `dtype`."""
+        return Fp8BlockFusedMoEMethod(self.block_size, dtype)
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        dtype = self.compute_dtype or x.dtype
+        w13 = DequantizedExperts(layer.gate_up_proj, layer.gate_up_proj_scale_inv,
+                                 self.block_size, dtype)
+        w2 = DequantizedExperts(layer.down_proj, layer.down_proj_scale_inv,
+                                self.block_size, dtype)
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, dtype,
+                             activation=layer.activation)
 
     def describe(self) -> str:
         bn, bk = self.block_size

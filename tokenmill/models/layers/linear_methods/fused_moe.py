@@ -53,7 +53,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   sync_free: bool = False, activation: str = "silu") -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t.
 
-    x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]; `activation` of
+    x [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I] (or, without
+    `packed` / `sync_free`, anything with `.shape` whose `[e]` is expert e's matrix in
+    `compute_dtype`: fp8's per-expert dequantization); `activation` of
     the gate (ACTIVATIONS). The GEMMs
     run in `compute_dtype` (the weights' dtype) when given; their results are
     rounded to x's dtype after each GEMM, as a widened `Linear` does. With
