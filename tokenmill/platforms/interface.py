@@ -36,6 +36,9 @@ class Platform:
     activation: str = "torch"       # silu_mul / gelu_tanh_mul: "native" / "torch"
     lm_head: str = "full"           # "greedy_int8" (int8-screened argmax) or "full"
     greedy_head_max_rows: int = 0   # rows that take greedy_int8 (0: never)
+    # Integer-quantized layers (GPTQ / AWQ / int8): inputs of up to this many rows take
+    # the native W8A16 / W4A16 kernel, larger ones dequantized tiles (0: never native).
+    quantized_max_rows: int = 0
     decode_layers: bool = False     # a decode step's layers in one native call
     linear_attention: str = "torch"  # Gated DeltaNet kernels: "fla" or "torch"
     cuda_graphs: bool = False       # decode steps replayed from captured graphs
@@ -132,8 +135,10 @@ class Platform:
         widened = 0
         for module in model.modules():
             if isinstance(module, Linear):
-                method = self.linear_method(module, shared=seen.get(id(module.weight), 0) > 1)
-                dtype = module.weight.dtype
+                # (an integer-quantized layer has no `weight` until its method converts)
+                w = getattr(module, "weight", None)
+                method = self.linear_method(module, shared=seen.get(id(w), 0) > 1)
+                dtype = w.dtype if w is not None else module.method.dtype
             elif isinstance(module, FusedMoE):
                 method, dtype = self.moe_method(module), module.gate_up_proj.dtype
             else:
@@ -165,6 +170,11 @@ class Platform:
             ALL_ROWS, OneDNNPrepackedLinearMethod, PackedBf16LinearMethod,
             PackedF32LinearMethod, UnquantizedLinearMethod)
         current = layer.method
+        bind_kernels = getattr(current, "for_platform", None)
+        if bind_kernels is not None:  # integer formats (linear_methods/quantized_linear.py)
+            on_cpu = self.device == "cpu" and self.quantized_max_rows > 0
+            return bind_kernels(self.ops if on_cpu else None, self.widen_to,
+                                self.quantized_max_rows if on_cpu else 0)
         widen_quantized = getattr(current, "with_compute_dtype", None)
         if (widen_quantized is not None and self.widen_to is not None
                 and current.compute_dtype is None):

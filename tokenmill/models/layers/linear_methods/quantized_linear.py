@@ -1,0 +1,92 @@
+"""The linear method of integer-quantized layers (GPTQ, AWQ, compressed-tensors, int8
+made at load): one base that every such format subclasses with its checkpoint layout.
+
+A format's subclass says what its checkpoint holds and how to read it:
+
+- `create_weights` registers the checkpoint's tensors (packed words, scales, zero
+  points, g_idx) under the checkpoint's names, for the loader to fill;
+- `to_quantized(layer)` turns them into the canonical `QuantizedWeight`
+  (quantized_weight.py) once, after loading;
+- `CHECKPOINT_TENSORS`: the names it registered, dropped from the layer once converted.
+
+The base does the rest the same way for every format: after loading it converts,
+checks and keeps the canonical form (`self.qweight`), leaves `layer.weight` as a
+meta tensor [N, K] in the model's dtype (its shape and dtype stay readable, any use
+of its data fails loudly) and multiplies through `reference_linear`: tiles of rows
+dequantized and multiplied one at a time, never a dequantized copy of the matrix.
+
+The platform (`Platform.linear_method`) hands a quantized method its kernels through
+`for_platform`: the native CPU module, the dtype its GEMMs compute in where the
+platform widens, and the row count up to which the packed kernel takes an input.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear_methods.base import LinearMethod
+from tokenmill.models.layers.linear_methods.quantized_weight import (QuantizedWeight,
+                                                                     reference_linear)
+
+
+class QuantizedLinearMethod(LinearMethod):
+    CHECKPOINT_TENSORS: tuple[str, ...] = ()
+    ops = None           # the native kernels module (for_platform), or None
+    max_rows = 0         # inputs of up to this many rows take the native kernel
+    compute_dtype: torch.dtype | None = None  # the GEMMs' dtype (None: the input's)
+    qweight: QuantizedWeight | None = None
+
+    # ---- what a format implements --------------------------------------------------
+    def create_weights(self, layer, in_features, out_features, bias, dtype=None):
+        raise NotImplementedError
+
+    def to_quantized(self, layer) -> QuantizedWeight:
+        raise NotImplementedError
+
+    # ---- the same for every format -------------------------------------------------
+    def _register_bias(self, layer, out_features: int, bias: bool, dtype) -> None:
+        """The model's dtype (the bias's, dense_weight's) and the bias parameter."""
+        self.dtype = dtype or torch.get_default_dtype()
+        layer.register_parameter(
+            "bias", nn.Parameter(torch.zeros(out_features, dtype=self.dtype),
+                                 requires_grad=False) if bias else None)
+
+    def for_platform(self, ops, compute_dtype: torch.dtype | None,
+                     max_rows: int) -> "QuantizedLinearMethod":
+        """This method (checkpoint tensors untouched) with the platform's kernels."""
+        method = copy.copy(self)
+        method.ops, method.compute_dtype, method.max_rows = ops, compute_dtype, max_rows
+        return method
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.qweight is not None:  # converted already (a method chosen twice)
+            return
+        where = f"quantized layer [{layer.out_features}, {layer.in_features}]"
+        qw = self.to_quantized(layer).check(where)
+        if qw.shape != (layer.out_features, layer.in_features):
+            raise ValueError(f"{where}: the checkpoint's tensors give a "
+                             f"{list(qw.shape)} matrix")
+        for name in self.CHECKPOINT_TENSORS:
+            if name in layer._parameters:
+                del layer._parameters[name]
+            elif hasattr(layer, name):
+                delattr(layer, name)
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features, dtype=self.dtype,
+                        device="meta"), requires_grad=False)
+        self.qweight = qw
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return reference_linear(self.qweight, x, layer.bias, self.compute_dtype)
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return self.qweight.dequantize(self.dtype)
+
+    def describe(self) -> str:
+        qw = self.qweight
+        shape = "" if qw is None else (f"{qw.bits}-bit, group {qw.group_size}"
+                                       f"{', act-order' if qw.perm is not None else ''}")
+        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
+        return f"{type(self).__name__}({shape}{wide})"
