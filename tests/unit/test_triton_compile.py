@@ -66,3 +66,18 @@ def test_cli_refuses_an_unknown_architecture(tmp_path):
     proc, _ = _start(tmp_path, "bad", "--arch", "75")
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "--arch" in log and "75" in log
+
+
+@pytest.mark.timeout(600)
+def test_quantized_gemms_compile_for_the_a100_and_h100_without_spills(tmp_path):
+    # The W4A16 / W8A16 / FP8 GEMMs (ops/triton_quant_linear.py): every format and
+    # activation dtype at a decode- and a prefill-sized input, on sm_80 (no fp8 type:
+    # the e4m3 decode is integer ops) and sm_90.
+    from tokenmill.ops.triton_compile import QUANT_KERNELS, QUANT_SHAPES
+    results = _finish(*_start(tmp_path, "quant", "--quantized", "--arch", "80,90"))
+    assert {r["arch"] for r in results} == {80, 90}
+    assert {r["shape"] for r in results} == set(QUANT_SHAPES)
+    assert {r["kernel"] for r in results} == set(QUANT_KERNELS)
+    for r in results:
+        assert 0 <= r["shared"] <= r["max_shared"], r
+        assert r["spill_bytes"] == 0, r

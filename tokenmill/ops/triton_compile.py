@@ -88,14 +88,14 @@ class CompiledKernel:
     spill_bytes: int  # local memory per thread (register spills)
 
 
-def load_kernels():
-    """ops/triton_attention.py loaded as a private copy (its wrappers call the
+def load_kernels(filename: str = "triton_attention.py"):
+    """An ops/ kernel module loaded as a private copy (its wrappers call the
     module's kernel names, which `compile_launches` swaps for compilers)."""
     if envs.triton_interpret():
         raise RuntimeError("run without TRITON_INTERPRET: the interpreter replaces "
                            "Triton's own jit functions at import")
-    path = Path(__file__).with_name("triton_attention.py")
-    spec = importlib.util.spec_from_file_location("_triton_attention_aot", path)
+    path = Path(__file__).with_name(filename)
+    spec = importlib.util.spec_from_file_location(f"_{path.stem}_aot", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -164,12 +164,43 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["LOCAL"]) + int(fields["STACK"])
 
 
-def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES) -> list[CompiledKernel]:
-    """Each distinct kernel of each shape compiled for each architecture."""
+# The quantized-weight GEMMs (ops/triton_quant_linear.py): a layer of each format in
+# the activation dtypes a GPU serves, at a decode-sized and a prefill-sized input.
+QUANT_KERNELS = ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel")
+QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int8 per channel",
+                                                    "fp8 block 128")
+                     for dtype in ("bfloat16", "float16", "float32"))
+
+
+def _launch_quant(module, label: str) -> None:
+    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    n, k = 256, 512
+    dtype = getattr(torch, label.rsplit(" ", 1)[1])
+    for rows in (1, 64):
+        x = torch.zeros(rows, k, dtype=dtype)
+        if label.startswith("fp8"):
+            w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+            layer = module.Fp8WeightTriton(w, torch.ones(n // 128, k // 128), (128, 128))
+        else:
+            bits, group = (4, 128) if label.startswith("int4") else (8, k)
+            qw = QuantizedWeight(torch.zeros(n, k, dtype=torch.uint8),
+                                 torch.ones(n, k // group),
+                                 torch.zeros(n, k // group, dtype=torch.uint8), bits, group)
+            layer = module.IntWeightTriton(qw, "cpu")
+        layer.linear(x, torch.zeros(n))
+
+
+def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES,
+                     quantized: bool = False) -> list[CompiledKernel]:
+    """Each distinct kernel of each shape compiled for each architecture: the attention
+    kernels' shapes, or (`quantized`) the quantized GEMMs'."""
     from triton.backends.compiler import GPUTarget
 
-    module = load_kernels()
-    jit = {name: getattr(module, name) for name in KERNELS}
+    if quantized:
+        module, names, shapes = load_kernels("triton_quant_linear.py"), QUANT_KERNELS, QUANT_SHAPES
+    else:
+        module, names = load_kernels(), KERNELS
+    jit = {name: getattr(module, name) for name in names}
     results = []
     try:
         for arch in archs:
@@ -178,12 +209,15 @@ def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES) -> list[CompiledKer
                 compiled: dict = {}
                 for name, fn in jit.items():
                     setattr(module, name, _Compile(fn, target, compiled))
-                _launch_all(module, shape)
+                if quantized:
+                    _launch_quant(module, shape)
+                else:
+                    _launch_all(module, shape)
                 for kernel in compiled.values():
                     regs, spill = _resources(kernel.asm["cubin"])
                     meta = kernel.metadata
                     results.append(CompiledKernel(
-                        arch, shape.label, meta.name, meta.num_warps, meta.num_stages,
+                        arch, shape if quantized else shape.label, meta.name, meta.num_warps, meta.num_stages,
                         meta.shared, MAX_SHARED[arch], regs, spill))
     finally:
         for name, fn in jit.items():
@@ -197,6 +231,9 @@ def main(argv=None) -> int:
                         help="compute capabilities, e.g. 80,90 (default: %(default)s)")
     parser.add_argument("--head-sizes", help="only the shapes with these head sizes, e.g. "
                         "256,512 (default: all of SHAPES)")
+    parser.add_argument("--quantized", action="store_true",
+                        help="the quantized-weight GEMMs (ops/triton_quant_linear.py) "
+                             "instead of the attention kernels")
     parser.add_argument("--output-json", help="write every compiled kernel's resources here")
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.arch.split(",")]
@@ -210,7 +247,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--arch: no shared-memory limit known for {unknown}; "
                      f"known: {sorted(MAX_SHARED)}")
-    results = compile_launches(archs, shapes)
+    results = compile_launches(archs, shapes, quantized=args.quantized)
     over = [r for r in results if r.shared > r.max_shared]
     for r in results:
         flag = " OVER THE LIMIT" if r.shared > r.max_shared else ""

@@ -1,0 +1,87 @@
+"""The Triton quantized-weight GEMMs (tokenmill/ops/triton_quant_linear.py) against the
+PyTorch reference of each format, on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1 must be set before triton is imported). Tiny shapes: the
+interpreter runs each program in Python."""
+import os
+import sys
+
+import pytest
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported without TRITON_INTERPRET (an earlier module): run "
+                "this file on its own or after one that interprets", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+triton = pytest.importorskip("triton")
+tq = pytest.importorskip("tokenmill.ops.triton_quant_linear")
+
+from tokenmill.models.layers.linear_methods.fp8 import dequantize_block_fp8  # noqa: E402
+from tokenmill.models.layers.linear_methods.quantized_weight import (  # noqa: E402
+    QuantizedWeight, reference_linear)
+
+
+def _qw(n, k, bits, group, perm=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    top = 1 << bits
+    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
+                           torch.rand(n, groups, generator=g) * 0.02 + 1e-3,
+                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
+                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+
+
+@pytest.mark.parametrize("bits,n,k,group,rows,perm", [
+    (4, 70, 100, 32, 1, False),    # N not a multiple of the tile, K odd tail of groups
+    (4, 64, 131, 48, 3, True),     # odd K (a half-filled last byte), act-order
+    (8, 33, 96, 96, 20, False),    # one group per row, a second row tile
+    (8, 16, 64, 16, 2, True),
+])
+def test_int_weight_gemm_equals_the_reference(bits, n, k, group, rows, perm):
+    qw = _qw(n, k, bits, group, perm)
+    x = torch.randn(rows, k)
+    bias = torch.randn(n)
+    got = tq.IntWeightTriton(qw, "cpu").linear(x, bias)
+    torch.testing.assert_close(got, reference_linear(qw, x, bias), rtol=1e-5, atol=1e-5)
+    # A wrong zero point in one group of one row is seen.
+    bad = _qw(n, k, bits, group, perm)
+    bad.zeros[n // 2, 0] ^= 1
+    assert not torch.allclose(tq.IntWeightTriton(bad, "cpu").linear(x, bias),
+                              reference_linear(qw, x, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_int_weight_gemm_in_bf16_rounds_the_weights_as_a_bf16_model():
+    qw = _qw(40, 64, 4, 32)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    got = tq.IntWeightTriton(qw, "cpu").linear(x, None)
+    assert got.dtype == torch.bfloat16
+    want = F.linear(x.float(), qw.dequantize(torch.bfloat16).float())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_e4m3_decode_covers_every_finite_bit_pattern():
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(bits.view(torch.float8_e4m3fn).float())
+    w = bits[finite].view(1, -1).repeat(16, 1)  # [16, 254]: every finite pattern per row
+    k = w.shape[1]
+    scale = torch.ones(1, 1)
+    x = torch.eye(k)[:16]  # row r picks column r: y[r, n] = W[n, r]
+    fp8 = tq.Fp8WeightTriton(w.view(torch.float8_e4m3fn), scale, (16, k))
+    got = fp8.linear(torch.eye(k), None)  # [k, 16]: y[j, n] = W[n, j]
+    want = w.view(torch.float8_e4m3fn).float().t()
+    assert torch.equal(got, want)
+    del x
+
+
+@pytest.mark.parametrize("n,k,block,rows", [(70, 100, (32, 32), 1), (64, 128, (16, 64), 18)])
+def test_fp8_block_gemm_equals_the_dequantized_weights(n, k, block, rows):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.01 + 1e-3
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    got = tq.Fp8WeightTriton(w, s, block).linear(x, bias)
+    want = F.linear(x, dequantize_block_fp8(w, s, block), bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,197 @@
+"""Quantized-weight GEMMs in Triton for the CUDA path: W4A16 / W8A16 (the canonical
+integer form of GPTQ, AWQ, compressed-tensors and int8 made at load) and FP8 with
+block scales (DeepSeek-V3 / Qwen -FP8).
+
+Both read the weights in their stored width and dequantize a [BLOCK_K, BLOCK_N] tile
+in registers before the tile's dot product, so a layer's bytes read per step are its
+quantized bytes: what sets a decode step's speed. The dequantized value of each weight
+is the one the PyTorch reference computes ((code - zero) * scale, or e4m3 * scale_inv,
+in fp32), rounded to the activations' dtype before the dot (as a model holding the
+dequantized weights in that dtype would); fp32 models' dots use IEEE fp32 (no TF32).
+
+Device layouts, made once at load (`IntWeightTriton`, `Fp8WeightTriton`):
+- integer codes K-major: 8-bit [K, N] uint8; 4-bit [ceil(K/2), N] uint8, the code of
+  row k in byte k // 2's low nibble when k is even, its high nibble when odd;
+  scales [G, N] fp32 and zeros [G, N] uint8 (group g = k // group_size);
+- fp8: the checkpoint's e4m3 [N, K] read as bytes, and its scale_inv
+  [ceil(N/bn), ceil(K/bk)]. e4m3 is decoded with integer ops (its bits moved into
+  an fp16's, times 2^8, subnormals included), so the kernel needs no fp8 type:
+  the same code runs on sm_80, which has none.
+
+Act-order (`perm`) is applied to x by the caller. Imported only on the CUDA path or
+under TRITON_INTERPRET (the tests): it imports triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill import envs
+
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+               torch.float32: tl.float32}
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """uint8 e4m3 bits -> fp32: sign and exponent|mantissa moved into fp16 bit places
+    give the value times 2^-8 (the exponent biases differ by 8), subnormals too."""
+    h = ((b.to(tl.uint16) & 0x80) << 8) | ((b.to(tl.uint16) & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _dot(acc, x, w, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + x w with both rounded to DOT_DTYPE, fp32 accumulation. EMULATE (Triton's
+    interpreter, whose dot of in-kernel-converted bf16 is wrong): the rounded values
+    widened back and multiplied in fp32, the same products (a bf16 or fp16 product is
+    exact in fp32)."""
+    if EMULATE:
+        return acc + tl.dot(x.to(DOT_DTYPE).to(tl.float32), w.to(DOT_DTYPE).to(tl.float32),
+                            input_precision="ieee")
+    if IEEE:
+        return acc + tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision="ieee")
+    return acc + tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
+
+
+@triton.jit
+def _int_weight_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
+                            stride_xm, stride_ym,
+                            GROUP: tl.constexpr, BITS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        if BITS == 4:
+            byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :],
+                           mask=tile_ok, other=0)
+            code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
+        else:
+            code = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :],
+                           mask=tile_ok, other=0).to(tl.int32)
+        g = offs_k // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0.0)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0)
+        w = (code - z.to(tl.int32)).to(tl.float32) * s
+        acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
+                           stride_xm, stride_ym, stride_sn,
+                           BN: tl.constexpr, BK: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                           IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        # weight [N, K] row-major, read as the [BLOCK_K, BLOCK_N] tile of W^T
+        b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=tile_ok, other=0)
+        s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
+                    mask=tile_ok, other=0.0)
+        w = _e4m3_to_f32(b) * s
+        acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized inputs take 16-row tiles (tl.dot's
+    least); fp32 tiles are smaller (64 x 64 fp32 tiles spill registers on sm_80 / 90:
+    `python -m tokenmill.ops.triton_compile --quantized`)."""
+    if dtype == torch.float32:
+        return (16, 32, 32) if m <= 16 else (32, 32, 32)
+    return (16, 64, 64) if m <= 16 else (64, 64, 64)
+
+
+def _launch_args(x: torch.Tensor, n: int, bias: torch.Tensor | None, dtype):
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=dtype, device=x.device)
+    b = bias.to(torch.float32).contiguous() if bias is not None else y
+    bm, bn, bk = _tiles(m, dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    meta = dict(HAS_BIAS=bias is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
+                IEEE=dtype == torch.float32,
+                EMULATE=dtype != torch.float32 and envs.triton_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return x2, y, b, grid, meta
+
+
+class IntWeightTriton:
+    """A `QuantizedWeight` in the integer kernel's device layout (module docstring)."""
+
+    def __init__(self, qw, device):
+        n, k = qw.codes.shape
+        codes = qw.codes.t().contiguous()  # [K, N]
+        if qw.bits == 4:
+            if k % 2:
+                codes = torch.cat([codes, codes.new_zeros(1, n)])
+            codes = codes[0::2] | (codes[1::2] << 4)
+        self.w = codes.contiguous().to(device)
+        self.scales = qw.scales.t().contiguous().to(device)
+        self.zeros = qw.zeros.t().contiguous().to(device)
+        self.perm = qw.perm.to(device) if qw.perm is not None else None
+        self.n, self.k, self.bits, self.group = n, k, qw.bits, qw.group_size
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y = x W^T + b, in `dtype` (None: x's), shaped as x with N last."""
+        dtype = dtype or x.dtype
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        x2, y, b, grid, meta = _launch_args(x, self.n, bias, dtype)
+        _int_weight_gemm_kernel[grid](x2, self.w, self.scales, self.zeros, b, y,
+                                      x2.shape[0], self.n, self.k, x2.stride(0), y.stride(0),
+                                      GROUP=self.group, BITS=self.bits, **meta)
+        return y.view(*x.shape[:-1], self.n).to(x.dtype)
+
+
+class Fp8WeightTriton:
+    """Block-scaled e4m3 weights [N, K] (bytes) and their scale_inv on the device."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 block_size: tuple[int, int]):
+        self.w = weight.contiguous().view(torch.uint8)
+        self.scale_inv = scale_inv.to(torch.float32).contiguous()
+        self.n, self.k = weight.shape
+        self.block_size = block_size
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or x.dtype
+        x2, y, b, grid, meta = _launch_args(x, self.n, bias, dtype)
+        bn, bk = self.block_size
+        _fp8_block_gemm_kernel[grid](x2, self.w, self.scale_inv, b, y, x2.shape[0], self.n,
+                                     self.k, x2.stride(0), y.stride(0),
+                                     self.scale_inv.stride(0), BN=bn, BK=bk, **meta)
+        return y.view(*x.shape[:-1], self.n).to(x.dtype)
