@@ -1,8 +1,10 @@
 """A checkpoint the loader cannot place is an error, never a model that generates noise.
 
-Quantized formats other than FP8 with block scales (GPTQ, any unknown quant_method) are
-refused by name before a weight is read (block-scaled FP8 loads for dense models and
-its variants not implemented are refused: tests/models/test_fp8_checkpoint.py); a tensor that matches no parameter, a parameter the
+Quantized formats other than block-scaled FP8, GPTQ, AWQ and compressed-tensors
+pack-quantized (any unknown quant_method) are refused by name before a weight is read
+(the implemented ones and their variants not implemented: tests/models/test_fp8_*.py,
+test_gptq_checkpoint.py, test_awq_checkpoint.py, test_compressed_tensors_checkpoint.py,
+test_int_quant_refusals.py); a tensor that matches no parameter, a parameter the
 checkpoint does not fill and a weight of a non-floating dtype are each errors naming
 the tensor, for every architecture the parity suites build. EAGLE-3 / DFlash drafters
 are refused at start-up on targets that do not expose the hidden states they read.
@@ -109,11 +111,13 @@ def gptq_checkpoint(tm) -> tuple[dict, dict]:
                      "sym": True, "checkpoint_format": "gptq"}
 
 
-@pytest.mark.parametrize("fmt", ["gptq"])
+@pytest.mark.parametrize("fmt", ["hqq", "fbgemm_fp8"])
 def test_quantized_checkpoint_is_refused_by_method(qwen3, tmp_path, fmt, monkeypatch):
     """Refused naming the method, before any weight is read (the engine, the loader
-    and the plain ModelConfig all say so)."""
+    and the plain ModelConfig all say so): packed integer tensors under a method
+    tokenmill does not implement (GPTQ's layout itself loads: below)."""
     tensors, qc = gptq_checkpoint(qwen3)
+    qc = {**qc, "quant_method": fmt}
     path = write_variant(qwen3.path, str(tmp_path / fmt), tensors,
                          {**_config(qwen3), "quantization_config": qc})
 
@@ -122,7 +126,8 @@ def test_quantized_checkpoint_is_refused_by_method(qwen3, tmp_path, fmt, monkeyp
 
     monkeypatch.setattr(loader, "iter_checkpoint", no_reads)
     with pytest.raises(ValueError, match=rf"quantization_config.quant_method '{fmt}' is not "
-                                         r"implemented.*unquantized.*methods: fp8"):
+                                         r"implemented.*unquantized.*methods: awq, "
+                                         r"compressed-tensors, fp8, gptq"):
         make_llm(path)
     with pytest.raises(ValueError, match=f"quant_method '{fmt}'"):
         load_model(path, {**_config(qwen3), "quantization_config": qc}, torch.float32,
@@ -131,7 +136,8 @@ def test_quantized_checkpoint_is_refused_by_method(qwen3, tmp_path, fmt, monkeyp
 
 @pytest.mark.parametrize("qc, named", [
     ({"quant_method": "my_new_format", "bits": 3}, "'my_new_format'"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}, "'awq'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+      "version": "gemv"}, "awq version 'gemv' is not implemented"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
      "'compressed-tensors'"),
@@ -171,6 +177,17 @@ def test_real_layout_fp8_checkpoint_loads(qwen3, tmp_path):
                          {**_config(qwen3), "quantization_config": qc})
     model = load(path)
     assert isinstance(model.layers[0].self_attn.qkv_proj.method, Fp8BlockLinearMethod)
+
+
+def test_real_layout_gptq_checkpoint_loads(qwen3, tmp_path):
+    """The GPTQ layout that used to be refused by method now loads (its parity with
+    HF: tests/models/test_gptq_checkpoint.py)."""
+    from tokenmill.models.layers.linear_methods.gptq import GptqLinearMethod
+    tensors, qc = gptq_checkpoint(qwen3)
+    path = write_variant(qwen3.path, str(tmp_path / "gptq"), tensors,
+                         {**_config(qwen3), "quantization_config": qc})
+    model = load(path)
+    assert isinstance(model.layers[0].self_attn.qkv_proj.method, GptqLinearMethod)
 
 
 def test_fp8_tensors_without_their_config_are_refused(qwen3, tmp_path):

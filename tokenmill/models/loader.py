@@ -8,7 +8,9 @@ from torch import nn
 
 from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
                                             iter_checkpoint_lazy)
-from tokenmill.models.quantization import check_quantization, fp8_config
+from tokenmill.models.int_quant_layers import apply_int_quant, finish_int_quant
+from tokenmill.models.layers.linear_methods.int_layout import INT_TENSOR_KINDS
+from tokenmill.models.quantization import check_quantization, fp8_config, int_quant_config
 from tokenmill.models.quantized_layers import apply_fp8
 from tokenmill.models.registry import resolve_model_class
 
@@ -40,8 +42,12 @@ def _param_name(ckpt_name: str, packed: dict) -> tuple[str, int | None]:
 
 
 # Per-expert tensor kinds -> the suffix of the stacked parameter they fill: the weight,
-# and an fp8 checkpoint's block scales (stacked the same way, in block rows).
-EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale_inv"}
+# an fp8 checkpoint's block scales (stacked the same way, in block rows), and the
+# integer formats' tensors ("qweight" -> "{target}_qweight": quantized_moe.py).
+EXPERT_TENSORS = {"weight": "", "weight_scale_inv": "_scale_inv",
+                  **{kind: "_" + kind for kind in INT_TENSOR_KINDS}}
+# Longest first: a stacked parameter's name ends in exactly one of them.
+_EXPERT_SUFFIXES = sorted((s for s in EXPERT_TENSORS.values() if s), key=len, reverse=True)
 
 
 def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
@@ -60,9 +66,21 @@ def _expert_name(ckpt_name: str, experts: dict) -> tuple[str, int, int] | None:
     return ".".join(parts[:-3] + [target + EXPERT_TENSORS[parts[-1]]]), int(parts[-3]), shard
 
 
+def _expert_suffix(name: str) -> str:
+    """The EXPERT_TENSORS suffix a stacked parameter's name ends in ("" for the weight)."""
+    return next((s for s in _EXPERT_SUFFIXES if name.endswith(s)), "")
+
+
 def _expert_target(name: str) -> str:
     """"layers.1.mlp.experts.gate_up_proj_scale_inv" -> "gate_up_proj" (expert_modules')."""
-    return name.rsplit(".", 1)[-1].removesuffix("_scale_inv")
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf[:len(leaf) - len(_expert_suffix(leaf))]
+
+
+def _shard_dim(param) -> int:
+    """The dim a packed parameter's checkpoint shards concatenate along: 0, or the one
+    an integer format's layout marks (GPTQ / AWQ keep the output dim last)."""
+    return getattr(param, "shard_dim", 0)
 
 
 # Checkpoint tensors that no parameter takes, on purpose, for every model. Anything else
@@ -131,8 +149,9 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
             if shard_plan is not None:
                 tensor = shard_plan.take(name, shard, tensor)
             n_shards = num_expert_shards[_expert_target(name)]
-            rows = param.shape[1] // n_shards
-            _copy(param[e, shard * rows:(shard + 1) * rows], tensor, ckpt_name)
+            dim = _shard_dim(param)
+            rows = param.shape[1 + dim] // n_shards
+            _copy(param[e].narrow(dim, shard * rows, rows), tensor, ckpt_name)
             seen = expert_seen.setdefault(name, set())
             seen.add((e, shard))
             if len(seen) == param.shape[0] * n_shards:
@@ -152,7 +171,8 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
         parts[shard] = tensor
         target_short = name.rsplit(".", 2)[-2]
         if len(parts) == num_shards[target_short]:
-            _copy(params[name], torch.cat([parts[i] for i in range(len(parts))], dim=0), name)
+            _copy(params[name], torch.cat([parts[i] for i in range(len(parts))],
+                                          dim=_shard_dim(params[name])), name)
             loaded.add(name)
             del pending[name]
     if pending:
@@ -164,7 +184,9 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
                          f"{name}; incomplete: {sorted(pending)})")
     for name, seen in expert_seen.items():
         if name not in loaded:
-            kind = ".weight_scale_inv" if name.endswith("_scale_inv") else ""
+            suffix = _expert_suffix(name)
+            kind = next("." + k for k, v in EXPERT_TENSORS.items() if v == suffix and v)\
+                if suffix else ""
             shards = {shard: source + kind for source, (target, shard) in experts.items()
                       if target == _expert_target(name)}
             absent = [f"{e}.{shards[s]}" for e in range(params[name].shape[0])
@@ -190,6 +212,11 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != "
                          f"model shape {tuple(param.shape)}")
+    if not param.is_floating_point() and (tensor.is_floating_point()
+                                          or tensor.dtype == torch.bool):
+        # An integer format's packed words or indices: integers only, never values.
+        raise ValueError(f"weight {name}: checkpoint dtype {tensor.dtype} where the "
+                         f"quantized layer holds integers ({param.dtype})")
     if param.is_floating_point() and param.dtype not in _VALUE_DTYPES:
         # A quantized layer's parameter (fp8 weights): its own dtype and nothing else.
         if tensor.dtype != param.dtype:
@@ -213,12 +240,18 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     where = f"checkpoint {model_dir}"
     check_quantization(hf_config, where)
     fp8 = fp8_config(hf_config, where)
+    intq = int_quant_config(hf_config, where)
     cls = resolve_model_class(hf_config)
     tp = tp_group is not None and tp_group.size > 1
     if tp and fp8 is not None:
         raise ValueError(f"{where}: fp8 checkpoints with tensor parallelism "
                          f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
                          f"the block scales would have to be sharded with the weights")
+    if tp and intq is not None:
+        raise ValueError(f"{where}: {intq.method} checkpoints with tensor parallelism "
+                         f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
+                         f"the packed words, scales and zero points would have to be "
+                         f"sharded with the weights")
     if tp:
         from tokenmill.models import tensor_parallel
         tensor_parallel.check_divisible(hf_config, tp_group.size, cls)
@@ -240,6 +273,14 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                 if n == 0:
                     logger.warning("%s: quantization_config says fp8 but no layer's weights "
                                    "are e4m3: loading it as an unquantized checkpoint", where)
+            if intq is not None:
+                n = apply_int_quant(model, intq, checkpoint_header(model_dir), dtype, where)
+                logger.info("%s: %d layers (Linear, MoE experts) load %s weights "
+                            "(activations stay %s)", where, n, intq.method, dtype)
+                if n == 0:
+                    logger.warning("%s: quantization_config says %s but no layer's weights "
+                                   "are stored in it: loading it as an unquantized "
+                                   "checkpoint", where, intq.method)
     finally:
         torch.set_default_dtype(torch_default)
     if tp:
@@ -249,6 +290,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:
         load_weights(model, model_dir)
+    if intq is not None:
+        finish_int_quant(model)
     platform.prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

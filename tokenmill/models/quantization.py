@@ -12,14 +12,29 @@ Linear layers (`parse_fp8_config` validates the config here; models/quantized_la
 gives the layers the checkpoint quantizes their method before the weights load). Each
 variant of it not implemented is refused by name: e5m2, static activation scales,
 per-tensor scales (no weight_block_size).
+
+The integer formats, weights only (activations stay in the model's dtype): "gptq"
+(4 / 8 bits, any group size, act-order, both zero-point conventions), "awq" (4-bit
+GEMM layout with zero points) and "compressed-tensors" pack-quantized W4A16 / W8A16
+(group or channel scales, symmetric or not); `int_quant_config` validates them into
+`GptqConfig` / `AwqConfig` / `CompressedTensorsConfig` (models/int_quant_layers.py
+places them). Their variants not implemented are refused by name: other bit widths,
+GPTQ's marlin / bitblas / ... formats, AWQ's gemv / exllama / marlin versions and
+zero_point false, compressed-tensors' float-quantized FP8, activation quantization
+(W8A8, W4A8), sparsity, KV-cache schemes.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # quant_method -> what implements it.
 IMPLEMENTED: dict[str, str] = {
     "fp8": "block-scaled e4m3 weights of dense layers (layers/linear_methods/fp8.py)",
+    "gptq": "GPTQ 4 / 8-bit weights, dense and MoE (layers/linear_methods/gptq.py)",
+    "awq": "AWQ 4-bit GEMM-layout weights, dense and MoE (layers/linear_methods/awq.py)",
+    "compressed-tensors": "pack-quantized W4A16 / W8A16 weights, dense and MoE "
+                          "(layers/linear_methods/compressed_tensors.py)",
 }
 
 # The config keys transformers writes a checkpoint's quantization under.
@@ -134,9 +149,230 @@ def check_quantization(hf_config: dict, where: str, implemented=None) -> str | N
     if method.lower() in implemented:
         if method.lower() == "fp8":
             fp8_config(hf_config, where)
+        int_quant_config(hf_config, where)  # the integer formats' (below)
         return method.lower()
     implemented = ", ".join(sorted(implemented)) or "none (for this loader)"
     raise ValueError(
         f"{where}: {key}.quant_method {method!r} is not implemented; tokenmill loads "
         f"unquantized (bf16 / fp16 / fp32) checkpoints and these quantization methods: "
         f"{implemented}. Loading its weights without their scales would generate noise.")
+
+
+# ---- integer formats: gptq, awq, compressed-tensors ------------------------------------
+
+def _int_field(qc: dict, keys: tuple[str, ...], where: str, what: str, default=None):
+    for key in keys:
+        if key in qc:
+            v = qc[key]
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{where}: {what} {key} must be an int, got {v!r}")
+            return v
+    if default is None:
+        raise ValueError(f"{where}: {what} has no {keys[0]}")
+    return default
+
+
+def _group_size(v: int, where: str, what: str) -> int:
+    if v != -1 and v <= 0:
+        raise ValueError(f"{where}: {what} group_size must be positive or -1 (one group "
+                         f"per row), got {v}")
+    return v
+
+
+def _names(qc: dict, key: str, where: str, what: str) -> tuple[str, ...]:
+    names = qc.get(key) or []
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: {what} {key} must be a list of module names, got {names!r}")
+    return tuple(names)
+
+
+def ignores_module(entries: tuple[str, ...], module: str) -> bool:
+    """Whether checkpoint module `module` is one of `entries`: a name equal to it, to a
+    prefix of it at a module boundary or to its tail (with or without "model."), or a
+    compressed-tensors "re:" pattern matching it."""
+    name = module.removeprefix("model.")
+    for e in entries:
+        if e.startswith("re:"):
+            if re.match(e[3:], module) or re.match(e[3:], name):
+                return True
+            continue
+        e = e.removeprefix("model.")
+        if name == e or name.startswith(e + ".") or name.endswith("." + e):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class GptqConfig:
+    """A validated gptq quantization_config (AutoGPTQ / GPTQModel)."""
+    bits: int
+    group_size: int             # -1: one group per row
+    desc_act: bool
+    sym: bool
+    checkpoint_format: str      # "gptq" (v1: zeros stored minus one) | "gptq_v2"
+    ignored: tuple[str, ...] = ()
+    method = "gptq"
+
+    @property
+    def v1_zeros(self) -> bool:
+        return self.checkpoint_format == "gptq"
+
+
+def parse_gptq_config(qc: dict, where: str) -> GptqConfig:
+    bits = _int_field(qc, ("bits",), where, "gptq")
+    if bits not in (4, 8):
+        raise ValueError(f"{where}: gptq bits {bits} is not implemented (tokenmill loads "
+                         f"4- and 8-bit GPTQ)")
+    group = _group_size(_int_field(qc, ("group_size",), where, "gptq", -1), where, "gptq")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}: gptq checkpoint_format {fmt!r} is not implemented "
+                         f"(tokenmill loads 'gptq' and 'gptq_v2')")
+    if qc.get("lm_head"):
+        raise ValueError(f"{where}: gptq lm_head true (a quantized lm_head) is not "
+                         f"implemented")
+    if qc.get("dynamic"):
+        raise ValueError(f"{where}: gptq dynamic (per-module bits / group overrides) is "
+                         f"not implemented")
+    pack = qc.get("pack_dtype", "int32")
+    if pack not in ("int32", "torch.int32"):
+        raise ValueError(f"{where}: gptq pack_dtype {pack!r} is not implemented (int32)")
+    for key in ("desc_act", "sym"):
+        if not isinstance(qc.get(key, False), bool):
+            raise ValueError(f"{where}: gptq {key} must be true or false")
+    return GptqConfig(bits, group, qc.get("desc_act", False), qc.get("sym", True), fmt,
+                      _names(qc, "modules_to_not_convert", where, "gptq"))
+
+
+@dataclass(frozen=True)
+class AwqConfig:
+    """A validated awq quantization_config (AutoAWQ, GEMM layout, zero points)."""
+    group_size: int
+    ignored: tuple[str, ...] = ()
+    bits = 4
+    method = "awq"
+
+
+def parse_awq_config(qc: dict, where: str) -> AwqConfig:
+    bits = _int_field(qc, ("bits", "w_bit"), where, "awq", 4)
+    if bits != 4:
+        raise ValueError(f"{where}: awq bits {bits} is not implemented (4-bit AWQ)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}: awq version {version!r} is not implemented (tokenmill "
+                         f"loads AWQ's 'gemm' layout)")
+    backend = str(qc.get("backend", "autoawq")).lower()
+    if backend not in ("autoawq", "auto_awq"):
+        raise ValueError(f"{where}: awq backend {backend!r} is not implemented (AutoAWQ's "
+                         f"layout)")
+    if qc.get("zero_point", True) is not True:
+        raise ValueError(f"{where}: awq zero_point false is not implemented (AutoAWQ's "
+                         f"GEMM layout stores zero points)")
+    group = _group_size(_int_field(qc, ("group_size", "q_group_size"), where, "awq", -1),
+                        where, "awq")
+    return AwqConfig(group, _names(qc, "modules_to_not_convert", where, "awq"))
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    """A validated compressed-tensors config: pack-quantized integer weights, one
+    scheme for every quantized layer, activations unquantized."""
+    bits: int
+    group_size: int | None      # None: strategy "channel"
+    symmetric: bool
+    ignored: tuple[str, ...] = ()
+    method = "compressed-tensors"
+
+
+def _ct_weights(group: dict, where: str) -> tuple[int, int | None, bool]:
+    """(bits, group_size or None, symmetric) of one config group, or refusal."""
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            raise ValueError(f"{where}: {key} (activation quantization: W8A8, W4A8, FP8 "
+                             f"activations) is not implemented; tokenmill loads weight-only "
+                             f"W4A16 / W8A16")
+    fmt = group.get("format")
+    if fmt not in (None, "pack-quantized"):
+        raise ValueError(f"{where}: config group format {fmt!r} is not implemented "
+                         f"(pack-quantized)")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}: a config group has no weights scheme")
+    if w.get("type", "int") != "int":
+        raise ValueError(f"{where}: weights type {w.get('type')!r} (FP8 / FP4 weights) is "
+                         f"not implemented; tokenmill loads int weights")
+    bits = w.get("num_bits")
+    if bits not in (4, 8):
+        raise ValueError(f"{where}: weights num_bits {bits!r} is not implemented (4, 8)")
+    if w.get("dynamic", False):
+        raise ValueError(f"{where}: dynamic weight quantization is not implemented")
+    strategy = w.get("strategy")
+    if strategy == "channel":
+        size = None
+    elif strategy == "group":
+        size = w.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"{where}: strategy 'group' needs a positive group_size, got "
+                             f"{size!r}")
+    else:
+        raise ValueError(f"{where}: weights strategy {strategy!r} is not implemented "
+                         f"('group', 'channel')")
+    sym = w.get("symmetric", True)
+    if not isinstance(sym, bool):
+        raise ValueError(f"{where}: weights symmetric must be true or false")
+    return bits, size, sym
+
+
+def parse_compressed_tensors_config(qc: dict, key: str, where: str) -> CompressedTensorsConfig:
+    where = f"{where}: {key}.quant_method 'compressed-tensors'"
+    if "config_groups" not in qc and isinstance(qc.get("quantization_config"), dict):
+        qc = {**qc["quantization_config"], **{k: v for k, v in qc.items()
+                                             if k != "quantization_config"}}
+    fmt = qc.get("format")
+    if fmt == "float-quantized":
+        raise ValueError(f"{where}: format 'float-quantized' (FP8 weights with "
+                         f"weight_scale) is not implemented; tokenmill loads FP8 as the "
+                         f"block-scaled quant_method 'fp8' and integer 'pack-quantized'")
+    if fmt != "pack-quantized":
+        raise ValueError(f"{where}: format {fmt!r} is not implemented (tokenmill loads "
+                         f"'pack-quantized' W4A16 / W8A16)")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"{where}: quantization_status {status!r} is not implemented "
+                         f"(the weights are not stored packed)")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and (sparsity.get("format") or "dense") != "dense":
+        raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
+                         f"(2:4 / bitmask sparsity) is not implemented")
+    for field in ("kv_cache_scheme", "transform_config"):
+        if qc.get(field):
+            raise ValueError(f"{where}: {field} is not implemented")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
+                         f"scheme to load")
+    schemes = {_ct_weights(g if isinstance(g, dict) else {}, f"{where}: config group {n!r}")
+               for n, g in groups.items()}
+    if len(schemes) > 1:
+        raise ValueError(f"{where}: config groups with different weight schemes "
+                         f"{sorted(schemes, key=str)} are not implemented")
+    bits, size, sym = schemes.pop()
+    return CompressedTensorsConfig(bits, size, sym, _names(qc, "ignore", where, "config"))
+
+
+def int_quant_config(hf_config: dict, where: str = "checkpoint"):
+    """The checkpoint's validated integer-format config (GptqConfig, AwqConfig,
+    CompressedTensorsConfig), None when it is not quantized with one of them."""
+    found = quantization_method(hf_config, where)
+    if found is None:
+        return None
+    key, method = found
+    qc = quantization_config(hf_config)
+    method = method.lower()
+    if method == "gptq":
+        return parse_gptq_config(qc, where)
+    if method == "awq":
+        return parse_awq_config(qc, where)
+    if method == "compressed-tensors":
+        return parse_compressed_tensors_config(qc, key, where)
+    return None

@@ -1,0 +1,131 @@
+"""What an integer-quantized checkpoint format holds per matrix, and the linear method
+that loads it: one `IntLayout` per format (gptq.py, awq.py, compressed_tensors.py)
+says which tensors a [N, K] matrix is stored as (kind -> shape, dtypes) and turns
+them into the canonical `QuantizedWeight`; `IntLinearMethod` registers them on a
+`Linear` for the loader and converts them after loading (QuantizedLinearMethod);
+the MoE experts' method (quantized_moe.py) stacks the same tensors per expert.
+
+Packed layers (q | k | v -> qkv_proj, gate | up -> gate_up_proj): the loader
+concatenates the shards' tensors along each parameter's `shard_dim` (GPTQ and AWQ
+keep the output dim last, compressed-tensors first), so a layer's parameters are
+the concatenation of its shards' checkpoint tensors. Per-shard metadata that does
+not concatenate (g_idx over the shared input, compressed-tensors' weight_shape) is
+stacked along dim 0 and checked shard by shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
+from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+
+# Every tensor kind an integer format stores per matrix (the loader stacks experts' by it).
+INT_TENSOR_KINDS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                    "weight_zero_point", "weight_shape", "weight_g_idx")
+# Safetensors dtype names -> torch dtypes a layout accepts.
+SCALE_DTYPES = ("F16", "BF16", "F32")
+INDEX_DTYPES = ("I32", "I64")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor of a matrix: its shape, the safetensors dtypes the
+    checkpoint may store it in, the parameter's dtype (scales widen to fp32 exactly,
+    indices to int64) and the dim the loader concatenates packed shards along."""
+    shape: tuple[int, ...]
+    header_dtypes: tuple[str, ...]
+    dtype: torch.dtype
+    shard_dim: int = 0
+
+
+class IntLayout:
+    """A format's tensors for one matrix [n, k] (a shard of a packed layer)."""
+    name = "integer"
+    marker = "qweight"  # the tensor kind whose presence says a module is quantized
+    KINDS: tuple[str, ...] = ()  # every kind the format may store (optional ones too)
+
+    def specs(self, k: int, n: int) -> dict[str, TensorSpec]:
+        """Kind -> spec of the tensors this layout reads for a [n, k] matrix."""
+        raise NotImplementedError
+
+    def out_features(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """N of a checkpoint matrix, from its tensors' shapes (kind -> shape)."""
+        raise NotImplementedError
+
+    def whole_words(self, n: int) -> bool:
+        """Whether a shard of n rows ends on a word boundary of every tensor packed
+        along the output dim (else its words cannot be concatenated with the next)."""
+        return True
+
+    def convert(self, t: dict[str, torch.Tensor], k: int, shards: tuple[int, ...],
+                where: str) -> QuantizedWeight:
+        """The canonical form of the concatenated tensors of `shards` (rows each)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+def packed_specs(layout: IntLayout, k: int, shards: tuple[int, ...]) -> dict[str, TensorSpec]:
+    """Specs of a packed layer's parameters: its shards' concatenated along shard_dim."""
+    per = [layout.specs(k, n) for n in shards]
+    out = {}
+    for kind, spec in per[0].items():
+        d = spec.shard_dim
+        size = sum(p[kind].shape[d] for p in per)
+        shape = spec.shape[:d] + (size,) + spec.shape[d + 1:]
+        out[kind] = TensorSpec(shape, spec.header_dtypes, spec.dtype, d)
+    return out
+
+
+def make_params(layout: IntLayout, k: int, shards: tuple[int, ...],
+                experts: int | None = None) -> dict[str, nn.Parameter]:
+    """The parameters the loader fills (zeros until it does), each marked with its
+    `shard_dim`; `experts`: stacked along a leading expert dim."""
+    params = {}
+    for kind, spec in packed_specs(layout, k, shards).items():
+        shape = spec.shape if experts is None else (experts, *spec.shape)
+        p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
+        p.shard_dim = spec.shard_dim
+        params[kind] = p
+    return params
+
+
+def split_shards(t: torch.Tensor, shards: int, name: str, where: str) -> torch.Tensor:
+    """Per-shard metadata stacked along dim 0 -> its one value, checked the same in
+    every shard (a packed layer's shards share their input)."""
+    parts = t.reshape(shards, -1)
+    if not all(torch.equal(parts[0], p) for p in parts[1:]):
+        raise ValueError(f"{where}: the shards of the packed layer have different {name}: "
+                         f"one act-order permutation per layer is implemented")
+    return parts[0]
+
+
+class IntLinearMethod(QuantizedLinearMethod):
+    """A Linear whose weight is stored in `layout`'s tensors, `shards` rows per
+    checkpoint matrix packed into it (one entry: not packed)."""
+
+    def __init__(self, layout: IntLayout, shards: tuple[int, ...]):
+        self.layout, self.shards = layout, tuple(int(n) for n in shards)
+
+    def create_weights(self, layer, in_features, out_features, bias, dtype=None):
+        if sum(self.shards) != out_features:
+            raise ValueError(f"{self.layout.name} layer [{out_features}, {in_features}]: its "
+                             f"checkpoint matrices have {list(self.shards)} rows")
+        self._register_bias(layer, out_features, bias, dtype)
+        layer._parameters.pop("weight", None)  # the unquantized [N, K] it was built with
+        params = make_params(self.layout, in_features, self.shards)
+        self.CHECKPOINT_TENSORS = tuple(params)
+        for kind, p in params.items():
+            layer.register_parameter(kind, p)
+
+    def to_quantized(self, layer) -> QuantizedWeight:
+        t = {kind: getattr(layer, kind).detach() for kind in self.CHECKPOINT_TENSORS}
+        where = f"{self.layout.name} layer [{layer.out_features}, {layer.in_features}]"
+        return self.layout.convert(t, layer.in_features, self.shards, where)
+
+    def describe(self) -> str:
+        return f"{self.layout.describe()}: {super().describe()}"

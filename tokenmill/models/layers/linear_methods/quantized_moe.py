@@ -1,0 +1,103 @@
+"""MoE experts stored in an integer format (GPTQ, AWQ, compressed-tensors), per expert
+as published ("...experts.{e}.{gate_proj,up_proj,down_proj}.qweight", ...).
+
+The loader stacks each per-expert tensor into `{target}_{kind}` [E, ...] (gate and
+up concatenated along the tensor's `shard_dim`, as a packed Linear's shards), which
+this method registers; after loading each expert becomes two canonical
+`QuantizedWeight`s (gate | up [2I, H], down [H, I]), the stacked tensors are
+dropped, and `gate_up_proj` / `down_proj` stay as meta tensors of the model's dtype
+(their shapes and dtype readable, their data not). `fused_experts` runs over the
+experts that received tokens, each dequantized transiently for its GEMM (as fp8's
+DequantizedExperts): no dequantized copy of all experts exists at once.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
+from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
+from tokenmill.models.layers.linear_methods.int_layout import IntLayout, make_params
+from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+
+
+class QuantizedExperts:
+    """Per-expert QuantizedWeights read as the stacked matrices `fused_experts`
+    indexes: `[e]` is expert e's W [N, K] in `dtype`, dequantized on the spot."""
+
+    def __init__(self, weights: list[QuantizedWeight], dtype: torch.dtype):
+        self.weights, self.dtype = weights, dtype
+        n, k = weights[0].shape
+        self.shape = (len(weights), n, k)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.weights[e].dequantize(self.dtype)
+
+
+class QuantizedFusedMoEMethod(FusedMoEMethod):
+    """The experts' grouped GEMMs over integer-quantized weights in `layout`'s format
+    (W4A16 / W8A16: activations unquantized). `compute_dtype`: the GEMMs' dtype where
+    the platform widens; None: the activations'."""
+
+    TARGETS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, layout: IntLayout, compute_dtype: torch.dtype | None = None):
+        self.layout, self.compute_dtype = layout, compute_dtype
+        self.w13: list[QuantizedWeight] | None = None
+        self.w2: list[QuantizedWeight] | None = None
+
+    def _matrices(self, hidden: int, inter: int):
+        """(target, K, checkpoint matrices' rows) of each stacked projection."""
+        return (("gate_up_proj", hidden, (inter, inter)), ("down_proj", inter, (hidden,)))
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
+        self.dtype = dtype or torch.get_default_dtype()
+        self.kinds = {}
+        for target, k, shards in self._matrices(hidden_size, intermediate_size):
+            layer._parameters.pop(target, None)  # the unquantized stack it was built with
+            params = make_params(self.layout, k, shards, experts=num_experts)
+            self.kinds[target] = tuple(params)
+            for kind, p in params.items():
+                layer.register_parameter(f"{target}_{kind}", p)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.w13 is not None:  # converted already (the loader, then the platform)
+            return
+        e_count, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+        converted = {}
+        for target, k, shards in self._matrices(h, i):
+            experts = []
+            for e in range(e_count):
+                where = f"{self.layout.name} expert {e} {target} [{sum(shards)}, {k}]"
+                t = {kind: getattr(layer, f"{target}_{kind}")[e].detach()
+                     for kind in self.kinds[target]}
+                qw = self.layout.convert(t, k, shards, where).check(where)
+                if qw.shape != (sum(shards), k):
+                    raise ValueError(f"{where}: the checkpoint's tensors give a "
+                                     f"{list(qw.shape)} matrix")
+                experts.append(qw)
+            converted[target] = experts
+            for kind in self.kinds[target]:
+                del layer._parameters[f"{target}_{kind}"]
+            shape = (e_count, sum(shards), k)
+            layer.register_parameter(target, nn.Parameter(
+                torch.empty(shape, dtype=self.dtype, device="meta"), requires_grad=False))
+        self.w13, self.w2 = converted["gate_up_proj"], converted["down_proj"]
+
+    def with_compute_dtype(self, dtype: torch.dtype | None) -> "QuantizedFusedMoEMethod":
+        """The same method (converted experts shared) with its GEMMs in `dtype`."""
+        method = copy.copy(self)
+        method.compute_dtype = dtype
+        return method
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        dtype = self.compute_dtype or x.dtype
+        return fused_experts(x, QuantizedExperts(self.w13, dtype),
+                             QuantizedExperts(self.w2, dtype), topk_weights, topk_ids,
+                             dtype, activation=layer.activation)
+
+    def describe(self) -> str:
+        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
+        return f"{type(self).__name__}({self.layout.describe()}{wide})"
