@@ -1,0 +1,230 @@
+"""Every variant of the integer formats tokenmill does not load, and every checkpoint
+that does not fit its config, is refused with an error naming the field or tensor:
+config fields (ModelConfig, before a weight is read) and checkpoint tensors (the
+loader, from the safetensors headers before loading or while converting)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import build_checkpoint  # noqa: E402
+from test_checkpoint_refusals import load, read_tensors, write_variant  # noqa: E402
+from test_moe_parity import MOE_SPECS  # noqa: E402
+
+from tokenmill.config import ModelConfig  # noqa: E402
+from tokenmill.models.layers.linear import Linear  # noqa: E402
+from tokenmill.models.loader import load_model  # noqa: E402
+from tokenmill.models.quant_formats import (write_compressed_tensors_checkpoint,  # noqa: E402
+                                            write_gptq_checkpoint)
+from tokenmill.platforms import create_platform  # noqa: E402
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+        "sym": True, "checkpoint_format": "gptq"}
+CT_W4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+         "group_size": 32}
+
+
+def ct(weights=None, **top) -> dict:
+    group = {"targets": ["Linear"], "weights": {**CT_W4, **(weights or {})},
+             "input_activations": None, "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": group}, **top}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3_src"))
+    build_checkpoint(path, "qwen3", dict(head_dim=32, tie_word_embeddings=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gptq(src, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3_gptq"))
+    write_gptq_checkpoint(src, path, bits=4, group_size=32)
+    return path
+
+
+def _config(path: str) -> dict:
+    return json.load(open(os.path.join(path, "config.json")))
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({**GPTQ, "bits": 3}, r"gptq bits 3 is not implemented"),
+    ({**GPTQ, "bits": 2}, r"gptq bits 2 is not implemented"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, r"gptq checkpoint_format 'marlin' is not "
+                                              r"implemented"),
+    ({**GPTQ, "group_size": 0}, r"gptq group_size must be positive or -1"),
+    ({**GPTQ, "lm_head": True}, r"gptq lm_head true \(a quantized lm_head\)"),
+    ({**GPTQ, "dynamic": {"-:.*down": {}}}, r"gptq dynamic .* is not implemented"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False},
+     r"awq zero_point false is not implemented"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 32}, r"awq bits 8 is not implemented"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "exllama"},
+     r"awq version 'exllama' is not implemented"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "backend": "llm-awq"},
+     r"awq backend 'llm-awq' is not implemented"),
+    (ct(format="float-quantized"), r"'compressed-tensors': format 'float-quantized' \(FP8"),
+    (ct(format="marlin-24"), r"format 'marlin-24' is not implemented"),
+    ({**ct(), "config_groups": {"g": {"weights": {**CT_W4, "num_bits": 8}, "input_activations":
+                                      {"num_bits": 8, "type": "int"}}}},
+     r"input_activations \(activation quantization: W8A8, W4A8"),
+    (ct({"num_bits": 2}), r"weights num_bits 2 is not implemented"),
+    (ct({"type": "float", "num_bits": 8}), r"weights type 'float' \(FP8 / FP4 weights\)"),
+    (ct({"strategy": "tensor"}), r"weights strategy 'tensor' is not implemented"),
+    (ct({"strategy": "group", "group_size": None}), r"strategy 'group' needs a positive"),
+    (ct(sparsity_config={"format": "sparse-24-bitmask"}), r"sparsity_config format "
+                                                          r"'sparse-24-bitmask'"),
+    (ct(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme is not "
+                                                           r"implemented"),
+    (ct(quantization_status="frozen"), r"quantization_status 'frozen' is not implemented"),
+    ({**ct(), "config_groups": {"a": {"weights": CT_W4},
+                                "b": {"weights": {**CT_W4, "num_bits": 8}}}},
+     r"config groups with different weight schemes"),
+])
+def test_format_variants_not_implemented_are_refused_by_name(src, tmp_path, qc, message):
+    path = write_variant(src, str(tmp_path / "q"), read_tensors(src),
+                         {**_config(src), "quantization_config": qc})
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(path)
+
+
+def _mutated(gptq: str, dst: str, change) -> str:
+    tensors = read_tensors(gptq)
+    change(tensors)
+    return write_variant(gptq, dst, tensors)
+
+
+def test_quantized_lm_head_and_embedding_are_refused(src, gptq, tmp_path):
+    from tokenmill.models.layers.linear_methods.int_packing import pack_int32
+
+    def head(t):
+        w = t.pop("lm_head.weight")
+        t["lm_head.qweight"] = pack_int32(torch.zeros(w.shape[1], w.shape[0], dtype=torch.long),
+                                          4, 0)
+        t["lm_head.qzeros"] = torch.zeros(2, w.shape[0] // 8, dtype=torch.int32)
+        t["lm_head.scales"] = torch.ones(2, w.shape[0], dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"tensor lm_head\.qweight is quantized: a quantized "
+                                         r"lm_head .* is not implemented"):
+        load(_mutated(gptq, str(tmp_path / "head"), head))
+
+    def embed(t):
+        t["model.embed_tokens.qweight"] = torch.zeros(8, 384, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"gptq tensor model\.embed_tokens\.qweight is not "
+                                         r"one Qwen3ForCausalLM can place"):
+        load(_mutated(gptq, str(tmp_path / "embed"), embed))
+
+
+def test_half_quantized_packed_layer_is_refused(src, gptq, tmp_path):
+    plain = read_tensors(src)
+
+    def k_plain(t):
+        for kind in ("qweight", "qzeros", "scales", "g_idx"):
+            del t[f"model.layers.0.self_attn.k_proj.{kind}"]
+        name = "model.layers.0.self_attn.k_proj.weight"
+        t[name] = plain[name]
+    with pytest.raises(ValueError, match=r"layer layers\.0\.self_attn\.qkv_proj packs .*"
+                                         r"q_proj\.qweight is quantized but "
+                                         r"layers\.0\.self_attn\.k_proj is not"):
+        load(_mutated(gptq, str(tmp_path / "half"), k_plain))
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("model.layers.0.mlp.down_proj.scales", torch.ones(3, 64, dtype=torch.float16),
+     r"down_proj\.scales has shape \(3, 64\); a \[64, 128\] matrix in gptq 4-bit, group 32 "
+     r"needs \(4, 64\)"),
+    ("model.layers.1.self_attn.o_proj.qzeros", torch.zeros(2, 8, dtype=torch.float32),
+     r"o_proj\.qzeros is F32; gptq stores it as I32"),
+    ("model.layers.1.mlp.up_proj.qzeros", None, r"gptq tensor model\.layers\.1\.mlp\.up_proj"
+                                               r"\.qzeros is missing"),
+    ("model.layers.0.mlp.extra_proj.qweight", torch.zeros(8, 64, dtype=torch.int32),
+     r"gptq tensor model\.layers\.0\.mlp\.extra_proj\.qweight is not one"),
+])
+def test_misfit_tensors_are_named(gptq, tmp_path, name, bad, message):
+    def change(t):
+        if bad is None:
+            del t[name]
+        else:
+            t[name] = bad
+    with pytest.raises(ValueError, match=message):
+        load(_mutated(gptq, str(tmp_path / "bad"), change))
+
+
+def test_bad_g_idx_is_named(gptq, tmp_path):
+    def invalid(t):
+        g = t["model.layers.0.mlp.down_proj.g_idx"]
+        t["model.layers.0.mlp.down_proj.g_idx"] = torch.zeros_like(g)
+    with pytest.raises(ValueError, match=r"g_idx gives group 0 128 columns .*not a valid "
+                                         r"group assignment"):
+        load(_mutated(gptq, str(tmp_path / "invalid"), invalid))
+
+    def differs(t):
+        name = "model.layers.0.self_attn.v_proj.g_idx"
+        t[name] = t[name].flip(0).contiguous()
+    with pytest.raises(ValueError, match=r"shards of the packed layer have different g_idx"):
+        load(_mutated(gptq, str(tmp_path / "differs"), differs))
+
+
+def test_ignored_layer_stored_quantized_is_a_contradiction(src, tmp_path):
+    path = str(tmp_path / "ct")
+    write_compressed_tensors_checkpoint(src, path, bits=4, group_size=32)
+    cfg = _config(path)
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj$"]
+    bad = write_variant(path, str(tmp_path / "ct_bad"), read_tensors(path), cfg)
+    with pytest.raises(ValueError, match=r"down_proj\.weight_packed is quantized but the "
+                                         r"quantization_config lists .* as not converted"):
+        load(bad)
+
+    def shape(t):
+        t["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([64, 64])
+    with pytest.raises(ValueError, match=r"weight_shape says \[\[64, 64\]\], the layer's "
+                                         r"matrices are \[\[64, 128\]\]"):
+        load(_mutated(path, str(tmp_path / "ct_shape"), shape))
+
+
+def test_moe_with_one_expert_unquantized_is_refused(tmp_path):
+    arch, overrides = MOE_SPECS["qwen3_moe_norm"]
+    src = str(tmp_path / "moe_src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_checkpoint(src, arch, overrides)
+    path = str(tmp_path / "moe")
+    write_gptq_checkpoint(src, path, bits=4, group_size=32,
+                          keep=("model.layers.1.mlp.experts.5.up_proj",))
+    with pytest.raises(ValueError, match=r"MoE layer layers\.1\.mlp\.experts: .* is quantized "
+                                         r"but layers\.1\.mlp\.experts\.5\.up_proj is not"):
+        load(path)
+
+
+def test_int_quant_with_tensor_parallelism_is_refused(gptq):
+    cfg = ModelConfig.from_pretrained(gptq, dtype="float32", device="cpu")
+    group = types.SimpleNamespace(size=2, rank=0)
+    with pytest.raises(ValueError, match=r"gptq checkpoints with tensor parallelism "
+                                         r"\(tensor_parallel_size 2\) are not implemented"):
+        load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device,
+                   create_platform(cfg.device, cfg.dtype), tp_group=group)
+
+
+def test_int_config_over_plain_weights_loads_them_plain(src, tmp_path, caplog):
+    path = write_variant(src, str(tmp_path / "plain"), read_tensors(src),
+                         {**_config(src), "quantization_config": GPTQ})
+    with caplog.at_level(logging.WARNING, logger="tokenmill.models.loader"):
+        model = load(path)
+    assert "quantization_config says gptq but no layer's weights" in caplog.text
+    assert all(type(m.method).__name__ != "GptqLinearMethod" for m in model.modules()
+               if isinstance(m, Linear))
+
+
+def test_quantized_tensors_without_their_config_are_refused(src, gptq, tmp_path):
+    path = write_variant(gptq, str(tmp_path / "noconfig"), read_tensors(gptq), _config(src))
+    with pytest.raises(ValueError, match=r"_proj\.(qweight|qzeros|scales|g_idx) matches no "
+                                         r"parameter"):
+        load(path)
