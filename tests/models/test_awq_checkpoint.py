@@ -11,14 +11,13 @@ import sys
 import pytest
 import torch
 
+from tokenmill.models.layers.linear_methods.awq import AwqLinearMethod
+from tokenmill.models.quant_formats import write_awq_checkpoint
+
 sys.path.insert(0, os.path.dirname(__file__))
-from int_quant_check import (LLAMA_TIED, QWEN3, build_quantized,  # noqa: E402
-                             check_parity)
+from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
-
-from tokenmill.models.layers.linear_methods.awq import AwqLinearMethod  # noqa: E402
-from tokenmill.models.quant_formats import write_awq_checkpoint  # noqa: E402
 
 CASES = {
     "qwen3_g32": (QWEN3, dict(group_size=32)),

@@ -14,15 +14,14 @@ import sys
 import pytest
 import torch
 
+from tokenmill.models.layers.linear_methods.compressed_tensors import (
+    CompressedTensorsLinearMethod)
+from tokenmill.models.quant_formats import write_compressed_tensors_checkpoint
+
 sys.path.insert(0, os.path.dirname(__file__))
-from int_quant_check import (LLAMA_TIED, QWEN3, build_quantized,  # noqa: E402
-                             check_parity)
+from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
-
-from tokenmill.models.layers.linear_methods.compressed_tensors import (  # noqa: E402
-    CompressedTensorsLinearMethod)
-from tokenmill.models.quant_formats import write_compressed_tensors_checkpoint  # noqa: E402
 
 KEEP = "model.layers.1.mlp.down_proj"
 CASES = {

@@ -16,17 +16,18 @@ import sys
 import pytest
 import torch
 
+from conftest import NUM_NEW, make_llm
+from tokenmill import SamplingParams
+from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods.gptq import GptqLinearMethod
+from tokenmill.models.layers.linear_methods.quantized_moe import QuantizedFusedMoEMethod
+from tokenmill.models.quant_formats import write_gptq_checkpoint
+
 sys.path.insert(0, os.path.dirname(__file__))
-from int_quant_check import (LLAMA_TIED, QWEN3, build_quantized,  # noqa: E402
-                             check_parity)
+from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
-
-from tokenmill.models.layers.linear import Linear  # noqa: E402
-from tokenmill.models.layers.linear_methods.gptq import GptqLinearMethod  # noqa: E402
-from tokenmill.models.layers.linear_methods.quantized_moe import (  # noqa: E402
-    QuantizedFusedMoEMethod)
-from tokenmill.models.quant_formats import write_gptq_checkpoint  # noqa: E402
 
 # name -> (model spec, writer arguments)
 CASES = {
@@ -60,6 +61,30 @@ def gptq_model(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gptq_greedy_tokens_and_logprobs_match_hf_dequantized(gptq_model, case):
     check_parity(gptq_model(case), case)
+
+
+@pytest.mark.parametrize("case", ["llama_4bit_g32_descact_asym_v1", "qwen3_8bit_g32_descact_asym_v2",
+                                  "qwen3_moe_4bit_g32_descact_sym"])
+def test_gptq_parity_at_every_capability_level(gptq_model, kernel_level, case):
+    """The engine forced to each level this CPU runs (the quantized kernels the
+    platform hands the layers at that level): still HF's tokens and logprobs."""
+    check_parity(gptq_model(case), f"{case} at {kernel_level}")
+
+
+def test_gptq_bf16_runs_close_to_hf(gptq_model):
+    """bf16 activations over the same integer weights (widened where the platform
+    widens): the first tokens agree with fp32 HF on the dequantized twin (the MoE's
+    routing flips in bf16 sooner, as the unquantized bf16 run of its twin does)."""
+    for case, n in (("qwen3_4bit_g32_sym_v1", 3), ("qwen3_moe_4bit_g32_descact_sym", 2)):
+        m = gptq_model(case)
+        outs = make_llm(m.path, dtype="bfloat16").generate(
+            [{"prompt_token_ids": p} for p in m.prompts],
+            SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True),
+            use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert all(len(g) == NUM_NEW for g in got)
+        first = sum(g[:n] == r[:n] for g, r in zip(got, m.reference()))
+        assert first >= len(got) - 1, (case, got, m.reference())
 
 
 def test_gptq_chunked_prefill_and_prefix_caching(gptq_model):
