@@ -41,13 +41,15 @@ class Quantized:
         return self._ref
 
 
-def build_quantized(tmp_path_factory, name: str, spec, write, **kw) -> Quantized:
-    """`spec` (arch, overrides) built, then write(src, dst, reference_dir=..., **kw)."""
+def build_quantized(tmp_path_factory, name: str, spec, write, build=build_checkpoint,
+                    **kw) -> Quantized:
+    """`spec` (arch, overrides) built (by `build`), then write(src, dst,
+    reference_dir=..., **kw)."""
     arch, overrides = spec
     src = str(tmp_path_factory.mktemp(name + "_src"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_checkpoint(src, arch, overrides)
+        build(src, arch, overrides)
     dst = str(tmp_path_factory.mktemp(name))
     ref = str(tmp_path_factory.mktemp(name + "_ref"))
     deq = write(src, dst, reference_dir=ref, **kw)

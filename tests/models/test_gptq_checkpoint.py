@@ -5,7 +5,8 @@ on the dequantized fp32 twin: greedy tokens equal, logprobs within 1e-4.
 
 Variants: 4 and 8 bits; group 32, 128 (more than K = 64: one partial group) and -1;
 desc_act with shuffled g_idx; symmetric and asymmetric; v1 and v2 zeros; a Llama with
-a tied head; a Qwen3-MoE target with GPTQ experts; chunked prefill and prefix caching.
+a tied head; Qwen3-MoE, hybrid Qwen3.5-MoE and DeepSeek-V3 targets with GPTQ experts;
+every capability level this CPU runs; bf16; chunked prefill and prefix caching.
 The layout itself is checked by hand-packed words in test_int_quant_layouts.py.
 """
 from __future__ import annotations
@@ -27,7 +28,9 @@ from tokenmill.models.quant_formats import write_gptq_checkpoint
 sys.path.insert(0, os.path.dirname(__file__))
 from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
+from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
+from conftest import MODEL_SPECS  # noqa: E402
 
 # name -> (model spec, writer arguments)
 CASES = {
@@ -42,6 +45,15 @@ CASES = {
                                                    checkpoint_format="gptq_v2")),
     "qwen3_moe_4bit_g32_descact_sym": (MOE_SPECS["qwen3_moe_norm"],
                                        dict(bits=4, group_size=32, sym=True, desc_act=True)),
+    # Hybrid (Gated DeltaNet + attention, MoE): the *_proj Linears and experts GPTQ.
+    "qwen3_5_moe_4bit_g32_descact": (HYBRID_SPECS["qwen3_5_moe"],
+                                     dict(bits=4, group_size=32, desc_act=True,
+                                          build=build_hybrid)),
+    # DeepSeek-V3: MLPs, shared and routed experts GPTQ; MLA attention plain (its
+    # interleaved rope rows cannot be reordered in packed words: refused, see
+    # test_int_quant_refusals.py).
+    "deepseek_v3_mlp_4bit_g16": (MODEL_SPECS["deepseek_v3"], dict(
+        bits=4, group_size=16, keep=tuple(f"model.layers.{i}.self_attn" for i in range(3)))),
 }
 
 

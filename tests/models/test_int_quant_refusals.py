@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import build_checkpoint  # noqa: E402
+from conftest import MODEL_SPECS, build_checkpoint  # noqa: E402
 from test_checkpoint_refusals import load, read_tensors, write_variant  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
 
@@ -201,6 +201,22 @@ def test_moe_with_one_expert_unquantized_is_refused(tmp_path):
                           keep=("model.layers.1.mlp.experts.5.up_proj",))
     with pytest.raises(ValueError, match=r"MoE layer layers\.1\.mlp\.experts: .* is quantized "
                                          r"but layers\.1\.mlp\.experts\.5\.up_proj is not"):
+        load(path)
+
+
+def test_quantized_mla_projections_with_interleaved_rope_are_refused(tmp_path):
+    """DeepSeek reorders the rope rows of q_b_proj / kv_a_proj_with_mqa as it loads
+    them; rows packed into GPTQ words (and their scales) cannot be: refused, named."""
+    arch, overrides = MODEL_SPECS["deepseek_v3"]
+    src = str(tmp_path / "ds_src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_checkpoint(src, arch, overrides)
+    path = str(tmp_path / "ds")
+    write_gptq_checkpoint(src, path, bits=4, group_size=16)
+    with pytest.raises(ValueError, match=r"self_attn\.(q_b_proj|kv_a_proj_with_mqa)\.\w+: "
+                                         r"integer-quantized MLA projections with "
+                                         r"interleaved rope rows are not implemented"):
         load(path)
 
 

@@ -259,6 +259,9 @@ class DeepseekV2ForCausalLM(nn.Module):
                     # across their blocks' scales.
                     raise ValueError(f"tensor {name}: fp8 MLA projections with "
                                      f"interleaved rope rows are not implemented")
+                if not name.endswith(".weight"):  # GPTQ / AWQ / compressed-tensors tensors
+                    raise ValueError(f"tensor {name}: integer-quantized MLA projections "
+                                     f"with interleaved rope rows are not implemented")
             if parts[3] in ("q_proj", "q_b_proj"):
                 # Every head of the checkpoint (a tensor-parallel rank's config counts
                 # its own only; the rank's slice is taken after this).
