@@ -32,13 +32,17 @@ class Quantized:
             warnings.simplefilter("ignore")
             self.hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
         vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+        self.vocab_size = vocab
         self.prompts = make_prompts([5, 17, 33, 8], vocab)
-        self._ref = None
+        self._refs: dict[tuple, list[list[int]]] = {}
 
-    def reference(self) -> list[list[int]]:
-        if self._ref is None:
-            self._ref = hf_greedy_batch(self.hf, self.prompts, NUM_NEW)
-        return self._ref
+    def reference(self, prompts=None) -> list[list[int]]:
+        """HF's NUM_NEW greedy tokens for each of `prompts` (default: self.prompts)."""
+        prompts = self.prompts if prompts is None else prompts
+        key = tuple(map(tuple, prompts))
+        if key not in self._refs:
+            self._refs[key] = hf_greedy_batch(self.hf, prompts, NUM_NEW)
+        return self._refs[key]
 
 
 def build_quantized(tmp_path_factory, name: str, spec, write, build=build_checkpoint,
@@ -57,13 +61,16 @@ def build_quantized(tmp_path_factory, name: str, spec, write, build=build_checkp
     return Quantized(dst, ref, deq)
 
 
-def check_parity(m: Quantized, where: str, **llm_kw) -> None:
-    """The engine on the quantized checkpoint (fp32) against HF on its dequantized
-    twin: greedy tokens equal, logprobs within logprob_check's tolerance."""
-    llm = make_llm(m.path, **llm_kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in m.prompts], GREEDY_LOGPROBS,
+def check_parity(m: Quantized, where: str, prompts=None, llm=None, **llm_kw):
+    """The engine (`llm`, or one made with llm_kw) on the quantized checkpoint (fp32)
+    against HF on its dequantized twin: greedy tokens equal, logprobs within
+    logprob_check's tolerance. Returns the engine."""
+    llm = make_llm(m.path, **llm_kw) if llm is None else llm
+    prompts = m.prompts if prompts is None else prompts
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
                         use_tqdm=False)
-    for i, (p, o, ref) in enumerate(zip(m.prompts, outs, m.reference())):
+    for i, (p, o, ref) in enumerate(zip(prompts, outs, m.reference(prompts))):
         comp = o.outputs[0]
         assert comp.token_ids == ref, (where, i, comp.token_ids, ref)
         check_completion(m, p, comp, K, f"{where}: prompt {i}", greedy=True)
+    return llm

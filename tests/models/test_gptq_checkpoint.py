@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import NUM_NEW, make_llm
+from conftest import NUM_NEW, make_llm, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
 from tokenmill.models.layers.linear import Linear
@@ -28,6 +28,7 @@ from tokenmill.models.quant_formats import write_gptq_checkpoint
 sys.path.insert(0, os.path.dirname(__file__))
 from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
+from test_prefix_caching import shared_prefix_prompts, stats  # noqa: E402
 from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
 from conftest import MODEL_SPECS  # noqa: E402
@@ -99,12 +100,18 @@ def test_gptq_bf16_runs_close_to_hf(gptq_model):
         assert first >= len(got) - 1, (case, got, m.reference())
 
 
-def test_gptq_chunked_prefill_and_prefix_caching(gptq_model):
-    """Prompts cut into 8-token chunks, then the same prompts again over the cached
-    prefix blocks: HF's tokens and logprobs both times."""
-    m = gptq_model("qwen3_4bit_g32_sym_v1")
-    check_parity(m, "chunked", max_num_batched_tokens=8, enable_chunked_prefill=True)
-    check_parity(m, "prefix cached", enable_prefix_caching=True, block_size=4)
+def test_gptq_chunked_prefill_prefix_caching_and_preemption(gptq_model):
+    """Act-order GPTQ under the scheduler's paths: prompts sharing a 40-token prefix cut
+    into 16-token chunks, run twice over the prefix cache, in a KV pool small enough
+    to preempt: HF's tokens and logprobs every time."""
+    m = gptq_model("llama_4bit_g32_descact_asym_v1")
+    prompts = shared_prefix_prompts(m.vocab_size, prefix_len=40, n=6, seed=3, suffix=(1, 20))
+    llm = check_parity(m, "chunked + prefix cache", prompts, max_model_len=96, block_size=8,
+                       num_kv_blocks=25, max_num_batched_tokens=16,
+                       enable_prefix_caching=True)
+    check_parity(m, "cached", prompts[::-1], llm=llm)
+    assert stats(llm)["prefix_cache_hits"] > 0
+    assert scheduler_of(llm).num_preemptions > 0, "the pool was meant to force preemption"
 
 
 def test_gptq_layers_hold_the_canonical_form(gptq_model):
