@@ -145,3 +145,27 @@ def test_gptq_layers_hold_the_canonical_form(gptq_model):
     assert isinstance(experts.method, QuantizedFusedMoEMethod)
     assert experts.gate_up_proj.is_meta and len(experts.method.w13) == experts.num_experts
     assert not any(n.startswith("gate_up_proj_") for n, _ in experts.named_parameters())
+
+
+def test_gptq_writer_keeps_the_source_sharding(tmp_path):
+    """A sharded source (the bench models are) is written shard by shard, with an index
+    naming every tensor in its file; the result loads and the dequantized twin matches."""
+    import json
+
+    from conftest import build_checkpoint
+    from test_checkpoint_refusals import read_tensors
+    src, dst, ref = (str(tmp_path / d) for d in ("src", "gptq", "ref"))
+    build_checkpoint(src, *QWEN3, max_shard_size="100KB")
+    deq = write_gptq_checkpoint(src, dst, bits=4, group_size=32, reference_dir=ref)
+    index = json.load(open(os.path.join(dst, "model.safetensors.index.json")))["weight_map"]
+    assert len(set(index.values())) > 1
+    tensors = read_tensors(dst)
+    assert set(index) == set(tensors)
+    assert "model.layers.0.mlp.down_proj.qweight" in index
+    assert not any(n.endswith("_proj.weight") for n in index)
+    reference = read_tensors(ref)
+    assert set(reference) == set(read_tensors(src))
+    for name, w in deq.items():
+        assert torch.equal(reference[name], w)
+    down = load(dst).layers[1].mlp.down_proj
+    assert torch.equal(down.dense_weight(), deq["model.layers.1.mlp.down_proj.weight"])

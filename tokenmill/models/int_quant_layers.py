@@ -217,10 +217,10 @@ def apply_int_quant(model: nn.Module, cfg, header: dict, dtype, where: str) -> i
 
 
 def finish_int_quant(model: nn.Module) -> None:
-    """After loading: convert every integer-quantized layer's tensors into the canonical
-    form now (errors in them surface at load; the platform's later choice reuses it)."""
+    """After loading: convert every quantized FusedMoE's per-expert tensors into the
+    canonical form. (The platform keeps a quantized expert method as it is, so nothing
+    else would; a quantized Linear converts when the platform hands it its kernels:
+    `QuantizedLinearMethod.for_platform`, then `set_method`.)"""
     for module in model.modules():
-        method = getattr(module, "method", None)
-        if isinstance(method, QuantizedFusedMoEMethod) or (
-                isinstance(module, Linear) and hasattr(method, "to_quantized")):
-            method.process_weights_after_loading(module)
+        if isinstance(module, FusedMoE) and isinstance(module.method, QuantizedFusedMoEMethod):
+            module.method.process_weights_after_loading(module)
