@@ -12,7 +12,12 @@ call it.
   `SyncFreeFusedMoEMethod` (CUDA), `PackedBf16FusedMoEMethod` (CPU);
 - fp8.py: `Fp8BlockLinearMethod` and `Fp8BlockFusedMoEMethod` (stacked experts),
   block-scaled e4m3 weights (FP8 checkpoints as published), given to a layer before
-  loading (models/quantized_layers.py).
+  loading (models/quantized_layers.py);
+- the integer formats (GPTQ, AWQ, compressed-tensors): int_layout.py's
+  `IntLinearMethod` over a format's layout (gptq.py, awq.py, compressed_tensors.py;
+  packing in int_packing.py), `QuantizedFusedMoEMethod` (quantized_moe.py) for the
+  experts, all converting into quantized_weight.py's canonical form; given before
+  loading by models/int_quant_layers.py.
 
 A quantized format plugs in as another method pair: its `create_weights` registers
 what its checkpoint holds (packed integers, scales), its `apply` runs its kernel.
