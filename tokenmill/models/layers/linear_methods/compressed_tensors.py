@@ -69,7 +69,8 @@ class CompressedTensorsLayout(IntLayout):
         codes = unpack_int32(t["weight_packed"], bits, 1, k)
         groups = -(-k // self.group(k))
         if self.symmetric:
-            zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8)
+            zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8,
+                               device=codes.device)
         else:
             zeros = unpack_int32(t["weight_zero_point"], bits, 0, n)
         perm = None

@@ -30,8 +30,8 @@ import torch
 
 # Nibble i of an AWQ word holds output column AWQ_ORDER[i] of its 8; column j sits in
 # nibble AWQ_SLOT[j] (the inverse permutation).
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+AWQ_SLOT = [0, 4, 1, 5, 2, 6, 3, 7]
 
 
 def per_word(bits: int) -> int:
@@ -57,7 +57,7 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if pad:
         c = torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], -1)
     c = c.reshape(*c.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=c.device) * bits
     words = (c << shifts).sum(-1)  # disjoint bit fields: the sum is their OR
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 stores it
     return words.to(torch.int32).movedim(-1, dim).contiguous()
@@ -67,7 +67,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int, length: int) -> torch
     """int32 words -> uint8 codes along `dim`, the first `length` of them."""
     per = per_word(bits)
     w = words.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * bits
     c = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     c = c.reshape(*w.shape[:-1], -1)
     if c.shape[-1] < length:
@@ -79,13 +79,13 @@ def awq_interleave(codes: torch.Tensor) -> torch.Tensor:
     """[..., N] codes (N a multiple of 8) in the column order AWQ packs them in: plain
     packing of the result puts column 8w + AWQ_ORDER[i] in nibble i of word w."""
     n = codes.shape[-1]
-    return codes.reshape(*codes.shape[:-1], n // 8, 8)[..., list(AWQ_ORDER)].reshape(codes.shape)
+    return codes.reshape(*codes.shape[:-1], n // 8, 8)[..., AWQ_ORDER].reshape(codes.shape)
 
 
 def awq_deinterleave(values: torch.Tensor) -> torch.Tensor:
     """The inverse of awq_interleave: codes unpacked from AWQ words -> column order."""
     n = values.shape[-1]
-    return values.reshape(*values.shape[:-1], n // 8, 8)[..., list(AWQ_SLOT)].reshape(values.shape)
+    return values.reshape(*values.shape[:-1], n // 8, 8)[..., AWQ_SLOT].reshape(values.shape)
 
 
 def gptq_stored_zeros(zeros: torch.Tensor, bits: int, v1: bool) -> torch.Tensor:
@@ -119,14 +119,16 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int, where: str) -> torch.Te
     k = g_idx.numel()
     groups = -(-k // group_size)
     g = g_idx.to(torch.int64).reshape(-1)
-    if torch.equal(g, torch.arange(k) // group_size):
+    cols = torch.arange(k, device=g.device)
+    if torch.equal(g, cols // group_size):
         return None
     if int(g.min()) < 0 or int(g.max()) >= groups:
         raise ValueError(f"{where}: g_idx holds group {int(g.min())}..{int(g.max())}, "
                          f"outside 0..{groups - 1} ({k} columns in groups of {group_size}): "
                          f"not a valid group assignment")
     counts = torch.bincount(g, minlength=groups)
-    want = torch.clamp(k - torch.arange(groups) * group_size, max=group_size)
+    want = torch.clamp(k - torch.arange(groups, device=g.device) * group_size,
+                       max=group_size)
     if not torch.equal(counts, want):
         bad = int(torch.nonzero(counts != want)[0])
         raise ValueError(f"{where}: g_idx gives group {bad} {int(counts[bad])} columns where "

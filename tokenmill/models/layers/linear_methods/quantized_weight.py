@@ -65,7 +65,8 @@ class QuantizedWeight:
         if self.perm is not None:
             p = self.perm
             if (p.dim() != 1 or p.numel() != k
-                    or not torch.equal(torch.sort(p).values, torch.arange(k))):
+                    or not torch.equal(torch.sort(p).values,
+                                       torch.arange(k, device=p.device))):
                 raise ValueError(f"{where}: perm must be a permutation of the {k} columns")
         return self
 
