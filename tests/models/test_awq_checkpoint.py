@@ -23,6 +23,8 @@ CASES = {
     "qwen3_g32": (QWEN3, dict(group_size=32)),
     "llama_tied_g128": (LLAMA_TIED, dict(group_size=128)),
     "qwen3_moe_top1_g32": (MOE_SPECS["qwen3_moe_top1"], dict(group_size=32)),
+    # Qwen2's q / k / v biases beside the packed AWQ words.
+    "qwen2_bias_g32": (("qwen2", dict(tie_word_embeddings=False)), dict(group_size=32)),
 }
 
 

@@ -5,7 +5,8 @@ weight_zero_point / weight_shape / weight_g_idx), against HF transformers on the
 dequantized fp32 twin: greedy tokens equal, logprobs within 1e-4.
 
 Variants: 4 and 8 bits, strategy group and channel, symmetric and asymmetric,
-actorder (weight_g_idx), an `ignore`d layer left unquantized, MoE experts."""
+actorder (weight_g_idx), an `ignore`d layer left unquantized, MoE experts, Phi-3's
+checkpoint-fused projections."""
 from __future__ import annotations
 
 import os
@@ -32,6 +33,10 @@ CASES = {
                                                       keep=(KEEP,))),
     "qwen3_moe_w4_g32_sym": (MOE_SPECS["qwen3_moe_norm"], dict(bits=4, group_size=32,
                                                                symmetric=True)),
+    # Phi-3: q / k / v and gate / up stored fused in the checkpoint (one matrix each).
+    "phi3_fused_w8_g32_asym": (("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                             tie_word_embeddings=False)),
+                               dict(bits=8, group_size=32, symmetric=False)),
 }
 
 
