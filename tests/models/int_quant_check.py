@@ -31,7 +31,8 @@ class Quantized:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-        vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        vocab = cfg.get("text_config", cfg)["vocab_size"]
         self.vocab_size = vocab
         self.prompts = make_prompts([5, 17, 33, 8], vocab)
         self._refs: dict[tuple, list[list[int]]] = {}

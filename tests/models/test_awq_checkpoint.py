@@ -1,7 +1,8 @@
 """AWQ checkpoints as AutoAWQ publishes them (GEMM layout: 4-bit codes and zero points
 packed along the output dim in AWQ's nibble order, fp16 scales) load, dense and MoE:
 tiny random checkpoints quantized by write_awq_checkpoint, against HF transformers on
-the dequantized fp32 twin: greedy tokens equal, logprobs within 1e-4. The nibble order
+the dequantized fp32 twin: greedy tokens equal, logprobs within 1e-4; dense, MoE and a
+vision-language hybrid MoE checkpoint. The nibble order
 itself is checked against hand-packed words in test_int_quant_layouts.py."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tokenmill.models.quant_formats import write_awq_checkpoint
 sys.path.insert(0, os.path.dirname(__file__))
 from int_quant_check import LLAMA_TIED, QWEN3, build_quantized, check_parity  # noqa: E402
 from test_checkpoint_refusals import load  # noqa: E402
+from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
 
 CASES = {
@@ -25,6 +27,11 @@ CASES = {
     "qwen3_moe_top1_g32": (MOE_SPECS["qwen3_moe_top1"], dict(group_size=32)),
     # Qwen2's q / k / v biases beside the packed AWQ words.
     "qwen2_bias_g32": (("qwen2", dict(tie_word_embeddings=False)), dict(group_size=32)),
+    # A Qwen3.5-MoE ForConditionalGeneration checkpoint (hybrid, MoE, its language
+    # model's tensors under model.language_model.*, the vision tower plain), as the hub's
+    # VL AWQ releases; the reference is HF's text model of the dequantized twin.
+    "qwen3_5_moe_vl_g32": (HYBRID_SPECS["qwen3_5_moe_vl"], dict(group_size=32,
+                                                               build=build_hybrid)),
 }
 
 

@@ -14,10 +14,12 @@ but the last must end on a word of each tensor packed along the output dim. A
 are quantized takes `QuantizedFusedMoEMethod`: every expert and projection, else an
 error naming the tensor.
 
-Refused by name: a quantized lm_head or a weight tied to the embedding, a layer the
-config's ignore list names but whose weights are quantized, a missing or mis-shaped
-tensor, a packed layer half quantized, and any tensor of the format no layer takes
-(experts stored stacked, layers a model renames or transforms on the way in).
+A vision-language checkpoint's language-model tensors ("model.language_model.*") are
+found under the names its text model gives them. Refused by name: a quantized lm_head
+or a weight tied to the embedding, a layer the config's ignore list names but whose
+weights are quantized, a missing or mis-shaped tensor, a packed layer half quantized,
+and any tensor of the format no layer takes (experts stored stacked, layers a model
+renames or transforms on the way in).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from tokenmill.models.layers.linear_methods.quantized_moe import QuantizedFusedM
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.quantization import (AwqConfig, CompressedTensorsConfig, GptqConfig,
                                            ignores_module)
+from tokenmill.models.weight_names import text_model_name
 
 OPTIONAL_KINDS = ("g_idx", "weight_g_idx")
 
@@ -42,6 +45,13 @@ def _checkpoint_name(header: dict, name: str) -> str | None:
         if candidate in header:
             return candidate
     return None
+
+
+def _text_model_names(header: dict) -> dict[str, str]:
+    """A vision-language checkpoint's language-model tensors by the name its text model
+    gives them ("model.language_model.layers.0..." -> "model.layers.0..."), each to
+    the checkpoint's own spelling (the models' map_checkpoint renames them so)."""
+    return {text_model_name(n): n for n in header if text_model_name(n) != n}
 
 
 def _layout(cfg, optional: set[str]) -> tuple[IntLayout, type]:
@@ -66,10 +76,14 @@ class Placement:
         self.marker = "weight_packed" if isinstance(cfg, CompressedTensorsConfig) else "qweight"
         self.kinds = _layout(cfg, set(OPTIONAL_KINDS))[0].KINDS
         self.claimed: set[str] = set()
+        self.renamed = _text_model_names(header)
 
     def prefix(self, module: str) -> str | None:
         """The checkpoint's spelling of `module` when it is stored quantized."""
-        w = _checkpoint_name(self.header, f"{module}.{self.marker}")
+        name = f"{module}.{self.marker}"
+        w = _checkpoint_name(self.header, name)
+        if w is None:
+            w = self.renamed.get(_checkpoint_name(self.renamed, name))
         return None if w is None else w[:-len(self.marker) - 1]
 
     def layout(self, prefixes: list[str], what: str) -> tuple[IntLayout, type]:
