@@ -107,8 +107,14 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
     "...experts.{e}.{name}.weight" copied into row e of a stacked parameter
     "...experts.{target}" [E, ...], at shard i of its dim 1 (equal-sized shards), as
     they arrive; an fp8 checkpoint's "...{name}.weight_scale_inv" likewise into
-    "...experts.{target}_scale_inv"). A checkpoint that already stores the stacked tensors under the
-    parameter's own name (HF's fused "experts.gate_up_proj") loads as is.
+    "...experts.{target}_scale_inv", an integer format's "...{name}.qweight" into
+    "...experts.{target}_qweight", ...: EXPERT_TENSORS). A checkpoint that already
+    stores the stacked tensors under the parameter's own name (HF's fused
+    "experts.gate_up_proj") loads as is.
+
+    A parameter marked with a `shard_dim` (an integer format's: GPTQ / AWQ keep the
+    output dim last) takes its packed shards concatenated along that dim (per expert:
+    dim 1 + shard_dim of the stacked parameter) instead of dim 0.
 
     `shard_plan` (tensor parallelism, models/tensor_parallel.py): the (lazily read)
     checkpoint tensors are cut to this rank's slice before they are copied.
@@ -185,8 +191,7 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
     for name, seen in expert_seen.items():
         if name not in loaded:
             suffix = _expert_suffix(name)
-            kind = next("." + k for k, v in EXPERT_TENSORS.items() if v == suffix and v)\
-                if suffix else ""
+            kind = next(("." + k for k, v in EXPERT_TENSORS.items() if v and v == suffix), "")
             shards = {shard: source + kind for source, (target, shard) in experts.items()
                       if target == _expert_target(name)}
             absent = [f"{e}.{shards[s]}" for e in range(params[name].shape[0])
