@@ -13,6 +13,7 @@ from tokenmill.models.layers.linear_methods.compressed_tensors import Compressed
 from tokenmill.models.layers.linear_methods.gptq import GptqLayout
 from tokenmill.models.layers.linear_methods.int_packing import (act_order_perm, pack_int32,
                                                                 unpack_int32)
+from tokenmill.models.layers.linear_methods.quantized_weight import reference_linear
 from tokenmill.models.quant_formats.encode import (encode_awq, encode_compressed_tensors,
                                                    encode_gptq)
 from tokenmill.models.quant_formats.rtn import quantize_rtn
@@ -160,3 +161,29 @@ def test_gptq_v1_zero_of_the_top_code_is_refused():
     with pytest.raises(ValueError, match="qzeros holds 15, which a gptq \\(v1\\) checkpoint "
                                          "stores for a zero point of 16"):
         GptqLayout(4, -1, v1_zeros=True, g_idx=False).convert(t, 8, (1,), "test")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_odd_shapes_round_trip(bits):
+    """K = 20 in groups of 8 (the last group partial; 4-bit words padded along K) and
+    N = 5 (GPTQ's qzeros and compressed-tensors' zero points padded along N); act-order
+    too. The readers give back the writer's QuantizedWeight, and a GEMM through it
+    equals one through the dequantized matrix."""
+    torch.manual_seed(1)
+    w = torch.randn(5, 20)
+    for perm in (None, torch.randperm(20)):
+        qw = quantize_rtn(w, bits, 8, False, perm, min_zero=1)
+        t = encode_gptq(qw, v1_zeros=True)
+        assert t["qweight"].shape == (-(-20 * bits // 32), 5)
+        assert t["qzeros"].shape == (3, 1 if bits == 4 else 2)
+        back = GptqLayout(bits, 8, True).convert(t, 20, (5,), "t").check()
+        assert torch.equal(back.dequantize(), qw.dequantize())
+        ct = quantize_rtn(w, bits, 8, False, perm, torch.bfloat16)
+        t = encode_compressed_tensors(ct, False)
+        assert t["weight_zero_point"].shape == (1 if bits == 4 else 2, 3)
+        back = CompressedTensorsLayout(bits, 8, False, perm is not None).convert(
+            t, 20, (5,), "t").check()
+        assert torch.equal(back.dequantize(), ct.dequantize())
+        x = torch.randn(3, 20)
+        assert torch.allclose(reference_linear(back, x, None), x @ ct.dequantize().T,
+                              atol=1e-5)
