@@ -244,3 +244,20 @@ def test_quantized_tensors_without_their_config_are_refused(src, gptq, tmp_path)
     with pytest.raises(ValueError, match=r"_proj\.(qweight|qzeros|scales|g_idx) matches no "
                                          r"parameter"):
         load(path)
+
+
+def test_packed_shard_ending_inside_a_word_is_refused(tmp_path):
+    """q_proj of 36 rows in 4 bits ends mid-word in qzeros (packed along N): its words
+    cannot be concatenated with k_proj's; refused naming the layer. 8 bits fit."""
+    src = str(tmp_path / "src")
+    build_checkpoint(src, "llama", dict(hidden_size=36, num_attention_heads=3,
+                                        num_key_value_heads=1, intermediate_size=72,
+                                        tie_word_embeddings=False))
+    path = str(tmp_path / "q4")
+    write_gptq_checkpoint(src, path, bits=4, group_size=12)
+    with pytest.raises(ValueError, match=r"layer layers\.0\.self_attn\.qkv_proj packs .*; "
+                                         r"model\.layers\.0\.self_attn\.q_proj has 36 rows, "
+                                         r"which end inside a packed int32 word"):
+        load(path)
+    write_gptq_checkpoint(src, str(tmp_path / "q8"), bits=8, group_size=12)
+    load(str(tmp_path / "q8"))
