@@ -121,6 +121,9 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     generation_config: dict = field(default_factory=dict)
+    # --quantization: the method an unquantized checkpoint is quantized to at load
+    # (models/quantize_at_load.py); None: none, or the checkpoint's own.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -128,7 +131,8 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model: str, dtype="auto", device="auto",
-                        max_model_len: int | None = None) -> "ModelConfig":
+                        max_model_len: int | None = None,
+                        quantization: str | None = None) -> "ModelConfig":
         path = resolve_model_path(model)
         cfg_path = os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
@@ -138,6 +142,8 @@ class ModelConfig:
         # A quantized format the engine does not implement is refused before anything
         # else is read (its weights would load as noise).
         check_quantization(raw_config, f"model {path}")
+        from tokenmill.models.quantize_at_load import resolve_quantization
+        quantization = resolve_quantization(quantization, raw_config, f"model {path}")
         hf_config = flatten_text_config(raw_config)
         gen_cfg = {}
         gen_path = os.path.join(path, "generation_config.json")
@@ -164,7 +170,7 @@ class ModelConfig:
                     "from its). A max_model_len within original_max_position_embeddings "
                     "picks the short factors.", max_model_len)
         return cls(model, path, hf_config, resolve_dtype(dtype, hf_config, dev), dev,
-                   max_model_len, gen_cfg)
+                   max_model_len, gen_cfg, quantization)
 
     def eos_token_ids(self, tokenizer=None) -> frozenset[int]:
         ids = set()

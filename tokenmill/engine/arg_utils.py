@@ -11,6 +11,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--model", required=model_required, default=None,
                    help="local HF folder or hub id (default: the built-in demo model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_quantization_arg(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -35,6 +36,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add_limit_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    """vLLM's --quantization (also taken by the benchmarks)."""
+    from tokenmill.models.quantization import QUANTIZE_AT_LOAD as AT_LOAD
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help=f"quantize an unquantized checkpoint's weights at load: "
+                        f"{', '.join(AT_LOAD)} (per-channel weights, activations "
+                        f"unquantized); a quantized checkpoint's own method is accepted, "
+                        f"another refused (default: the weights as stored)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -161,6 +172,7 @@ def kv_cache_kwargs(args: argparse.Namespace) -> dict:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, seed=args.seed,
+                quantization=getattr(args, "quantization", None),
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

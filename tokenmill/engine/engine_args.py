@@ -84,6 +84,10 @@ class EngineArgs:
     # Offline chat: image_url parts may name file:// images inside this folder (None:
     # never; the server takes --allowed-local-media-path).
     allowed_local_media_path: str | None = None
+    # vLLM's --quantization: "int8" / "fp8" quantize an unquantized checkpoint's weights
+    # at load (per-channel, activations unquantized: models/quantize_at_load.py); a
+    # quantized checkpoint's own method is accepted, another refused. None: as stored.
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -115,6 +119,13 @@ class EngineArgs:
             if self.speculative_config is not None:
                 raise ValueError("tensor_parallel_size > 1 does not support speculative "
                                  "decoding (speculative_config) yet")
+            if self.quantization is not None:
+                raise ValueError("tensor_parallel_size > 1 does not support quantization "
+                                 "at load yet")
+        if self.quantization is not None and (not isinstance(self.quantization, str)
+                                              or not self.quantization):
+            raise ValueError(f"quantization must be a method name or None, "
+                             f"got {self.quantization!r}")
         for name in ("block_size", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -174,7 +185,7 @@ class EngineSetup:
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineSetup":
         model_config = ModelConfig.from_pretrained(args.model, args.dtype, args.device,
-                                                   args.max_model_len)
+                                                   args.max_model_len, args.quantization)
         tokenizer = load_tokenizer(args.tokenizer or model_config.path)
         max_len = model_config.max_model_len
         batched = args.max_num_batched_tokens

@@ -103,7 +103,8 @@ class EngineCore:
         if tensor_parallel_size == 1:  # (with more ranks, each loads its own shard)
             if model is None:
                 model = load_model(model_config.path, model_config.hf_config,
-                                   model_config.dtype, model_config.device, self.platform)
+                                   model_config.dtype, model_config.device, self.platform,
+                                   quantization=model_config.quantization)
             draft_model = load_draft_model(speculative_config, model_config, model,
                                            self.platform)
         # The ModelRunner (one rank) or the executor over the ranks: the same calls.

@@ -11,6 +11,8 @@ from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
 from tokenmill.models.int_quant_layers import apply_int_quant, finish_int_quant
 from tokenmill.models.layers.linear_methods.int_layout import INT_TENSOR_KINDS
 from tokenmill.models.quantization import check_quantization, fp8_config, int_quant_config
+from tokenmill.models.quantization import check_quantization, fp8_config
+from tokenmill.models.quantize_at_load import quantize_model, resolve_quantization
 from tokenmill.models.quantized_layers import apply_fp8
 from tokenmill.models.registry import resolve_model_class
 
@@ -236,18 +238,25 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device, platform, tp_group=None) -> nn.Module:
+               device: torch.device, platform, tp_group=None,
+               quantization: str | None = None) -> nn.Module:
     """Build and fill the model, then let `platform` (tokenmill.platforms: the engine's)
     hand its kernel decisions to the layers: packed bf16
     weights, GEMMs widened to its gemm dtype (see layers/linear_methods/), native kernels.
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
-    of the model (models/tensor_parallel.py)."""
+    of the model (models/tensor_parallel.py). `quantization` (--quantization): an
+    unquantized checkpoint's weights are quantized to it after loading
+    (models/quantize_at_load.py); a quantized checkpoint's own method is accepted."""
     where = f"checkpoint {model_dir}"
     check_quantization(hf_config, where)
+    at_load = resolve_quantization(quantization, hf_config, where)
     fp8 = fp8_config(hf_config, where)
     intq = int_quant_config(hf_config, where)
     cls = resolve_model_class(hf_config)
     tp = tp_group is not None and tp_group.size > 1
+    if tp and at_load is not None:
+        raise ValueError(f"{where}: quantization {at_load!r} at load with tensor parallelism "
+                         f"(tensor_parallel_size {tp_group.size}) is not implemented yet")
     if tp and fp8 is not None:
         raise ValueError(f"{where}: fp8 checkpoints with tensor parallelism "
                          f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
@@ -297,6 +306,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         load_weights(model, model_dir)
     if intq is not None:
         finish_int_quant(model)
+    if at_load is not None:
+        quantize_model(model, at_load, where)
     platform.prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

@@ -37,6 +37,10 @@ IMPLEMENTED: dict[str, str] = {
                           "(layers/linear_methods/compressed_tensors.py)",
 }
 
+# --quantization methods applied at load to an unquantized checkpoint
+# (models/quantize_at_load.py).
+QUANTIZE_AT_LOAD = ("int8", "fp8")
+
 # The config keys transformers writes a checkpoint's quantization under.
 CONFIG_KEYS = ("quantization_config", "compression_config")
 

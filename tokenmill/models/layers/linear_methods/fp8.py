@@ -36,6 +36,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def per_channel_block(*in_features: int) -> tuple[int, int]:
+    """The block of per-channel scales (one per output row): one row by at least the
+    widest input (every K it covers is one column of blocks), so the block methods
+    serve per-channel and per-tensor checkpoints and the fp8 made at load."""
+    return (1, max(in_features))
+
+
+def describe_block(block_size: tuple[int, int], in_features: int | None,
+                   compute_dtype) -> str:
+    """"[bn, bk]", or "per-channel" for one-row blocks that span every input column."""
+    bn, bk = block_size
+    wide = "" if compute_dtype is None else f", in {compute_dtype}"
+    per_channel = bn == 1 and in_features is not None and bk >= in_features
+    return ("per-channel" if per_channel else f"[{bn}, {bk}]") + wide
+
+
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
                          block_size: tuple[int, int],
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -43,7 +59,11 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     [ceil(n/bn), ceil(K/bk)] -> W [n, K] in `dtype` (computed in fp32, then rounded)."""
     bn, bk = block_size
     n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    scale = scale_inv.float()
+    if bn > 1:
+        scale = scale.repeat_interleave(bn, 0)[:n]
+    if scale.shape[1] > 1:  # one scale column spans the row (bk >= K): broadcast it
+        scale = scale.repeat_interleave(bk, 1)[:, :k]
     w = weight.float()  # a new fp32 tensor (e4m3 -> fp32 is exact): scaled in place
     return w.mul_(scale).to(dtype)
 
@@ -59,10 +79,13 @@ class Fp8BlockLinearMethod(LinearMethod):
         self.block_size = (int(bn), int(bk))
         self.compute_dtype = compute_dtype
 
+    in_features: int | None = None  # K (known once create_weights ran)
+
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
         bn, bk = self.block_size
         # The model's dtype: the bias's, and dense_weight's.
         self.dtype = dtype or torch.get_default_dtype()
+        self.in_features = in_features
         layer.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8_DTYPE),
                                     requires_grad=False)
         layer.weight_scale_inv = nn.Parameter(
@@ -76,7 +99,7 @@ class Fp8BlockLinearMethod(LinearMethod):
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockLinearMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
         method = Fp8BlockLinearMethod(self.block_size, dtype)
-        method.dtype = self.dtype
+        method.dtype, method.in_features = self.dtype, self.in_features
         return method
 
     def _tile_rows(self, in_features: int) -> int:
@@ -108,9 +131,8 @@ class Fp8BlockLinearMethod(LinearMethod):
                                     self.block_size, self.dtype)
 
     def describe(self) -> str:
-        bn, bk = self.block_size
-        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}([{bn}, {bk}]{wide})"
+        return (f"{type(self).__name__}("
+                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)})")
 
 
 class DequantizedExperts:
@@ -135,6 +157,7 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
     each whole block rows (I a multiple of bn), so one scale tensor
     [E, 2I/bn, ceil(H/bk)] covers both; `down_proj` [E, H, I]. `compute_dtype`: the
     GEMMs' dtype where the platform widens; None: the activations'."""
+    in_features: int | None = None  # max(H, I) once create_weights ran
 
     def __init__(self, block_size: tuple[int, int],
                  compute_dtype: torch.dtype | None = None):
@@ -149,6 +172,7 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
                              f"multiple of the block's {bn} rows (gate and up scales would "
                              f"share a block row)")
         e, h, i = num_experts, hidden_size, intermediate_size
+        self.in_features = max(h, i)
 
         def param(*shape, dtype):
             init = torch.ones if dtype == torch.float32 else torch.zeros
@@ -161,7 +185,9 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
-        return Fp8BlockFusedMoEMethod(self.block_size, dtype)
+        method = Fp8BlockFusedMoEMethod(self.block_size, dtype)
+        method.in_features = self.in_features
+        return method
 
     def apply(self, layer, x, topk_weights, topk_ids):
         dtype = self.compute_dtype or x.dtype
@@ -173,6 +199,5 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
                              activation=layer.activation)
 
     def describe(self) -> str:
-        bn, bk = self.block_size
-        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}([{bn}, {bk}]{wide})"
+        return (f"{type(self).__name__}("
+                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)})")

@@ -1,0 +1,178 @@
+"""Quantization at load (`--quantization int8|fp8`, vLLM's flag): an unquantized
+(bf16 / fp16 / fp32) checkpoint's weights quantized once, after loading, so the
+resident weights are the quantized ones.
+
+- "int8": per-channel symmetric int8 weights (one fp32 scale per output row),
+  `Int8AtLoadLinearMethod` / `Int8AtLoadFusedMoEMethod` (layers/linear_methods/
+  int8_at_load.py);
+- "fp8": per-channel e4m3 weights (scale = max|w[n]| / 448 per output row), through
+  the block-scaled fp8 methods with one-row blocks spanning the row
+  (`per_channel_block`): the layout of per-channel fp8 checkpoints, so one path
+  serves both. Per-channel rather than [128, 128] blocks: e4m3 is a floating format
+  (3 mantissa bits whatever the magnitude), so a finer scale buys little accuracy,
+  while one scale per row is what an int8 / fp8 GEMV kernel applies once per output
+  and needs no shape condition (a [128, 128] block would want N and K multiples of
+  128 for fused shards and experts).
+
+Activations stay in the model's dtype (W8A16), so the result is exactly that of the
+dequantized weights. Quantized: every dense `Linear` but the lm_head, a weight tied to
+another module (the embedding) and an MoE router; every `FusedMoE`'s experts. The
+embeddings, norms and convolutions stay as loaded.
+
+`resolve_quantization` checks the flag against the checkpoint (models/quantization.py
+reads its quantization_config) before anything is loaded; `quantize_model` runs in
+models/loader.py `load_model` after `load_weights`, before the platform chooses the
+kernels (`prepare_model`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods.fp8 import (FP8_DTYPE, Fp8BlockFusedMoEMethod,
+                                                        Fp8BlockLinearMethod,
+                                                        per_channel_block)
+from tokenmill.models.layers.linear_methods.int8_at_load import (Int8AtLoadFusedMoEMethod,
+                                                                 Int8AtLoadLinearMethod)
+from tokenmill.models.layers.moe import FusedMoE
+from tokenmill.models.quantization import QUANTIZE_AT_LOAD as AT_LOAD
+from tokenmill.models.quantization import quantization_method
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def resolve_quantization(quantization: str | None, hf_config: dict,
+                         where: str) -> str | None:
+    """The method to quantize with at load (`quantization` against the checkpoint), or
+    None: not asked, or the checkpoint is quantized with that method already (as vLLM,
+    naming the checkpoint's own method is fine). Raises ValueError naming both for a
+    quantized checkpoint and another method, and an unknown method by name."""
+    if quantization is None:
+        return None
+    if not isinstance(quantization, str) or not quantization:
+        raise ValueError(f"quantization must be a method name or None, got {quantization!r}")
+    asked = quantization.lower()
+    found = quantization_method(hf_config, where)
+    if found is not None:
+        key, method = found
+        if method.lower() == asked:
+            return None
+        raise ValueError(f"{where} is quantized with {method!r} ({key}) but quantization "
+                         f"{quantization!r} was asked for: a quantized checkpoint runs in "
+                         f"its own format (pass quantization={method!r} or none)")
+    if asked not in AT_LOAD:
+        raise ValueError(f"quantization {quantization!r} is not a method tokenmill applies to "
+                         f"an unquantized checkpoint (it quantizes at load with: "
+                         f"{', '.join(AT_LOAD)}; other methods load from checkpoints "
+                         f"quantized with them)")
+    return asked
+
+
+def _skipped_linears(model: nn.Module) -> set[int]:
+    """ids of the Linears left as loaded: the lm_head, weights held by more than one
+    module (tied to the embedding), MoE routers (a block's `gate` / `shared_expert_gate`
+    beside its `FusedMoE`, a router module's projection)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    skip = set()
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        is_moe_block = any(isinstance(c, FusedMoE) for c in children.values())
+        is_router = "router" in type(module).__name__.lower()
+        for leaf, child in children.items():
+            if not isinstance(child, Linear):
+                continue
+            tied = uses.get(id(getattr(child, "weight", None)), 0) > 1
+            if (leaf == "lm_head" or tied or is_router
+                    or (is_moe_block and leaf in ("gate", "shared_expert_gate"))):
+                skip.add(id(child))
+    return skip
+
+
+def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 scale [N, 1]): scale = max|w[n]| /
+    448 (a zero row: 1), w8 = w / scale, rounded to nearest."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = wf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def _quantize_linear_fp8(layer: Linear) -> None:
+    w, bias = layer.weight.detach(), layer.bias
+    q, scale = fp8_per_channel(w)
+    del w
+    # The fp8 method registers its e4m3 weight and scales (and a zero bias: the
+    # loaded one is put back).
+    layer.use_method(Fp8BlockLinearMethod(per_channel_block(layer.in_features)),
+                     layer.weight.dtype)
+    layer.bias = bias
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale_inv.copy_(scale)
+
+
+def _quantize_experts_fp8(layer: FusedMoE) -> None:
+    loaded = {name: getattr(layer, name).detach() for name in ("gate_up_proj", "down_proj")}
+    layer.use_method(Fp8BlockFusedMoEMethod(per_channel_block(layer.hidden_size,
+                                                              layer.intermediate_size)),
+                     loaded["gate_up_proj"].dtype)
+    with torch.no_grad():
+        for name, w in loaded.items():
+            for e in range(w.shape[0]):  # one expert at a time: a small fp32 transient
+                q, scale = fp8_per_channel(w[e])
+                getattr(layer, name)[e].copy_(q)
+                getattr(layer, name + "_scale_inv")[e].copy_(scale)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (each storage once, meta tensors
+    not counted) plus the quantized weights integer methods keep beside them."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    for module in model.modules():
+        qw = getattr(getattr(module, "method", None), "qweight", None)
+        if qw is not None:
+            total += qw.nbytes()
+    return total
+
+
+def quantize_model(model: nn.Module, method: str, where: str) -> tuple[int, int]:
+    """Quantize `model`'s loaded weights with `method` ("int8" / "fp8"); returns
+    (Linear layers, MoE expert blocks) quantized. One INFO line with the counts and
+    the resident weight bytes before and after."""
+    if method not in AT_LOAD:
+        raise ValueError(f"quantization {method!r} is not one applied at load ({AT_LOAD})")
+    before = resident_weight_bytes(model)
+    skip = _skipped_linears(model)
+    linears = experts = 0
+    for module in list(model.modules()):
+        if isinstance(module, Linear) and id(module) not in skip:
+            if method == "int8":
+                module.set_method(Int8AtLoadLinearMethod(module.weight.dtype))
+            else:
+                _quantize_linear_fp8(module)
+            linears += 1
+        elif isinstance(module, FusedMoE):
+            if method == "int8":
+                Int8AtLoadFusedMoEMethod.quantize_fused_moe(module)
+            else:
+                _quantize_experts_fp8(module)
+            experts += 1
+    after = resident_weight_bytes(model)
+    logger.info("%s: quantized at load to %s per-channel (activations unquantized): %d Linear "
+                "layers, %d MoE expert blocks (the lm_head, embeddings, routers and tied "
+                "weights stay); resident weight bytes %d -> %d (%.2fx)", where, method,
+                linears, experts, before, after, before / max(after, 1))
+    return linears, experts
