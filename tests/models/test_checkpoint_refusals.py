@@ -157,9 +157,10 @@ def test_quantization_in_text_config_and_compression_config(qwen3, tmp_path):
     tensors = read_tensors(qwen3.path)
     nested = write_variant(qwen3.path, str(tmp_path / "nested"), tensors, {
         "architectures": cfg["architectures"], "model_type": "qwen3_vl",
-        "text_config": {**cfg, "quantization_config": {"quant_method": "fp8"}}})
-    # (fp8 itself loads; without weight_block_size it is the per-tensor variant, refused)
-    with pytest.raises(ValueError, match="fp8 without weight_block_size"):
+        "text_config": {**cfg, "quantization_config": {"quant_method": "fp8",
+                                                       "fmt": "e5m2"}}})
+    # (fp8 itself loads; its e5m2 variant is refused: found in text_config)
+    with pytest.raises(ValueError, match="fp8 fmt 'e5m2' is not implemented"):
         ModelConfig.from_pretrained(nested)
     old = write_variant(qwen3.path, str(tmp_path / "old"), tensors,
                         {**cfg, "compression_config": {"config_groups": {}}})

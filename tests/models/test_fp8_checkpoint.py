@@ -7,9 +7,10 @@ config.json gets the quantization_config. The reference is HF transformers on th
 unquantized checkpoint with those Linear weights replaced by the dequantized ones
 (w8.float() * scale per block), fp32: greedy tokens equal and logprobs within 1e-4.
 
-Every variant not implemented (e5m2, static activation scales, per-tensor scales, a
-packed shard that is not whole block rows, tensor parallelism) and a missing scale are
-refused with an error naming what. FP8 MoE experts: test_fp8_moe.py.
+Every variant not implemented (e5m2, an unknown activation scheme, a packed shard that
+is not whole block rows, tensor parallelism) and a missing scale are refused with an
+error naming what. FP8 MoE experts: test_fp8_moe.py; per-tensor / per-channel scales
+and static activation scales: test_fp8_scales.py.
 """
 from __future__ import annotations
 
@@ -293,9 +294,9 @@ def _with_config(src: str, dst: str, **qc) -> str:
 
 @pytest.mark.parametrize("qc, message", [
     (dict(fmt="e5m2"), r"fp8 fmt 'e5m2' is not implemented"),
-    (dict(activation_scheme="static"), r"fp8 activation_scheme 'static' is not implemented"),
-    (dict(weight_block_size=None), r"fp8 without weight_block_size \(one weight_scale per "
-                                   r"tensor\) is not implemented"),
+    # (static schemes and per-tensor / per-channel scales load: test_fp8_scales.py)
+    (dict(activation_scheme="per_token"), r"fp8 activation_scheme 'per_token' is not "
+                                          r"implemented"),
     (dict(weight_block_size=[128]), r"weight_block_size must be two positive ints"),
 ])
 def test_fp8_variants_not_implemented_are_refused_by_name(qwen3_src, tmp_path, qc, message):

@@ -11,9 +11,8 @@ from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
 from tokenmill.models.int_quant_layers import apply_int_quant, finish_int_quant
 from tokenmill.models.layers.linear_methods.int_layout import INT_TENSOR_KINDS
 from tokenmill.models.quantization import check_quantization, fp8_config, int_quant_config
-from tokenmill.models.quantization import check_quantization, fp8_config
 from tokenmill.models.quantize_at_load import quantize_model, resolve_quantization
-from tokenmill.models.quantized_layers import apply_fp8
+from tokenmill.models.quantized_layers import apply_fp8, fp8_checkpoint_tensors
 from tokenmill.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -280,10 +279,12 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                         else hf_config)
             if fp8 is not None:
                 # The layers the checkpoint quantizes register its layout before loading.
-                n = apply_fp8(model, fp8, checkpoint_header(model_dir), dtype, where)
+                header = checkpoint_header(model_dir)
+                n = apply_fp8(model, fp8, header, dtype, where)
                 logger.info("%s: %d layers (Linear, MoE experts) load fp8 weights with %s "
-                            "block scales (activations stay %s)", where, n,
-                            list(fp8.block_size), dtype)
+                            "scales (activations stay %s)", where, n,
+                            "per-tensor / per-channel" if fp8.block_size is None
+                            else f"{list(fp8.block_size)} block", dtype)
                 if n == 0:
                     logger.warning("%s: quantization_config says fp8 but no layer's weights "
                                    "are e4m3: loading it as an unquantized checkpoint", where)
@@ -303,7 +304,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                      shard_plan=plan)
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, None if fp8 is None else
+                     fp8_checkpoint_tensors(iter_checkpoint(model_dir), header, fp8))
     if intq is not None:
         finish_int_quant(model)
     if at_load is not None:

@@ -6,12 +6,16 @@ model generates noise that looks like output. So a `quantization_config` (or the
 `compression_config` of compressed-tensors) is refused by name unless its method is in
 IMPLEMENTED; a format gains an entry here together with its linear method and kernels.
 
-Implemented: "fp8" with block scales (DeepSeek-V3 / Qwen -FP8: e4m3 weights, dynamic
-activations, `weight_block_size` [bn, bk], `weight_scale_inv` per block), for the dense
-Linear layers (`parse_fp8_config` validates the config here; models/quantized_layers.py
-gives the layers the checkpoint quantizes their method before the weights load). Each
-variant of it not implemented is refused by name: e5m2, static activation scales,
-per-tensor scales (no weight_block_size).
+Implemented: "fp8", e4m3 weights, for the dense Linear layers and MoE experts
+(`parse_fp8_config` validates the config here; models/quantized_layers.py gives the
+layers the checkpoint quantizes their method before the weights load), with
+- block scales (DeepSeek-V3 / Qwen -FP8: `weight_block_size` [bn, bk],
+  `weight_scale_inv` per block), or
+- per-tensor or per-channel scales (no weight_block_size: `weight_scale`, a scalar or
+  one per output row, as the "FP8" / "FP8-Dynamic" releases store them), loaded as
+  one-row blocks.
+Activations stay unquantized (W8A16), so `activation_scheme: static` is accepted and
+its `input_scale` tensors are not used. e5m2 is refused by name.
 
 The integer formats, weights only (activations stay in the model's dtype): "gptq"
 (4 / 8 bits, any group size, act-order, both zero-point conventions), "awq" (4-bit
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 
 # quant_method -> what implements it.
 IMPLEMENTED: dict[str, str] = {
-    "fp8": "block-scaled e4m3 weights of dense layers (layers/linear_methods/fp8.py)",
+    "fp8": "e4m3 weights with block, per-channel or per-tensor scales, dense and MoE "
+           "(layers/linear_methods/fp8.py)",
     "gptq": "GPTQ 4 / 8-bit weights, dense and MoE (layers/linear_methods/gptq.py)",
     "awq": "AWQ 4-bit GEMM-layout weights, dense and MoE (layers/linear_methods/awq.py)",
     "compressed-tensors": "pack-quantized W4A16 / W8A16 weights, dense and MoE "
@@ -83,12 +88,15 @@ def quantization_config(hf_config: dict) -> dict | None:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """A validated fp8 quantization_config: e4m3 weights, one fp32 `weight_scale_inv`
-    per [bn, bk] block, dynamic (here: unquantized) activations."""
-    block_size: tuple[int, int]
+    """A validated fp8 quantization_config: e4m3 weights with one fp32
+    `weight_scale_inv` per [bn, bk] block, or (block_size None) a `weight_scale` per
+    tensor or per output row; activations unquantized here whatever the scheme."""
+    block_size: tuple[int, int] | None
     # modules_to_not_convert (transformers) / ignored_layers (vLLM): checkpoint module
     # names or suffixes whose weights stay unquantized.
     ignored: tuple[str, ...] = ()
+    # activation_scheme "static": the checkpoint has `input_scale` tensors (not used).
+    static_activations: bool = False
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint module `module` ("model.layers.0.mlp.down_proj") is
@@ -105,18 +113,13 @@ def parse_fp8_config(qc: dict, where: str) -> Fp8Config:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"{where}: fp8 fmt {fmt!r} is not implemented (tokenmill loads e4m3 "
-                         f"fp8 weights with block scales only)")
+                         f"fp8 weights only)")
     scheme = qc.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise ValueError(f"{where}: fp8 activation_scheme {scheme!r} is not implemented: its "
-                         f"static activation scales (input_scale) are not read; tokenmill "
-                         f"loads fp8 checkpoints with activation_scheme 'dynamic'")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"{where}: fp8 activation_scheme {scheme!r} is not implemented "
+                         f"(dynamic or static; the activations stay unquantized either way)")
     block = qc.get("weight_block_size")
-    if block is None:
-        raise ValueError(f"{where}: fp8 without weight_block_size (one weight_scale per "
-                         f"tensor) is not implemented; tokenmill loads block-scaled fp8 "
-                         f"(weight_block_size [bn, bk], weight_scale_inv per block)")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
                        for b in block)):
         raise ValueError(f"{where}: fp8 weight_block_size must be two positive ints "
@@ -128,7 +131,8 @@ def parse_fp8_config(qc: dict, where: str) -> Fp8Config:
             raise ValueError(f"{where}: fp8 {key} must be a list of module names, "
                              f"got {names!r}")
         ignored += names
-    return Fp8Config((block[0], block[1]), tuple(ignored))
+    return Fp8Config(None if block is None else (block[0], block[1]), tuple(ignored),
+                     scheme == "static")
 
 
 def fp8_config(hf_config: dict, where: str = "checkpoint") -> Fp8Config | None:

@@ -24,23 +24,53 @@ A packed layer (q | k | v -> qkv_proj, gate | up -> gate_up_proj) is quantized o
 every shard is, and the loader concatenates the shards' `weight_scale_inv` along dim 0
 as it does their weights: every shard but the last must be whole block rows (N a
 multiple of bn), or its scales would not line up with its rows.
+
+Per-tensor and per-channel scales (no weight_block_size: `weight_scale`, a scalar, [N]
+or [N, 1]) load as one-row blocks spanning the row (`per_channel_block`):
+`fp8_checkpoint_tensors` turns each `weight_scale` into the `weight_scale_inv` [N, 1]
+the methods hold (a per-tensor scale repeated on every row), so fused shards with
+different per-tensor scales just concatenate their rows. A static scheme's
+`input_scale` tensors are dropped there: the activations are not quantized (W8A16).
 """
 from __future__ import annotations
 
 from torch import nn
 
+import logging
+
+import torch
+
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
-                                                        Fp8BlockLinearMethod, cdiv)
+                                                        Fp8BlockLinearMethod, cdiv,
+                                                        per_channel_block)
 from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.quantization import Fp8Config
 
+logger = logging.getLogger(__name__)
+
 FP8_E4M3, FP8_E5M2 = "F8_E4M3", "F8_E5M2"
-SCALE_SUFFIX = ".weight_scale_inv"
-# Scale tensors of fp8 variants not implemented: per-tensor weight scales and the
-# static activation scales.
-UNREAD_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".activation_scale",
-                         ".input_scale_inv")
+SCALE_SUFFIX = ".weight_scale_inv"     # block scales (weight_block_size)
+ROW_SCALE_SUFFIX = ".weight_scale"     # per-tensor / per-channel scales (no block size)
+INPUT_SCALE_SUFFIX = ".input_scale"    # static activation scales: not used
+# Scale tensors that no fp8 variant tokenmill loads reads.
+UNREAD_SCALE_SUFFIXES = (".activation_scale", ".input_scale_inv")
+
+
+def _scale_suffix(cfg: Fp8Config) -> str:
+    return ROW_SCALE_SUFFIX if cfg.block_size is None else SCALE_SUFFIX
+
+
+def _unread_scale(cfg: Fp8Config, name: str) -> bool:
+    """A scale tensor this config does not read (a checkpoint contradicting its config
+    or a variant not implemented)."""
+    if name.endswith(UNREAD_SCALE_SUFFIXES):
+        return True
+    if name.endswith(INPUT_SCALE_SUFFIX):
+        return not cfg.static_activations
+    if cfg.block_size is None:
+        return name.endswith(SCALE_SUFFIX)  # block scales without a block size
+    return name.endswith(ROW_SCALE_SUFFIX)
 
 
 def _checkpoint_name(header: dict, name: str) -> str | None:
@@ -52,13 +82,21 @@ def _checkpoint_name(header: dict, name: str) -> str | None:
 
 
 def _check_scale(header: dict, w: str, block, where: str) -> str:
-    """The name of fp8 weight `w`'s block scales, checked present and shaped to fit."""
-    bn, bk = block
+    """The name of fp8 weight `w`'s scales (block scales; block None: per tensor or
+    per channel), checked present and shaped to fit."""
     n, k = header[w][1]
-    scale = w[:-len(".weight")] + SCALE_SUFFIX
+    scale = w[:-len(".weight")] + (ROW_SCALE_SUFFIX if block is None else SCALE_SUFFIX)
     if scale not in header:
-        raise ValueError(f"{where}: fp8 tensor {w} has no block scales: {scale} "
+        kind = "per-tensor / per-channel" if block is None else "block"
+        raise ValueError(f"{where}: fp8 tensor {w} has no {kind} scales: {scale} "
                          f"is missing from the checkpoint")
+    if block is None:
+        if tuple(header[scale][1]) not in ((), (1,), (n,), (n, 1)):
+            raise ValueError(f"{where}: {scale} has shape {tuple(header[scale][1])}; "
+                             f"{w} {(n, k)} takes one scale per tensor ([] or [1]) or per "
+                             f"output row ([{n}] or [{n}, 1])")
+        return scale
+    bn, bk = block
     want = (cdiv(n, bn), cdiv(k, bk))
     if tuple(header[scale][1]) != want:
         raise ValueError(f"{where}: {scale} has shape {tuple(header[scale][1])}; "
@@ -95,7 +133,9 @@ def _apply_fp8_experts(model: nn.Module, cfg: Fp8Config, header: dict, dtype, wh
             raise ValueError(f"{where}: {layer}: {fp8[0]} is fp8 but {plain[0]} is not; "
                              f"fp8 experts load only when every expert's gate, up and down "
                              f"weights are")
-        bn = cfg.block_size[0]
+        block = cfg.block_size or per_channel_block(module.hidden_size,
+                                                    module.intermediate_size)
+        bn = block[0]
         if module.intermediate_size % bn:
             raise ValueError(f"{where}: {layer}: expert intermediate size "
                              f"{module.intermediate_size} is not a multiple of the fp8 "
@@ -108,7 +148,7 @@ def _apply_fp8_experts(model: nn.Module, cfg: Fp8Config, header: dict, dtype, wh
                              f"ignored_layers): the checkpoint contradicts its config")
         for w in fp8:
             claimed.update((w, _check_scale(header, w, cfg.block_size, where)))
-        module.use_method(Fp8BlockFusedMoEMethod(cfg.block_size), dtype)
+        module.use_method(Fp8BlockFusedMoEMethod(block), dtype)
         count += 1
     return count
 
@@ -122,12 +162,14 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
         if dt == FP8_E5M2:
             raise ValueError(f"{where}: tensor {name} is float8_e5m2: e5m2 fp8 weights are "
                              f"not implemented (tokenmill loads e4m3 with block scales)")
-        if name.endswith(UNREAD_SCALE_SUFFIXES):
+        if _unread_scale(cfg, name):
             raise ValueError(f"{where}: tensor {name} is a per-tensor weight scale or a "
-                             f"static activation scale, which tokenmill does not implement "
-                             f"(it loads block-scaled fp8: weight_scale_inv per block, "
-                             f"dynamic activations)")
-    bn, bk = cfg.block_size
+                             f"static activation scale, which this quantization_config "
+                             f"does not use (weight_block_size {cfg.block_size}, "
+                             f"activation_scheme "
+                             f"{'static' if cfg.static_activations else 'dynamic'}): the "
+                             f"checkpoint contradicts its config, or is a variant tokenmill "
+                             f"does not implement")
     packed = getattr(model, "packed_modules", {})
     sources: dict[str, list[str]] = {}  # packed target -> checkpoint modules, shard order
     for source, (target, shard) in sorted(packed.items(), key=lambda kv: kv[1][1]):
@@ -165,6 +207,8 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
             raise ValueError(f"{where}: tensor {ignored[0]} is fp8 but quantization_config "
                              f"lists its module as not converted (modules_to_not_convert / "
                              f"ignored_layers): the checkpoint contradicts its config")
+        block = cfg.block_size or per_channel_block(module.in_features)
+        bn = block[0]
         for i, w in enumerate(weights):
             n, k = header[w][1]
             if i < len(weights) - 1 and n % bn:
@@ -173,11 +217,16 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
                                  f"{bn}: its block scales cannot be concatenated with the "
                                  f"next shard's (not supported)")
             claimed.update((w, _check_scale(header, w, cfg.block_size, where)))
-        module.use_method(Fp8BlockLinearMethod(cfg.block_size), dtype)
+        module.use_method(Fp8BlockLinearMethod(block), dtype)
         count += 1
     count += _apply_fp8_experts(model, cfg, header, dtype, where, claimed)
+    unused = [n for n in header if n.endswith(INPUT_SCALE_SUFFIX)]
+    if unused:
+        logger.info("%s: activation_scheme static: the %d input_scale tensors are not used; "
+                    "activations stay unquantized (W8A16), the GEMMs use the dequantized "
+                    "weights", where, len(unused))
     for name, (dt, _) in header.items():
-        if name in claimed or not (dt == FP8_E4M3 or name.endswith(SCALE_SUFFIX)):
+        if name in claimed or not (dt == FP8_E4M3 or name.endswith(_scale_suffix(cfg))):
             continue
         if ".experts." in name:
             raise ValueError(f"{where}: tensor {name} is an fp8 MoE expert tensor no "
@@ -188,3 +237,22 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
                          f"place (no dense layer of that name takes fp8 weights with block "
                          f"scales); refusing rather than running without it")
     return count
+
+
+def fp8_checkpoint_tensors(tensors, header: dict, cfg: Fp8Config):
+    """The checkpoint's (name, tensor) pairs as the fp8 layers take them: without
+    weight_block_size each `weight_scale` (scalar, [N] or [N, 1]) becomes the
+    `weight_scale_inv` [N, 1] of one-row blocks (a per-tensor scale on every row);
+    a static scheme's `input_scale` tensors are dropped (not used)."""
+    for name, tensor in tensors:
+        if cfg.static_activations and name.endswith(INPUT_SCALE_SUFFIX):
+            continue
+        if cfg.block_size is None and name.endswith(ROW_SCALE_SUFFIX):
+            weight = name[:-len(ROW_SCALE_SUFFIX)] + ".weight"
+            n = header[weight][1][0] if weight in header else tensor.numel()
+            scale = tensor.float().reshape(-1, 1)
+            if scale.shape[0] == 1 and n != 1:
+                scale = scale.expand(n, 1)
+            yield name + "_inv", scale.contiguous()
+            continue
+        yield name, tensor

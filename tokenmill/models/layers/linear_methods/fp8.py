@@ -5,6 +5,11 @@ weight the checkpoint stands for is W = weight.float() * scale, each scale broad
 over its block (despite the name, `weight_scale_inv` multiplies: it is the inverse of
 the quantizer's scale).
 
+Per-channel and per-tensor scales (checkpoints without weight_block_size, and the fp8
+made at load by `--quantization fp8`) are one-row blocks spanning the row,
+`per_channel_block`: `weight_scale_inv` [N, 1], broadcast over the row when
+dequantizing (no [N, K] scale tensor is built), described as "per-channel".
+
 W8A16: the activations are not quantized. The checkpoints' `activation_scheme:
 dynamic` asks for per-token-group e4m3 activations on hardware with fp8 GEMMs; here
 the activations stay in the model's dtype, so the result is that of the dequantized
