@@ -77,3 +77,22 @@ def test_bench_latency_too_long(llama_tiny, capsys):
     assert main(["bench", "latency", "--model", llama_tiny.path, "--input-len", "200",
                  "--output-len", "100"]) == 2
     assert "exceeds the model's max_position_embeddings (256)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_bench_latency_quantization(llama_tiny, tmp_path, capsys, method):
+    """--quantization reaches the engine and is recorded with the resident weight bytes,
+    below the fp32 checkpoint's."""
+    import os
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS, "--num-warmup", "0",
+                 "--skip-hf", "--skip-roofline", "--quantization", method,
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["quantization"] == r["weights"]["quantization"] == method
+    stored = os.path.getsize(os.path.join(llama_tiny.path, "model.safetensors"))
+    assert 0 < r["weights"]["resident_weight_bytes"] < stored
+    assert f"weights: {method} (--quantization)" in capsys.readouterr().out
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS,
+                 "--quantization", "int4"]) == 2
+    assert "quantization 'int4' is not a method" in capsys.readouterr().err

@@ -118,3 +118,16 @@ def test_bench_throughput_data_parallel(llama_tiny, tmp_path, capsys):
         assert dp[key]["tok_s"] > 0
         assert dp[key]["ratio"] == pytest.approx(dp["tok_s"] / dp[key]["tok_s"])
     assert "data parallel: 2 replicas" in capsys.readouterr().out
+
+
+def test_bench_throughput_quantization(llama_tiny, tmp_path, capsys):
+    """--quantization int8 reaches the engine and is recorded, with the resident bytes."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
+                 "--skip-hf-cb", "--skip-roofline", "--quantization", "int8",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokenmill_tok_s"] > 0
+    assert r["workload"]["quantization"] == r["weights"]["quantization"] == "int8"
+    assert r["weights"]["resident_weight_bytes"] > 0
+    assert "weights: int8 (--quantization)" in capsys.readouterr().out

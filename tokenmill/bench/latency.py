@@ -11,6 +11,10 @@ prefix cache), and both systems see the same prompts, on the same weights and dt
 - HF: `generate` at batch 1; end to end is a `max_new_tokens = min_new_tokens =
   --output-len` call, TTFT a separate `max_new_tokens=1` call on the same prompt.
 
+`--quantization int8|fp8` quantizes tokenmill's weights at load (the HF baseline keeps
+the checkpoint's: its greedy agreement then measures the quantization's effect too); the
+output records the method and tokenmill's resident weight bytes.
+
 Per repetition: TPOT (time per output token after the first) = (e2e - TTFT) /
 (output_len - 1); output tok/s = output_len / e2e. The table and the JSON give the
 median and the mean over --num-iters repetitions; the ratios compare medians.
@@ -26,8 +30,8 @@ import time
 
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
                                         _hf_generate_batch, ensure_bench_model, format_platform,
-                                        greedy_agreement, platform_kwargs, positive_int,
-                                        read_model_config)
+                                        format_weights, greedy_agreement, platform_kwargs,
+                                        positive_int, read_model_config, weight_facts)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                    help=f"local HF model folder, or a built-in benchmark model "
                         f"({', '.join(BENCH_MODELS)}). Default: {BENCH_MODEL_NAME}")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    from tokenmill.engine.arg_utils import add_quantization_arg
+    add_quantization_arg(p)
     p.add_argument("--input-len", type=positive_int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--output-len", type=positive_int, default=128,
                    help="new tokens per request (default 128)")
@@ -101,7 +107,8 @@ def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len:
     """-> (per-repetition TTFT s, e2e s, token ids of each repetition, engine facts)."""
     from tokenmill import LLM
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
-              async_scheduling=args.async_scheduling, **platform_kwargs(args))
+              async_scheduling=args.async_scheduling,
+              quantization=getattr(args, "quantization", None), **platform_kwargs(args))
     engine = llm.llm_engine
     for p in warmup_prompts:
         tokenmill_one(engine, p, args.output_len)
@@ -114,7 +121,8 @@ def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len:
     platform = engine.platform.as_dict()
     facts = {"device": engine.model_config.device, "gemm_dtype": platform["gemm_dtype"],
              "platform": platform,
-             "async_scheduling": getattr(engine.engine_core, "async_scheduling", None)}
+             "async_scheduling": getattr(engine.engine_core, "async_scheduling", None),
+             "weights": weight_facts(llm, args)}
     del llm, engine
     gc.collect()
     return ttft, e2e, ids, facts
@@ -217,6 +225,7 @@ def run_latency_bench(args: argparse.Namespace) -> int:
         roof = rl.roofline(rl.count_model_flops(model_path), peaks, runs, facts["gemm_dtype"])
 
     print(format_platform(facts["platform"]))
+    print(format_weights(facts["weights"]))
     print(format_table(args, tm, hf))
     if roof is not None:
         from tokenmill.bench.roofline import format_roofline
@@ -230,7 +239,9 @@ def run_latency_bench(args: argparse.Namespace) -> int:
             "tokenmill": tm, "hf_generate": hf, "greedy_agreement": agreement,
             "roofline": roof,
             "platform": facts["platform"],
+            "weights": facts["weights"],
             "workload": {
+                "quantization": facts["weights"]["quantization"],
                 "model": model_path, "dtype": args.dtype, "device": str(device),
                 "seed": args.seed, "input_len": args.input_len, "output_len": args.output_len,
                 "num_iters": args.num_iters, "num_warmup": args.num_warmup,

@@ -126,6 +126,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int_range, default=(32, 256), metavar="A:B",
                    help="output lengths, uniform integers in [A, B] (default 32:256)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    from tokenmill.engine.arg_utils import add_quantization_arg
+    add_quantization_arg(p)
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or auto (CUDA where torch sees a GPU; default auto)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -245,6 +247,7 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
     """-> (LLM, output tok/s, seconds, generated token ids per request)."""
     from tokenmill import LLM
     engine_kwargs.setdefault("device", getattr(args, "device", "auto"))
+    engine_kwargs.setdefault("quantization", getattr(args, "quantization", None))
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **platform_kwargs(args), **engine_kwargs)
@@ -318,6 +321,23 @@ def platform_kwargs(args) -> dict:
 def format_platform(platform: dict) -> str:
     """The text output's line on the kernels that ran (platform: CpuPlatform.as_dict())."""
     return f"platform: {platform['description']}"
+
+
+def weight_facts(llm, args) -> dict:
+    """--quantization and the resident weight bytes of the engine's model (None where
+    the model lives in other processes: data parallel, an engine process)."""
+    from tokenmill.models.quantize_at_load import resident_weight_bytes
+    model = getattr(getattr(llm.llm_engine.engine_core, "runner", None), "model", None)
+    return {"quantization": getattr(args, "quantization", None),
+            "resident_weight_bytes": None if model is None else resident_weight_bytes(model)}
+
+
+def format_weights(facts: dict) -> str:
+    """The text output's line on the weights: as stored or quantized at load."""
+    kind = (f"{facts['quantization']} (--quantization)" if facts["quantization"]
+            else "as stored")
+    size = facts["resident_weight_bytes"]
+    return f"weights: {kind}" + ("" if size is None else f", {size / 2**20:.1f} MiB resident")
 
 
 def run_timed(llm, workload: Workload, warmup: Workload, structured: dict):
@@ -568,6 +588,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                                                       max_model_len, **extra)
     device = llm.llm_engine.model_config.device
     platform = llm.llm_engine.platform.as_dict()
+    weights = weight_facts(llm, args)
     error = check_lengths(tm_ids, workload)
     if error:
         logger.error(error)
@@ -613,6 +634,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                                hf, hf_n, platform["gemm_dtype"])
 
     print(format_platform(platform))
+    print(format_weights(weights))
     print(format_table(tm_tok_s, hf[0] if hf else None, more["hf_cb_tok_s"]))
     if data_parallel is not None:
         print(format_data_parallel(data_parallel))
@@ -626,6 +648,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                               (tm_tok_s, tm_seconds), hf, hf_n)
         result.update(more)
         result["platform"] = platform
+        result["weights"] = weights
+        result["workload"]["quantization"] = weights["quantization"]
         if data_parallel is not None:
             result["data_parallel"] = data_parallel
         if structured is not None:
