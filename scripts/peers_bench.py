@@ -26,6 +26,12 @@ tokenmill.bench). Everything the peers need lives under $TOKENMILL_CACHE/peers
     mean-prompt + mean-output tokens (272 + 144 for the default ranges), counted
     as generated tokens / total time (prompt + generation). It cannot take a
     list of lengths, so this is the workload's means, not its exact requests.
+  * quantized: the same weights through `llama-quantize` from the f32 GGUF (lossless
+    for a bf16 or fp32 checkpoint) to each --llama-quant type (Q8_0, Q4_0, Q4_K_M),
+    run as the float GGUFs are and reported beside them (rows named by the type,
+    with the ratio to the bf16 / f32 GGUF). llama.cpp quantizes the output head too
+    (Q8_0: q8_0; the K mixes: q6_K), tokenmill's --quantization keeps it unquantized;
+    K-quant types fall back to another type for rows not a multiple of 256.
 
 Nothing here is imported by tokenmill or run by its test suite (it downloads
 packages); tests/unit/test_peers_bench.py covers the pure parts.
@@ -56,7 +62,10 @@ DTYPES = ("bfloat16", "float32")
 WORKLOADS = ("throughput", "latency")
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-LLAMA_TARGETS = ("llama-bench", "llama-batched-bench")
+LLAMA_TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+# llama.cpp weight types the quantized runs use (llama-quantize's names).
+LLAMA_QUANTS = ("Q8_0", "Q4_0", "Q4_K_M")
+QUANT_SOURCE = "float32"  # the GGUF llama-quantize reads
 TAIL_LINES = 40
 
 
@@ -179,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "may run on, %(default)s)")
     p.add_argument("--timeout", type=positive_int, default=3600,
                    help="seconds one step (an install, the build, one engine run) may take")
+    p.add_argument("--llama-quant", default="all", metavar="TYPES",
+                   help=f"llama.cpp: also run the weights quantized to these types, comma-"
+                        f"separated from {', '.join(LLAMA_QUANTS)}, or 'all' / 'none' "
+                        f"(default: all)")
     w = p.add_argument_group("workload (defaults: tokenmill bench's)")
     w.add_argument("--num-prompts", type=positive_int, default=128)
     w.add_argument("--input-len", type=int_range, default=(32, 512), metavar="A:B")
@@ -204,7 +217,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engines = list(ENGINES) if args.engine == "all" else [args.engine]
     args.dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
     args.workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    args.llama_quants = parse_llama_quants(args.llama_quant, p.error)
     return args
+
+
+def parse_llama_quants(text: str, error) -> list[str]:
+    """--llama-quant: 'all', 'none' or a comma-separated list of LLAMA_QUANTS."""
+    if text == "all":
+        return list(LLAMA_QUANTS)
+    if text == "none":
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in LLAMA_QUANTS]
+    if bad or not names:
+        error(f"--llama-quant: {', '.join(bad) or repr(text)} not one of "
+              f"{', '.join(LLAMA_QUANTS)} (or all / none)")
+    return list(dict.fromkeys(names))
 
 
 # ---- the host --------------------------------------------------------------------
@@ -567,7 +595,9 @@ def checkpoint_fingerprint(model_path: str) -> dict:
 
 
 def gguf_path(args, dtype: str) -> str:
-    return os.path.join(args.peers_dir, "models", f"{BENCH_MODEL}-{GGUF_TYPES[dtype]}.gguf")
+    """The GGUF of a float dtype (DTYPES) or of a llama.cpp quantized type (LLAMA_QUANTS)."""
+    return os.path.join(args.peers_dir, "models",
+                        f"{BENCH_MODEL}-{GGUF_TYPES.get(dtype, dtype)}.gguf")
 
 
 def setup_gguf(args, src: str, model_path: str, dtypes: list[str]) -> None:
@@ -581,7 +611,7 @@ def setup_gguf(args, src: str, model_path: str, dtypes: list[str]) -> None:
             fresh = json.load(f) == fingerprint
     if not fresh:  # a new checkpoint: every GGUF made from the old one goes
         shutil.rmtree(hf_copy, ignore_errors=True)
-        for dt in DTYPES:
+        for dt in DTYPES + LLAMA_QUANTS:
             if os.path.exists(gguf_path(args, dt)):
                 os.remove(gguf_path(args, dt))
     if not os.path.isfile(os.path.join(hf_copy, "tokenizer.model")):
@@ -610,6 +640,22 @@ def setup_gguf(args, src: str, model_path: str, dtypes: list[str]) -> None:
         json.dump(fingerprint, f)
 
 
+def setup_llama_quants(args, host: dict, quants: list[str]) -> None:
+    """The f32 GGUF through llama-quantize to each of `quants` (done ones skipped)."""
+    for quant in quants:
+        out = gguf_path(args, quant)
+        if os.path.isfile(out):
+            print(f"[llamacpp] {out} already there", file=sys.stderr)
+            continue
+        tmp = out + ".tmp"
+        run_cmd(f"llamacpp: llama-quantize {quant}",
+                [llama_bin(args, host, "llama-quantize"), gguf_path(args, QUANT_SOURCE), tmp,
+                 quant, str(args.threads)],
+                os.path.join(args.peers_dir, "logs", f"quantize-{quant}.log"),
+                timeout=args.timeout)
+        os.replace(tmp, out)
+
+
 def setup(args, host: dict) -> dict:
     """Every setup step of the chosen engines; -> {step: seconds}."""
     times = {}
@@ -632,6 +678,9 @@ def setup(args, host: dict) -> dict:
         setup_converter(args, src)
         setup_gguf(args, src, model_path, list(DTYPES))
         times["gguf conversion"] = time.perf_counter() - t
+        t = time.perf_counter()
+        setup_llama_quants(args, host, args.llama_quants)
+        times["gguf quantization"] = time.perf_counter() - t
     return times
 
 
@@ -647,7 +696,7 @@ def check_setup(args, host: dict) -> None:
         info = os.path.join(llama_build_dir(args, host), "tokenmill-build.json")
         if not os.path.isfile(info):
             missing.append(info)
-        for dt in args.dtypes:
+        for dt in args.dtypes + args.llama_quants:
             if not os.path.isfile(gguf_path(args, dt)):
                 missing.append(gguf_path(args, dt))
     if missing:
@@ -883,6 +932,19 @@ WORKLOAD_NOTES = {("vllm", "throughput"): "the identical requests, one generate 
                   ("llamacpp", "latency"): "llama-bench tg"}
 
 
+def versus_float_gguf(results: list[dict], row: dict) -> str:
+    """A quantized llama.cpp row's speed next to the float GGUF's on the same workload
+    ("1.84x bf16"), or "" where there is none."""
+    if row["engine"] != "llamacpp" or row["dtype"] not in LLAMA_QUANTS or not row["tok_s"]:
+        return ""
+    for dtype in DTYPES:
+        base = next((r for r in results if r["engine"] == "llamacpp" and r["dtype"] == dtype
+                     and r["workload"] == row["workload"] and r["tok_s"]), None)
+        if base is not None:
+            return f"{row['tok_s'] / base['tok_s']:.2f}x {GGUF_TYPES[dtype]}"
+    return ""
+
+
 def format_table(report: dict) -> str:
     head = ("engine", "version", "workload", "dtype", "output tok/s", "note")
     rows = []
@@ -890,6 +952,9 @@ def format_table(report: dict) -> str:
         version = (report["engines"].get(r["engine"]) or {}).get("version") or "?"
         value = f"{r['tok_s']:.1f}" if r["tok_s"] is not None else "FAILED"
         note = WORKLOAD_NOTES.get((r["engine"], r["workload"]), "")
+        versus = versus_float_gguf(report["results"], r)
+        if versus:
+            note = f"{note}; {versus}"
         if r["error"]:
             note = r["error"].splitlines()[0][:60]
         rows.append((ENGINE_NAMES.get(r["engine"], r["engine"]), version, r["workload"],
@@ -946,7 +1011,7 @@ def run(args, host: dict) -> int:
                                           f"sdist, ggml {build.get('ggml_commit')}",
                                "build": build}
         runners = {"throughput": run_llama_throughput, "latency": run_llama_latency}
-        for dtype in args.dtypes:
+        for dtype in args.dtypes + args.llama_quants:  # the float GGUFs, then the quantized
             for w in args.workloads:
                 try:
                     res = runners[w](args, host, dtype)
@@ -957,6 +1022,8 @@ def run(args, host: dict) -> int:
                     continue
                 if res.get("build"):
                     engines["llamacpp"]["llama_bench_build"] = res["build"]
+                if dtype in LLAMA_QUANTS:
+                    res["quantized_from"] = os.path.basename(gguf_path(args, QUANT_SOURCE))
                 results.append(result_row("llamacpp", w, dtype, res))
     report = build_report(args, host, engines, results,
                           workload_summary(args, requests.get("throughput")))

@@ -255,3 +255,32 @@ def test_report_shape(pb):
     assert "AMD EPYC" in table and "avx2" in table
     assert "200.0" in table and "120.0" in table and "FAILED" in table
     assert len(table.splitlines()) == 2 + len(results)
+
+
+# ---- llama.cpp's quantized runs ------------------------------------------------------------
+def test_llama_quant_argument(pb, tmp_path):
+    assert pb.parse_args([]).llama_quants == ["Q8_0", "Q4_0", "Q4_K_M"]
+    assert pb.parse_args(["--llama-quant", "none"]).llama_quants == []
+    assert pb.parse_args(["--llama-quant", "Q4_K_M,Q8_0,Q8_0"]).llama_quants == ["Q4_K_M",
+                                                                                 "Q8_0"]
+    for bad in ("Q5_0", "q8_0", ","):
+        with pytest.raises(SystemExit):
+            pb.parse_args(["--llama-quant", bad])
+    args = pb.parse_args(["--peers-dir", str(tmp_path)])
+    assert pb.gguf_path(args, "bfloat16").endswith("bench-qwen3-512-bf16.gguf")
+    assert pb.gguf_path(args, "Q4_K_M").endswith("bench-qwen3-512-Q4_K_M.gguf")
+    assert "llama-quantize" in pb.LLAMA_TARGETS
+
+
+def test_quantized_rows_beside_the_float_gguf(pb):
+    args = pb.parse_args(["--engine", "llamacpp", "--dtype", "all", "--llama-quant", "Q8_0,Q4_0"])
+    host = {"cpu_model": "AMD EPYC", "cpu_flags": {f: False for f in pb.CPU_FLAGS},
+            "machine": "x86_64", "cores": 2, "mem_gib": 23.5}
+    results = [pb.result_row("llamacpp", "latency", d, {"tok_s": v, "seconds": 1.0})
+               for d, v in (("bfloat16", 50.0), ("float32", 40.0), ("Q8_0", 92.0))]
+    results.append(pb.result_row("llamacpp", "latency", "Q4_0", None, "llama-bench Q4_0 failed"))
+    report = pb.build_report(args, host, {"llamacpp": {"version": "x"}}, results, {})
+    table = pb.format_table(report).splitlines()
+    assert table[-2].split()[3:5] == ["Q8_0", "92.0"] and table[-2].endswith("1.84x bf16")
+    assert "FAILED" in table[-1] and "x bf16" not in table[-1]
+    assert "x bf16" not in table[2] and "x bf16" not in table[3]  # the float rows
