@@ -25,11 +25,13 @@ import sys
 import pytest
 import torch
 
-from conftest import NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts
+from conftest import (NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
+                      scheduler_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
+from tokenmill.kernels import runnable_levels
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.fp8 import Fp8BlockLinearMethod
 from tokenmill.models.layers.linear_methods.int8_at_load import (Int8AtLoadFusedMoEMethod,
@@ -123,6 +125,46 @@ def test_quantized_at_load_matches_hf_on_the_dequantized_weights(source, tmp_pat
         comp = o.outputs[0]
         assert comp.token_ids == w, (case, method, i, comp.token_ids, w)
         check_completion(holder, p, comp, K, f"{case} {method}: prompt {i}", greedy=True)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("level", runnable_levels()[:-1])  # (the best: the test above)
+def test_quantized_at_load_at_every_capability_level(source, tmp_path, level, method):
+    src = source("qwen3")
+    ref = str(tmp_path / "dequantized")
+    dequantized_checkpoint(src, ref, method)
+    hf = hf_dequantized(ref, {})
+    prompts = make_prompts([5, 33], 384)
+    llm = make_llm(src, quantization=method, cpu_capability=level)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
+                        use_tqdm=False)
+    holder = type("Ref", (), {"hf": hf})()
+    for i, (p, o, w) in enumerate(zip(prompts, outs, hf_greedy_batch(hf, prompts, NUM_NEW))):
+        assert o.outputs[0].token_ids == w, (level, method, i)
+        check_completion(holder, p, o.outputs[0], K, f"{level} {method}: prompt {i}",
+                         greedy=True)
+    llm.shutdown()
+
+
+def test_int8_with_chunked_prefill_preemption_and_prefix_caching(source, tmp_path):
+    """Chunks of 16 tokens, a KV pool too small for the batch (preemption, then
+    recompute), repeated prompts (prefix-cache hits): still HF's greedy tokens."""
+    src = source("qwen3")
+    ref = str(tmp_path / "dequantized")
+    dequantized_checkpoint(src, ref, "int8")
+    hf = hf_dequantized(ref, {})
+    base = make_prompts([33, 40, 17], 384)
+    prompts = base + [base[0][:20] + base[1][:10], base[1]]  # shared prefixes
+    want = hf_greedy_batch(hf, prompts, NUM_NEW)
+    llm = make_llm(src, quantization="int8", max_num_batched_tokens=16, num_kv_blocks=9,
+                   max_model_len=64,
+                   enable_prefix_caching=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert scheduler_of(llm).num_preemptions > 0
     llm.shutdown()
 
 
