@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
+from conftest import (MODEL_SPECS, NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
                       scheduler_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
@@ -43,6 +43,7 @@ from tokenmill.platforms import create_platform
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint_refusals import read_tensors, write_variant  # noqa: E402
 from test_fp8_checkpoint import fp8_variant, hf_dequantized  # noqa: E402
+from test_hybrid_parity import HYBRID_SPECS  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
                                  logprobs=K)
@@ -61,9 +62,15 @@ def dequantized_rows(w: torch.Tensor, method: str) -> torch.Tensor:
     return q * s
 
 
+# MoE routers: Linears (or router parameters) the engine leaves as loaded.
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight", "router.proj.weight")
+
+
 def is_quantized_weight(name: str, t: torch.Tensor) -> bool:
-    """A decoder layer's Linear or expert matrix (the MoE router `mlp.gate` is not)."""
-    return t.dim() == 2 and ".layers." in name and name.endswith("_proj.weight")
+    """A decoder layer's Linear or expert matrix: every matrix of the layers (norms are
+    vectors) but the routers."""
+    return (t.dim() == 2 and ".layers." in name and name.endswith(".weight")
+            and not name.endswith(ROUTERS))
 
 
 def dequantized_checkpoint(src: str, dst: str, method: str) -> dict[str, torch.Tensor]:
@@ -83,8 +90,11 @@ def load(path: str, quantization: str | None, cpu_kernels: str = "auto"):
 
 
 # Qwen3 untied with q/k norms (head_dim 32), Llama GQA with the head tied to the
-# embedding, Qwen2's q/k/v biases, a Qwen3-MoE (experts and router).
+# embedding, Qwen2's q/k/v biases, a Qwen3-MoE (experts and router), DeepSeek-V3 (MLA,
+# grouped routing, shared experts), the hybrid Qwen3-Next (Gated DeltaNet, MoE).
 CASES = {
+    "deepseek_v3": MODEL_SPECS["deepseek_v3"],
+    "qwen3_next": HYBRID_SPECS["qwen3_next"],
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
     "llama_tied": ("llama", dict(tie_word_embeddings=True)),
     "qwen2_bias": ("qwen2", dict(tie_word_embeddings=False)),
