@@ -101,7 +101,7 @@ def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wf = w.detach().float()
     amax = wf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = wf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # (w itself untouched)
     return q, scale
 
 
