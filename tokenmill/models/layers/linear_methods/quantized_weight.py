@@ -75,10 +75,20 @@ class QuantizedWeight:
         """Rows r0:r1 of W' (kernel column order), computed in fp32 then cast."""
         k = self.codes.shape[1]
         g = self.group_size
-        codes = self.codes[r0:r1].to(torch.int32)
-        zeros = self.zeros[r0:r1].to(torch.int32).repeat_interleave(g, 1)[:, :k]
-        scales = self.scales[r0:r1].repeat_interleave(g, 1)[:, :k]
-        return ((codes - zeros).to(torch.float32) * scales).to(dtype)
+        # Codes and zero points are small integers, exact in fp32, and so is their
+        # difference: the same numbers as integer math, in one fp32 buffer.
+        w = self.codes[r0:r1].to(torch.float32)
+        zeros = self.zeros[r0:r1].to(torch.float32)
+        scales = self.scales[r0:r1]
+        if zeros.shape[1] == 1:  # one group per row: broadcast, no [N, K] scale tensors
+            w.sub_(zeros).mul_(scales)
+        elif k % g == 0:  # whole groups: broadcast over a [rows, G, g] view
+            v = w.view(w.shape[0], -1, g)
+            v.sub_(zeros.unsqueeze(-1)).mul_(scales.unsqueeze(-1))
+        else:
+            w.sub_(zeros.repeat_interleave(g, 1)[:, :k]).mul_(
+                scales.repeat_interleave(g, 1)[:, :k])
+        return w.to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in the checkpoint's column order."""
