@@ -57,12 +57,13 @@ def _write_config(src: str, dst: str, qc: dict | None) -> None:
 
 
 def write_quantized(src_dir: str, dst_dir: str, encode, qc: dict,
-                    reference_dir: str | None = None, keep: tuple[str, ...] = ()
-                    ) -> dict[str, torch.Tensor]:
+                    reference_dir: str | None = None, keep: tuple[str, ...] = (),
+                    return_dequantized: bool = True) -> dict[str, torch.Tensor]:
     """`src_dir` rewritten into `dst_dir` with every quantizable weight replaced by
-    encode(name, w) -> (tensors by kind, dequantized fp32 W); `reference_dir`: also
+    encode(name, w) -> (tensors by kind, its QuantizedWeight); `reference_dir`: also
     the same checkpoint with those weights dequantized (fp32). Returns the dequantized
-    weights by checkpoint name."""
+    weights by checkpoint name (empty unless `return_dequantized`: a large model's
+    would not fit in memory)."""
     _copy_side_files(src_dir, dst_dir)
     _write_config(src_dir, dst_dir, qc)
     if reference_dir is not None:
@@ -76,14 +77,20 @@ def write_quantized(src_dir: str, dst_dir: str, encode, qc: dict,
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                ref[name] = t
                 if not quantizable(name, t) or any(name.startswith(m + ".") for m in keep):
                     out[name] = t
+                    if reference_dir is not None:
+                        ref[name] = t
                     continue
-                tensors, deq = encode(name, t)
+                tensors, qw = encode(name, t)
                 prefix = name[:-len(".weight")]
                 out.update({f"{prefix}.{kind}": v for kind, v in tensors.items()})
-                ref[name] = deq_all[name] = deq
+                if reference_dir is not None or return_dequantized:
+                    deq = qw.dequantize()  # fp32, as HF's reference runs it
+                    if reference_dir is not None:
+                        ref[name] = deq
+                    if return_dequantized:
+                        deq_all[name] = deq
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(dst_dir, fname),
                   metadata={"format": "pt"})
         weight_map.update({k: fname for k in out})
@@ -101,7 +108,8 @@ def write_quantized(src_dir: str, dst_dir: str, encode, qc: dict,
 def write_gptq_checkpoint(src_dir: str, dst_dir: str, bits: int = 4, group_size: int = 128,
                           sym: bool = True, desc_act: bool = False,
                           checkpoint_format: str = "gptq", reference_dir: str | None = None,
-                          keep: tuple[str, ...] = (), seed: int = 0) -> dict[str, torch.Tensor]:
+                          keep: tuple[str, ...] = (), seed: int = 0,
+                          return_dequantized: bool = True) -> dict[str, torch.Tensor]:
     """GPTQ (AutoGPTQ "gptq" v1 zeros, or GPTQModel "gptq_v2"): qweight / qzeros /
     scales (fp16) / g_idx; desc_act shuffles each matrix's columns into act-order."""
     v1 = checkpoint_format == "gptq"
@@ -110,27 +118,29 @@ def write_gptq_checkpoint(src_dir: str, dst_dir: str, bits: int = 4, group_size:
         perm = act_order_perm_for(name, w.shape[1], seed) if desc_act else None
         qw = quantize_rtn(w, bits, group_size, sym, perm, torch.float16,
                           min_zero=1 if v1 and not sym else 0)
-        return encode_gptq(qw, v1), qw.dequantize()
+        return encode_gptq(qw, v1), qw
 
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
           "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
           "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
           "lm_head": False}
-    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep)
+    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
+                           return_dequantized)
 
 
 def write_awq_checkpoint(src_dir: str, dst_dir: str, group_size: int = 128,
-                         reference_dir: str | None = None, keep: tuple[str, ...] = ()
-                         ) -> dict[str, torch.Tensor]:
+                         reference_dir: str | None = None, keep: tuple[str, ...] = (),
+                         return_dequantized: bool = True) -> dict[str, torch.Tensor]:
     """AWQ GEMM layout (AutoAWQ): 4-bit, zero points, fp16 scales."""
     def encode(name, w):
         qw = quantize_rtn(w, 4, group_size, False, None, torch.float16)
-        return encode_awq(qw), qw.dequantize()
+        return encode_awq(qw), qw
 
     qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
           "version": "gemm", "modules_to_not_convert": [m.removeprefix("model.")
                                                          for m in keep] or None}
-    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep)
+    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
+                           return_dequantized)
 
 
 def write_compressed_tensors_checkpoint(src_dir: str, dst_dir: str, bits: int = 4,
@@ -138,7 +148,8 @@ def write_compressed_tensors_checkpoint(src_dir: str, dst_dir: str, bits: int = 
                                         actorder: bool = False,
                                         scale_dtype: torch.dtype = torch.bfloat16,
                                         reference_dir: str | None = None,
-                                        keep: tuple[str, ...] = (), seed: int = 0
+                                        keep: tuple[str, ...] = (), seed: int = 0,
+                                        return_dequantized: bool = True
                                         ) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized (llm-compressor W4A16 / W8A16): group_size None
     is strategy "channel"; actorder stores weight_g_idx."""
@@ -146,7 +157,7 @@ def write_compressed_tensors_checkpoint(src_dir: str, dst_dir: str, bits: int = 
         perm = act_order_perm_for(name, w.shape[1], seed) if actorder else None
         qw = quantize_rtn(w, bits, -1 if group_size is None else group_size, symmetric,
                           perm, scale_dtype)
-        return encode_compressed_tensors(qw, symmetric, scale_dtype), qw.dequantize()
+        return encode_compressed_tensors(qw, symmetric, scale_dtype), qw
 
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
                "strategy": "channel" if group_size is None else "group",
@@ -160,4 +171,5 @@ def write_compressed_tensors_checkpoint(src_dir: str, dst_dir: str, bits: int = 
                                         "output_activations": None,
                                         "format": "pack-quantized"}},
           "ignore": ["lm_head", *keep]}
-    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep)
+    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
+                           return_dequantized)

@@ -47,32 +47,39 @@ def packed_len(length: int, bits: int) -> int:
 
 def pack_int32(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Codes (integers in [0, 2**bits)) -> int32 words along `dim`, first code in the
-    lowest bits; a partial last word padded with zeros."""
+    lowest bits; a partial last word padded with zeros. (Shifted and summed in int32:
+    the fields are disjoint, so the sum is their OR, a code in the top field wrapping
+    into the sign bit as the stored word has it.)"""
     per = per_word(bits)
-    c = codes.to(torch.int64).movedim(dim, -1)
-    if int(c.min()) < 0 or int(c.max()) >= 1 << bits:
+    dim = dim % codes.dim()
+    if int(codes.min()) < 0 or int(codes.max()) >= 1 << bits:
         raise ValueError(f"codes out of range for {bits} bits")
-    length = c.shape[-1]
+    length = codes.shape[dim]
     pad = packed_len(length, bits) * per - length
+    c = codes.to(torch.int32)
     if pad:
-        c = torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], -1)
-    c = c.reshape(*c.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64, device=c.device) * bits
-    words = (c << shifts).sum(-1)  # disjoint bit fields: the sum is their OR
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as int32 stores it
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
+        c = torch.cat([c, c.new_zeros(*c.shape[:dim], pad, *c.shape[dim + 1:])], dim)
+    shape = list(c.shape)
+    c = c.reshape(shape[:dim] + [shape[dim] // per, per] + shape[dim + 1:])
+    shifts = torch.arange(per, dtype=torch.int32, device=c.device) * bits
+    shifts = shifts.view([per] + [1] * (len(shape) - dim - 1))
+    return (c << shifts).sum(dim + 1, dtype=torch.int32)
 
 
 def unpack_int32(words: torch.Tensor, bits: int, dim: int, length: int) -> torch.Tensor:
-    """int32 words -> uint8 codes along `dim`, the first `length` of them."""
+    """int32 words -> uint8 codes along `dim`, the first `length` of them. (Shifted and
+    masked in int32, all fields at once: the arithmetic shift's sign bits are masked
+    off, and no int64 copy of the words is made.)"""
     per = per_word(bits)
-    w = words.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * bits
-    c = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    c = c.reshape(*w.shape[:-1], -1)
-    if c.shape[-1] < length:
-        raise ValueError(f"{w.shape[-1]} words hold {c.shape[-1]} codes, not {length}")
-    return c[..., :length].to(torch.uint8).movedim(-1, dim).contiguous()
+    dim = dim % words.dim()
+    shape = list(words.shape)
+    if shape[dim] * per < length:
+        raise ValueError(f"{shape[dim]} words hold {shape[dim] * per} codes, not {length}")
+    shifts = torch.arange(per, dtype=torch.int32, device=words.device) * bits
+    shifts = shifts.view([per] + [1] * (words.dim() - dim - 1))
+    codes = ((words.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
+    codes = codes.reshape(shape[:dim] + [shape[dim] * per] + shape[dim + 1:])
+    return codes if codes.shape[dim] == length else codes.narrow(dim, 0, length).contiguous()
 
 
 def awq_interleave(codes: torch.Tensor) -> torch.Tensor:
