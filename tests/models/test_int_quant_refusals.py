@@ -261,3 +261,30 @@ def test_packed_shard_ending_inside_a_word_is_refused(tmp_path):
         load(path)
     write_gptq_checkpoint(src, str(tmp_path / "q8"), bits=8, group_size=12)
     load(str(tmp_path / "q8"))
+
+
+def test_published_config_spellings_are_accepted():
+    """What the hub's configs write besides the writer's spelling: AutoAWQ's own keys
+    (w_bit, q_group_size, "GEMM"), GPTQModel's "format", compressed-tensors' older
+    compression_config with the scheme nested, channel strategy, ignore patterns."""
+    from tokenmill.models.quantization import (AwqConfig, CompressedTensorsConfig,
+                                               GptqConfig, ignores_module, int_quant_config)
+    awq = int_quant_config({"quantization_config": {
+        "quant_method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True,
+        "version": "GEMM", "modules_to_not_convert": ["visual"]}})
+    assert awq == AwqConfig(64, ("visual",))
+    gptq = int_quant_config({"quantization_config": {
+        "quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": True, "sym": False,
+        "format": "gptq_v2", "dynamic": None, "meta": {"quantizer": ["gptqmodel"]}}})
+    assert gptq == GptqConfig(8, -1, True, False, "gptq_v2") and not gptq.v1_zeros
+    old = int_quant_config({"compression_config": {"quantization_config": {
+        "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel",
+            "group_size": None, "actorder": None}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"]}, "sparsity_config": {"format": "dense"}}})
+    assert old == CompressedTensorsConfig(8, None, False, ("lm_head", "re:.*mlp.gate$"))
+    assert ignores_module(old.ignored, "model.layers.3.mlp.gate")
+    assert not ignores_module(old.ignored, "model.layers.3.mlp.gate_proj")
+    assert ignores_module(("layers.0",), "model.layers.0.mlp.down_proj")
+    assert not ignores_module(("layers.1",), "model.layers.10.mlp.down_proj")
