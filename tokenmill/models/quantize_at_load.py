@@ -133,18 +133,31 @@ def _quantize_experts_fp8(layer: FusedMoE) -> None:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (each storage once, meta tensors
-    not counted) plus the quantized weights integer methods keep beside them."""
+    """Bytes of the model's parameters and buffers (each tensor once, meta tensors not
+    counted) plus what the GEMM layers' methods keep beside them: their tensors (packed
+    copies) and their weight objects with an `nbytes()` (the integer formats'
+    canonical or kernel-packed form), a fallback method's too."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type == "meta" or id(t) in seen:
-            continue
+
+    def add(t) -> int:
+        if id(t) in seen or t.device.type == "meta" or t.layout != torch.strided:
+            return 0  # (an mkldnn-prepacked copy has no element count to read)
         seen.add(id(t))
-        total += t.numel() * t.element_size()
-    for module in model.modules():
-        qw = getattr(getattr(module, "method", None), "qweight", None)
-        if qw is not None:
-            total += qw.nbytes()
+        return t.numel() * t.element_size()
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        total += add(t)
+    methods = [getattr(m, "method", None) for m in model.modules()]
+    while methods:
+        method = methods.pop()
+        for v in vars(method).values() if method is not None else ():
+            if isinstance(v, torch.Tensor):
+                total += add(v)
+            elif callable(getattr(v, "nbytes", None)) and id(v) not in seen:
+                seen.add(id(v))
+                total += v.nbytes()
+            elif hasattr(v, "apply") and hasattr(v, "describe"):  # a fallback method
+                methods.append(v)
     return total
 
 
