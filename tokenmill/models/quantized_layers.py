@@ -38,8 +38,6 @@ from torch import nn
 
 import logging
 
-import torch
-
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
                                                         Fp8BlockLinearMethod, cdiv,
