@@ -88,6 +88,9 @@ CASES = {
                           PER_CHANNEL, False),
     "qwen2_bias_per_channel_flat": ("qwen2", dict(tie_word_embeddings=False),
                                     PER_CHANNEL_FLAT, False),
+    # Phi-3's checkpoint-fused qkv_proj / gate_up_proj: one per-tensor scale each.
+    "phi3_fused_per_tensor": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=2047,
+                                           tie_word_embeddings=False), PER_TENSOR, False),
     "qwen3_static_per_tensor": ("qwen3", dict(head_dim=32, tie_word_embeddings=False),
                                 PER_TENSOR, True),
     "qwen3_moe_per_tensor": ("qwen3_moe", MOE, PER_TENSOR, False),
