@@ -96,3 +96,33 @@ def test_bench_latency_quantization(llama_tiny, tmp_path, capsys, method):
     assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS,
                  "--quantization", "int4"]) == 2
     assert "quantization 'int4' is not a method" in capsys.readouterr().err
+
+
+def test_bench_latency_on_a_quantized_bench_model(tmp_path, monkeypatch, capsys):
+    """NAME-gptq-int4: the bench model's GPTQ copy, written once by tokenmill's writer
+    beside the bf16 model; tokenmill serves the copy, the HF baseline the bf16 base."""
+    from tokenmill.bench import throughput as tp
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    monkeypatch.setitem(tp.BENCH_MODELS, "bench-tiny", ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=256, max_position_embeddings=256)))
+    assert tp.quantized_variant("bench-tiny-gptq-int4") == ("bench-tiny", "gptq-int4")
+    assert tp.quantized_variant("bench-tiny-awq") is None
+    assert tp.quantized_variant("elsewhere-gptq-int4") is None
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", "bench-tiny-gptq-int4", *ARGS,
+                 "--num-warmup", "0", "--skip-roofline", "--output-json", str(out)]) == 0
+    path = tmp_path / "bench-tiny-gptq-int4"
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"]) == ("gptq", 4, 32, True)
+    r = json.loads(out.read_text())
+    assert r["weights"]["quantization"] == "gptq"
+    assert r["hf_generate"]["tok_s"]["median"] > 0
+    assert not r["weights"]["quantized_at_load"]
+    assert "weights: gptq (the checkpoint's)" in capsys.readouterr().out
+    base = tmp_path / "base.json"
+    assert main(["bench", "latency", "--model", "bench-tiny", *ARGS, "--num-warmup", "0",
+                 "--skip-hf", "--skip-roofline", "--output-json", str(base)]) == 0
+    unquantized = json.loads(base.read_text())["weights"]
+    assert unquantized["quantization"] is None
+    assert r["weights"]["resident_weight_bytes"] < unquantized["resident_weight_bytes"]

@@ -31,7 +31,8 @@ import time
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
                                         _hf_generate_batch, ensure_bench_model, format_platform,
                                         format_weights, greedy_agreement, platform_kwargs,
-                                        positive_int, read_model_config, weight_facts)
+                                        hf_baseline_path, is_bench_model, positive_int,
+                                        read_model_config, weight_facts)
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def ratios(tm: dict, hf: dict) -> dict:
 
 def run_latency_bench(args: argparse.Namespace) -> int:
     name = args.model or BENCH_MODEL_NAME
-    model_path = ensure_bench_model(name) if name in BENCH_MODELS else name
+    model_path = ensure_bench_model(name) if is_bench_model(name) else name
     hf_config = read_model_config(model_path)
     max_model_len = args.input_len + args.output_len
     limit = hf_config.get("max_position_embeddings", 2048)
@@ -208,7 +209,8 @@ def run_latency_bench(args: argparse.Namespace) -> int:
 
     hf = agreement = None
     if not args.skip_hf:
-        hf_ttft, hf_e2e, hf_ids = run_hf(model_path, prompts, warmup, args, device)
+        hf_ttft, hf_e2e, hf_ids = run_hf(hf_baseline_path(name, model_path), prompts, warmup,
+                                         args, device)
         hf = summarize(hf_ttft, hf_e2e, args.output_len)
         agreement = greedy_agreement(tm_ids, hf_ids)
         logger.info("HF generate: %.1f output tok/s, TTFT %.1f ms, TPOT %.2f ms (medians); "
@@ -218,11 +220,13 @@ def run_latency_bench(args: argparse.Namespace) -> int:
     roof = None
     if not args.skip_roofline:
         from tokenmill.bench import roofline as rl
-        peaks = rl.measure_peaks(model_path, device, rl.PEAK_DTYPES + (args.dtype,))
+        # (the architecture's FLOPs: a quantized bench model's bf16 base has the same)
+        base = hf_baseline_path(name, model_path)
+        peaks = rl.measure_peaks(base, device, rl.PEAK_DTYPES + (args.dtype,))
         runs = {"tokenmill": ([args.input_len], [args.output_len], tm["e2e_s"]["median"])}
         if hf is not None:
             runs["HF generate"] = ([args.input_len], [args.output_len], hf["e2e_s"]["median"])
-        roof = rl.roofline(rl.count_model_flops(model_path), peaks, runs, facts["gemm_dtype"])
+        roof = rl.roofline(rl.count_model_flops(base), peaks, runs, facts["gemm_dtype"])
 
     print(format_platform(facts["platform"]))
     print(format_weights(facts["weights"]))

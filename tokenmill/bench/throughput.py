@@ -119,7 +119,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"local HF model folder, or a built-in benchmark model "
                         f"({', '.join(BENCH_MODELS)}; random weights, built once into "
-                        f"$TOKENMILL_CACHE or ~/.cache/tokenmill). Default: {BENCH_MODEL_NAME}")
+                        f"$TOKENMILL_CACHE or ~/.cache/tokenmill; NAME-VARIANT, VARIANT one "
+                        f"of {', '.join(QUANTIZED_VARIANTS)}: its GPTQ copy). "
+                        f"Default: {BENCH_MODEL_NAME}")
     p.add_argument("--num-prompts", type=positive_int, default=128)
     p.add_argument("--input-len", type=int_range, default=(32, 512), metavar="A:B",
                    help="prompt lengths, uniform integers in [A, B] (default 32:512)")
@@ -168,10 +170,57 @@ def _is_saved_model(path: str) -> bool:
         f.endswith(".safetensors") for f in os.listdir(path))
 
 
+# Integer-quantized copies of the benchmark models, "<bench model>-<variant>": the bf16
+# model's weights quantized by tokenmill's own GPTQ writer (round to nearest,
+# symmetric; models/quant_formats), written once beside it. gptq-int4 has llama.cpp
+# Q4_0's 32-weight groups, gptq-int8 one scale per row (Q8_0's are per 32 weights).
+QUANTIZED_VARIANTS = {
+    "gptq-int4": dict(bits=4, group_size=32),
+    "gptq-int4-g128": dict(bits=4, group_size=128),
+    "gptq-int8": dict(bits=8, group_size=-1),
+}
+
+
+def quantized_variant(name: str) -> tuple[str, str] | None:
+    """(base bench model, variant) of a quantized bench model's name, else None."""
+    for variant in QUANTIZED_VARIANTS:
+        base = name.removesuffix("-" + variant)
+        if base != name and base in BENCH_MODELS:
+            return base, variant
+    return None
+
+
+def is_bench_model(name: str) -> bool:
+    return name in BENCH_MODELS or quantized_variant(name) is not None
+
+
+def hf_baseline_path(name: str, path: str) -> str:
+    """The checkpoint the HF baseline runs: a quantized bench model's bf16 base (HF
+    transformers loads GPTQ only through optional packages), else `path`."""
+    found = quantized_variant(name)
+    return ensure_bench_model(found[0]) if found is not None else path
+
+
 def ensure_bench_model(name: str = BENCH_MODEL_NAME) -> str:
-    """Build a random-weight benchmark model once; later runs reuse the folder."""
+    """Build a random-weight benchmark model (or a quantized copy of one) once; later
+    runs reuse the folder."""
     path = os.path.join(cache_root(), name)
     if os.path.isdir(path) and _is_saved_model(path):
+        return path
+    found = quantized_variant(name)
+    if found is not None:
+        from tokenmill.models.quant_formats import write_gptq_checkpoint
+        base, variant = found
+        logger.info("writing the %s copy of %s in %s", variant, base, path)
+        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root())
+        try:
+            write_gptq_checkpoint(ensure_bench_model(base), tmp, sym=True,
+                                  return_dequantized=False, **QUANTIZED_VARIANTS[variant])
+            os.rename(tmp, path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _is_saved_model(path):
+                raise
         return path
     import torch
     import transformers
@@ -326,15 +375,21 @@ def format_platform(platform: dict) -> str:
 def weight_facts(llm, args) -> dict:
     """--quantization and the resident weight bytes of the engine's model (None where
     the model lives in other processes: data parallel, an engine process)."""
+    from tokenmill.models.quantization import quantization_method
     from tokenmill.models.quantize_at_load import resident_weight_bytes
     model = getattr(getattr(llm.llm_engine.engine_core, "runner", None), "model", None)
-    return {"quantization": getattr(args, "quantization", None),
+    at_load = getattr(args, "quantization", None)
+    stored = quantization_method(llm.llm_engine.model_config.hf_config)
+    return {"quantization": at_load or (stored[1] if stored else None),
+            "quantized_at_load": bool(at_load),
             "resident_weight_bytes": None if model is None else resident_weight_bytes(model)}
 
 
 def format_weights(facts: dict) -> str:
-    """The text output's line on the weights: as stored or quantized at load."""
-    kind = (f"{facts['quantization']} (--quantization)" if facts["quantization"]
+    """The text output's line on the weights: as stored (quantized or not), or
+    quantized at load."""
+    how = "--quantization" if facts.get("quantized_at_load") else "the checkpoint's"
+    kind = (f"{facts['quantization']} ({how})" if facts["quantization"]
             else "as stored")
     size = facts["resident_weight_bytes"]
     return f"weights: {kind}" + ("" if size is None else f", {size / 2**20:.1f} MiB resident")
@@ -566,7 +621,7 @@ def build_result(args, model_path: str, device, max_model_len: int, workload: Wo
 
 def run_throughput_bench(args: argparse.Namespace) -> int:
     name = args.model or BENCH_MODEL_NAME
-    model_path = ensure_bench_model(name) if name in BENCH_MODELS else name
+    model_path = ensure_bench_model(name) if is_bench_model(name) else name
     hf_config = read_model_config(model_path)
     max_model_len = validate_args(args, hf_config)
     vocab = hf_config["vocab_size"]
@@ -621,16 +676,17 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
 
     hf = None
     hf_n = args.hf_num_prompts or args.num_prompts
+    hf_path = hf_baseline_path(name, model_path)  # (a quantized bench model's bf16 base)
     if not args.skip_hf:
         hf_work = workload.head(hf_n)
         hf_tok_s, hf_seconds, hf_ids, hf_generated = run_hf(
-            model_path, hf_work, warmup, args.dtype, device, args.hf_batch_size)
+            hf_path, hf_work, warmup, args.dtype, device, args.hf_batch_size)
         agreement = greedy_agreement(tm_ids[:hf_n], hf_ids)
         logger.info("HF generate: %.1f useful output tok/s (%.1f s, %d tokens generated for "
                     "%d useful); greedy agreement with tokenmill %.1f%%", hf_tok_s, hf_seconds,
                     hf_generated, hf_work.total_output_tokens, 100 * agreement)
         hf = (hf_tok_s, hf_seconds, hf_generated, agreement)
-    more = run_extra_baselines(args, model_path, workload, warmup, device, tm_ids, tm_seconds,
+    more = run_extra_baselines(args, hf_path, workload, warmup, device, tm_ids, tm_seconds,
                                hf, hf_n, platform["gemm_dtype"])
 
     print(format_platform(platform))
