@@ -52,8 +52,23 @@ def quantize(w: torch.Tensor, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]
     return q, s.reshape(shape)
 
 
+def compressed_tensors_fp8(static: bool, per_channel: bool) -> dict:
+    """llm-compressor's quantization_config of an FP8 (static, per-tensor) or
+    FP8-Dynamic (per-channel weights, per-token dynamic activations) release."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": "channel" if per_channel else "tensor"}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+            "strategy": "tensor" if static else "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts,
+                                          "output_activations": None}}}
+
+
 def scales_variant(src: str, dst: str, scale_shape, static: bool = False,
-                   qc_extra: dict | None = None) -> dict[str, torch.Tensor]:
+                   qc_extra: dict | None = None, qc: dict | None = None
+                   ) -> dict[str, torch.Tensor]:
     """`src` rewritten with per-tensor / per-channel fp8 weights; `scale_shape(n)`: the
     shape of a weight_scale for n rows; `static`: activation_scheme static with an
     input_scale per layer. Returns the dequantized weights by checkpoint name."""
@@ -68,9 +83,9 @@ def scales_variant(src: str, dst: str, scale_shape, static: bool = False,
         else:
             tensors[name] = t
     cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "fp8",
-                                  "activation_scheme": "static" if static else "dynamic",
-                                  **(qc_extra or {})}
+    cfg["quantization_config"] = qc or {"quant_method": "fp8",
+                                        "activation_scheme": "static" if static else "dynamic",
+                                        **(qc_extra or {})}
     write_variant(src, dst, tensors, cfg)
     return deq
 
@@ -95,6 +110,11 @@ CASES = {
                                 PER_TENSOR, True),
     "qwen3_moe_per_tensor": ("qwen3_moe", MOE, PER_TENSOR, False),
     "qwen3_moe_per_channel": ("qwen3_moe", MOE, PER_CHANNEL, True),
+    # compressed-tensors' float-quantized FP8 (llm-compressor's FP8-Dynamic and FP8)
+    "ct_fp8_dynamic_per_channel": ("qwen3", dict(head_dim=32, tie_word_embeddings=False),
+                                   PER_CHANNEL, False),
+    "ct_fp8_static_per_tensor": ("llama", dict(tie_word_embeddings=False), PER_TENSOR_1,
+                                 True),
 }
 
 
@@ -108,7 +128,9 @@ def variant(tmp_path_factory):
             src = str(tmp_path_factory.mktemp(case + "_src"))
             build_checkpoint(src, arch, overrides)
             path = str(tmp_path_factory.mktemp(case))
-            deq = scales_variant(src, path, shape, static)
+            qc = (compressed_tensors_fp8(static, shape is PER_CHANNEL)
+                  if case.startswith("ct_") else None)
+            deq = scales_variant(src, path, shape, static, qc=qc)
             cache[case] = (src, path, deq)
         return cache[case]
     return get

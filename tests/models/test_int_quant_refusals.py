@@ -72,7 +72,16 @@ def _config(path: str) -> dict:
      r"awq version 'exllama' is not implemented"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "backend": "llm-awq"},
      r"awq backend 'llm-awq' is not implemented"),
-    (ct(format="float-quantized"), r"'compressed-tensors': format 'float-quantized' \(FP8"),
+    # float-quantized FP8 loads as the fp8 method (test_fp8_scales.py); its variants
+    # that do not map onto per-tensor / per-channel e4m3 weights are refused by name.
+    (ct({"type": "float", "num_bits": 8, "strategy": "block"}, format="float-quantized"),
+     r"FP8 weights strategy 'block' is not implemented"),
+    (ct({"type": "float", "num_bits": 4, "strategy": "tensor"}, format="float-quantized"),
+     r"float-quantized weights of type 'float' / num_bits 4 are not implemented"),
+    ({**ct(format="float-quantized"), "config_groups": {"g": {
+        "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+        "input_activations": {"type": "int", "num_bits": 8, "dynamic": True}}}},
+     r"input_activations of type 'int' / num_bits 8 are not implemented"),
     (ct(format="marlin-24"), r"format 'marlin-24' is not implemented"),
     ({**ct(), "config_groups": {"g": {"weights": {**CT_W4, "num_bits": 8}, "input_activations":
                                       {"num_bits": 8, "type": "int"}}}},

@@ -15,7 +15,9 @@ layers the checkpoint quantizes their method before the weights load), with
   one per output row, as the "FP8" / "FP8-Dynamic" releases store them), loaded as
   one-row blocks.
 Activations stay unquantized (W8A16), so `activation_scheme: static` is accepted and
-its `input_scale` tensors are not used. e5m2 is refused by name.
+its `input_scale` tensors are not used. e5m2 is refused by name. compressed-tensors'
+"float-quantized" FP8 (per-tensor / per-channel `weight_scale`, llm-compressor's FP8 /
+FP8-Dynamic) maps onto the same per-row method (`parse_ct_fp8_config`).
 
 The integer formats, weights only (activations stay in the model's dtype): "gptq"
 (4 / 8 bits, any group size, act-order, both zero-point conventions), "awq" (4-bit
@@ -24,7 +26,7 @@ GEMM layout with zero points) and "compressed-tensors" pack-quantized W4A16 / W8
 `GptqConfig` / `AwqConfig` / `CompressedTensorsConfig` (models/int_quant_layers.py
 places them). Their variants not implemented are refused by name: other bit widths,
 GPTQ's marlin / bitblas / ... formats, AWQ's gemv / exllama / marlin versions and
-zero_point false, compressed-tensors' float-quantized FP8, activation quantization
+zero_point false, activation quantization
 (W8A8, W4A8), sparsity, KV-cache schemes.
 """
 from __future__ import annotations
@@ -136,11 +138,71 @@ def parse_fp8_config(qc: dict, where: str) -> Fp8Config:
 
 
 def fp8_config(hf_config: dict, where: str = "checkpoint") -> Fp8Config | None:
-    """The checkpoint's validated fp8 config, None when it is not quantized with fp8."""
+    """The checkpoint's validated fp8 config, None when it is not quantized with fp8
+    (quant_method "fp8", or compressed-tensors' "float-quantized" FP8)."""
     found = quantization_method(hf_config, where)
-    if found is None or found[1].lower() != "fp8":
+    if found is None:
+        return None
+    key, method = found
+    if method.lower() == "compressed-tensors":
+        qc = _ct_flat(quantization_config(hf_config))
+        if qc.get("format") != "float-quantized":
+            return None
+        return parse_ct_fp8_config(qc, f"{where}: {key}.quant_method 'compressed-tensors'")
+    if method.lower() != "fp8":
         return None
     return parse_fp8_config(quantization_config(hf_config), where)
+
+
+def _ct_fp8_scheme(group: dict, where: str) -> bool:
+    """Whether one compressed-tensors FP8 config group quantizes its activations
+    statically (an input_scale per layer), or refusal of what does not map onto the
+    per-tensor / per-channel e4m3 weights."""
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise ValueError(f"{where}: a config group has no weights scheme")
+    if (w.get("type"), w.get("num_bits")) != ("float", 8):
+        raise ValueError(f"{where}: float-quantized weights of type {w.get('type')!r} / "
+                         f"num_bits {w.get('num_bits')!r} are not implemented (FP8: float, 8)")
+    if w.get("strategy") not in ("tensor", "channel"):
+        raise ValueError(f"{where}: FP8 weights strategy {w.get('strategy')!r} is not "
+                         f"implemented ('tensor', 'channel')")
+    if w.get("dynamic", False):
+        raise ValueError(f"{where}: dynamic FP8 weight scales are not implemented")
+    act = group.get("input_activations")
+    if act is None:
+        return False
+    if (act.get("type"), act.get("num_bits")) != ("float", 8):
+        raise ValueError(f"{where}: input_activations of type {act.get('type')!r} / num_bits "
+                         f"{act.get('num_bits')!r} are not implemented (FP8 or none)")
+    if group.get("output_activations") is not None:
+        raise ValueError(f"{where}: output_activations is not implemented")
+    return not act.get("dynamic", False)
+
+
+def parse_ct_fp8_config(qc: dict, where: str) -> Fp8Config:
+    """compressed-tensors' float-quantized FP8 ("FP8" / "FP8-Dynamic" releases of
+    llm-compressor: e4m3 `weight` with a `weight_scale` per tensor or per output row,
+    activations per token dynamically or with a static `input_scale`) as the fp8
+    method's per-tensor / per-channel config; the activations stay unquantized here
+    (W8A16), as for quant_method "fp8"."""
+    for field in ("kv_cache_scheme", "transform_config"):
+        if qc.get(field):
+            raise ValueError(f"{where}: {field} is not implemented")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and (sparsity.get("format") or "dense") != "dense":
+        raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
+                         f"(2:4 / bitmask sparsity) is not implemented")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
+                         f"scheme to load")
+    static = {_ct_fp8_scheme(g if isinstance(g, dict) else {}, f"{where}: config group {n!r}")
+              for n, g in groups.items()}
+    if len(static) > 1:
+        raise ValueError(f"{where}: config groups mixing static and dynamic activation "
+                         f"scales are not implemented")
+    return Fp8Config(None, _names(qc, "ignore", where, "config"), static.pop())
 
 
 def check_quantization(hf_config: dict, where: str, implemented=None) -> str | None:
@@ -155,8 +217,7 @@ def check_quantization(hf_config: dict, where: str, implemented=None) -> str | N
         return None
     key, method = found
     if method.lower() in implemented:
-        if method.lower() == "fp8":
-            fp8_config(hf_config, where)
+        fp8_config(hf_config, where)  # fp8's and compressed-tensors' FP8
         int_quant_config(hf_config, where)  # the integer formats' (below)
         return method.lower()
     implemented = ", ".join(sorted(implemented)) or "none (for this loader)"
@@ -331,16 +392,19 @@ def _ct_weights(group: dict, where: str) -> tuple[int, int | None, bool]:
     return bits, size, sym
 
 
-def parse_compressed_tensors_config(qc: dict, key: str, where: str) -> CompressedTensorsConfig:
-    where = f"{where}: {key}.quant_method 'compressed-tensors'"
+def _ct_flat(qc: dict) -> dict:
+    """A compressed-tensors config with its nested quantization_config (older
+    compression_config files) merged into the top level."""
     if "config_groups" not in qc and isinstance(qc.get("quantization_config"), dict):
         qc = {**qc["quantization_config"], **{k: v for k, v in qc.items()
                                              if k != "quantization_config"}}
+    return qc
+
+
+def parse_compressed_tensors_config(qc: dict, key: str, where: str) -> CompressedTensorsConfig:
+    where = f"{where}: {key}.quant_method 'compressed-tensors'"
+    qc = _ct_flat(qc)
     fmt = qc.get("format")
-    if fmt == "float-quantized":
-        raise ValueError(f"{where}: format 'float-quantized' (FP8 weights with "
-                         f"weight_scale) is not implemented; tokenmill loads FP8 as the "
-                         f"block-scaled quant_method 'fp8' and integer 'pack-quantized'")
     if fmt != "pack-quantized":
         raise ValueError(f"{where}: format {fmt!r} is not implemented (tokenmill loads "
                          f"'pack-quantized' W4A16 / W8A16)")
@@ -382,5 +446,7 @@ def int_quant_config(hf_config: dict, where: str = "checkpoint"):
     if method == "awq":
         return parse_awq_config(qc, where)
     if method == "compressed-tensors":
+        if _ct_flat(qc).get("format") == "float-quantized":
+            return None  # FP8: fp8_config's
         return parse_compressed_tensors_config(qc, key, where)
     return None
