@@ -1,8 +1,9 @@
-// Checks tokenmill/kernels/vec.h lane by lane against c10's scalar conversions and
-// libm, for whichever ISA the compiler flags select (tests/unit/test_vec_header.py
+// Checks tokenmill/kernels/vec.h and vec_int.h lane by lane against c10's scalar
+// conversions and libm, for whichever ISA the compiler flags select (tests/unit/test_vec_header.py
 // builds it once per capability level, and for aarch64 under qemu when it can).
 // Prints one line per failure; the exit status is the number of failures (max 100).
 #include "../../tokenmill/kernels/vec.h"
+#include "../../tokenmill/kernels/vec_int.h"
 
 #include <cstdio>
 #include <limits>
@@ -160,6 +161,25 @@ int main() {
     for (int j = 0; j < W; ++j) {
       CHECK(l[j] == static_cast<float>(j) + 0.5f, "pairs lo %d: %g", j, l[j]);
       CHECK(hh[j] == -static_cast<float>(j) * 3.f, "pairs hi %d: %g", j, hh[j]);
+    }
+  }
+
+  // Integer codes: W bytes widened to fp32 lanes; 4-bit pairs split into nibbles. Every
+  // byte value, read from a buffer that ends right after the W bytes (no over-read
+  // under a sanitizer; the widened lanes must not see a neighbour's byte).
+  for (int base = 0; base < 256; base += W) {
+    std::vector<uint8_t> buf(W);
+    for (int j = 0; j < W; ++j) buf[j] = static_cast<uint8_t>((base + j * 37) & 0xff);
+    float got[W], lo_out[W], hi_out[W];
+    tmvec::load_u8(buf.data()).store(got);
+    Vec lo, hi;
+    tmvec::load_u4_pairs(buf.data(), lo, hi);
+    lo.store(lo_out);
+    hi.store(hi_out);
+    for (int j = 0; j < W; ++j) {
+      CHECK(got[j] == static_cast<float>(buf[j]), "load_u8 lane %d: %g vs %d", j, got[j], buf[j]);
+      CHECK(lo_out[j] == static_cast<float>(buf[j] & 0xf), "u4 lo lane %d: %g", j, lo_out[j]);
+      CHECK(hi_out[j] == static_cast<float>(buf[j] >> 4), "u4 hi lane %d: %g", j, hi_out[j]);
     }
   }
 
