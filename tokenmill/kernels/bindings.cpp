@@ -21,6 +21,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
   m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");
   m.def("linear_f32", &linear_f32, "x @ w^T + b with packed fp32 weights");
+  m.def("pack_quant_weight", &pack_quant_weight,
+        "4- / 8-bit codes, group scales and zero points in linear_quant's layout",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"),
+        pybind11::arg("bits"), pybind11::arg("group_size"));
+  m.def("linear_quant", &linear_quant,
+        "x @ W^T + b with packed 4- / 8-bit weights widened in registers, fp32 math",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("zeros"), pybind11::arg("N"), pybind11::arg("bits"),
+        pybind11::arg("group_size"), pybind11::arg("bias"));
+  m.def("dequantize_quant", &dequantize_quant,
+        "rows r0:r1 of the packed 4- / 8-bit weights dequantized to fp32, as [K, r1 - r0]",
+        pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"),
+        pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("group_size"),
+        pybind11::arg("r0"), pybind11::arg("r1"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

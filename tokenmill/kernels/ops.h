@@ -42,6 +42,20 @@ void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float*
                        int64_t rows, int64_t ncols);
 void linear_f32_block(const float* x, int64_t K, const float* wblock, float* y, int64_t ldy,
                       int64_t rows, int64_t ncols);
+// Integer-quantized weights (cpu_quant_linear.cpp): codes uint8 [N, K], scales fp32 [N, G],
+// zeros uint8 [N, G] -> (codes [N/32, K, 32 or 16] uint8, scales [N/32, G, 32] fp32 or
+// fp16, zeros [N/32, G, 32] uint8), the layout linear_quant / dequantize_quant read.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
+    torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
+    int64_t group_size);
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
+                           torch::Tensor bias);
+// Rows r0:r1 (r0 a multiple of 32) of the dequantized [N, K] fp32 weights (kernel
+// column order), transposed: [K, r1 - r0], the right operand of x @ W^T.
+torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
+                               int64_t N, int64_t bits, int64_t group_size, int64_t r0,
+                               int64_t r1);
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
                                                   torch::Tensor q, torch::Tensor scale,
                                                   torch::Tensor coef, torch::Tensor l1w,

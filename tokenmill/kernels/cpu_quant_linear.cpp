@@ -1,0 +1,409 @@
+// y = x @ W'^T + b for integer-quantized weights (W8A16 / W4A16: GPTQ, AWQ,
+// compressed-tensors, int8 made at load), fp32 math.
+//
+// W' is the canonical form of models/layers/linear_methods/quantized_weight.py:
+// W'[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k / group_size, codes
+// unsigned 4- or 8-bit. Why a kernel of its own: a decode step is bound by the bytes
+// of weights it reads, and these weights are 1 or 0.5 byte each against bf16's 2;
+// widening the codes in registers keeps that advantage (no dequantized copy of the
+// matrix is made or kept).
+//
+// Packed layout, made once at load (pack_quant_weight), per block of 32 output
+// columns (zero padded), the same at every capability level:
+// - codes: 8-bit [N/32, K, 32] bytes, columns in order; 4-bit [N/32, K, 16] bytes,
+//   byte i = column i in the low nibble, column 16 + i in the high one (the pair
+//   interleave of cpu_linear.cpp's bf16 layout): W bytes widened to W dwords give
+//   W columns (& 0xf) and the W columns 16 further on (>> 4), vec_int.h's load_u4_pairs.
+//   A k line is one load of 32 or 16 bytes for the 32 columns, streamed in order.
+// - scales [N/32, G, 32] and zeros [N/32, G, 32] uint8: a group's 32 values are one
+//   line, read once per group. Scales are stored in fp16 when every one of them is
+//   exactly an fp16 (GPTQ / AWQ checkpoints store fp16 scales), else in fp32, so the
+//   resident bytes stay within 1.1x of the checkpoint's (int4, group 32: 0.59 vs
+//   0.58 B/weight; group 128: 0.52 vs 0.52).
+//
+// Math: per group and column, sum_k x[k] * code[k] is accumulated in fp32 and the
+// group is closed with scale * (sum - zero * sum_k x[k]) (the row's per-group sums
+// of x are computed once per call): one FMA per widened weight vector, no
+// subtraction in the stream, where subtracting the zero per element would add an op
+// per weight and a register per column vector. The codes and zero points are exact
+// fp32 integers; the result is W'x up to fp32 rounding (tests: within 1e-5 of the
+// reference's distance to the exact product). Inputs of DEQUANT_MIN_ROWS rows and
+// more dequantize the block once into fp32 [K, 32] (exactly the reference's W') and
+// take linear_f32_block: there the widening would be repeated per group of rows.
+#include "ops.h"
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+#include "vec_int.h"
+
+namespace {
+
+using tmvec::Vec;
+
+// GCC outlined codes_at<4> from the row-blocked loop (a call, spills and a vzeroupper
+// per k: 3x slower); the per-k helpers must be inlined into their loops.
+#define TM_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t NB = 32;      // output columns per packed block
+constexpr int C = NB / Vec::W;  // vectors per block row
+constexpr int H = C / 2;        // 4-bit: byte vectors per k (each gives a lo and a hi)
+// Rows per micro-kernel call: R x C group sums, C weights and x's broadcast must fit
+// the vector registers (AVX2: 2 rows; at 3 the sums spill and a row costs 40% more).
+constexpr int MR = std::clamp((Vec::kRegs - C - 1) / C, 1, 12);
+constexpr int64_t MC = 128;  // rows per linear_f32_block call on a dequantized block
+// Rows from this many up dequantize the block once and take linear_f32_block (measured
+// on the AVX2 EPYC, 4096 x 4096 int4 / int8 g128, one thread: ~0.56 ms a row either way
+// at 8-32 rows; the dequantized block then spares the widening per pair of rows).
+constexpr int64_t DEQUANT_MIN_ROWS = 16;
+
+inline int lanes(int64_t ncols, int c) {
+  return static_cast<int>(std::clamp<int64_t>(ncols - c * Vec::W, 0, Vec::W));
+}
+
+template <int BITS>
+constexpr int64_t kLine = BITS == 8 ? NB : NB / 2;  // code bytes per k of a block
+
+// The block's 32 codes at k widened to fp32, vector c = columns c*W .. c*W+W-1.
+template <int BITS>
+TM_INLINE void codes_at(const uint8_t* w, int64_t k, Vec* out) {
+  const uint8_t* p = w + k * kLine<BITS>;
+  if constexpr (BITS == 8) {
+    for (int c = 0; c < C; ++c) out[c] = tmvec::load_u8(p + c * Vec::W);
+  } else {
+    for (int j = 0; j < H; ++j) tmvec::load_u4_pairs(p + j * Vec::W, out[j], out[j + H]);
+  }
+}
+
+// One packed column block. S: the scales' type (float or c10::Half).
+template <typename S>
+struct QBlock {
+  const uint8_t* codes;   // [K, kLine]
+  const S* scales;        // [G, 32]
+  const uint8_t* zeros;   // [G, 32]
+  int64_t K, group, G;
+};
+
+// Keep the stream 8 KB ahead of a lone row (a few rows: still a weight stream).
+template <int BITS>
+TM_INLINE void prefetch_ahead(const uint8_t* w, int64_t k) {
+  constexpr int64_t ahead = 8192 / kLine<BITS>;
+  tmvec::prefetch(w + (k + ahead) * kLine<BITS>);
+}
+
+// Close group g of column vector c: out[r] += scale * (sums[r] - zero * xsum[r, g]).
+template <typename S>
+TM_INLINE void close_group(const QBlock<S>& b, int64_t g, int c, Vec sums, float xsum, float* out) {
+  const Vec s = Vec::load(b.scales + g * NB + c * Vec::W);
+  const Vec z = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+  float* o = out + c * Vec::W;
+  tmvec::fma(sums - z * Vec::set1(xsum), s, Vec::load(o)).store(o);
+}
+
+// out [R, 32] (+ bias) -> y's ncols columns.
+template <int R>
+inline void store_rows(const float* out, const float* bias, float* y, int64_t ldy,
+                       int64_t ncols) {
+  for (int c = 0; c < C; ++c) {
+    const int n = lanes(ncols, c);
+    if (n == 0) continue;
+    const Vec bv = bias != nullptr ? Vec::load_n(bias + c * Vec::W, n) : Vec::zero();
+    for (int r = 0; r < R; ++r) {
+      const Vec v = Vec::load(out + r * NB + c * Vec::W) + bv;
+      float* yr = y + r * ldy + c * Vec::W;
+      if (n == Vec::W) v.store(yr); else v.store_n(yr, n);
+    }
+  }
+}
+
+// R rows of x (stride ldx) against one block: each widened weight vector serves R rows.
+template <int R, int BITS, typename S>
+inline void micro(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                  const QBlock<S>& b, const float* bias, float* y, int64_t ldy,
+                  int64_t ncols) {
+  alignas(64) float out[R * NB] = {};
+  for (int64_t g = 0; g < b.G; ++g) {
+    const int64_t k1 = std::min(b.K, (g + 1) * b.group);
+    Vec sums[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sums[r][c] = Vec::zero();
+    for (int64_t k = g * b.group; k < k1; ++k) {
+      if ((k * kLine<BITS>) % 64 == 0) prefetch_ahead<BITS>(b.codes, k);  // once a line
+      Vec w[C];
+      codes_at<BITS>(b.codes, k, w);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = Vec::set1(x[r * ldx + k]);
+        for (int c = 0; c < C; ++c) sums[r][c] = tmvec::fma(xv, w[c], sums[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) close_group(b, g, c, sums[r][c], xs[r * ldxs + g], out + r * NB);
+  }
+  store_rows<R>(out, bias, y, ldy, ncols);
+}
+
+// One row: U independent sets of group sums (8 vectors in all) so the lone decode row
+// is not serialised on FMA latency, and prefetches keeping the stream ahead.
+template <int BITS, typename S>
+inline void micro_row(const float* x, const float* xs, const QBlock<S>& b, const float* bias,
+                      float* y, int64_t ncols) {
+  constexpr int U = C >= 8 ? 1 : 8 / C;
+  alignas(64) float out[NB] = {};
+  for (int64_t g = 0; g < b.G; ++g) {
+    int64_t k = g * b.group;
+    const int64_t k1 = std::min(b.K, k + b.group);
+    Vec part[U][C];
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < C; ++c) part[u][c] = Vec::zero();
+    for (; k + 4 <= k1; k += 4) {
+      // 4 k lines: 128 bytes (8-bit) or 64 (4-bit), one prefetch per 64-byte line
+      prefetch_ahead<BITS>(b.codes, k);
+      if constexpr (BITS == 8) prefetch_ahead<BITS>(b.codes, k + 2);
+      for (int i = 0; i < 4; ++i) {
+        Vec w[C];
+        codes_at<BITS>(b.codes, k + i, w);
+        const Vec xv = Vec::set1(x[k + i]);
+        for (int c = 0; c < C; ++c) part[i % U][c] = tmvec::fma(xv, w[c], part[i % U][c]);
+      }
+    }
+    for (; k < k1; ++k) {
+      Vec w[C];
+      codes_at<BITS>(b.codes, k, w);
+      const Vec xv = Vec::set1(x[k]);
+      for (int c = 0; c < C; ++c) part[0][c] = tmvec::fma(xv, w[c], part[0][c]);
+    }
+    for (int c = 0; c < C; ++c) {
+      Vec sum = part[0][c];
+      for (int u = 1; u < U; ++u) sum = sum + part[u][c];
+      close_group(b, g, c, sum, xs[g], out);
+    }
+  }
+  store_rows<1>(out, bias, y, NB, ncols);
+}
+
+template <int BITS, typename S, int R>
+inline void rows_tail(const float* x, int64_t ldx, const float* xs, const QBlock<S>& b,
+                      const float* bias, float* y, int64_t ldy, int64_t rows, int64_t ncols) {
+  if constexpr (R > 1) {  // rows < R: the micro-kernel of exactly that many rows
+    if (rows == R - 1) return micro<R - 1, BITS>(x, ldx, xs, b.G, b, bias, y, ldy, ncols);
+    return rows_tail<BITS, S, R - 1>(x, ldx, xs, b, bias, y, ldy, rows, ncols);
+  }
+}
+
+// W' of the block transposed: out[k * ld + n] for its first ncols columns n, fp32,
+// (code - zero) * scale as the reference computes it (the difference is exact, the
+// product one rounding).
+template <int BITS, typename S>
+void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols) {
+  for (int64_t g = 0; g < b.G; ++g) {
+    Vec s[C], z[C];
+    for (int c = 0; c < C; ++c) {
+      s[c] = Vec::load(b.scales + g * NB + c * Vec::W);
+      z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+    }
+    const int64_t k1 = std::min(b.K, (g + 1) * b.group);
+    for (int64_t k = g * b.group; k < k1; ++k) {
+      Vec w[C];
+      codes_at<BITS>(b.codes, k, w);
+      for (int c = 0; c < C; ++c) {
+        const int n = lanes(ncols, c);
+        const Vec v = (w[c] - z[c]) * s[c];
+        if (n == Vec::W) v.store(out + k * ld + c * Vec::W);
+        else if (n > 0) v.store_n(out + k * ld + c * Vec::W, n);
+      }
+    }
+  }
+}
+
+// All `rows` rows of x against one block into y (stride ldy).
+template <int BITS, typename S>
+void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float* bias,
+                float* y, int64_t ldy, int64_t rows, int64_t ncols,
+                std::vector<float>& scratch) {
+  const int64_t K = b.K;
+  if (rows == 1) return micro_row<BITS>(x, xs, b, bias, y, ncols);
+  if (rows < DEQUANT_MIN_ROWS) {
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+      micro<MR, BITS>(x + m * K, K, xs + m * b.G, b.G, b, bias, y + m * ldy, ldy, ncols);
+    if (m < rows)
+      rows_tail<BITS, S, MR>(x + m * K, K, xs + m * b.G, b, bias, y + m * ldy, ldy, rows - m,
+                             ncols);
+    return;
+  }
+  scratch.resize(K * NB);
+  dequantize_block<BITS>(b, scratch.data(), NB, NB);
+  for (int64_t m0 = 0; m0 < rows; m0 += MC) {
+    const int64_t mr = std::min(MC, rows - m0);
+    linear_f32_block(x + m0 * K, K, scratch.data(), y + m0 * ldy, ldy, mr, ncols);
+  }
+  if (bias == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] += bias[n];
+}
+
+// Calls f(bits tag, scale type tag) for the packed weight's bits and scale dtype.
+template <typename F>
+void dispatch(int64_t bits, at::ScalarType scale_type, F&& f) {
+  using I4 = std::integral_constant<int, 4>;
+  using I8 = std::integral_constant<int, 8>;
+  const bool half = scale_type == at::kHalf;
+  if (bits == 8) {
+    if (half) f(I8{}, c10::Half{}); else f(I8{}, float{});
+  } else {
+    if (half) f(I4{}, c10::Half{}); else f(I4{}, float{});
+  }
+}
+
+struct Packed {
+  const uint8_t* codes;
+  const void* scales;
+  const uint8_t* zeros;
+  int64_t nblocks, K, group, G;
+
+  template <typename S>
+  QBlock<S> block(int64_t b, int bits) const {
+    const int64_t line = bits == 8 ? NB : NB / 2;
+    return {codes + b * K * line, static_cast<const S*>(scales) + b * G * NB,
+            zeros + b * G * NB, K, group, G};
+  }
+};
+
+// Checks the packed tensors against each other; -> the view the kernels read.
+Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Tensor& scales,
+                    const torch::Tensor& zeros, int64_t N, int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(2) == (bits == 8 ? NB : NB / 2),
+              op, ": codes must come from pack_quant_weight with the same bits");
+  const int64_t nb = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(group > 0, op, ": group_size must be positive");
+  const int64_t G = (K + group - 1) / group;
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == nb &&
+                  scales.size(1) == G && scales.size(2) == NB &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              op, ": scales must be [N/32, G, 32] fp32 or fp16 from pack_quant_weight");
+  TORCH_CHECK(zeros.dim() == 3 && zeros.is_contiguous() && zeros.scalar_type() == at::kByte &&
+                  zeros.size(0) == nb && zeros.size(1) == G && zeros.size(2) == NB,
+              op, ": zeros must be [N/32, G, 32] uint8 from pack_quant_weight");
+  TORCH_CHECK(N > 0 && N <= nb * NB && N > (nb - 1) * NB, op, ": bad column count ", N);
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr<uint8_t>(), nb, K,
+          group, G};
+}
+
+// [N, X] -> [N/32 * 32, X] zero padded, viewed as [N/32, 32, X] -> [N/32, X, 32].
+torch::Tensor blocks_of(const torch::Tensor& t) {
+  const int64_t N = t.size(0), nb = (N + NB - 1) / NB;
+  auto padded = torch::zeros({nb * NB, t.size(1)}, t.options());
+  padded.narrow(0, 0, N).copy_(t);
+  return padded.view({nb, NB, t.size(1)}).permute({0, 2, 1}).contiguous();
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
+    torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
+    int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
+              "pack_quant_weight: codes must be uint8 [N, K]");
+  TORCH_CHECK(group_size > 0, "pack_quant_weight: group_size must be positive");
+  const int64_t N = codes.size(0), K = codes.size(1), G = (K + group_size - 1) / group_size;
+  TORCH_CHECK(N > 0 && K > 0, "pack_quant_weight: empty weight");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G &&
+                  scales.scalar_type() == at::kFloat,
+              "pack_quant_weight: scales must be fp32 [N, ceil(K / group_size)]");
+  TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == N && zeros.size(1) == G &&
+                  zeros.scalar_type() == at::kByte,
+              "pack_quant_weight: zeros must be uint8 [N, ceil(K / group_size)]");
+  if (bits == 4)
+    TORCH_CHECK(codes.max().item<uint8_t>() <= 15 && zeros.max().item<uint8_t>() <= 15,
+                "pack_quant_weight: a 4-bit code or zero point exceeds 15");
+  torch::Tensor w = blocks_of(codes);  // [nb, K, 32]
+  if (bits == 4) {  // byte i = column i | column 16 + i << 4
+    w = w.narrow(2, 0, NB / 2).bitwise_or(w.narrow(2, NB / 2, NB / 2).bitwise_left_shift(4))
+            .contiguous();
+  }
+  torch::Tensor s = blocks_of(scales.contiguous());
+  torch::Tensor s16 = s.to(at::kHalf);
+  if (s16.to(at::kFloat).equal(s)) s = s16;  // exactly fp16: half the bytes
+  return {w, s, blocks_of(zeros)};
+}
+
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
+                           torch::Tensor bias) {
+  const Packed p = check_packed("linear_quant", codes, scales, zeros, N, bits, group_size);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.K, "linear_quant: x must be [M, K]");
+  const auto out_dtype = x.scalar_type();
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "linear_quant: x must be fp32 or bf16");
+  const int64_t M = x.size(0), K = p.K, G = p.G;
+  torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  torch::Tensor bias_hold;
+  const float* bp = nullptr;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == N, "linear_quant: bias must be [N]");
+    bias_hold = bias.to(at::kFloat).contiguous();
+    bp = bias_hold.data_ptr<float>();
+  }
+  // Per row and group, the sum of x (closes each group's sums of x * code).
+  std::vector<float> xs(M < DEQUANT_MIN_ROWS ? M * G : 0);
+  for (int64_t m = 0; m < (M < DEQUANT_MIN_ROWS ? M : 0); ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k)
+        s += xp[m * K + k];
+      xs[m * G + g] = s;
+    }
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    at::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> tile(yp == nullptr ? M * NB : 0), scratch;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * NB, ncols = std::min(NB, N - n0);
+        const QBlock<S> qb = p.block<S>(blk, BITS);
+        const float* bias_b = bp != nullptr ? bp + n0 : nullptr;
+        if (yp != nullptr) {
+          block_rows<BITS>(xp, xs.data(), qb, bias_b, yp + n0, N, M, ncols, scratch);
+        } else {
+          block_rows<BITS>(xp, xs.data(), qb, bias_b, tile.data(), NB, M, ncols, scratch);
+          auto* ob = out.data_ptr<c10::BFloat16>() + n0;
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t n = 0; n < ncols; ++n) ob[r * N + n] = c10::BFloat16(tile[r * NB + n]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
+                               int64_t N, int64_t bits, int64_t group_size, int64_t r0,
+                               int64_t r1) {
+  const Packed p = check_packed("dequantize_quant", codes, scales, zeros, N, bits, group_size);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N && r0 % NB == 0, "dequantize_quant: rows ", r0,
+              ":", r1, " outside 0:", N, " or not starting at a multiple of 32");
+  const int64_t K = p.K, cols = r1 - r0;
+  torch::Tensor out = torch::empty({K, cols}, codes.options().dtype(at::kFloat));
+  if (cols == 0) return out;
+  float* op = out.data_ptr<float>();
+  dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    at::parallel_for(r0 / NB, (r1 - 1) / NB + 1, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk)
+        dequantize_block<BITS>(p.block<S>(blk, BITS), op + (blk * NB - r0), cols,
+                               std::min(NB, r1 - blk * NB));
+    });
+  });
+  return out;
+}
