@@ -342,8 +342,20 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "linear_quant: x must be fp32 or bf16");
   const int64_t M = x.size(0), K = p.K, G = p.G;
-  torch::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  // bf16 rows are widened here, without an ATen op (a decode step makes many calls).
+  torch::Tensor xc = x.contiguous();
+  std::vector<float> xbuf;
+  const float* xp;
+  if (out_dtype == at::kFloat) {
+    xp = xc.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    const auto* xb = xc.data_ptr<c10::BFloat16>();
+    int64_t i = 0;
+    for (; i + Vec::W <= M * K; i += Vec::W) Vec::load(xb + i).store(xbuf.data() + i);
+    for (; i < M * K; ++i) xbuf[i] = static_cast<float>(xb[i]);
+    xp = xbuf.data();
+  }
   torch::Tensor bias_hold;
   const float* bp = nullptr;
   if (bias.defined() && bias.numel() > 0) {
