@@ -27,6 +27,9 @@ fixes, for the whole run:
   `onednn_prepacked` (the weights reordered once for oneDNN, layers/linear_methods/
   `OneDNNPrepackedLinearMethod`; fp32 models, and bf16 ones where bf16 is native) or `torch`
   (F.linear); the prepacked copy replaces the plain weights;
+- the integer-quantized layers (GPTQ / AWQ / int8): the native W4A16 / W8A16 kernel
+  for inputs of up to `quantized_max_rows` rows, dequantized tiles above (0: the
+  PyTorch reference path), where the level's kernels are vectorised;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
@@ -72,6 +75,17 @@ DEFAULT_NATIVE_BF16_PACKED_ROWS = 8
 # linear_bf16_max_rows of a packed layer that takes every input (no other copy of the
 # weights is kept): layers/linear.py's ALL_ROWS.
 from tokenmill.models.layers.linear_methods import ALL_ROWS  # noqa: E402
+# Integer-quantized layers (GPTQ / AWQ / int8): inputs of up to this many rows take the
+# native W4A16 / W8A16 kernel (cpu_quant_linear.cpp), larger ones dequantized tiles and
+# the library GEMM. Where the GEMMs run in fp32, measured on the 2-core AVX2 EPYC (Zen 3),
+# 4096 x 4096 int4 g128, one thread: the kernel 0.8 ms at 1 row (dequantize + F.linear:
+# 7 ms), 27 vs 56 ms at 64 rows, 106 vs 130 at 256, even at 512-1024 (226 vs 253, 475 vs
+# 484; int8 260 vs 248 at 512): past 256 rows the fp32 GEMMs are level.
+DEFAULT_QUANTIZED_ROWS = 256
+# Where bf16 GEMMs are native (AMX / AVX512-BF16), oneDNN's bf16 GEMM on dequantized
+# tiles should overtake the fp32 kernel much earlier, as it does the packed bf16 one:
+# that limit, by analogy (not measured on such a CPU yet).
+DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = DEFAULT_NATIVE_BF16_PACKED_ROWS
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.
@@ -236,6 +250,10 @@ class CpuPlatform(Platform):
         greedy = ((packed or packed_f32) and greedy_head_max_rows > 0 and not sharded
                   and getattr(ops, "has_greedy_lm_head", False))
         packed_rows = linear_bf16_max_rows if packed else DEFAULT_F32_PACKED_ROWS
+        quantized = (ops is not None and getattr(ops, "has_fast_linear_bf16", False)
+                     and hasattr(ops, "linear_quant"))
+        quantized_rows = (0 if not quantized else DEFAULT_QUANTIZED_ROWS
+                          if gemm == torch.float32 else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
         native = "native" if ops is not None else "torch"
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
@@ -255,6 +273,7 @@ class CpuPlatform(Platform):
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
+            quantized_max_rows=quantized_rows,
             tensor_parallel_size=tensor_parallel_size, ops=ops)
 
     # ---- what it decided ---------------------------------------------------------------
@@ -306,6 +325,8 @@ class CpuPlatform(Platform):
                 f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
                 f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
+                + (f", int4 / int8 weights native up to {self.quantized_max_rows} rows"
+                   if self.quantized_max_rows else "")
                 + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "
                    f"layers and lm_head off the native paths (no collectives inside them)"
                    if self.tensor_parallel_size > 1 else ""))

@@ -18,6 +18,9 @@ dequantized and multiplied one at a time, never a dequantized copy of the matrix
 The platform (`Platform.linear_method`) hands a quantized method its kernels through
 `for_platform`: the native CPU module, the dtype its GEMMs compute in where the
 platform widens, and the row count up to which the packed kernel takes an input.
+With the kernels, the canonical form is packed once into their layout
+(quantized_cpu.py `PackedQuantizedWeight`) and the packed copy is the only one kept:
+inputs of up to `max_rows` rows take `linear_quant`, larger ones dequantized tiles.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import LinearMethod
+from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
 from tokenmill.models.layers.linear_methods.quantized_weight import (QuantizedWeight,
                                                                      reference_linear)
 
@@ -37,6 +41,7 @@ class QuantizedLinearMethod(LinearMethod):
     max_rows = 0         # inputs of up to this many rows take the native kernel
     compute_dtype: torch.dtype | None = None  # the GEMMs' dtype (None: the input's)
     qweight: QuantizedWeight | None = None
+    packed: PackedQuantizedWeight | None = None  # with the native kernels: the only copy
 
     # ---- what a format implements --------------------------------------------------
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
@@ -61,8 +66,15 @@ class QuantizedLinearMethod(LinearMethod):
         return method
 
     def process_weights_after_loading(self, layer) -> None:
-        if self.qweight is not None:  # converted already (a method chosen twice)
-            return
+        if self.qweight is None and self.packed is None:
+            self._convert(layer)
+        if (self.packed is None and self.ops is not None
+                and hasattr(self.ops, "linear_quant")):
+            self.packed = PackedQuantizedWeight(self.ops, self.qweight)
+            self.qweight = None  # no uint8 codes copy stays beside the packed one
+
+    def _convert(self, layer) -> None:
+        """The checkpoint's tensors -> the canonical form (once), checked."""
         where = f"quantized layer [{layer.out_features}, {layer.in_features}]"
         qw = self.to_quantized(layer).check(where)
         if qw.shape != (layer.out_features, layer.in_features):
@@ -79,14 +91,19 @@ class QuantizedLinearMethod(LinearMethod):
         self.qweight = qw
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.linear(x, layer.bias, self.max_rows, self.compute_dtype)
         return reference_linear(self.qweight, x, layer.bias, self.compute_dtype)
 
     def dense_weight(self, layer) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.dequantize(self.dtype)
         return self.qweight.dequantize(self.dtype)
 
     def describe(self) -> str:
-        qw = self.qweight
+        qw = self.packed if self.packed is not None else self.qweight
         shape = "" if qw is None else (f"{qw.bits}-bit, group {qw.group_size}"
                                        f"{', act-order' if qw.perm is not None else ''}")
+        native = (f", native up to {self.max_rows} rows" if self.packed is not None else "")
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}({shape}{wide})"
+        return f"{type(self).__name__}({shape}{native}{wide})"
