@@ -26,10 +26,10 @@
 // of x are computed once per call): one FMA per widened weight vector, no
 // subtraction in the stream, where subtracting the zero per element would add an op
 // per weight and a register per column vector. The codes and zero points are exact
-// fp32 integers; the result is W'x up to fp32 rounding (tests: within 1e-5 of the
-// reference's distance to the exact product). Inputs of DEQUANT_MIN_ROWS rows and
-// more dequantize the block once into fp32 [K, 32] (exactly the reference's W') and
-// take linear_f32_block: there the widening would be repeated per group of rows.
+// fp32 integers; the result is W'x up to fp32 rounding (tests: within 1e-5 of
+// |x| |W'|^T of the float64 product, as the reference is). Inputs of DEQUANT_MIN_ROWS
+// rows and more dequantize the block once into fp32 [K, 32] (exactly the reference's
+// W') and take linear_f32_block: there the widening would be repeated per row pair.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
