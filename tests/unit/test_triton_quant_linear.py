@@ -85,3 +85,51 @@ def test_fp8_block_gemm_equals_the_dequantized_weights(n, k, block, rows):
     got = tq.Fp8WeightTriton(w, s, block).linear(x, bias)
     want = F.linear(x, dequantize_block_fp8(w, s, block), bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _cuda_platform(monkeypatch):
+    from tokenmill.platforms import cuda
+    monkeypatch.setattr(cuda, "module_available", lambda name: name == "triton")
+    return cuda.CudaPlatform.create("cpu", torch.float32)  # (decisions only: no GPU here)
+
+
+def test_the_cuda_platform_gives_quantized_layers_the_triton_gemms(monkeypatch):
+    """An int8 layer (--quantization int8) and a block-fp8 layer, through the CUDA
+    platform's choice: the Triton GEMMs hold the weights (no other copy) and compute
+    what the PyTorch methods compute."""
+    from tokenmill.models.layers.linear import Linear
+    from tokenmill.models.layers.linear_methods.fp8 import Fp8BlockLinearMethod
+    from tokenmill.models.layers.linear_methods.int8_at_load import Int8AtLoadLinearMethod
+    platform = _cuda_platform(monkeypatch)
+    assert platform.quantized_gemm == "triton"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g)
+
+    layer = Linear(64, 48, bias=True)
+    layer.weight.data = torch.randn(48, 64, generator=g)
+    layer.bias.data = torch.randn(48, generator=g)
+    dense = layer.weight.detach().clone()
+    layer.use_method(Int8AtLoadLinearMethod(), torch.float32)
+    layer.weight.data = dense.clone()
+    layer.bias.data = torch.randn(48, generator=g)
+    layer.set_method(platform.linear_method(layer))
+    assert layer.method.gpu is not None and layer.method.qweight is None
+    assert "Triton" in layer.method.describe()
+    ref = layer.method.gpu.dequantize()
+    torch.testing.assert_close(layer(x), F.linear(x, ref, layer.bias), rtol=1e-5, atol=1e-5)
+    assert ((ref - dense).abs() <= dense.abs().amax(1, keepdim=True) / 254 + 1e-6).all()
+
+    fp8 = Linear(64, 48, bias=False)
+    fp8.use_method(Fp8BlockLinearMethod((16, 32)), torch.float32)
+    fp8.weight.data = (torch.randn(48, 64, generator=g) * 30).to(torch.float8_e4m3fn)
+    fp8.weight_scale_inv.data = torch.rand(3, 2, generator=g) * 0.01
+    want = fp8(x)  # the PyTorch method
+    fp8.set_method(platform.linear_method(fp8))
+    assert fp8.method.gpu is not None and "Triton" in fp8.method.describe()
+    torch.testing.assert_close(fp8(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group,perm", [(4, 16, True), (8, 64, False)])
+def test_triton_layout_dequantizes_back_to_the_canonical_weights(bits, group, perm):
+    qw = _qw(24, 63, bits, group, perm)
+    assert torch.equal(tq.IntWeightTriton(qw, "cpu").dequantize(), qw.dequantize())

@@ -176,6 +176,25 @@ class IntWeightTriton:
         return y.view(*x.shape[:-1], self.n).to(x.dtype)
 
 
+    @property
+    def group_size(self) -> int:
+        return self.group
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] in the checkpoint's column order (for code that needs the matrix)."""
+        codes = self.w
+        if self.bits == 4:  # byte r holds rows 2r (low nibble) and 2r + 1
+            codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1, self.n)[:self.k]
+        g = torch.arange(self.k, device=codes.device) // self.group
+        w = (codes.to(torch.int32) - self.zeros[g].to(torch.int32)).to(torch.float32)
+        w = (w * self.scales[g]).t()
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm] = w
+            w = out
+        return w.to(dtype)
+
+
 class Fp8WeightTriton:
     """Block-scaled e4m3 weights [N, K] (bytes) and their scale_inv on the device."""
 

@@ -15,7 +15,9 @@ whether decode steps replay CUDA graphs. Decided from what imports, so the decis
   unless `enforce_eager`, and only with Triton attention (the PyTorch decode path
   builds its masks with host-sized shapes per step);
 - GEMMs in the model's dtype through PyTorch (cuBLAS); MoE experts grouped without a
-  host sync per expert (graphs and async scheduling need none).
+  host sync per expert (graphs and async scheduling need none); quantized layers
+  (GPTQ / AWQ / int8, fp8) through the Triton W4A16 / W8A16 / FP8 GEMMs
+  (ops/triton_quant_linear.py: the weights read at their stored width).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class CudaPlatform(Platform):
                    attention="triton" if triton else "torch", weights=f"{name} (the model's)",
                    linear_attention="fla" if half and module_available("fla") else "torch",
                    cuda_graphs=bool(triton and not enforce_eager),
+                   quantized_gemm="triton" if triton else "torch",
                    enforce_eager=bool(enforce_eager),
                    tensor_parallel_size=tensor_parallel_size)
 

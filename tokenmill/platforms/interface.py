@@ -39,6 +39,9 @@ class Platform:
     # Integer-quantized layers (GPTQ / AWQ / int8): inputs of up to this many rows take
     # the native W8A16 / W4A16 kernel, larger ones dequantized tiles (0: never native).
     quantized_max_rows: int = 0
+    # Their GEMM, and fp8 checkpoints' where the platform has one: "triton"
+    # (ops/triton_quant_linear.py, CUDA) or "torch" (native above, else dequantized tiles).
+    quantized_gemm: str = "torch"
     decode_layers: bool = False     # a decode step's layers in one native call
     linear_attention: str = "torch"  # Gated DeltaNet kernels: "fla" or "torch"
     cuda_graphs: bool = False       # decode steps replayed from captured graphs
@@ -174,7 +177,11 @@ class Platform:
         if bind_kernels is not None:  # integer formats (linear_methods/quantized_linear.py)
             on_cpu = self.device == "cpu" and self.quantized_max_rows > 0
             return bind_kernels(self.ops if on_cpu else None, self.widen_to,
-                                self.quantized_max_rows if on_cpu else 0)
+                                self.quantized_max_rows if on_cpu else 0,
+                                triton=self.quantized_gemm == "triton")
+        with_triton = getattr(current, "with_triton", None)
+        if with_triton is not None and self.quantized_gemm == "triton":  # fp8's
+            return with_triton()
         widen_quantized = getattr(current, "with_compute_dtype", None)
         if (widen_quantized is not None and self.widen_to is not None
                 and current.compute_dtype is None):

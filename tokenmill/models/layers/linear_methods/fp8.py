@@ -107,11 +107,29 @@ class Fp8BlockLinearMethod(LinearMethod):
         method.dtype, method.in_features = self.dtype, self.in_features
         return method
 
+    use_triton = False
+    gpu = None  # ops/triton_quant_linear.Fp8WeightTriton, after loading (with_triton)
+
+    def with_triton(self) -> "Fp8BlockLinearMethod":
+        """The same method through the Triton FP8 GEMM (the CUDA path): the e4m3 weights
+        read as they are stored, dequantized per tile in registers."""
+        method = self.with_compute_dtype(self.compute_dtype)
+        method.use_triton = True
+        return method
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.use_triton and self.gpu is None:
+            from tokenmill.ops.triton_quant_linear import Fp8WeightTriton
+            self.gpu = Fp8WeightTriton(layer.weight.detach(),
+                                       layer.weight_scale_inv.detach(), self.block_size)
+
     def _tile_rows(self, in_features: int) -> int:
         bn = self.block_size[0]
         return max(1, ROW_TILE_ELEMENTS // max(1, in_features * bn)) * bn
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu is not None:
+            return self.gpu.linear(x, layer.bias, self.compute_dtype)
         dtype = self.compute_dtype or x.dtype
         bn = self.block_size[0]
         w, s = layer.weight, layer.weight_scale_inv
@@ -136,8 +154,10 @@ class Fp8BlockLinearMethod(LinearMethod):
                                     self.block_size, self.dtype)
 
     def describe(self) -> str:
+        triton = ", Triton" if self.use_triton else ""
         return (f"{type(self).__name__}("
-                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)})")
+                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)}"
+                f"{triton})")
 
 
 class DequantizedExperts:

@@ -50,8 +50,7 @@ class Int8AtLoadLinearMethod(QuantizedLinearMethod):
         return quantize_int8_per_channel(layer.weight.detach())
 
     def describe(self) -> str:
-        wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}(int8 per-channel{wide})"
+        return f"{type(self).__name__}(int8 per-channel{self.describe_kernel()})"
 
 
 def quantize_experts_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

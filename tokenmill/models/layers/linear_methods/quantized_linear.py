@@ -42,6 +42,8 @@ class QuantizedLinearMethod(LinearMethod):
     compute_dtype: torch.dtype | None = None  # the GEMMs' dtype (None: the input's)
     qweight: QuantizedWeight | None = None
     packed: PackedQuantizedWeight | None = None  # with the native kernels: the only copy
+    triton = False       # the CUDA path's Triton GEMM (for_platform)
+    gpu = None           # ops/triton_quant_linear.IntWeightTriton: then the only copy
 
     # ---- what a format implements --------------------------------------------------
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
@@ -59,15 +61,22 @@ class QuantizedLinearMethod(LinearMethod):
                                  requires_grad=False) if bias else None)
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None,
-                     max_rows: int) -> "QuantizedLinearMethod":
-        """This method (checkpoint tensors untouched) with the platform's kernels."""
+                     max_rows: int, triton: bool = False) -> "QuantizedLinearMethod":
+        """This method (checkpoint tensors untouched) with the platform's kernels: the
+        native CPU module, or (`triton`) the Triton GEMM on a GPU."""
         method = copy.copy(self)
         method.ops, method.compute_dtype, method.max_rows = ops, compute_dtype, max_rows
+        method.triton = triton
         return method
 
     def process_weights_after_loading(self, layer) -> None:
-        if self.qweight is None and self.packed is None:
+        if self.qweight is None and self.packed is None and self.gpu is None:
             self._convert(layer)
+        if self.triton and self.gpu is None:
+            from tokenmill.ops.triton_quant_linear import IntWeightTriton
+            self.gpu = IntWeightTriton(self.qweight, self.qweight.codes.device)
+            self.qweight = None
+            return
         if (self.packed is None and self.ops is not None
                 and hasattr(self.ops, "linear_quant")):
             self.packed = PackedQuantizedWeight(self.ops, self.qweight)
@@ -91,19 +100,28 @@ class QuantizedLinearMethod(LinearMethod):
         self.qweight = qw
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu is not None:
+            return self.gpu.linear(x, layer.bias, self.compute_dtype)
         if self.packed is not None:
             return self.packed.linear(x, layer.bias, self.max_rows, self.compute_dtype)
         return reference_linear(self.qweight, x, layer.bias, self.compute_dtype)
 
     def dense_weight(self, layer) -> torch.Tensor:
+        if self.gpu is not None:
+            return self.gpu.dequantize(self.dtype)
         if self.packed is not None:
             return self.packed.dequantize(self.dtype)
         return self.qweight.dequantize(self.dtype)
 
     def describe(self) -> str:
-        qw = self.packed if self.packed is not None else self.qweight
+        qw = next((q for q in (self.gpu, self.packed, self.qweight) if q is not None), None)
         shape = "" if qw is None else (f"{qw.bits}-bit, group {qw.group_size}"
                                        f"{', act-order' if qw.perm is not None else ''}")
-        native = (f", native up to {self.max_rows} rows" if self.packed is not None else "")
+        return f"{type(self).__name__}({shape}{self.describe_kernel()})"
+
+    def describe_kernel(self) -> str:
+        """", Triton" / ", native up to N rows" / "" and the widened dtype, for the log."""
+        native = (", Triton" if self.gpu is not None else
+                  f", native up to {self.max_rows} rows" if self.packed is not None else "")
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}({shape}{native}{wide})"
+        return native + wide
