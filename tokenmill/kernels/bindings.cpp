@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0);
+  m.def("widen_e4m3", &widen_e4m3,
+        "float8_e4m3fn codes (uint8) -> fp32 through the decode kernel's vector widening",
+        pybind11::arg("codes"));
   m.def("mla_decode", &mla_decode,
         "MLA decode attention in the latent space: all heads over each latent row at once",
         pybind11::arg("q"), pybind11::arg("cache"), pybind11::arg("block_table"),

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vec_fp8.h"
 
 namespace {
 
@@ -217,7 +218,11 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
 }
 
 // Writes k, v [T, hkv, d] (any row stride, contiguous heads) into the cache
-// [num_blocks, 2, block_size, hkv, d] at (slot_block[t], slot_offset[t]).
+// [num_blocks, 2, block_size, hkv, d] at (slot_block[t], slot_offset[t]). A
+// float8_e4m3fn cache (--kv-cache-dtype fp8) takes k / v of any float dtype, each
+// element rounded to nearest even and saturated at +-448 (tmvec::e4m3_saturate: the
+// code torch's clamp + cast gives); otherwise k / v are in the cache's dtype and are
+// copied as bytes.
 void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                     torch::Tensor slot_block, torch::Tensor slot_offset) {
   TORCH_CHECK(cache.dim() == 5 && cache.stride(4) == 1 && cache.stride(3) == cache.size(4),
@@ -228,8 +233,13 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
                   v.stride(1) == v.size(2),
               "kv_cache_write: k / v heads must be contiguous");
-  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
-              "kv_cache_write: k / v must be in the cache's dtype");
+  const bool fp8 = cache.scalar_type() == at::kFloat8_e4m3fn;
+  const auto kt = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kt &&
+                  (fp8 ? (kt == at::kFloat || kt == at::kBFloat16 || kt == at::kHalf)
+                       : kt == cache.scalar_type()),
+              "kv_cache_write: k / v must be in the cache's dtype (fp32 / bf16 / fp16 for a "
+              "float8_e4m3fn cache)");
   TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong &&
                   slot_block.numel() == k.size(0) && slot_offset.numel() == k.size(0),
               "kv_cache_write: slot_block / slot_offset must be [T] int64");
@@ -245,9 +255,30 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const int64_t es = cache.element_size();
-  const int64_t kst = k.stride(0) * es, vst = v.stride(0) * es;
   const int64_t s_block = cache.stride(0) * es, s_kv = cache.stride(1) * es,
                 s_tok = cache.stride(2) * es;
+  if (fp8) {
+    const int64_t n = k.size(1) * k.size(2), kst = k.stride(0), vst = v.stride(0);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kt, "kv_cache_write", [&] {
+      const auto* ks = reinterpret_cast<const scalar_t*>(kp);
+      const auto* vs = reinterpret_cast<const scalar_t*>(vp);
+      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          char* dst = c + b[t] * s_block + o[t] * s_tok;
+          auto* dk = reinterpret_cast<c10::Float8_e4m3fn*>(dst);
+          auto* dv = reinterpret_cast<c10::Float8_e4m3fn*>(dst + s_kv);
+          const scalar_t* kr = ks + t * kst;
+          const scalar_t* vr = vs + t * vst;
+          for (int64_t i = 0; i < n; ++i) {
+            dk[i] = tmvec::e4m3_saturate(static_cast<float>(kr[i]));
+            dv[i] = tmvec::e4m3_saturate(static_cast<float>(vr[i]));
+          }
+        }
+      });
+    });
+    return;
+  }
+  const int64_t kst = k.stride(0) * es, vst = v.stride(0) * es;
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       char* dst = c + b[t] * s_block + o[t] * s_tok;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vec_fp8.h"
 
 namespace {
 
@@ -59,7 +60,7 @@ inline void block_scores(const float* q, const T* k, int64_t s_tok, int64_t n, f
     for (int x = 0; x < NV; ++x) qv[j][x] = Vec::load(q + (j * NV + x) * W);
   for (int64_t o = 0; o < n; ++o, k += s_tok) {
     Vec kv[NV];
-    for (int x = 0; x < NV; ++x) kv[x] = Vec::load(k + x * W);
+    for (int x = 0; x < NV; ++x) kv[x] = tmvec::load_wide(k + x * W);
     for (int j = 0; j < G; ++j) {
       Vec acc[P];
       for (int i = 0; i < P; ++i) acc[i] = qv[j][i] * kv[i];
@@ -85,7 +86,7 @@ inline void block_values(const float* p, int64_t ld, const T* v, int64_t s_tok, 
       Vec pj[G];
       for (int j = 0; j < G; ++j) pj[j] = Vec::set1(p[j * ld + o]);
       for (int x = 0; x < XT; ++x) {
-        const Vec vx = Vec::load(vt + x * W);
+        const Vec vx = tmvec::load_wide(vt + x * W);
         for (int j = 0; j < G; ++j) acc[j][x] = tmvec::fma(pj[j], vx, acc[j][x]);
       }
     }
@@ -103,7 +104,8 @@ inline void block_scores_any(const float* q, const T* k, int64_t s_tok, int64_t 
       const float* qj = q + j * d;
       Vec acc = Vec::zero();
       int64_t x = 0;
-      for (; x + W <= d; x += W) acc = tmvec::fma(Vec::load(qj + x), Vec::load(k + x), acc);
+      for (; x + W <= d; x += W)
+        acc = tmvec::fma(Vec::load(qj + x), tmvec::load_wide(k + x), acc);
       float sum = tmvec::reduce_add(acc);
       for (; x < d; ++x) sum += qj[x] * static_cast<float>(k[x]);
       s[j * ld + o] = sum;
@@ -117,7 +119,7 @@ inline void block_values_any(const float* p, int64_t ld, const T* v, int64_t s_t
   for (int64_t o = 0; o < n; ++o, v += s_tok) {
     int64_t x = 0;
     for (; x + W <= d; x += W) {
-      const Vec vx = Vec::load(v + x);
+      const Vec vx = tmvec::load_wide(v + x);
       for (int64_t j = 0; j < g; ++j) {
         float* a = out + j * d + x;
         tmvec::fma(Vec::set1(p[j * ld + o]), vx, Vec::load(a)).store(a);
@@ -270,8 +272,9 @@ inline void narrow(const float* src, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-template <typename T>
-void decode(const T* q, const Cache<T>& c, const int32_t* seq_lens, T* out, int64_t nd,
+// q / out of the model's dtype T, the cache of C (T, or float8_e4m3fn).
+template <typename T, typename C>
+void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int64_t nd,
             int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap) {
   const int64_t g = hq / hkv;
   // Enough rows to keep every thread busy: one job per row, all its heads (each
@@ -307,25 +310,51 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [nd, Hq, D] tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
               "kv cache must be [num_blocks, 2, block_size, Hkv, D] with contiguous heads");
-  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv cache dtypes differ");
+  const bool fp8 = kv.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kv.scalar_type() == q.scalar_type(),
+              "q and kv cache dtypes differ (the cache may be float8_e4m3fn)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous());
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous());
   TORCH_CHECK(q.size(1) % kv.size(3) == 0, "query heads must be a multiple of kv heads");
   auto out = torch::empty_like(q);
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    Cache<T> c{reinterpret_cast<const T*>(kv.data_ptr()), block_table.data_ptr<int32_t>(),
+  auto run = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
+    Cache<C> c{reinterpret_cast<const C*>(kv.data_ptr()), block_table.data_ptr<int32_t>(),
                block_table.size(1), kv.size(2), kv.stride(0), kv.stride(1), kv.stride(2),
                kv.stride(3)};
-    decode<T>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
-              reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3), q.size(2),
-              static_cast<float>(scale), window, static_cast<float>(softcap));
+    decode<T, C>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
+                 reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3),
+                 q.size(2), static_cast<float>(scale), window, static_cast<float>(softcap));
+  };
+  auto with_cache = [&](auto q_tag) {
+    if (fp8) {
+      run(q_tag, c10::Float8_e4m3fn{});
+    } else {
+      run(q_tag, q_tag);
+    }
   };
   switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
+    case at::kFloat: with_cache(float{}); break;
+    case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+    case at::kHalf: with_cache(c10::Half{}); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
+  return out;
+}
+
+// codes [n] uint8 (float8_e4m3fn bits) -> [n] fp32 through the vector widening of this
+// level (vec_fp8.h), the tail through the scalar one: what the decode kernel reads.
+torch::Tensor widen_e4m3(torch::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 1 && codes.is_contiguous() &&
+                  (codes.scalar_type() == at::kByte || codes.scalar_type() == at::kFloat8_e4m3fn),
+              "widen_e4m3: codes must be a contiguous 1-d uint8 / float8_e4m3fn tensor");
+  auto out = torch::empty({codes.size(0)}, codes.options().dtype(at::kFloat));
+  const auto* p = static_cast<const uint8_t*>(codes.data_ptr());
+  float* o = out.data_ptr<float>();
+  const int64_t n = codes.size(0);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) tmvec::load_e4m3(p + i).store(o + i);
+  for (; i < n; ++i) o[i] = tmvec::e4m3_to_float(p[i]);
   return out;
 }

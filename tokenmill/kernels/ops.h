@@ -27,6 +27,8 @@ using namespace at;  // NOLINT: as torch/types.h
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale, int64_t window,
                            double softcap);
+// float8_e4m3fn codes [n] (uint8) widened to fp32 [n] by this level's vec_fp8.h.
+torch::Tensor widen_e4m3(torch::Tensor codes);
 // MLA's latent-space decode (cpu_mla_decode.cpp): q [nd, H, R + rope] against cache
 // [num_blocks, bs, R + rope] -> [nd, H, R]; span_tokens > 0 forces the split-K span.
 torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
