@@ -192,3 +192,5 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes
     # Share of available memory for the KV cache when neither is given.
     memory_fraction: float = 0.3
+    # K/V element type: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn).
+    cache_dtype: str = "auto"

@@ -23,6 +23,28 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 
+# float8_e4m3fn's largest finite value: K/V beyond it are stored as +-448 (saturated),
+# never as NaN (--kv-cache-dtype fp8, per-layer scale 1.0).
+FP8_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache stores it: unchanged, or for a float8_e4m3fn cache rounded to
+    nearest even after saturating at +-448 (what the native and Triton writes store)."""
+    if cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    return x
+
+
+def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as attention reads it back from the cache, in x's dtype: through fp8 and back
+    for a float8_e4m3fn cache (so a prompt's own K/V are the values every later read
+    sees, whether it runs in one chunk or several, or hits the prefix cache)."""
+    if cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype:
+        return to_cache_dtype(x, cache).to(x.dtype)
+    return x
+
+
 def is_paged_kv(spec) -> bool:
     """A spec of K and V pages (full or sliding-window attention)."""
     return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))

@@ -4,7 +4,9 @@ K/V go into the cache through `kv_cache_write` (kernels/cpu_fused.cpp) and decod
 attend through `paged_decode` (kernels/cpu_paged_attention.cpp: any head size, GQA, a
 sliding window started at its first position, soft-capped scores), one call for all
 decode rows. Prompt chunks take the PyTorch reference's SDPA path (torch_ref.py),
-whose GEMMs are oneDNN's already.
+whose GEMMs are oneDNN's already. An fp8 (float8_e4m3fn) cache is written and read
+by the same two kernels: the write rounds and saturates, the decode widens in
+registers (kernels/vec_fp8.h).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ class CpuNativeAttentionImpl(TorchAttentionImpl):
         self.ops = ops  # the platform's kernels module (tokenmill.kernels.cpu_ops())
 
     def write_kv(self, k, v, cache, meta: AttentionMetadata) -> None:
-        if k.dtype != cache.dtype:  # the kernel copies bytes: no cast inside it
+        # The kernel copies bytes (no cast inside it) except into an fp8 cache.
+        if k.dtype != cache.dtype and cache.dtype != torch.float8_e4m3fn:
             return super().write_kv(k, v, cache, meta)
         self.ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset)
 

@@ -173,7 +173,8 @@ def local_server(model_path: str, args, max_model_len: int):
            "--shutdown-grace", "5"]
     for flag in ("device", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "speculative_config", "cpu_kernels", "cpu_capability",
-                 "linear_bf16_max_rows", "greedy_head_max_rows", "tensor_parallel_size"):
+                 "linear_bf16_max_rows", "greedy_head_max_rows", "tensor_parallel_size",
+                 "kv_cache_dtype"):
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if getattr(args, "decode_layers", True) is False:

@@ -8,7 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Element sizes by dtype name; the scheduler side stays free of torch.
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
+               "float8_e4m3fn": 1}
+
+# --kv-cache-dtype (vLLM's values): "auto" keeps K/V in the model's dtype; "fp8" (=
+# "fp8_e4m3") stores them as float8_e4m3fn, one byte an element, so a page of the same
+# bytes holds twice a bf16 cache's tokens (four times an fp32 one's).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+FP8_KV_DTYPE = "float8_e4m3fn"
+
+
+def check_kv_cache_dtype(value) -> str:
+    """The --kv-cache-dtype value, checked (a ValueError naming the field)."""
+    if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {value!r}")
+    return value
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype name the attention specs carry: the model's for "auto"."""
+    return KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)] or model_dtype
 
 
 def dtype_size(dtype: str) -> int:

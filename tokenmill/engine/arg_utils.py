@@ -69,10 +69,20 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                         'disable_by_batch_size, adaptive; default: off)')
 
 
+def add_kv_cache_dtype_arg(p) -> None:
+    from tokenmill.core.kv_cache_spec import KV_CACHE_DTYPES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="K/V element type: auto (the model's dtype) or fp8 = fp8_e4m3 "
+                        "(float8_e4m3fn: twice a bf16 cache's tokens in the same memory, "
+                        "values saturating at +-448; default: auto)")
+
+
 def add_cpu_platform_args(p: argparse.ArgumentParser) -> None:
-    """The engine arguments that choose the CPU kernels (tokenmill/platforms/cpu.py)."""
+    """The engine arguments that choose the kernels (tokenmill/platforms/cpu.py), and
+    the KV cache's element type the attention kernels read (every bench takes these)."""
     from tokenmill.platforms import cpu as cp
     from tokenmill.kernels import all_levels
+    add_kv_cache_dtype_arg(p.add_argument_group("KV cache"))
     g = p.add_argument_group("CPU kernels")
     g.add_argument("--cpu-kernels", choices=cp.CPU_KERNELS, default="auto",
                    help="auto: the native C++ kernels where they build, else PyTorch; native: "
@@ -112,7 +122,8 @@ def cpu_platform_kwargs(args: argparse.Namespace) -> dict:
                 linear_bf16_max_rows=args.linear_bf16_max_rows,
                 greedy_head_max_rows=args.greedy_head_max_rows, decode_layers=args.decode_layers,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                enforce_eager=getattr(args, "enforce_eager", False))
+                enforce_eager=getattr(args, "enforce_eager", False),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:

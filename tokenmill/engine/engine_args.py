@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, fields
 
 from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.core.kv_cache_spec import check_kv_cache_dtype
 from tokenmill.core.scheduler import SchedulerConfig
 from tokenmill import platforms
 from tokenmill.engine.engine_core import EngineCore
@@ -34,6 +35,9 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # K/V element type (vLLM's --kv-cache-dtype): "auto" (the model's dtype), "fp8" or
+    # "fp8_e4m3" (float8_e4m3fn, saturating at +-448; core/kv_cache_spec.py).
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -103,6 +107,7 @@ class EngineArgs:
                                                                      bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None, "
                              f"got {self.enable_prefix_caching!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         from tokenmill.kv_connector.config import KVConnectorConfig
         self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
         self.limits = RequestLimits.from_any(self.limits)
@@ -205,7 +210,8 @@ class EngineSetup:
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget
-        cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory)
+        cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
+                                   cache_dtype=args.kv_cache_dtype)
         # Which kernels run: decided here, once, for the whole engine.
         platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
         return cls(model_config, scheduler_config, cache_config, platform, tokenizer,

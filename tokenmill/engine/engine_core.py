@@ -112,7 +112,8 @@ class EngineCore:
             model_config, self.platform,
             dict(max_num_reqs=scheduler_config.max_num_seqs,
                  max_model_len=model_config.max_model_len,
-                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens),
+                 max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+                 kv_cache_dtype=cache_config.cache_dtype),
             tensor_parallel_size, model, speculative_config, draft_model)
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,

@@ -108,6 +108,9 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_size: int
+    # The cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype fp8). In
+    # the key (`tag`), so an fp8 engine never reads a bf16 engine's blocks nor the
+    # reverse; an entry is the cache's bytes (1 per element in fp8).
     dtype: str
     block_size: int
     # MLA (DeepSeek): one latent row per token, no separate V (MLAAttentionSpec).

@@ -234,7 +234,10 @@ class KVConnectorWorker:
         data = data.to(device)
         ids = torch.tensor([b for b, _, _ in copies], dtype=torch.long, device=device)
         for layer, cache in enumerate(self.layers):
-            cache.index_copy_(0, ids, data[:, layer])
+            if cache.dtype == torch.float8_e4m3fn:  # (no fp8 index_copy_ on CPU: its bytes)
+                cache.view(torch.uint8).index_copy_(0, ids, data[:, layer].view(torch.uint8))
+            else:
+                cache.index_copy_(0, ids, data[:, layer])
 
     # ---- stores ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -27,6 +27,13 @@ before the mask and softmax, as the CPU path does.
 Scores and the softmax run in fp32 (online softmax, one pass over the keys); the
 products of an fp32 model use IEEE fp32 (no TF32), so they follow the CPU path
 to rounding. Imported only where the platform picks Triton: it imports triton.
+
+An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is handed to the kernels as its
+uint8 bits (FP8): the writes round to nearest even and saturate at +-448 in integer
+and fp32 arithmetic (`_to_e4m3`, c10's algorithm, so the codes equal torch's cast),
+the reads widen the codes through fp16 bits (`_from_e4m3`) to the queries' dtype.
+Bit arithmetic rather than tl.float8e4nv: the same code on every GPU generation
+(sm_80 has no e4m3 conversions) and under the interpreter.
 """
 from __future__ import annotations
 
@@ -38,11 +45,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _to_e4m3(x):
+    """fp32 -> float8_e4m3fn codes (uint8): nearest even, +-448 beyond the range, NaN
+    0x7f; c10's fp8e4m3fn_from_fp32_value in lanes."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits ^ sign
+    # below 2^-6 (e4m3's smallest normal): adding 2^14 (141 << 23) leaves the FPU to
+    # round the value, in units of e4m3's smallest subnormal 2^-9, into the low bits
+    sub = ((mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
+           - (141 << 23))
+    odd = (mag >> 20) & 1
+    normal = (mag - (120 << 23) + 0x7FFFF + odd) >> 20  # exponent rebiased 127 -> 7
+    normal = tl.where(normal == 0x7F, 0x7E, normal)
+    code = tl.where(mag < (121 << 23), sub, normal)
+    code = tl.where(mag >= (1087 << 20), tl.where(mag > 0x7F800000, 0x7F, 0x7E), code)
+    return ((sign >> 24) | code).to(tl.uint8)
+
+
+@triton.jit
+def _from_e4m3(code):
+    """float8_e4m3fn codes (uint8) -> fp32, exact: the code's bits placed in an fp16's
+    (sign 15, exponent and mantissa 13..7) are its value times 2^-8, subnormals too."""
+    c = code.to(tl.uint16)
+    h = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ckv, stride_ct, stride_ch,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_PAD: tl.constexpr):
+                     HEAD_PAD: tl.constexpr, FP8: tl.constexpr = False):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -60,8 +95,12 @@ def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
         key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=in_head, other=0.0)
         val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=in_head, other=0.0)
     dst = cache_ptr + blk * stride_cb + off * stride_ct + h * stride_ch + d
-    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=valid)
-    tl.store(dst + stride_ckv, val.to(cache_ptr.dtype.element_ty), mask=valid)
+    if FP8:
+        tl.store(dst, _to_e4m3(key), mask=valid)
+        tl.store(dst + stride_ckv, _to_e4m3(val), mask=valid)
+    else:
+        tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=valid)
+        tl.store(dst + stride_ckv, val.to(cache_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -122,7 +161,7 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
                  qpos, window, scale, softcap, stride_cb, stride_ckv, stride_ct, stride_ch,
                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-                 USE_DOT: tl.constexpr):
+                 USE_DOT: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over keys k_start..k_end-1 for queries at positions qpos [M]
     (causal; a window > 0 keeps keys in (qpos - window, qpos]). The masked tail of
     the head dim loads zeros: it adds nothing to the scores or the output."""
@@ -136,6 +175,9 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
         k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + base[:, None] + d[None, :], mask=kv_mask,
                     other=0.0)
+        if FP8:  # e4m3 codes, widened to the queries' dtype
+            k = _from_e4m3(k).to(q.dtype)
+            v = _from_e4m3(v).to(q.dtype)
         visible = kin[None, :] & (kpos[None, :] <= qpos[:, None])
         if window > 0:
             visible = visible & (kpos[None, :] > qpos[:, None] - window)
@@ -161,7 +203,7 @@ def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                         IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+                         IEEE: tl.constexpr, USE_DOT: tl.constexpr, FP8: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -181,7 +223,7 @@ def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale,
                                  k_start, seq_len, qpos, window, scale, softcap,
                                  stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
-                                 USE_DOT)
+                                 USE_DOT, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a pad row (seq_len 0): zeros
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -196,7 +238,8 @@ def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr,
                                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                                NUM_SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
-                               IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+                               IEEE: tl.constexpr, USE_DOT: tl.constexpr,
+                               FP8: tl.constexpr):
     """Split-K decode: split s of a row's keys -> its unnormalised output and (m, l)
     per query head, in part [N, Hq, S, D] and ml [N, Hq, S, 2] (fp32)."""
     row = tl.program_id(0).to(tl.int64)
@@ -224,7 +267,7 @@ def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr,
                                  k_start, k_end, qpos, window, scale, softcap,
                                  stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
-                                 USE_DOT)
+                                 USE_DOT, FP8)
     at = (row * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split  # (row, head, split)
     tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
     tl.store(ml_ptr + at * 2, m_i, mask=in_group)
@@ -269,7 +312,7 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_p
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-                          USE_DOT: tl.constexpr):
+                          USE_DOT: tl.constexpr, FP8: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -299,7 +342,7 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_p
                                  k_start, k_end, qpos, window, scale, softcap,
                                  stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
-                                 USE_DOT)
+                                 USE_DOT, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -338,9 +381,15 @@ def _head(d: int) -> dict:
     return dict(HEAD_DIM=d, HEAD_PAD=triton.next_power_of_2(d))
 
 
-def _flags(cache: torch.Tensor) -> dict:
-    return dict(IEEE=cache.dtype == torch.float32,
-                USE_DOT=triton.next_power_of_2(cache.shape[4]) >= 16)
+def _flags(q: torch.Tensor, cache: torch.Tensor) -> dict:
+    return dict(IEEE=q.dtype == torch.float32,
+                USE_DOT=triton.next_power_of_2(cache.shape[4]) >= 16,
+                FP8=cache.dtype == torch.float8_e4m3fn)
+
+
+def _cache_arg(cache: torch.Tensor) -> torch.Tensor:
+    """What the kernels read: an fp8 cache as its uint8 codes (same strides)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 def _block_n(d: int) -> int:
@@ -366,9 +415,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
-    _kv_write_kernel[(t, hkv)](k, v, cache, slot_mapping,
+    _kv_write_kernel[(t, hkv)](k, v, _cache_arg(cache), slot_mapping,
                                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               *_cache_strides(cache), BLOCK_SIZE=cache.shape[2], **_head(d))
+                               *_cache_strides(cache), BLOCK_SIZE=cache.shape[2], **_head(d),
+                               FP8=cache.dtype == torch.float8_e4m3fn)
 
 
 @functools.cache
@@ -416,19 +466,19 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     shapes = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), **_head(d),
                   BLOCK_SIZE=cache.shape[2], BLOCK_N=_block_n(d), SOFTCAP=softcap > 0,
-                  **_flags(cache), **_launch(d))
+                  **_flags(q, cache), **_launch(d))
     if splits > 1:
         part = torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
         _paged_decode_split_kernel[(n, hkv, splits)](
-            q, cache, block_table, seq_lens, part, ml, float(scale), int(window or 0), softcap,
+            q, _cache_arg(cache), block_table, seq_lens, part, ml, float(scale), int(window or 0), softcap,
             q.stride(0), q.stride(1), *_cache_strides(cache), block_table.stride(0),
             NUM_SPLITS=splits, **shapes)
         _combine_splits_kernel[(n, hq)](part, ml, out, out.stride(0), out.stride(1),
                                         NUM_SPLITS=splits, **_head(d))
         return out
     _paged_decode_kernel[(n, hkv)](
-        q, cache, block_table, seq_lens, out, float(scale), int(window or 0), softcap,
+        q, _cache_arg(cache), block_table, seq_lens, out, float(scale), int(window or 0), softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), block_table.stride(0), **shapes)
     return out
@@ -455,9 +505,9 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     block_m = 16 if max_query_len <= 16 or triton.next_power_of_2(d) > 128 else 32
     grid = (num_reqs, hq, triton.cdiv(max_query_len, block_m))
     _paged_prefill_kernel[grid](
-        q, cache, block_table, query_start_loc, seq_lens, out, float(scale), int(window or 0),
+        q, _cache_arg(cache), block_table, query_start_loc, seq_lens, out, float(scale), int(window or 0),
         softcap, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), block_table.stride(0),
         GROUP=hq // hkv, **_head(d), BLOCK_SIZE=cache.shape[2], BLOCK_M=block_m,
-        BLOCK_N=_block_n(d), SOFTCAP=softcap > 0, **_flags(cache), **_launch(d))
+        BLOCK_N=_block_n(d), SOFTCAP=softcap > 0, **_flags(q, cache), **_launch(d))
     return out

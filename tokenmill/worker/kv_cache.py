@@ -16,7 +16,8 @@ import torch
 
 from tokenmill.core.kv_cache_spec import AttentionSpec, KVCacheConfig
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

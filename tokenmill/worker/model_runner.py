@@ -50,7 +50,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
 
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 platform: Platform,
+                 platform: Platform, kv_cache_dtype: str = "auto",
                  speculative_config: SpeculativeConfig | None = None, draft_model=None):
         """`platform`: the engine's kernel decisions (tokenmill/platforms; the model was
         prepared with it at load).
@@ -64,6 +64,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache_dtype = kv_cache_dtype  # "auto" | "fp8" | "fp8_e4m3" (CacheConfig)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None

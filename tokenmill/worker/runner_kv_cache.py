@@ -9,8 +9,9 @@ import logging
 
 from torch import nn
 
-from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheSpec,
-                                          MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
+from tokenmill.core.kv_cache_spec import (FP8_KV_DTYPE, FullAttentionSpec, KVCacheConfig,
+                                          KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                          SlidingWindowSpec, kv_cache_dtype_name)
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
@@ -52,16 +53,21 @@ class KVCacheMixin:
         return targets
 
     def _layer_spec(self, layer: nn.Module, block_size: int) -> KVCacheSpec:
+        # K/V in the model's dtype, or float8_e4m3fn (--kv-cache-dtype fp8); recurrent
+        # state (MambaSpec) keeps the model's dtype either way.
+        kv_dtype = kv_cache_dtype_name(getattr(self, "kv_cache_dtype", "auto"),
+                                       dtype_name(self.dtype))
         if getattr(layer, "latent_cache", False):  # MLA: one latent row per token
-            return MLAAttentionSpec(block_size, layer.kv_lora_rank, layer.rope_dim,
-                                    dtype_name(self.dtype))
+            if kv_dtype == FP8_KV_DTYPE:
+                raise ValueError("kv_cache_dtype fp8 does not support MLA's latent cache "
+                                 "(DeepSeek-V2 / V3 models): use kv_cache_dtype auto")
+            return MLAAttentionSpec(block_size, layer.kv_lora_rank, layer.rope_dim, kv_dtype)
         window = getattr(layer, "sliding_window", None)
         if window is not None and window < self.max_model_len:
             return SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
-                                     dtype_name(self.dtype), window)
+                                     kv_dtype, window)
         # (a window no sequence outgrows is full attention)
-        return FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size,
-                                 dtype_name(self.dtype))
+        return FullAttentionSpec(block_size, layer.num_kv_heads, layer.head_size, kv_dtype)
 
     def get_kv_cache_spec(self, block_size: int) -> dict[str, KVCacheSpec]:
         """One spec per layer that keeps a cache: a KV-sharing layer has none (it reads
