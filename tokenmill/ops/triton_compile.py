@@ -50,11 +50,14 @@ class Shape:
     num_kv_heads: int = 2
     softcap: float = 0.0
     window: int = 0
+    # The KV cache's dtype when it differs from the queries' (--kv-cache-dtype fp8).
+    kv_dtype: torch.dtype | None = None
 
     @property
     def label(self) -> str:
         extra = (f" softcap {self.softcap:g}" if self.softcap else "") + \
-            (f" window {self.window}" if self.window else "")
+            (f" window {self.window}" if self.window else "") + \
+            (" fp8 kv" if self.kv_dtype == torch.float8_e4m3fn else "")
         return (f"head {self.head_size} {str(self.dtype).removeprefix('torch.')} "
                 f"{self.num_heads}/{self.num_kv_heads} heads{extra}")
 
@@ -72,6 +75,9 @@ SHAPES = (
     Shape(256, torch.float32, softcap=50.0),
     Shape(512, torch.bfloat16), Shape(512, torch.float32),
     Shape(8, torch.float32),
+    # the FP8 KV cache (e4m3 codes as uint8) under bf16 queries
+    Shape(128, torch.bfloat16, kv_dtype=torch.float8_e4m3fn),
+    Shape(256, torch.bfloat16, softcap=50.0, kv_dtype=torch.float8_e4m3fn),
 )
 
 
@@ -134,7 +140,8 @@ def _launch_all(module, shape: Shape) -> None:
     decode in one pass and split-K (MAX_DECODE_SPLITS), prefill at both tile heights."""
     d, dt = shape.head_size, shape.dtype
     num_blocks, block_size, rows = 6, 16, 3
-    cache = torch.zeros(num_blocks, 2, block_size, shape.num_kv_heads, d, dtype=dt)
+    cache = torch.zeros(num_blocks, 2, block_size, shape.num_kv_heads, d,
+                        dtype=shape.kv_dtype or dt)
     q = torch.zeros(rows, shape.num_heads, d, dtype=dt)
     kv = torch.zeros(rows, shape.num_kv_heads, d, dtype=dt)
     block_table = torch.zeros(rows, num_blocks, dtype=torch.int32)
