@@ -70,7 +70,9 @@ class DecodeLayers:
                 and self._caches_ok(x.dtype))
 
     def _caches_ok(self, dtype: torch.dtype) -> bool:
-        """Every layer has a KV cache in the activations' dtype (checked per binding)."""
+        """Every layer has a KV cache in the activations' dtype, or every one an fp8
+        (float8_e4m3fn) cache, which the loop's kv_cache_write / paged_decode convert as
+        the Python layers' calls do (checked per binding)."""
         first = self.model.layers[0].self_attn.attn.kv_cache
         if self._checked_cache is not first:
             self._checked_cache, self._cache_dtype = first, None
@@ -85,7 +87,7 @@ class DecodeLayers:
                     self._runs[-1] = (self._runs[-1][0], i + 1) + key
                 else:
                     self._runs.append((i, i + 1) + key)
-        return self._cache_dtype == dtype
+        return self._cache_dtype in (dtype, torch.float8_e4m3fn)
 
     def weights(self) -> list[torch.Tensor]:
         """Gathered once; again after the runner binds new KV caches (see _caches_ok)."""
