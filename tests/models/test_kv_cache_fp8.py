@@ -4,7 +4,8 @@ scale 1.0, saturating at +-448) end to end on tiny fp32 checkpoints.
 - Exactness: HF transformers with its attention's K/V rounded through e4m3 the same way
   (clamp to +-448, round to nearest even: a registered attention function over SDPA)
   is the reference: greedy tokens equal and logprobs within 1e-4, with
-  the native kernels and the PyTorch path, chunked prefill included (Llama, Qwen3).
+  the native kernels and the PyTorch path, chunked prefill included (Llama, Qwen3,
+  Mistral with a sliding window, Gemma 3's two KV cache groups).
 - Cost: against the fp32 cache of the same engine, prompt logprobs move by at most
   FP8_COST_BOUND on a well-conditioned tiny Llama (weights' std 0.05; measured 0.05),
   and greedy tokens agree wherever the fp32 run's top-2 gap is wider than twice it.
@@ -23,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import TINY, build_checkpoint, make_llm, make_prompts, runner_of
+from conftest import MODEL_SPECS, TINY, build_checkpoint, make_llm, make_prompts, runner_of
 from logprob_check import K
 from tokenmill import SamplingParams
 from tokenmill.engine.engine_args import EngineArgs
@@ -48,15 +49,18 @@ def _through_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def _register_fp8_attention() -> str:
-    """An HF attention implementation that rounds K/V through e4m3 before SDPA."""
+    """An HF attention implementation that rounds K/V through e4m3 before SDPA (with
+    SDPA's masks: sliding windows included)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def fp8_kv_sdpa(module, query, key, value, *args, **kwargs):
         return sdpa_attention_forward(module, query, _through_fp8(key), _through_fp8(value),
                                       *args, **kwargs)
 
     AttentionInterface.register("tokenmill_fp8_kv", fp8_kv_sdpa)
+    AttentionMaskInterface.register("tokenmill_fp8_kv", sdpa_mask)
     return "tokenmill_fp8_kv"
 
 
@@ -82,9 +86,15 @@ class Fp8Reference:
 
 # Weights' std 0.05: a tiny model whose outputs the ~3% rounding of e4m3 moves little
 # (the suites' usual 0.2 amplifies it to logprob shifts of ~0.7 over two layers).
+# Mistral with a window of 12 (one sliding group, the native decode loop) and Gemma 3
+# (local and global layers: two KV groups sharing buffers, the Python layers) too.
 SPECS = {"llama": ("llama", dict(tie_word_embeddings=True, initializer_range=0.05)),
          "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False,
-                                 initializer_range=0.05))}
+                                 initializer_range=0.05)),
+         "mistral_swa": (MODEL_SPECS["mistral_swa"][0],
+                         dict(MODEL_SPECS["mistral_swa"][1], initializer_range=0.05)),
+         "gemma3": (MODEL_SPECS["gemma3"][0],
+                    dict(MODEL_SPECS["gemma3"][1], initializer_range=0.05))}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +120,7 @@ def _generate(llm, prompts, params=GREEDY):
 
 
 @pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", list(SPECS))
 def test_fp8_cache_matches_hf_with_e4m3_kv(models, name, cpu_kernels):
     """Chunks of at most 16 tokens: the 17- and 40-token prompts are prefilled over their
     own cached (fp8) prefix."""
