@@ -284,6 +284,10 @@ def test_cli_flag_parses_and_refuses():
     assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "int8"])
+    from tokenmill.entrypoints.cli import build_parser
+    for argv in (["serve"], ["bench", "latency"], ["bench", "throughput"], ["bench", "serve"]):
+        args = build_parser().parse_args(argv + ["--kv-cache-dtype", "fp8_e4m3"])
+        assert args.kv_cache_dtype == "fp8_e4m3", argv
 
 
 def test_mla_with_fp8_refused_by_name(tiny_model_factory):
