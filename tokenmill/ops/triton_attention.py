@@ -30,8 +30,9 @@ to rounding. Imported only where the platform picks Triton: it imports triton.
 
 An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is handed to the kernels as its
 uint8 bits (FP8): the writes round to nearest even and saturate at +-448 in integer
-and fp32 arithmetic (`_to_e4m3`, c10's algorithm, so the codes equal torch's cast),
-the reads widen the codes through fp16 bits (`_from_e4m3`) to the queries' dtype.
+and fp32 arithmetic (`to_e4m3`, c10's algorithm, so the codes equal torch's cast),
+the reads widen the codes through fp16 bits (`from_e4m3`) to the queries' dtype
+(both in ops/triton_fp8.py).
 Bit arithmetic rather than tl.float8e4nv: the same code on every GPU generation
 (sm_80 has no e4m3 conversions) and under the interpreter.
 """
@@ -43,33 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _to_e4m3(x):
-    """fp32 -> float8_e4m3fn codes (uint8): nearest even, +-448 beyond the range, NaN
-    0x7f; c10's fp8e4m3fn_from_fp32_value in lanes."""
-    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    mag = bits ^ sign
-    # below 2^-6 (e4m3's smallest normal): adding 2^14 (141 << 23) leaves the FPU to
-    # round the value, in units of e4m3's smallest subnormal 2^-9, into the low bits
-    sub = ((mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True)
-           - (141 << 23))
-    odd = (mag >> 20) & 1
-    normal = (mag - (120 << 23) + 0x7FFFF + odd) >> 20  # exponent rebiased 127 -> 7
-    normal = tl.where(normal == 0x7F, 0x7E, normal)
-    code = tl.where(mag < (121 << 23), sub, normal)
-    code = tl.where(mag >= (1087 << 20), tl.where(mag > 0x7F800000, 0x7F, 0x7E), code)
-    return ((sign >> 24) | code).to(tl.uint8)
-
-
-@triton.jit
-def _from_e4m3(code):
-    """float8_e4m3fn codes (uint8) -> fp32, exact: the code's bits placed in an fp16's
-    (sign 15, exponent and mantissa 13..7) are its value times 2^-8, subnormals too."""
-    c = code.to(tl.uint16)
-    h = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
-    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+from tokenmill.ops.triton_fp8 import from_e4m3, to_e4m3
 
 
 @triton.jit
@@ -96,8 +71,8 @@ def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
         val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=in_head, other=0.0)
     dst = cache_ptr + blk * stride_cb + off * stride_ct + h * stride_ch + d
     if FP8:
-        tl.store(dst, _to_e4m3(key), mask=valid)
-        tl.store(dst + stride_ckv, _to_e4m3(val), mask=valid)
+        tl.store(dst, to_e4m3(key), mask=valid)
+        tl.store(dst + stride_ckv, to_e4m3(val), mask=valid)
     else:
         tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=valid)
         tl.store(dst + stride_ckv, val.to(cache_ptr.dtype.element_ty), mask=valid)
@@ -176,8 +151,8 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
         v = tl.load(cache_ptr + stride_ckv + base[:, None] + d[None, :], mask=kv_mask,
                     other=0.0)
         if FP8:  # e4m3 codes, widened to the queries' dtype
-            k = _from_e4m3(k).to(q.dtype)
-            v = _from_e4m3(v).to(q.dtype)
+            k = from_e4m3(k).to(q.dtype)
+            v = from_e4m3(v).to(q.dtype)
         visible = kin[None, :] & (kpos[None, :] <= qpos[:, None])
         if window > 0:
             visible = visible & (kpos[None, :] > qpos[:, None] - window)
