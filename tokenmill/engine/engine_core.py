@@ -133,9 +133,11 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_config, self.kv_connector)
         # Grammars (tokenmill.structured_output), or None.
         self.structured_output = structured_output
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.kv_cache_config.num_blocks,
-                    cache_config.block_size,
-                    self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20)
+        attn = self.kv_cache_config.groups[self.kv_cache_config.attention_group_id].spec
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
+                    self.kv_cache_config.num_blocks, cache_config.block_size,
+                    self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20,
+                    attn.dtype)
 
     def add_request(self, request: Request) -> None:
         self._attach_grammar(request)
