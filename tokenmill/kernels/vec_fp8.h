@@ -15,7 +15,8 @@
 // they saturate at +-448, see e4m3_saturate); the generic path returns NaN.
 //
 // Narrowing (fp32 -> e4m3) is scalar: c10's conversion (round to nearest even),
-// after clamping to +-448, because c10 and torch turn anything beyond into NaN.
+// after clamping to +-448: the torch this builds against saturates by itself, older
+// releases gave NaN past the range; the clamp makes the codes the same under both.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
