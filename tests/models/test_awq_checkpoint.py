@@ -60,4 +60,4 @@ def test_awq_layers_dequantize_to_the_checkpoint(awq_model):
     assert isinstance(gate_up.method, AwqLinearMethod)
     want = torch.cat([m.deq[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     assert torch.equal(gate_up.dense_weight(), want)
-    assert gate_up.method.qweight.perm is None and gate_up.method.qweight.bits == 4
+    assert gate_up.method.weight_form.perm is None and gate_up.method.weight_form.bits == 4

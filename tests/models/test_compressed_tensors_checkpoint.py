@@ -64,6 +64,6 @@ def test_compressed_tensors_ignored_layer_stays_plain(ct_model):
     assert not isinstance(model.layers[1].mlp.down_proj.method, CompressedTensorsLinearMethod)
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.method, CompressedTensorsLinearMethod)
-    assert qkv.method.qweight.perm is not None
+    assert qkv.method.weight_form.perm is not None
     want = torch.cat([m.deq[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(qkv.dense_weight(), want)

@@ -131,7 +131,7 @@ def test_gptq_layers_hold_the_canonical_form(gptq_model):
         quantized += 1
         assert mod.weight.is_meta
         assert not any(hasattr(mod, k) for k in ("qweight", "qzeros", "scales", "g_idx"))
-        qw = mod.method.qweight
+        qw = mod.method.weight_form
         assert qw.bits == 4 and qw.group_size == 32 and qw.perm is not None
     assert quantized == 2 * 4
     down = model.layers[1].mlp.down_proj

@@ -33,6 +33,7 @@ from tokenmill.models.layers.linear_methods.gptq import GptqLayout, GptqLinearMe
 from tokenmill.models.layers.linear_methods.int_layout import IntLayout
 from tokenmill.models.layers.linear_methods.quantized_moe import QuantizedFusedMoEMethod
 from tokenmill.models.layers.moe import FusedMoE
+from tokenmill.models.quantized_layers import packed_sources, parameter_uses
 from tokenmill.models.quantization import (AwqConfig, CompressedTensorsConfig, GptqConfig,
                                            ignores_module)
 from tokenmill.models.weight_names import text_model_name
@@ -128,13 +129,7 @@ class Placement:
 
 
 def _apply_linears(model: nn.Module, pl: Placement, dtype) -> int:
-    packed = getattr(model, "packed_modules", {})
-    sources: dict[str, list[str]] = {}  # packed target -> checkpoint modules, shard order
-    for source, (target, shard) in sorted(packed.items(), key=lambda kv: kv[1][1]):
-        sources.setdefault(target, []).append(source)
-    uses: dict[int, int] = {}  # parameter id -> modules holding it (a tied head)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    sources, uses = packed_sources(model), parameter_uses(model)
     count = 0
     for mname, module in list(model.named_modules()):
         if not isinstance(module, Linear):

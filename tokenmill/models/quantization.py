@@ -180,25 +180,31 @@ def _ct_fp8_scheme(group: dict, where: str) -> bool:
     return not act.get("dynamic", False)
 
 
+def _ct_groups(qc: dict, where: str) -> dict[str, dict]:
+    """A compressed-tensors config's config_groups (name -> group), after refusing what
+    no tokenmill scheme reads: sparsity, KV-cache schemes, transforms."""
+    sparsity = qc.get("sparsity_config")
+    if sparsity and (sparsity.get("format") or "dense") != "dense":
+        raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
+                         f"(2:4 / bitmask sparsity) is not implemented")
+    for field in ("kv_cache_scheme", "transform_config"):
+        if qc.get(field):
+            raise ValueError(f"{where}: {field} is not implemented")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
+                         f"scheme to load")
+    return {n: g if isinstance(g, dict) else {} for n, g in groups.items()}
+
+
 def parse_ct_fp8_config(qc: dict, where: str) -> Fp8Config:
     """compressed-tensors' float-quantized FP8 ("FP8" / "FP8-Dynamic" releases of
     llm-compressor: e4m3 `weight` with a `weight_scale` per tensor or per output row,
     activations per token dynamically or with a static `input_scale`) as the fp8
     method's per-tensor / per-channel config; the activations stay unquantized here
     (W8A16), as for quant_method "fp8"."""
-    for field in ("kv_cache_scheme", "transform_config"):
-        if qc.get(field):
-            raise ValueError(f"{where}: {field} is not implemented")
-    sparsity = qc.get("sparsity_config")
-    if sparsity and (sparsity.get("format") or "dense") != "dense":
-        raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
-                         f"(2:4 / bitmask sparsity) is not implemented")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
-                         f"scheme to load")
-    static = {_ct_fp8_scheme(g if isinstance(g, dict) else {}, f"{where}: config group {n!r}")
-              for n, g in groups.items()}
+    static = {_ct_fp8_scheme(g, f"{where}: config group {n!r}")
+              for n, g in _ct_groups(qc, where).items()}
     if len(static) > 1:
         raise ValueError(f"{where}: config groups mixing static and dynamic activation "
                          f"scales are not implemented")
@@ -412,19 +418,8 @@ def parse_compressed_tensors_config(qc: dict, key: str, where: str) -> Compresse
     if status != "compressed":
         raise ValueError(f"{where}: quantization_status {status!r} is not implemented "
                          f"(the weights are not stored packed)")
-    sparsity = qc.get("sparsity_config")
-    if sparsity and (sparsity.get("format") or "dense") != "dense":
-        raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
-                         f"(2:4 / bitmask sparsity) is not implemented")
-    for field in ("kv_cache_scheme", "transform_config"):
-        if qc.get(field):
-            raise ValueError(f"{where}: {field} is not implemented")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
-                         f"scheme to load")
-    schemes = {_ct_weights(g if isinstance(g, dict) else {}, f"{where}: config group {n!r}")
-               for n, g in groups.items()}
+    schemes = {_ct_weights(g, f"{where}: config group {n!r}")
+               for n, g in _ct_groups(qc, where).items()}
     if len(schemes) > 1:
         raise ValueError(f"{where}: config groups with different weight schemes "
                          f"{sorted(schemes, key=str)} are not implemented")

@@ -34,9 +34,9 @@ different per-tensor scales just concatenate their rows. A static scheme's
 """
 from __future__ import annotations
 
-from torch import nn
-
 import logging
+
+from torch import nn
 
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
@@ -46,6 +46,24 @@ from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.quantization import Fp8Config
 
 logger = logging.getLogger(__name__)
+
+
+def packed_sources(model: nn.Module) -> dict[str, list[str]]:
+    """Packed target ("qkv_proj") -> the checkpoint modules packed into it, in shard
+    order (the model's `packed_modules`)."""
+    sources: dict[str, list[str]] = {}
+    packed = getattr(model, "packed_modules", {})
+    for source, (target, _) in sorted(packed.items(), key=lambda kv: kv[1][1]):
+        sources.setdefault(target, []).append(source)
+    return sources
+
+
+def parameter_uses(model: nn.Module) -> dict[int, int]:
+    """Parameter id -> how many modules hold it (2 for a head tied to the embedding)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    return uses
 
 FP8_E4M3, FP8_E5M2 = "F8_E4M3", "F8_E5M2"
 SCALE_SUFFIX = ".weight_scale_inv"     # block scales (weight_block_size)
@@ -168,13 +186,7 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
                              f"{'static' if cfg.static_activations else 'dynamic'}): the "
                              f"checkpoint contradicts its config, or is a variant tokenmill "
                              f"does not implement")
-    packed = getattr(model, "packed_modules", {})
-    sources: dict[str, list[str]] = {}  # packed target -> checkpoint modules, shard order
-    for source, (target, shard) in sorted(packed.items(), key=lambda kv: kv[1][1]):
-        sources.setdefault(target, []).append(source)
-    uses: dict[int, int] = {}  # parameter id -> modules holding it (a tied head)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    sources, uses = packed_sources(model), parameter_uses(model)
     claimed: set[str] = set()
     count = 0
     for mname, module in list(model.named_modules()):

@@ -113,8 +113,15 @@ class QuantizedLinearMethod(LinearMethod):
             return self.packed.dequantize(self.dtype)
         return self.qweight.dequantize(self.dtype)
 
+    @property
+    def weight_form(self):
+        """The weights as this method keeps them now (the Triton layout, the native
+        packed one, or the canonical QuantizedWeight; each has bits, group_size, perm),
+        None before conversion."""
+        return next((q for q in (self.gpu, self.packed, self.qweight) if q is not None), None)
+
     def describe(self) -> str:
-        qw = next((q for q in (self.gpu, self.packed, self.qweight) if q is not None), None)
+        qw = self.weight_form
         shape = "" if qw is None else (f"{qw.bits}-bit, group {qw.group_size}"
                                        f"{', act-order' if qw.perm is not None else ''}")
         return f"{type(self).__name__}({shape}{self.describe_kernel()})"
