@@ -29,6 +29,9 @@ import triton.language as tl
 
 from tokenmill import envs
 
+# Triton's interpreter (decided at import, as Triton decides): its dot of bf16 values
+# converted inside a kernel is wrong, so the dots are emulated there (`_dot`).
+_EMULATE_HALF_DOTS = envs.triton_interpret()
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                torch.float32: tl.float32}
 
@@ -143,7 +146,7 @@ def _launch_args(x: torch.Tensor, n: int, bias: torch.Tensor | None, dtype):
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     meta = dict(HAS_BIAS=bias is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
                 IEEE=dtype == torch.float32,
-                EMULATE=dtype != torch.float32 and envs.triton_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return x2, y, b, grid, meta
 
 
