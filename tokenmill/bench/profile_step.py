@@ -22,7 +22,7 @@ import sys
 import time
 
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
-                                        ensure_bench_model, platform_kwargs, positive_int,
+                                        ensure_bench_model, is_bench_model, platform_kwargs, positive_int,
                                         read_model_config)
 
 
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     from tokenmill.sampling_params import RequestOutputKind
 
     name = args.model or BENCH_MODEL_NAME
-    model_path = ensure_bench_model(name) if name in BENCH_MODELS else name
+    model_path = ensure_bench_model(name) if is_bench_model(name) else name
     vocab = read_model_config(model_path)["vocab_size"]
     decode_steps = args.warmup_steps + args.steps + 4  # room for async scheduling's lag
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed,

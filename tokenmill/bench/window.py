@@ -26,7 +26,7 @@ import os
 import tempfile
 import time
 
-from tokenmill.bench.throughput import (BENCH_MODELS, DTYPES, ensure_bench_model,
+from tokenmill.bench.throughput import (BENCH_MODELS, DTYPES, ensure_bench_model, is_bench_model,
                                         format_platform, platform_kwargs, positive_int,
                                         read_model_config)
 
@@ -145,7 +145,7 @@ def format_table(win: dict, full: dict, args,
 def run_window_bench(args: argparse.Namespace) -> int:
     import random
     name = args.model or WINDOW_BENCH_MODEL
-    model_path = ensure_bench_model(name) if name in BENCH_MODELS else name
+    model_path = ensure_bench_model(name) if is_bench_model(name) else name
     cfg = read_model_config(model_path)
     max_model_len = args.context_len + args.output_len
     limit = cfg.get("max_position_embeddings", 2048)
