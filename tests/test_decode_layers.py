@@ -147,6 +147,92 @@ def test_moe_layers_are_not_supported(tmp_path, widened, ops):
     assert not DecodeLayers(model, ops, 128).supported
 
 
+# ---- integer-quantized linears (GPTQ / AWQ / --quantization int8): linear_quant ------
+
+QUANTIZED = {
+    # act-order (each linear's inputs permuted first), 4-bit, asymmetric
+    "gptq_int4_descact": ("qwen3_headdim", "gptq", dict(bits=4, group_size=32, sym=False,
+                                                        desc_act=True)),
+    # 8-bit, one group per row; attention and MLP biases
+    "gptq_int8_gall": ("llama_bias", "gptq", dict(bits=8, group_size=-1, sym=True)),
+    "awq_int4_g32": ("qwen3_headdim", "awq", dict(group_size=32)),
+    # the attention projections kept bf16: packed float and integer linears in one layer
+    "gptq_int4_mlp_only": ("qwen3_headdim", "gptq", dict(bits=4, group_size=16, keep=(
+        "model.layers.0.self_attn", "model.layers.1.self_attn"))),
+}
+
+
+def _quantized_checkpoint(tiny_model_factory, tmp_path, case: str) -> str:
+    from tokenmill.models import quant_formats
+    name, fmt, kw = QUANTIZED[case]
+    write = {"gptq": quant_formats.write_gptq_checkpoint,
+             "awq": quant_formats.write_awq_checkpoint}[fmt]
+    write(tiny_model_factory(name).path, str(tmp_path), return_dequantized=False, **kw)
+    return str(tmp_path)
+
+
+def _quantized_linears(model) -> int:
+    from tokenmill.models.layers.decode_layers import _linears, _native_quantized
+    return sum(_native_quantized(lin) is not None for layer in model.layers
+               for lin in _linears(layer))
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED) + ["int8_at_load"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_quantized_linears_take_the_native_loop(tiny_model_factory, tmp_path, monkeypatch,
+                                                widened, ops, case, dtype):
+    """Quantized checkpoints (and --quantization int8) keep the native loop: its
+    linear_quant calls (act-order permutation, biases, packed float linears beside
+    integer ones) are bit-identical to the Python layers'."""
+    if case == "int8_at_load":
+        path, kw = tiny_model_factory("qwen3_headdim").path, dict(quantization="int8")
+    else:
+        path, kw = _quantized_checkpoint(tiny_model_factory, tmp_path, case), {}
+    rows = _spy(monkeypatch, compare=True)
+    llm = make_llm(path, dtype=dtype, max_num_seqs=4, **kw)
+    model = runner_of(llm).model
+    # The loop exists where the quantized kernel does (and, with float linears left,
+    # the packed float kernel too).
+    native = hasattr(ops, "linear_quant") and (case != "gptq_int4_mlp_only"
+                                               or ops.has_fast_linear_bf16)
+    assert (model.decode_layers is not None) == native
+    if native:
+        expected = 2 * 2 + 2 * 2 if case != "gptq_int4_mlp_only" else 2 * 2
+        assert _quantized_linears(model) == expected
+    prompts = [{"prompt_token_ids": p} for p in tiny_model_factory("qwen3_headdim").prompts[:5]]
+    params = [SamplingParams(max_tokens=5 + 2 * i, temperature=0.0, ignore_eos=True)
+              for i in range(5)]
+    llm.generate(prompts, params, use_tqdm=False)
+    if native:
+        assert len(rows) > 10 and max(rows) == 4 and min(rows) == 1
+    else:
+        assert rows == []
+
+
+def test_quantized_loop_rows_follow_the_quantized_kernels_limit(tiny_model_factory, tmp_path,
+                                                                monkeypatch, widened, ops):
+    """Steps with more rows than the quantized linears' native limit would take their
+    dequantized tiles in the Python layers: the loop leaves those steps to them."""
+    if not hasattr(ops, "linear_quant"):
+        pytest.skip("this level has no quantized kernel")
+    monkeypatch.setattr(cpu_platform, "DEFAULT_QUANTIZED_ROWS", 2)  # GEMMs widened: this
+    path = _quantized_checkpoint(tiny_model_factory, tmp_path, "gptq_int4_descact")
+    rows = _spy(monkeypatch, compare=True)
+    llm = make_llm(path, dtype="bfloat16", max_num_seqs=4)
+    assert llm.llm_engine.platform.quantized_max_rows == 2
+    loop = runner_of(llm).model.decode_layers
+    assert loop is not None and loop.max_rows == 2
+    prompts = [{"prompt_token_ids": p} for p in tiny_model_factory("qwen3_headdim").prompts[:4]]
+    # 4 rows at first (the Python layers), then 2 and 1 as requests finish (the loop)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (3, 5, 9, 12)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert rows and max(rows) <= 2 and len(rows) < 11
+    python = make_llm(path, dtype="bfloat16", max_num_seqs=4, decode_layers=False)
+    ref = python.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 @pytest.mark.parametrize("taps", [(1,), (0, 1), (1, 0, 2)])
 def test_drafter_taps_keep_the_native_loop(tiny_model_factory, monkeypatch, widened, ops, taps):
     """A drafter's taps of the residual stream (EAGLE-3, DFlash) split the native loop

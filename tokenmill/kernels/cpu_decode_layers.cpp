@@ -12,11 +12,25 @@
 
 namespace {
 
-// The tensors of one layer in `weights`, in this order (empty tensor = none).
+// A linear's tensors: the packed weight (bf16 / fp32 packed, or the integer codes of
+// pack_quant_weight), the integer kind's scales and zero points and its act-order
+// permutation of the inputs, and the bias (empty tensor = none).
+enum LinearSlot { W, SCALES, ZEROS, PERM, BIAS, LINEAR_SLOTS };
+
+// The tensors of one layer in `weights`, in this order; each linear is LINEAR_SLOTS long.
 enum Slot {
-  INPUT_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, KV_CACHE, O_PROJ, O_BIAS,
-  POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, NUM_SLOTS
+  INPUT_NORM,
+  QKV,
+  Q_NORM = QKV + LINEAR_SLOTS, K_NORM, KV_CACHE,
+  O_PROJ,
+  POST_NORM = O_PROJ + LINEAR_SLOTS,
+  GATE_UP,
+  DOWN = GATE_UP + LINEAR_SLOTS,
+  NUM_SLOTS = DOWN + LINEAR_SLOTS
 };
+
+// A layer's linears in `quant` (bits and group size each; bits 0: packed bf16 / fp32).
+enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 
 }  // namespace
 
@@ -24,11 +38,13 @@ enum Slot {
 // stream, updated in place and returned.
 // dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate[, window]),
 // window > 0: every layer attends over a sliding window of that many positions;
+// quant: per layer and linear (NUM_LINEARS each), its integer bits and group size, bits
+// 0 for a packed float linear (the Python layers' QuantizedLinearMethod: linear_quant);
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
 // K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                            std::vector<int64_t> dims, double eps, double scale,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
+                            std::vector<int64_t> dims, std::vector<int64_t> quant,
+                            double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
                             torch::Tensor seq_lens) {
   TORCH_CHECK(weights.size() % NUM_SLOTS == 0, "decode_layers: ", NUM_SLOTS,
@@ -39,21 +55,30 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                 inter = dims[5], window = dims.size() == 7 ? dims[6] : 0;
   const int64_t t = x.size(0), q_size = hq * d, kv_size = hkv * d;
   const size_t num_layers = weights.size() / NUM_SLOTS;
+  TORCH_CHECK(quant.size() == num_layers * NUM_LINEARS * 2, "decode_layers: ",
+              NUM_LINEARS * 2, " quant entries per layer");
   // fp32 models (packed fp32 linears): the Python layers' fp32 norms are PyTorch's
   // rms_norm (HF's formula), so the loop calls the same ATen op there.
   const bool f32 = x.scalar_type() == at::kFloat;
   auto norm = [&](const torch::Tensor& v, const torch::Tensor& weight) {
     return f32 ? at::rms_norm(v, {hidden}, weight, eps) : rms_norm(v, weight, eps);
   };
-  auto linear = [&](const torch::Tensor& v, const torch::Tensor& packed, int64_t n,
-                    const torch::Tensor& bias) {
-    return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
+  // As Linear.forward through the layer's method: the packed float kernel, or
+  // QuantizedLinearMethod's (quantized_cpu.py: inputs permuted for act-order first).
+  auto linear = [&](const torch::Tensor& v, const torch::Tensor* lin, int64_t n,
+                    const int64_t* bits_group) {
+    const int64_t bits = bits_group[0];
+    if (bits == 0)
+      return f32 ? linear_f32(v, lin[W], n, lin[BIAS]) : linear_bf16(v, lin[W], n, lin[BIAS]);
+    const torch::Tensor in = lin[PERM].numel() > 0 ? v.index_select(1, lin[PERM]) : v;
+    return linear_quant(in, lin[W], lin[SCALES], lin[ZEROS], n, bits, bits_group[1], lin[BIAS]);
   };
   for (size_t l = 0; l < num_layers; ++l) {
     const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
+    const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;
     // Attention block: DecoderLayer.input_layernorm, Attention.forward.
     torch::Tensor h = norm(x, w[INPUT_NORM]);
-    torch::Tensor qkv = linear(h, w[QKV], q_size + 2 * kv_size, w[QKV_BIAS]);
+    torch::Tensor qkv = linear(h, w + QKV, q_size + 2 * kv_size, lq + 2 * Q_QKV);
     torch::Tensor q = qk_norm_rope(qkv, w[Q_NORM], w[K_NORM], cos, sin, hq, hkv, d, rd,
                                    w[Q_NORM].numel() > 0 ? eps : 0.0);
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, hkv, d});
@@ -63,11 +88,11 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     torch::Tensor attn =
         paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale, window, 0.0)
             .view({t, -1});
-    torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
+    torch::Tensor o = linear(attn, w + O_PROJ, hidden, lq + 2 * Q_O);
     // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
     h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);
-    torch::Tensor act = silu_mul(linear(h, w[GATE_UP], 2 * inter, w[GATE_UP_BIAS]));
-    x.add_(linear(act, w[DOWN], hidden, w[DOWN_BIAS]));
+    torch::Tensor act = silu_mul(linear(h, w + GATE_UP, 2 * inter, lq + 2 * Q_GATE_UP));
+    x.add_(linear(act, w + DOWN, hidden, lq + 2 * Q_DOWN));
   }
   return x;
 }

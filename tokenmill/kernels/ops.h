@@ -73,7 +73,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
                             double eps);
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
-                            std::vector<int64_t> dims, double eps, double scale,
+                            std::vector<int64_t> dims, std::vector<int64_t> quant,
+                            double eps, double scale,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
                             torch::Tensor seq_lens);

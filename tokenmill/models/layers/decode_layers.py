@@ -4,7 +4,9 @@ At batch 1 a decode step runs about a dozen native kernels per layer; reaching
 each through nn.Module calls costs about as much time as the kernels. Where
 every layer would take the native path anyway (bf16 activations with packed bf16
 linears and native norms, or fp32 activations with packed fp32 linears and
-PyTorch's fp32 rms_norm; native attention and KV writes), `kernels/cpu_decode_layers.cpp`
+PyTorch's fp32 rms_norm; any linear may instead be integer-quantized with the native
+`linear_quant` kernel, GPTQ / AWQ / compressed-tensors / --quantization int8; native
+attention and KV writes), `kernels/cpu_decode_layers.cpp`
 makes the same kernel calls in the same order from C++: the output is
 bit-identical to the Python layers, which stay the model's definition (and run
 every other step: prefill, fp32, MoE, or no native kernels).
@@ -25,10 +27,10 @@ class DecodeLayers:
 
     def __init__(self, model, ops, max_rows: int):
         """`ops`: the kernels module with `decode_layers`; steps of up to `max_rows` rows
-        (the packed linears' limit) take it."""
+        (the packed linears' limit; quantized linears' own native limit may be lower)
+        take it."""
         self.model = model
         self.ops = ops
-        self.max_rows = max_rows
         self._weights: list[torch.Tensor] | None = None
         self._checked_cache, self._cache_dtype = None, None
         c = model.config
@@ -41,22 +43,27 @@ class DecodeLayers:
         self._runs: list[tuple[int, int, int | None, int | None]] = []
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim ** -0.5
-        # The activations' dtype the loop serves: bf16 (packed bf16 linears) or fp32.
-        self.dtype = torch.float32 if packed_dtype(model.layers[0].self_attn.qkv_proj) \
-            == torch.float32 else torch.bfloat16
-        self.supported = all(self._layer_supported(layer, self.dtype)
-                             for layer in model.layers)
+        # The activations' dtype the loop serves (the norms' weights are the model's):
+        # bf16 (packed bf16 linears) or fp32 (packed fp32 linears).
+        self.dtype = model.layers[0].input_layernorm.weight.dtype
+        self.supported = (self.dtype in (torch.bfloat16, torch.float32)
+                          and all(self._layer_supported(layer, self.dtype)
+                                  for layer in model.layers))
+        # Rows the loop takes: no more than any of its linears' native kernels do.
+        self.max_rows = min([max_rows] + [
+            lin.method.max_rows for layer in model.layers for lin in _linears(layer)
+            if lin is not None and _native_quantized(lin) is not None])
 
     @staticmethod
     def _layer_supported(layer, dtype: torch.dtype) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
-                   getattr(mlp, "down_proj", None))
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.q_norm is not None:
             norms += [attn.q_norm, attn.k_norm]
         return (type(mlp) is GatedMLP
-                and all(lin is not None and packed_dtype(lin) == dtype for lin in linears)
+                and all(lin is not None and (packed_dtype(lin) == dtype
+                                             or _native_quantized(lin) is not None)
+                        for lin in _linears(layer))
                 and all(n.weight.dtype == dtype and n.eps == layer.input_layernorm.eps
                         for n in norms))
 
@@ -89,23 +96,23 @@ class DecodeLayers:
                     self._runs.append((i, i + 1) + key)
         return self._cache_dtype in (dtype, torch.float8_e4m3fn)
 
-    def weights(self) -> list[torch.Tensor]:
-        """Gathered once; again after the runner binds new KV caches (see _caches_ok)."""
+    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The layers' tensors and their linears' (bits, group size) (`quant`), in
+        cpu_decode_layers.cpp's order. Gathered once; again after the runner binds new
+        KV caches (see _caches_ok)."""
         if self._weights is None:
             none = torch.empty(0)
-            out = []
+            out, quant = [], []
             for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                out += [layer.input_layernorm.weight,
-                        _packed(attn.qkv_proj), _bias(attn.qkv_proj, none),
+                attn = layer.self_attn
+                qkv, o, gate_up, down = (_linear_slots(lin, none) for lin in _linears(layer))
+                out += [layer.input_layernorm.weight, *qkv[0],
                         attn.q_norm.weight if attn.q_norm is not None else none,
                         attn.k_norm.weight if attn.k_norm is not None else none,
-                        attn.attn.kv_cache,
-                        _packed(attn.o_proj), _bias(attn.o_proj, none),
-                        layer.post_attention_layernorm.weight,
-                        _packed(mlp.gate_up_proj), _bias(mlp.gate_up_proj, none),
-                        _packed(mlp.down_proj), _bias(mlp.down_proj, none)]
-            self._weights = out
+                        attn.attn.kv_cache, *o[0],
+                        layer.post_attention_layernorm.weight, *gate_up[0], *down[0]]
+                quant += [*qkv[1], *o[1], *gate_up[1], *down[1]]
+            self._weights = out, quant
         return self._weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -115,8 +122,9 @@ class DecodeLayers:
         [start, end) (default: all; a drafter's taps split the loop into pieces).
         Layers of several KV cache groups (Qwen2 sliding above max_window_layers):
         one call per run of consecutive layers in one group, with its tables."""
-        weights = self.weights()
+        weights, quant = self.weights()
         per_layer = len(weights) // len(self.model.layers)
+        quant_per_layer = len(quant) // len(self.model.layers)
         end = len(self.model.layers) if end is None else end
         for r0, r1, group, window in self._runs:
             lo, hi = max(r0, start), min(r1, end)
@@ -125,7 +133,8 @@ class DecodeLayers:
             m = meta.for_group(group)
             dims = self.dims if window is None else self.dims + [window]
             x = self.ops.decode_layers(
-                x, weights[lo * per_layer:hi * per_layer], dims, self.eps, self.scale, cos,
+                x, weights[lo * per_layer:hi * per_layer], dims,
+                quant[lo * quant_per_layer:hi * quant_per_layer], self.eps, self.scale, cos,
                 sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens)
         return x
 
@@ -134,6 +143,35 @@ def packed_dtype(linear) -> torch.dtype | None:
     """The native packed layout a Linear's method keeps (layers/linear_methods/
     cpu_packed.py: bf16 or fp32), or None."""
     return linear.method.packed_dtype
+
+
+def _linears(layer) -> tuple:
+    """A decoder layer's four linears (None where its MLP has no such one)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+            getattr(mlp, "down_proj", None))
+
+
+def _native_quantized(linear):
+    """The packed integer weights (quantized_cpu.PackedQuantizedWeight) a linear's
+    method multiplies with `linear_quant` at decode sizes, or None: no native kernel, or
+    one that would not run in fp32 (the method's widened dtype)."""
+    method = linear.method
+    packed = getattr(method, "packed", None)
+    if packed is None or getattr(method, "max_rows", 0) <= 0:
+        return None
+    return packed if method.compute_dtype in (None, torch.float32) else None
+
+
+def _linear_slots(linear, none: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+    """One linear's LINEAR_SLOTS tensors (weight, scales, zeros, perm, bias) and its
+    (bits, group size), bits 0 for a packed float linear."""
+    bias = _bias(linear, none)
+    q = _native_quantized(linear)
+    if q is None:
+        return [_packed(linear), none, none, none, bias], [0, 0]
+    perm = q.perm if q.perm is not None else none
+    return [q.codes, q.scales, q.zeros, perm, bias], [q.bits, q.group_size]
 
 
 def _packed(linear) -> torch.Tensor:
