@@ -21,15 +21,17 @@ import sys
 import pytest
 import torch
 
-from conftest import NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts
+from conftest import (NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
+                      runner_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
                                                         Fp8BlockLinearMethod)
+from tokenmill.platforms.cpu import DEFAULT_QUANTIZED_ROWS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint_refusals import load, read_tensors, write_variant  # noqa: E402
-from test_fp8_checkpoint import hf_dequantized  # noqa: E402
+from test_fp8_checkpoint import hf_dequantized, native_fp8_layers  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
                                  logprobs=K)
@@ -151,6 +153,7 @@ def test_fp8_scales_match_hf_dequantized(variant, case, caplog):
         llm = make_llm(path)
     static = CASES[case][3]
     assert ("input_scale tensors are not used" in caplog.text) == static
+    native_fp8_layers(runner_of(llm).model)  # the native kernel where the CPU has one
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
                         use_tqdm=False)
     holder = type("Ref", (), {"hf": hf})()
@@ -172,7 +175,9 @@ def test_fused_shards_with_different_per_tensor_scales(variant):
     model = load(path)
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.method, Fp8BlockLinearMethod)
-    assert qkv.method.describe() == "Fp8BlockLinearMethod(per-channel)"
+    native = native_fp8_layers(model) > 0
+    rows = f", native up to {DEFAULT_QUANTIZED_ROWS} rows" if native else ""
+    assert qkv.method.describe() == f"Fp8BlockLinearMethod(per-channel{rows})"
     assert qkv.weight_scale_inv.shape == (qkv.out_features, 1)
     want = torch.cat([deq[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
     assert torch.equal(qkv.dense_weight(), want)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import (MODEL_SPECS, NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
-                      scheduler_of)
+                      runner_of, scheduler_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.config import ModelConfig
@@ -42,7 +42,7 @@ from tokenmill.platforms import create_platform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint_refusals import read_tensors, write_variant  # noqa: E402
-from test_fp8_checkpoint import fp8_variant, hf_dequantized  # noqa: E402
+from test_fp8_checkpoint import fp8_variant, hf_dequantized, native_fp8_layers  # noqa: E402
 from test_hybrid_parity import HYBRID_SPECS  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
@@ -128,6 +128,7 @@ def test_quantized_at_load_matches_hf_on_the_dequantized_weights(source, tmp_pat
     prompts = make_prompts([5, 17, 33, 8], vocab)
     want = hf_greedy_batch(hf, prompts, NUM_NEW)
     llm = make_llm(src, quantization=method)
+    native_fp8_layers(runner_of(llm).model)  # fp8: the native kernel where the CPU has one
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
                         use_tqdm=False)
     holder = type("Ref", (), {"hf": hf})()
@@ -147,6 +148,7 @@ def test_quantized_at_load_at_every_capability_level(source, tmp_path, level, me
     hf = hf_dequantized(ref, {})
     prompts = make_prompts([5, 33], 384)
     llm = make_llm(src, quantization=method, cpu_capability=level)
+    native_fp8_layers(runner_of(llm).model)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_LOGPROBS,
                         use_tqdm=False)
     holder = type("Ref", (), {"hf": hf})()
@@ -242,6 +244,27 @@ def test_resident_weight_bytes_drop_and_weights_are_the_quantized_ones(source, m
     assert quantized == expect < before
     assert f"resident weight bytes {before} -> {expect}" in caplog.text
     assert "4 Linear layers, 2 MoE expert blocks" in caplog.text
+
+
+def test_fp8_on_the_native_kernels_keeps_the_packed_copy_only(source):
+    """--quantization fp8 where the CPU has the native kernels: each fp8 Linear keeps
+    the packed copy only (no e4m3 [N, K] weight beside it), within 1.1x of an fp8
+    checkpoint's bytes (a byte a weight, an fp32 scale per row), and it dequantizes
+    to exactly the quantized weights."""
+    src = source("qwen3")
+    plain = load(src, None, cpu_kernels="torch")
+    model = load(src, "fp8")
+    count = native_fp8_layers(model)
+    if count == 0:
+        pytest.skip("no native CPU kernels here")
+    assert count == 2 * 4  # qkv, o, gate_up, down per layer
+    for (name, mod), (_, ref) in zip(model.named_modules(), plain.named_modules()):
+        if isinstance(mod, Linear) and isinstance(mod.method, Fp8BlockLinearMethod):
+            n, k = mod.out_features, mod.in_features
+            assert all(t.is_meta for t in (mod.weight, mod.weight_scale_inv)), name
+            assert mod.method.packed.nbytes() <= 1.1 * (n * k + 4 * n), name
+            assert torch.equal(mod.dense_weight(), dequantized_rows(ref.dense_weight(),
+                                                                    "fp8")), name
 
 
 def test_bf16_int8_runs_close_to_hf(source, tmp_path):

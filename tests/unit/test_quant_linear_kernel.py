@@ -245,5 +245,5 @@ def test_platform_sets_the_quantized_row_limit(ops, kernel_level):
     want = DEFAULT_QUANTIZED_ROWS if ops.has_fast_linear_bf16 else 0
     assert p.quantized_max_rows == want
     assert p.as_dict()["quantized_max_rows"] == want
-    assert ("int4 / int8 weights native" in p.describe()) == bool(want)
+    assert ("int4 / int8 / fp8 weights native" in p.describe()) == bool(want)
     assert CpuPlatform.create("cpu", torch.float32, cpu_kernels="torch").quantized_max_rows == 0

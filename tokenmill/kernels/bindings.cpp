@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"),
         pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("group_size"),
         pybind11::arg("r0"), pybind11::arg("r1"));
+  m.attr("QUANT_E4M3") = kQuantE4m3;  // the `bits` of e4m3 weights in the three above
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

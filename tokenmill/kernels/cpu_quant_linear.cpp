@@ -1,35 +1,41 @@
 // y = x @ W'^T + b for integer-quantized weights (W8A16 / W4A16: GPTQ, AWQ,
-// compressed-tensors, int8 made at load), fp32 math.
+// compressed-tensors, int8 made at load) and float8_e4m3fn ones (FP8 checkpoints,
+// fp8 made at load), fp32 math.
 //
 // W' is the canonical form of models/layers/linear_methods/quantized_weight.py:
 // W'[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k / group_size, codes
-// unsigned 4- or 8-bit. Why a kernel of its own: a decode step is bound by the bytes
-// of weights it reads, and these weights are 1 or 0.5 byte each against bf16's 2;
-// widening the codes in registers keeps that advantage (no dequantized copy of the
-// matrix is made or kept).
+// unsigned 4- or 8-bit; for the e4m3 kind (bits = kQuantE4m3, ops.h) W'[n, k] =
+// e4m3(code[n, k]) * scale[n, g], no zero point (fp8.py's block scales expanded to
+// one per column and group: a [bn, bk] block is bn columns' scales for group bk).
+// Why a kernel of its own: a decode step is bound by the bytes of weights it reads,
+// and these weights are 1 or 0.5 byte each against bf16's 2; widening the codes in
+// registers keeps that advantage (no dequantized copy of the matrix is made or kept).
 //
 // Packed layout, made once at load (pack_quant_weight), per block of 32 output
 // columns (zero padded), the same at every capability level:
-// - codes: 8-bit [N/32, K, 32] bytes, columns in order; 4-bit [N/32, K, 16] bytes,
+// - codes: 8-bit and e4m3 [N/32, K, 32] bytes, columns in order; 4-bit [N/32, K, 16] bytes,
 //   byte i = column i in the low nibble, column 16 + i in the high one (the pair
 //   interleave of cpu_linear.cpp's bf16 layout): W bytes widened to W dwords give
 //   W columns (& 0xf) and the W columns 16 further on (>> 4), vec_int.h's load_u4_pairs.
 //   A k line is one load of 32 or 16 bytes for the 32 columns, streamed in order.
 // - scales [N/32, G, 32] and zeros [N/32, G, 32] uint8: a group's 32 values are one
-//   line, read once per group. Scales are stored in fp16 when every one of them is
-//   exactly an fp16 (GPTQ / AWQ checkpoints store fp16 scales), else in fp32, so the
-//   resident bytes stay within 1.1x of the checkpoint's (int4, group 32: 0.59 vs
-//   0.58 B/weight; group 128: 0.52 vs 0.52).
+//   line, read once per group (e4m3: no zeros, an empty tensor). Scales are stored in
+//   fp16 when every one of them is exactly an fp16 (GPTQ / AWQ checkpoints store fp16
+//   scales), else in fp32, so the resident bytes stay within 1.1x of the checkpoint's
+//   (int4, group 32: 0.59 vs 0.58 B/weight; group 128: 0.52 vs 0.52; e4m3 [128, 128]
+//   blocks, fp32 scales per column: 1.03 vs 1.00; per-channel: 1.00 vs 1.00).
 //
 // Math: per group and column, sum_k x[k] * code[k] is accumulated in fp32 and the
 // group is closed with scale * (sum - zero * sum_k x[k]) (the row's per-group sums
 // of x are computed once per call): one FMA per widened weight vector, no
 // subtraction in the stream, where subtracting the zero per element would add an op
-// per weight and a register per column vector. The codes and zero points are exact
-// fp32 integers; the result is W'x up to fp32 rounding (tests: within 1e-5 of
-// |x| |W'|^T of the float64 product, as the reference is). Inputs of DEQUANT_MIN_ROWS
-// rows and more dequantize the block once into fp32 [K, 32] (exactly the reference's
-// W') and take linear_f32_block: there the widening would be repeated per row pair.
+// per weight and a register per column vector. The e4m3 kind has no zero: its groups
+// close with scale * sum (no sums of x made). The codes and zero points are exact
+// fp32 integers, e4m3 codes exact fp32 values (vec_fp8.h's load_e4m3); the result is
+// W'x up to fp32 rounding (tests: within 1e-5 of |x| |W'|^T of the float64 product,
+// as the reference is). Inputs of DEQUANT_MIN_ROWS rows and more dequantize the block
+// once into fp32 [K, 32] (exactly the reference's W') and take linear_f32_block:
+// there the widening would be repeated per row pair.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
@@ -38,6 +44,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vec_fp8.h"
 #include "vec_int.h"
 
 namespace {
@@ -64,8 +71,11 @@ inline int lanes(int64_t ncols, int c) {
   return static_cast<int>(std::clamp<int64_t>(ncols - c * Vec::W, 0, Vec::W));
 }
 
+// BITS: the packed kind, 4, 8 or kQuantE4m3 (a byte a code, no zero point).
 template <int BITS>
-constexpr int64_t kLine = BITS == 8 ? NB : NB / 2;  // code bytes per k of a block
+constexpr int64_t kLine = BITS == 4 ? NB / 2 : NB;  // code bytes per k of a block
+template <int BITS>
+constexpr bool kHasZeros = BITS != kQuantE4m3;
 
 // The block's 32 codes at k widened to fp32, vector c = columns c*W .. c*W+W-1.
 template <int BITS>
@@ -73,6 +83,8 @@ TM_INLINE void codes_at(const uint8_t* w, int64_t k, Vec* out) {
   const uint8_t* p = w + k * kLine<BITS>;
   if constexpr (BITS == 8) {
     for (int c = 0; c < C; ++c) out[c] = tmvec::load_u8(p + c * Vec::W);
+  } else if constexpr (BITS == kQuantE4m3) {
+    for (int c = 0; c < C; ++c) out[c] = tmvec::load_e4m3(p + c * Vec::W);
   } else {
     for (int j = 0; j < H; ++j) tmvec::load_u4_pairs(p + j * Vec::W, out[j], out[j + H]);
   }
@@ -83,7 +95,7 @@ template <typename S>
 struct QBlock {
   const uint8_t* codes;   // [K, kLine]
   const S* scales;        // [G, 32]
-  const uint8_t* zeros;   // [G, 32]
+  const uint8_t* zeros;   // [G, 32] (nullptr: the e4m3 kind)
   int64_t K, group, G;
 };
 
@@ -94,13 +106,20 @@ TM_INLINE void prefetch_ahead(const uint8_t* w, int64_t k) {
   tmvec::prefetch(w + (k + ahead) * kLine<BITS>);
 }
 
-// Close group g of column vector c: out[r] += scale * (sums[r] - zero * xsum[r, g]).
-template <typename S>
-TM_INLINE void close_group(const QBlock<S>& b, int64_t g, int c, Vec sums, float xsum, float* out) {
+// Close group g of column vector c: out[r] += scale * (sums[r] - zero * xsum[r, g]),
+// out[r] += scale * sums[r] for e4m3 (xs[xi]: the row's sum of x over the group, read
+// only where there is a zero point: for e4m3 xs is empty).
+template <int BITS, typename S>
+TM_INLINE void close_group(const QBlock<S>& b, int64_t g, int c, Vec sums, const float* xs,
+                           int64_t xi, float* out) {
   const Vec s = Vec::load(b.scales + g * NB + c * Vec::W);
-  const Vec z = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
   float* o = out + c * Vec::W;
-  tmvec::fma(sums - z * Vec::set1(xsum), s, Vec::load(o)).store(o);
+  if constexpr (kHasZeros<BITS>) {
+    const Vec z = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+    tmvec::fma(sums - z * Vec::set1(xs[xi]), s, Vec::load(o)).store(o);
+  } else {
+    tmvec::fma(sums, s, Vec::load(o)).store(o);
+  }
 }
 
 // out [R, 32] (+ bias) -> y's ncols columns.
@@ -140,7 +159,8 @@ inline void micro(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) close_group(b, g, c, sums[r][c], xs[r * ldxs + g], out + r * NB);
+      for (int c = 0; c < C; ++c)
+        close_group<BITS>(b, g, c, sums[r][c], xs, r * ldxs + g, out + r * NB);
   }
   store_rows<R>(out, bias, y, ldy, ncols);
 }
@@ -159,9 +179,9 @@ inline void micro_row(const float* x, const float* xs, const QBlock<S>& b, const
     for (int u = 0; u < U; ++u)
       for (int c = 0; c < C; ++c) part[u][c] = Vec::zero();
     for (; k + 4 <= k1; k += 4) {
-      // 4 k lines: 128 bytes (8-bit) or 64 (4-bit), one prefetch per 64-byte line
+      // 4 k lines: 128 bytes (8-bit, e4m3) or 64 (4-bit), one prefetch per 64-byte line
       prefetch_ahead<BITS>(b.codes, k);
-      if constexpr (BITS == 8) prefetch_ahead<BITS>(b.codes, k + 2);
+      if constexpr (kLine<BITS> == NB) prefetch_ahead<BITS>(b.codes, k + 2);
       for (int i = 0; i < 4; ++i) {
         Vec w[C];
         codes_at<BITS>(b.codes, k + i, w);
@@ -178,31 +198,32 @@ inline void micro_row(const float* x, const float* xs, const QBlock<S>& b, const
     for (int c = 0; c < C; ++c) {
       Vec sum = part[0][c];
       for (int u = 1; u < U; ++u) sum = sum + part[u][c];
-      close_group(b, g, c, sum, xs[g], out);
+      close_group<BITS>(b, g, c, sum, xs, g, out);
     }
   }
   store_rows<1>(out, bias, y, NB, ncols);
 }
 
 template <int BITS, typename S, int R>
-inline void rows_tail(const float* x, int64_t ldx, const float* xs, const QBlock<S>& b,
-                      const float* bias, float* y, int64_t ldy, int64_t rows, int64_t ncols) {
+inline void rows_tail(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                      const QBlock<S>& b, const float* bias, float* y, int64_t ldy,
+                      int64_t rows, int64_t ncols) {
   if constexpr (R > 1) {  // rows < R: the micro-kernel of exactly that many rows
-    if (rows == R - 1) return micro<R - 1, BITS>(x, ldx, xs, b.G, b, bias, y, ldy, ncols);
-    return rows_tail<BITS, S, R - 1>(x, ldx, xs, b, bias, y, ldy, rows, ncols);
+    if (rows == R - 1) return micro<R - 1, BITS>(x, ldx, xs, ldxs, b, bias, y, ldy, ncols);
+    return rows_tail<BITS, S, R - 1>(x, ldx, xs, ldxs, b, bias, y, ldy, rows, ncols);
   }
 }
 
 // W' of the block transposed: out[k * ld + n] for its first ncols columns n, fp32,
 // (code - zero) * scale as the reference computes it (the difference is exact, the
-// product one rounding).
+// product one rounding); e4m3: value * scale, one rounding, as fp8.py's reference.
 template <int BITS, typename S>
 void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols) {
   for (int64_t g = 0; g < b.G; ++g) {
     Vec s[C], z[C];
     for (int c = 0; c < C; ++c) {
       s[c] = Vec::load(b.scales + g * NB + c * Vec::W);
-      z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+      if constexpr (kHasZeros<BITS>) z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
     }
     const int64_t k1 = std::min(b.K, (g + 1) * b.group);
     for (int64_t k = g * b.group; k < k1; ++k) {
@@ -210,7 +231,8 @@ void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols)
       codes_at<BITS>(b.codes, k, w);
       for (int c = 0; c < C; ++c) {
         const int n = lanes(ncols, c);
-        const Vec v = (w[c] - z[c]) * s[c];
+        Vec v;
+        if constexpr (kHasZeros<BITS>) v = (w[c] - z[c]) * s[c]; else v = w[c] * s[c];
         if (n == Vec::W) v.store(out + k * ld + c * Vec::W);
         else if (n > 0) v.store_n(out + k * ld + c * Vec::W, n);
       }
@@ -224,14 +246,15 @@ void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float
                 float* y, int64_t ldy, int64_t rows, int64_t ncols,
                 std::vector<float>& scratch) {
   const int64_t K = b.K;
+  const int64_t ldxs = kHasZeros<BITS> ? b.G : 0;  // e4m3: xs is empty
   if (rows == 1) return micro_row<BITS>(x, xs, b, bias, y, ncols);
   if (rows < DEQUANT_MIN_ROWS) {
     int64_t m = 0;
     for (; m + MR <= rows; m += MR)
-      micro<MR, BITS>(x + m * K, K, xs + m * b.G, b.G, b, bias, y + m * ldy, ldy, ncols);
+      micro<MR, BITS>(x + m * K, K, xs + m * ldxs, ldxs, b, bias, y + m * ldy, ldy, ncols);
     if (m < rows)
-      rows_tail<BITS, S, MR>(x + m * K, K, xs + m * b.G, b, bias, y + m * ldy, ldy, rows - m,
-                             ncols);
+      rows_tail<BITS, S, MR>(x + m * K, K, xs + m * ldxs, ldxs, b, bias, y + m * ldy, ldy,
+                             rows - m, ncols);
     return;
   }
   scratch.resize(K * NB);
@@ -245,18 +268,23 @@ void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float
     for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] += bias[n];
 }
 
-// Calls f(bits tag, scale type tag) for the packed weight's bits and scale dtype.
+// Calls f(bits tag, scale type tag) for the packed weight's kind and scale dtype.
 template <typename F>
 void dispatch(int64_t bits, at::ScalarType scale_type, F&& f) {
   using I4 = std::integral_constant<int, 4>;
   using I8 = std::integral_constant<int, 8>;
+  using E4m3 = std::integral_constant<int, kQuantE4m3>;
   const bool half = scale_type == at::kHalf;
   if (bits == 8) {
     if (half) f(I8{}, c10::Half{}); else f(I8{}, float{});
+  } else if (bits == kQuantE4m3) {
+    if (half) f(E4m3{}, c10::Half{}); else f(E4m3{}, float{});
   } else {
     if (half) f(I4{}, c10::Half{}); else f(I4{}, float{});
   }
 }
+
+bool known_kind(int64_t bits) { return bits == 4 || bits == 8 || bits == kQuantE4m3; }
 
 struct Packed {
   const uint8_t* codes;
@@ -266,18 +294,19 @@ struct Packed {
 
   template <typename S>
   QBlock<S> block(int64_t b, int bits) const {
-    const int64_t line = bits == 8 ? NB : NB / 2;
+    const int64_t line = bits == 4 ? NB / 2 : NB;
     return {codes + b * K * line, static_cast<const S*>(scales) + b * G * NB,
-            zeros + b * G * NB, K, group, G};
+            zeros != nullptr ? zeros + b * G * NB : nullptr, K, group, G};
   }
 };
 
 // Checks the packed tensors against each other; -> the view the kernels read.
 Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Tensor& scales,
                     const torch::Tensor& zeros, int64_t N, int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(known_kind(bits), op, ": bits must be 4, 8 or ", kQuantE4m3, " (e4m3), got ",
+              bits);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(2) == (bits == 8 ? NB : NB / 2),
+                  codes.size(2) == (bits == 4 ? NB / 2 : NB),
               op, ": codes must come from pack_quant_weight with the same bits");
   const int64_t nb = codes.size(0), K = codes.size(1);
   TORCH_CHECK(group > 0, op, ": group_size must be positive");
@@ -286,12 +315,17 @@ Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Ten
                   scales.size(1) == G && scales.size(2) == NB &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               op, ": scales must be [N/32, G, 32] fp32 or fp16 from pack_quant_weight");
-  TORCH_CHECK(zeros.dim() == 3 && zeros.is_contiguous() && zeros.scalar_type() == at::kByte &&
-                  zeros.size(0) == nb && zeros.size(1) == G && zeros.size(2) == NB,
-              op, ": zeros must be [N/32, G, 32] uint8 from pack_quant_weight");
+  if (bits == kQuantE4m3) {
+    TORCH_CHECK(!zeros.defined() || zeros.numel() == 0, op,
+                ": zeros must be empty for e4m3 weights (no zero point)");
+  } else {
+    TORCH_CHECK(zeros.dim() == 3 && zeros.is_contiguous() && zeros.scalar_type() == at::kByte &&
+                    zeros.size(0) == nb && zeros.size(1) == G && zeros.size(2) == NB,
+                op, ": zeros must be [N/32, G, 32] uint8 from pack_quant_weight");
+  }
   TORCH_CHECK(N > 0 && N <= nb * NB && N > (nb - 1) * NB, op, ": bad column count ", N);
-  return {codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr<uint8_t>(), nb, K,
-          group, G};
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr(),
+          bits == kQuantE4m3 ? nullptr : zeros.data_ptr<uint8_t>(), nb, K, group, G};
 }
 
 // [N, X] -> [N/32 * 32, X] zero padded, viewed as [N/32, 32, X] -> [N/32, X, 32].
@@ -307,18 +341,30 @@ torch::Tensor blocks_of(const torch::Tensor& t) {
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
     torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
     int64_t group_size) {
-  TORCH_CHECK(bits == 4 || bits == 8, "pack_quant_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(known_kind(bits), "pack_quant_weight: bits must be 4, 8 or ", kQuantE4m3,
+              " (e4m3), got ", bits);
+  const bool e4m3 = bits == kQuantE4m3;
+  if (e4m3 && codes.scalar_type() == at::kFloat8_e4m3fn) codes = codes.view(at::kByte);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
-              "pack_quant_weight: codes must be uint8 [N, K]");
+              "pack_quant_weight: codes must be uint8 [N, K]",
+              e4m3 ? " (or float8_e4m3fn)" : "");
   TORCH_CHECK(group_size > 0, "pack_quant_weight: group_size must be positive");
   const int64_t N = codes.size(0), K = codes.size(1), G = (K + group_size - 1) / group_size;
   TORCH_CHECK(N > 0 && K > 0, "pack_quant_weight: empty weight");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G &&
                   scales.scalar_type() == at::kFloat,
               "pack_quant_weight: scales must be fp32 [N, ceil(K / group_size)]");
-  TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == N && zeros.size(1) == G &&
-                  zeros.scalar_type() == at::kByte,
-              "pack_quant_weight: zeros must be uint8 [N, ceil(K / group_size)]");
+  if (e4m3) {
+    TORCH_CHECK(!zeros.defined() || zeros.numel() == 0,
+                "pack_quant_weight: zeros must be empty for e4m3 weights (no zero point)");
+    // 0x7f / 0xff: NaN, which the fp16-based widening reads as +-480 (vec_fp8.h)
+    TORCH_CHECK(!codes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
+                "pack_quant_weight: an e4m3 code is NaN (0x7f / 0xff)");
+  } else {
+    TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == N && zeros.size(1) == G &&
+                    zeros.scalar_type() == at::kByte,
+                "pack_quant_weight: zeros must be uint8 [N, ceil(K / group_size)]");
+  }
   if (bits == 4)
     TORCH_CHECK(codes.max().item<uint8_t>() <= 15 && zeros.max().item<uint8_t>() <= 15,
                 "pack_quant_weight: a 4-bit code or zero point exceeds 15");
@@ -330,7 +376,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
   torch::Tensor s = blocks_of(scales.contiguous());
   torch::Tensor s16 = s.to(at::kHalf);
   if (s16.to(at::kFloat).equal(s)) s = s16;  // exactly fp16: half the bytes
-  return {w, s, blocks_of(zeros)};
+  return {w, s, e4m3 ? torch::empty({0}, codes.options()) : blocks_of(zeros)};
 }
 
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -363,9 +409,11 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     bias_hold = bias.to(at::kFloat).contiguous();
     bp = bias_hold.data_ptr<float>();
   }
-  // Per row and group, the sum of x (closes each group's sums of x * code).
-  std::vector<float> xs(M < DEQUANT_MIN_ROWS ? M * G : 0);
-  for (int64_t m = 0; m < (M < DEQUANT_MIN_ROWS ? M : 0); ++m)
+  // Per row and group, the sum of x (closes each group's sums of x * code; e4m3 has
+  // no zero point to close with).
+  const int64_t xs_rows = M < DEQUANT_MIN_ROWS && bits != kQuantE4m3 ? M : 0;
+  std::vector<float> xs(xs_rows * G);
+  for (int64_t m = 0; m < xs_rows; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k)

@@ -58,6 +58,10 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                                int64_t N, int64_t bits, int64_t group_size, int64_t r0,
                                int64_t r1);
+// The `bits` of float8_e4m3fn weights in the three above (FP8 checkpoints, fp8 made at
+// load): codes e4m3 [N, K] (or their uint8 bits), packed a byte a code as 8-bit ones,
+// scales fp32 [N, G] (fp8.py's block scales, one per column and group), zeros empty.
+constexpr int64_t kQuantE4m3 = 0xe4;
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
                                                   torch::Tensor q, torch::Tensor scale,
                                                   torch::Tensor coef, torch::Tensor l1w,

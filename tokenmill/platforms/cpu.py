@@ -27,9 +27,10 @@ fixes, for the whole run:
   `onednn_prepacked` (the weights reordered once for oneDNN, layers/linear_methods/
   `OneDNNPrepackedLinearMethod`; fp32 models, and bf16 ones where bf16 is native) or `torch`
   (F.linear); the prepacked copy replaces the plain weights;
-- the integer-quantized layers (GPTQ / AWQ / int8): the native W4A16 / W8A16 kernel
-  for inputs of up to `quantized_max_rows` rows, dequantized tiles above (0: the
-  PyTorch reference path), where the level's kernels are vectorised;
+- the quantized layers (GPTQ / AWQ / int8, fp8 checkpoints and fp8 made at load): the
+  native W4A16 / W8A16 kernel (e4m3 codes widened as integer ones) for inputs of up to
+  `quantized_max_rows` rows, dequantized tiles above (0: the PyTorch reference path),
+  where the level's kernels are vectorised;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
@@ -325,7 +326,7 @@ class CpuPlatform(Platform):
                 f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
                 f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
-                + (f", int4 / int8 weights native up to {self.quantized_max_rows} rows"
+                + (f", int4 / int8 / fp8 weights native up to {self.quantized_max_rows} rows"
                    if self.quantized_max_rows else "")
                 + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "
                    f"layers and lm_head off the native paths (no collectives inside them)"

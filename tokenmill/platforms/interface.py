@@ -36,11 +36,12 @@ class Platform:
     activation: str = "torch"       # silu_mul / gelu_tanh_mul: "native" / "torch"
     lm_head: str = "full"           # "greedy_int8" (int8-screened argmax) or "full"
     greedy_head_max_rows: int = 0   # rows that take greedy_int8 (0: never)
-    # Integer-quantized layers (GPTQ / AWQ / int8): inputs of up to this many rows take
-    # the native W8A16 / W4A16 kernel, larger ones dequantized tiles (0: never native).
+    # Quantized layers (GPTQ / AWQ / int8, fp8 checkpoints and fp8 made at load): inputs
+    # of up to this many rows take the native W8A16 / W4A16 kernel (e4m3 codes too),
+    # larger ones dequantized tiles (0: never native).
     quantized_max_rows: int = 0
-    # Their GEMM, and fp8 checkpoints' where the platform has one: "triton"
-    # (ops/triton_quant_linear.py, CUDA) or "torch" (native above, else dequantized tiles).
+    # Their GEMM where the platform has one: "triton" (ops/triton_quant_linear.py,
+    # CUDA) or "torch" (native above, else dequantized tiles).
     quantized_gemm: str = "torch"
     decode_layers: bool = False     # a decode step's layers in one native call
     linear_attention: str = "torch"  # Gated DeltaNet kernels: "fla" or "torch"
@@ -165,8 +166,9 @@ class Platform:
           else F.linear, widened to `gemm_dtype` where that differs.
 
         A layer whose method is not the plain unquantized one (a quantized format's,
-        or one already chosen) keeps it; a quantized method that can compute in another
-        dtype (`with_compute_dtype`: fp8's dequantized GEMMs) gets the widened one."""
+        or one already chosen) keeps it; a quantized method gets the platform's kernels
+        through its `for_platform` (the integer formats and fp8: the native CPU kernel
+        up to `quantized_max_rows` rows, or the Triton GEMM, and the widened dtype)."""
         import torch
 
         from tokenmill.models.layers.linear_methods import (
@@ -174,18 +176,11 @@ class Platform:
             PackedF32LinearMethod, UnquantizedLinearMethod)
         current = layer.method
         bind_kernels = getattr(current, "for_platform", None)
-        if bind_kernels is not None:  # integer formats (linear_methods/quantized_linear.py)
+        if bind_kernels is not None:  # quantized formats (quantized_linear.py, fp8.py)
             on_cpu = self.device == "cpu" and self.quantized_max_rows > 0
             return bind_kernels(self.ops if on_cpu else None, self.widen_to,
                                 self.quantized_max_rows if on_cpu else 0,
                                 triton=self.quantized_gemm == "triton")
-        with_triton = getattr(current, "with_triton", None)
-        if with_triton is not None and self.quantized_gemm == "triton":  # fp8's
-            return with_triton()
-        widen_quantized = getattr(current, "with_compute_dtype", None)
-        if (widen_quantized is not None and self.widen_to is not None
-                and current.compute_dtype is None):
-            return widen_quantized(self.widen_to)
         if type(current) is not UnquantizedLinearMethod or current.compute_dtype is not None:
             return current
         w = layer.weight

@@ -17,13 +17,26 @@ weights (more accurate than the checkpoint's own runtime, and what HF transforme
 computes when it dequantizes). The memory saving is the point: the resident weight is
 the 1-byte e4m3 tensor.
 
-`apply` dequantizes per call, in tiles of whole block rows of W (ROW_TILE_ELEMENTS
-elements at most, ~16 MiB in fp32), each multiplied and dropped before the next: a
-dequantized copy of the whole matrix is never kept, nor built at once for a large
-layer. The cost is one dequantization of W per forward call, cheap beside the GEMM for
-prefill, dominant for one-token decode; a native fp8 kernel is the next increment.
+The kernels, chosen by the platform (`for_platform`, as the integer formats'):
+
+- on the CPU, the native kernels (tokenmill/kernels/cpu_quant_linear.cpp, the integer
+  formats' W8A16 kernel with e4m3 codes): after loading, the e4m3 weight and its
+  block scales are packed once (quantized_cpu.py `PackedQuantizedWeight.e4m3`: a
+  byte a weight, the scales expanded to one per column and bk group) and the packed
+  copy is the only one kept (`weight` and `weight_scale_inv` stay as meta tensors:
+  shapes and dtypes readable). Inputs of up to `max_rows` rows take `linear_quant`
+  (the codes widened in registers, fp32 math), larger ones dequantized tiles of
+  weight rows and the library GEMM in the compute dtype;
+- on CUDA, the Triton FP8 GEMM (`with_triton`: ops/triton_quant_linear.py);
+- otherwise (no kernels) `apply` dequantizes per call, in tiles of whole block rows of
+  W (ROW_TILE_ELEMENTS elements at most, ~16 MiB in fp32), each multiplied and
+  dropped before the next: a dequantized copy of the whole matrix is never kept, nor
+  built at once for a large layer. The cost is one dequantization of W per forward
+  call, cheap beside the GEMM for prefill, dominant for one-token decode.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +44,7 @@ from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod, LinearMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
+from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
 
 FP8_DTYPE = torch.float8_e4m3fn
 # Elements of W dequantized at once (rounded down to whole block rows, at least one).
@@ -78,6 +92,10 @@ class Fp8BlockLinearMethod(LinearMethod):
     the GEMMs' dtype (the platform's widened one where bf16 GEMMs are emulated); None:
     the input's."""
 
+    ops = None      # the native CPU kernels module (for_platform), or None
+    max_rows = 0    # inputs of up to this many rows take the native kernel
+    packed: PackedQuantizedWeight | None = None  # with the native kernels: the only copy
+
     def __init__(self, block_size: tuple[int, int],
                  compute_dtype: torch.dtype | None = None):
         bn, bk = block_size
@@ -102,9 +120,28 @@ class Fp8BlockLinearMethod(LinearMethod):
             if bias else None)
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockLinearMethod":
-        """The same method (weights untouched) with its GEMMs in `dtype`."""
-        method = Fp8BlockLinearMethod(self.block_size, dtype)
-        method.dtype, method.in_features = self.dtype, self.in_features
+        """The same method (weights, or their packed form, shared) with its GEMMs in
+        `dtype`."""
+        method = copy.copy(self)
+        method.compute_dtype = dtype
+        return method
+
+    def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
+                     triton: bool = False) -> "Fp8BlockLinearMethod":
+        """This method with the platform's kernels (as QuantizedLinearMethod's): the
+        Triton GEMM (`triton`, CUDA), else the native CPU module `ops` for inputs of up
+        to `max_rows` rows (None / 0: none) and the GEMMs in `compute_dtype` where the
+        platform widens. Nothing to change: this method itself."""
+        if triton:
+            return self.with_triton()
+        dtype = compute_dtype if compute_dtype is not None else self.compute_dtype
+        native = (ops is not None and max_rows > 0
+                  and getattr(ops, "QUANT_E4M3", None) is not None)
+        if dtype == self.compute_dtype and not native:
+            return self
+        method = self.with_compute_dtype(dtype)
+        if native:
+            method.ops, method.max_rows = ops, max_rows
         return method
 
     use_triton = False
@@ -122,6 +159,15 @@ class Fp8BlockLinearMethod(LinearMethod):
             from tokenmill.ops.triton_quant_linear import Fp8WeightTriton
             self.gpu = Fp8WeightTriton(layer.weight.detach(),
                                        layer.weight_scale_inv.detach(), self.block_size)
+        elif self.ops is not None and self.packed is None and not layer.weight.is_meta:
+            self.packed = PackedQuantizedWeight.e4m3(
+                self.ops, layer.weight.detach(), layer.weight_scale_inv.detach(),
+                self.block_size)
+            # The packed copy is the only one: no e4m3 [N, K] stays beside it.
+            for name in ("weight", "weight_scale_inv"):
+                setattr(layer, name, nn.Parameter(
+                    torch.empty_like(getattr(layer, name), device="meta"),
+                    requires_grad=False))
 
     def _tile_rows(self, in_features: int) -> int:
         bn = self.block_size[0]
@@ -130,6 +176,8 @@ class Fp8BlockLinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.gpu is not None:
             return self.gpu.linear(x, layer.bias, self.compute_dtype)
+        if self.packed is not None:
+            return self.packed.linear(x, layer.bias, self.max_rows, self.compute_dtype)
         dtype = self.compute_dtype or x.dtype
         bn = self.block_size[0]
         w, s = layer.weight, layer.weight_scale_inv
@@ -150,14 +198,17 @@ class Fp8BlockLinearMethod(LinearMethod):
         return y.to(x.dtype)
 
     def dense_weight(self, layer) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.dequantize(self.dtype)
         return dequantize_block_fp8(layer.weight.detach(), layer.weight_scale_inv.detach(),
                                     self.block_size, self.dtype)
 
     def describe(self) -> str:
-        triton = ", Triton" if self.use_triton else ""
+        kernel = (", Triton" if self.use_triton else
+                  f", native up to {self.max_rows} rows" if self.packed is not None else "")
         return (f"{type(self).__name__}("
                 f"{describe_block(self.block_size, self.in_features, self.compute_dtype)}"
-                f"{triton})")
+                f"{kernel})")
 
 
 class DequantizedExperts:

@@ -1,13 +1,16 @@
-"""Integer-quantized weights in the native CPU kernels' packed layout
-(tokenmill/kernels/cpu_quant_linear.cpp), for `QuantizedLinearMethod` when the
-platform hands it the kernels.
+"""Quantized weights in the native CPU kernels' packed layout
+(tokenmill/kernels/cpu_quant_linear.cpp), for `QuantizedLinearMethod` (integer codes)
+and `Fp8BlockLinearMethod` (float8_e4m3fn codes, `PackedQuantizedWeight.e4m3`) when
+the platform hands them the kernels.
 
 The packed form is the only copy the layer keeps (the uint8 codes [N, K] of the
-canonical `QuantizedWeight` are dropped after packing): 4-bit codes two to a byte,
-scales in fp16 where that is exact, else fp32. Inputs of up to `max_rows` rows take
-`linear_quant` (the codes widened in registers, fp32 math); larger ones dequantize
-tiles of weight rows (`dequantize_quant`, exactly the reference's W') and multiply
-them with the library GEMM in the compute dtype, never the whole matrix at once.
+canonical `QuantizedWeight`, the e4m3 [N, K] weight, are dropped after packing):
+4-bit codes two to a byte, 8-bit and e4m3 codes a byte each, scales in fp16 where
+that is exact, else fp32; e4m3 weights have no zero point. Inputs of up to
+`max_rows` rows take `linear_quant` (the codes widened in registers, fp32 math);
+larger ones dequantize tiles of weight rows (`dequantize_quant`, exactly the
+reference's W') and multiply them with the library GEMM in the compute dtype, never
+the whole matrix at once.
 """
 from __future__ import annotations
 
@@ -17,20 +20,42 @@ from tokenmill.models.layers.linear_methods.quantized_weight import (ROW_TILE_EL
                                                                      QuantizedWeight)
 
 _NO_BIAS = torch.empty(0)
+_NO_ZEROS = torch.empty(0, dtype=torch.uint8)
 _KERNEL_INPUTS = (torch.float32, torch.bfloat16)
 PACK = 32  # output columns per packed block (the kernel's)
 
 
 class PackedQuantizedWeight:
-    """A `QuantizedWeight` packed once for the native kernels of `ops`."""
+    """A `QuantizedWeight` packed once for the native kernels of `ops` (or, `e4m3`,
+    block-scaled e4m3 weights). `kind`: the kernels' `bits` argument (4, 8, or
+    ops.QUANT_E4M3); `bits`: the codes' width."""
+
+    perm: torch.Tensor | None = None
 
     def __init__(self, ops, qw: QuantizedWeight):
         self.ops = ops
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.perm = qw.bits, qw.group_size, qw.perm
+        self.kind = qw.bits
         self.codes, self.scales, self.zeros = ops.pack_quant_weight(
             qw.codes.contiguous(), qw.scales.contiguous(), qw.zeros.contiguous(), qw.bits,
             qw.group_size)
+
+    @classmethod
+    def e4m3(cls, ops, weight: torch.Tensor, scale_inv: torch.Tensor,
+             block_size: tuple[int, int]) -> "PackedQuantizedWeight":
+        """e4m3 `weight` [N, K] with fp32 block scales `scale_inv` [ceil(N/bn),
+        ceil(K/bk)] (fp8.py): the kernel's groups are the blocks' bk columns, each
+        column's scale its block row's (expanded here, one per column and group)."""
+        bn, bk = block_size
+        n, k = weight.shape
+        packed = cls.__new__(cls)
+        packed.ops, packed.out_features, packed.in_features = ops, n, k
+        packed.bits, packed.kind, packed.group_size = 8, ops.QUANT_E4M3, bk
+        scales = scale_inv.float().repeat_interleave(bn, 0)[:n].contiguous()
+        packed.codes, packed.scales, packed.zeros = ops.pack_quant_weight(
+            weight.contiguous(), scales, _NO_ZEROS, packed.kind, bk)
+        return packed
 
     def nbytes(self) -> int:
         """Resident bytes (the packed tensors and the act-order permutation)."""
@@ -41,7 +66,7 @@ class PackedQuantizedWeight:
     def dequantize_t(self, r0: int, r1: int) -> torch.Tensor:
         """W'[r0:r1]^T, fp32 [K, r1 - r0] (kernel column order; r0 a multiple of 32)."""
         return self.ops.dequantize_quant(self.codes, self.scales, self.zeros,
-                                         self.out_features, self.bits, self.group_size,
+                                         self.out_features, self.kind, self.group_size,
                                          r0, r1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -63,7 +88,7 @@ class PackedQuantizedWeight:
             x2 = x2.index_select(1, self.perm)
         if (rows <= max_rows and x.dtype in _KERNEL_INPUTS
                 and compute_dtype in (None, torch.float32)):
-            y = self.ops.linear_quant(x2, self.codes, self.scales, self.zeros, n, self.bits,
+            y = self.ops.linear_quant(x2, self.codes, self.scales, self.zeros, n, self.kind,
                                       self.group_size, bias if bias is not None else _NO_BIAS)
         else:
             y = self._tiled(x2, bias, compute_dtype or x.dtype).to(x.dtype)
