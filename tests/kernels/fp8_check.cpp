@@ -1,6 +1,7 @@
 // tokenmill/kernels/vec_fp8.h checked on its own: every float8_e4m3fn code but the two
-// NaNs widened by this build's vector path (load_e4m3) against c10's scalar conversion,
-// bit for bit, at each of the W lane positions; and e4m3_saturate's clamp at +-448.
+// NaNs widened by this build's vector path (load_e4m3, and load_e4m3_over256: the value
+// x 2^-8) against c10's scalar conversion, bit for bit, at each of the W lane
+// positions; and e4m3_saturate's clamp at +-448.
 // Prints "W=<lanes>: <n> failures" (tests/unit/test_kv_cache_fp8_kernels.py runs it
 // per level, on the plain-array fallback and on aarch64 NEON under qemu-user).
 #include <cmath>
@@ -19,16 +20,21 @@ int main() {
       uint8_t in[W];
       for (int i = 0; i < W; ++i) in[i] = static_cast<uint8_t>((code + 37 * i) & 0x7e);
       in[lane] = static_cast<uint8_t>(code);
-      float out[W];
+      float out[W], over[W];
       tmvec::load_e4m3(in).store(out);
+      tmvec::load_e4m3_over256(in).store(over);
       for (int i = 0; i < W; ++i) {
         const float want = tmvec::e4m3_to_float(in[i]);
-        uint32_t a, b;
+        const float want_over = want * (1.f / 256);  // exact: a power of two
+        uint32_t a, b, c, d;
         std::memcpy(&a, &out[i], 4);
         std::memcpy(&b, &want, 4);
-        if (a != b) {
+        std::memcpy(&c, &over[i], 4);
+        std::memcpy(&d, &want_over, 4);
+        if (a != b || c != d) {
           if (failures < 10)
-            std::printf("code 0x%02x lane %d: got %g want %g\n", in[i], i, out[i], want);
+            std::printf("code 0x%02x lane %d: got %g, %g x 2^-8; want %g\n", in[i], i, out[i],
+                        over[i] * 256, want);
           ++failures;
         }
       }

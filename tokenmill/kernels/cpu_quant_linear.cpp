@@ -31,7 +31,7 @@
 // subtraction in the stream, where subtracting the zero per element would add an op
 // per weight and a register per column vector. The e4m3 kind has no zero: its groups
 // close with scale * sum (no sums of x made). The codes and zero points are exact
-// fp32 integers, e4m3 codes exact fp32 values (vec_fp8.h's load_e4m3); the result is
+// fp32 integers, e4m3 codes exact fp32 values (x 2^-8, the scales x 2^8); the result is
 // W'x up to fp32 rounding (tests: within 1e-5 of |x| |W'|^T of the float64 product,
 // as the reference is). Inputs of DEQUANT_MIN_ROWS rows and more dequantize the block
 // once into fp32 [K, 32] (exactly the reference's W') and take linear_f32_block:
@@ -76,6 +76,14 @@ template <int BITS>
 constexpr int64_t kLine = BITS == 4 ? NB / 2 : NB;  // code bytes per k of a block
 template <int BITS>
 constexpr bool kHasZeros = BITS != kQuantE4m3;
+// e4m3 codes are widened to their value x 2^-8 (load_e4m3_over256: one multiply per
+// weight fewer), the scales multiplied by 2^8 as they are read (once per group):
+// both exact, so every product and sum is the reference's, scaled by a power of two.
+template <int BITS, typename S>
+TM_INLINE Vec load_scale(const S* p) {
+  if constexpr (BITS == kQuantE4m3) return Vec::load(p) * Vec::set1(256.f);
+  else return Vec::load(p);
+}
 
 // The block's 32 codes at k widened to fp32, vector c = columns c*W .. c*W+W-1.
 template <int BITS>
@@ -84,7 +92,7 @@ TM_INLINE void codes_at(const uint8_t* w, int64_t k, Vec* out) {
   if constexpr (BITS == 8) {
     for (int c = 0; c < C; ++c) out[c] = tmvec::load_u8(p + c * Vec::W);
   } else if constexpr (BITS == kQuantE4m3) {
-    for (int c = 0; c < C; ++c) out[c] = tmvec::load_e4m3(p + c * Vec::W);
+    for (int c = 0; c < C; ++c) out[c] = tmvec::load_e4m3_over256(p + c * Vec::W);
   } else {
     for (int j = 0; j < H; ++j) tmvec::load_u4_pairs(p + j * Vec::W, out[j], out[j + H]);
   }
@@ -112,7 +120,7 @@ TM_INLINE void prefetch_ahead(const uint8_t* w, int64_t k) {
 template <int BITS, typename S>
 TM_INLINE void close_group(const QBlock<S>& b, int64_t g, int c, Vec sums, const float* xs,
                            int64_t xi, float* out) {
-  const Vec s = Vec::load(b.scales + g * NB + c * Vec::W);
+  const Vec s = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
   float* o = out + c * Vec::W;
   if constexpr (kHasZeros<BITS>) {
     const Vec z = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
@@ -222,7 +230,7 @@ void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols)
   for (int64_t g = 0; g < b.G; ++g) {
     Vec s[C], z[C];
     for (int c = 0; c < C; ++c) {
-      s[c] = Vec::load(b.scales + g * NB + c * Vec::W);
+      s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
       if constexpr (kHasZeros<BITS>) z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
     }
     const int64_t k1 = std::min(b.K, (g + 1) * b.group);
@@ -360,6 +368,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
     // 0x7f / 0xff: NaN, which the fp16-based widening reads as +-480 (vec_fp8.h)
     TORCH_CHECK(!codes.bitwise_and(0x7f).eq(0x7f).any().item<bool>(),
                 "pack_quant_weight: an e4m3 code is NaN (0x7f / 0xff)");
+    // The kernels read scale x 2^8 (load_scale): exact below 2^120.
+    TORCH_CHECK(scales.abs().lt(0x1p120f).all().item<bool>(),
+                "pack_quant_weight: e4m3 scales must be finite and below 2^120 in magnitude");
   } else {
     TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == N && zeros.size(1) == G &&
                     zeros.scalar_type() == at::kByte,

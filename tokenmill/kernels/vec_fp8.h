@@ -1,4 +1,5 @@
-// float8_e4m3fn (the FP8 KV cache's element) widened to vec.h's fp32 Vec, per ISA.
+// float8_e4m3fn (the FP8 KV cache's element, FP8 weights' codes) widened to vec.h's
+// fp32 Vec, per ISA.
 //
 // e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
 // 0x7f / 0xff are NaN, the largest finite value is 448. Every e4m3 value is exact
@@ -6,11 +7,16 @@
 // float8_e4m3fn -> float32 cast returns, for all 254 non-NaN codes.
 //
 // Where the ISA converts fp16 (F16C on AVX2 / AVX-512, NEON's vcvt), the e4m3 bits
-// are placed in an fp16's: sign to bit 15, exponent and mantissa to bits 13..7. That
-// fp16 is the e4m3 value times 2^-8 (fp16's exponent bias is 15, e4m3's 7), normal
-// or subnormal alike, so one multiply by 2^8 finishes it. SSE2 has no fp16
-// conversion: the exponent is rebiased in the fp32 bits (+120), and subnormals
-// (exponent 0: mantissa x 2^-9) are converted from the integer mantissa.
+// are placed in an fp16's: sign to bit 15, exponent and mantissa to bits 13..7 (the
+// byte sign-extended to 16 bits and shifted left by 7 has them there, and the sign
+// again in bit 14, which one mask clears). That fp16 is the e4m3 value times 2^-8
+// (fp16's exponent bias is 15, e4m3's 7), normal or subnormal alike, so one multiply
+// by 2^8 finishes it. `load_e4m3_over256` stops before it (value x 2^-8, exact:
+// every such value is a normal fp32), for kernels that fold the 2^8 into a scale
+// they multiply by anyway, once per group rather than per weight (cpu_quant_linear.cpp).
+// SSE2 has no fp16 conversion: the exponent is rebiased in the fp32 bits (+120), and
+// subnormals (exponent 0: mantissa x 2^-9) are converted from the integer mantissa;
+// there (and on the generic path) load_e4m3_over256 is load_e4m3's value x 2^-8.
 // The NaN codes widen to +-480 on those paths (the cache writes never store NaN:
 // they saturate at +-448, see e4m3_saturate); the generic path returns NaN.
 //
@@ -42,34 +48,42 @@ static inline c10::Float8_e4m3fn e4m3_saturate(float x) {
   return c10::Float8_e4m3fn(x < -kE4m3Max ? -kE4m3Max : (x > kE4m3Max ? kE4m3Max : x));
 }
 
+// The fp16 bits of the e4m3 value times 2^-8: sign, exponent and mantissa in place.
+constexpr int16_t kE4m3HalfMask = static_cast<int16_t>(0xbf80);
+
 #if defined(TM_VEC_AVX512)
 // 16 codes -> 16 fp32 lanes.
+static inline Vec load_e4m3_over256(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(kE4m3HalfMask));
+  return Vec(_mm512_cvtph_ps(h));
+}
 static inline Vec load_e4m3(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(
-      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-  return Vec(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f)));
+  return Vec(_mm512_mul_ps(load_e4m3_over256(p).v, _mm512_set1_ps(256.f)));
 }
 
 #elif defined(TM_VEC_AVX2)
-// 8 codes -> 8 fp32 lanes (SSE4.1's zero extension: -mavx2 implies it).
+// 8 codes -> 8 fp32 lanes (SSE4.1's sign extension: -mavx2 implies it).
+static inline Vec load_e4m3_over256(const uint8_t* p) {
+  const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(kE4m3HalfMask));
+  return Vec(_mm256_cvtph_ps(h));
+}
 static inline Vec load_e4m3(const uint8_t* p) {
-  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-  return Vec(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)));
+  return Vec(_mm256_mul_ps(load_e4m3_over256(p).v, _mm256_set1_ps(256.f)));
 }
 
 #elif defined(TM_VEC_NEON)
 // 4 codes -> 4 fp32 lanes (reads exactly 4 bytes).
-static inline Vec load_e4m3(const uint8_t* p) {
+static inline Vec load_e4m3_over256(const uint8_t* p) {
   uint32_t four;
   std::memcpy(&four, p, sizeof(four));
-  const uint16x4_t w = vget_low_u16(vmovl_u8(vcreate_u8(four)));
-  const uint16x4_t h = vorr_u16(vshl_n_u16(vand_u16(w, vdup_n_u16(0x7f)), 7),
-                                vshl_n_u16(vand_u16(w, vdup_n_u16(0x80)), 8));
-  return Vec(vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(h)), 256.f));
+  const int16x4_t w = vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(four))));
+  const int16x4_t h = vand_s16(vshl_n_s16(w, 7), vdup_n_s16(kE4m3HalfMask));
+  return Vec(vcvt_f32_f16(vreinterpret_f16_s16(h)));
+}
+static inline Vec load_e4m3(const uint8_t* p) {
+  return Vec(vmulq_n_f32(load_e4m3_over256(p).v, 256.f));
 }
 
 #elif defined(TM_VEC_SSE2)
@@ -90,12 +104,18 @@ static inline Vec load_e4m3(const uint8_t* p) {
   const __m128i sign = _mm_slli_epi32(_mm_and_si128(w, _mm_set1_epi32(0x80)), 24);
   return Vec(_mm_castsi128_ps(_mm_or_si128(bits, sign)));
 }
+static inline Vec load_e4m3_over256(const uint8_t* p) {
+  return load_e4m3(p) * Vec::set1(1.f / 256);
+}
 
 #else
 static inline Vec load_e4m3(const uint8_t* p) {
   Vec r;
   for (int i = 0; i < Vec::W; ++i) r.v[i] = e4m3_to_float(p[i]);
   return r;
+}
+static inline Vec load_e4m3_over256(const uint8_t* p) {
+  return load_e4m3(p) * Vec::set1(1.f / 256);
 }
 #endif
 
