@@ -147,7 +147,7 @@ def test_moe_layers_are_not_supported(tmp_path, widened, ops):
     assert not DecodeLayers(model, ops, 128).supported
 
 
-# ---- integer-quantized linears (GPTQ / AWQ / --quantization int8): linear_quant ------
+# ---- quantized linears (GPTQ, AWQ, --quantization int8 / fp8): linear_quant --------
 
 QUANTIZED = {
     # act-order (each linear's inputs permuted first), 4-bit, asymmetric
@@ -177,15 +177,16 @@ def _quantized_linears(model) -> int:
                for lin in _linears(layer))
 
 
-@pytest.mark.parametrize("case", list(QUANTIZED) + ["int8_at_load"])
+@pytest.mark.parametrize("case", list(QUANTIZED) + ["int8_at_load", "fp8_at_load"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_quantized_linears_take_the_native_loop(tiny_model_factory, tmp_path, monkeypatch,
                                                 widened, ops, case, dtype):
     """Quantized checkpoints (and --quantization int8) keep the native loop: its
     linear_quant calls (act-order permutation, biases, packed float linears beside
     integer ones) are bit-identical to the Python layers'."""
-    if case == "int8_at_load":
-        path, kw = tiny_model_factory("qwen3_headdim").path, dict(quantization="int8")
+    if case.endswith("_at_load"):
+        path = tiny_model_factory("qwen3_headdim").path
+        kw = dict(quantization=case.split("_")[0])
     else:
         path, kw = _quantized_checkpoint(tiny_model_factory, tmp_path, case), {}
     rows = _spy(monkeypatch, compare=True)

@@ -29,7 +29,8 @@ enum Slot {
   NUM_SLOTS = DOWN + LINEAR_SLOTS
 };
 
-// A layer's linears in `quant` (bits and group size each; bits 0: packed bf16 / fp32).
+// A layer's linears in `quant` (linear_quant's bits and group size each; bits 0: packed
+// bf16 / fp32).
 enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 
 }  // namespace
@@ -38,8 +39,8 @@ enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // stream, updated in place and returned.
 // dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate[, window]),
 // window > 0: every layer attends over a sliding window of that many positions;
-// quant: per layer and linear (NUM_LINEARS each), its integer bits and group size, bits
-// 0 for a packed float linear (the Python layers' QuantizedLinearMethod: linear_quant);
+// quant: per layer and linear (NUM_LINEARS each), linear_quant's bits (4, 8 or
+// kQuantE4m3) and group size, bits 0 for a packed float linear;
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
 // K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,

@@ -4,8 +4,9 @@ At batch 1 a decode step runs about a dozen native kernels per layer; reaching
 each through nn.Module calls costs about as much time as the kernels. Where
 every layer would take the native path anyway (bf16 activations with packed bf16
 linears and native norms, or fp32 activations with packed fp32 linears and
-PyTorch's fp32 rms_norm; any linear may instead be integer-quantized with the native
-`linear_quant` kernel, GPTQ / AWQ / compressed-tensors / --quantization int8; native
+PyTorch's fp32 rms_norm; any linear may instead be quantized with the native
+`linear_quant` kernel: GPTQ / AWQ / compressed-tensors integers, FP8, --quantization
+int8 / fp8; native
 attention and KV writes), `kernels/cpu_decode_layers.cpp`
 makes the same kernel calls in the same order from C++: the output is
 bit-identical to the Python layers, which stay the model's definition (and run
@@ -153,7 +154,7 @@ def _linears(layer) -> tuple:
 
 
 def _native_quantized(linear):
-    """The packed integer weights (quantized_cpu.PackedQuantizedWeight) a linear's
+    """The packed quantized weights (quantized_cpu.PackedQuantizedWeight) a linear's
     method multiplies with `linear_quant` at decode sizes, or None: no native kernel, or
     one that would not run in fp32 (the method's widened dtype)."""
     method = linear.method
@@ -165,13 +166,14 @@ def _native_quantized(linear):
 
 def _linear_slots(linear, none: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
     """One linear's LINEAR_SLOTS tensors (weight, scales, zeros, perm, bias) and its
-    (bits, group size), bits 0 for a packed float linear."""
+    (kind, group size): linear_quant's `bits` (4, 8 or ops.QUANT_E4M3), 0 for a packed
+    float linear."""
     bias = _bias(linear, none)
     q = _native_quantized(linear)
     if q is None:
         return [_packed(linear), none, none, none, bias], [0, 0]
     perm = q.perm if q.perm is not None else none
-    return [q.codes, q.scales, q.zeros, perm, bias], [q.bits, q.group_size]
+    return [q.codes, q.scales, q.zeros, perm, bias], [q.kind, q.group_size]
 
 
 def _packed(linear) -> torch.Tensor:
