@@ -20,6 +20,8 @@ from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.fp8 import (FP8_DTYPE, Fp8BlockLinearMethod,
                                                         dequantize_block_fp8,
                                                         per_channel_block)
+from test_quant_linear_kernel import (_close, check_bf16_layers,  # the int kernel's checks
+                                      exact_linear as _exact)
 
 # (N, K, [bn, bk]): per-channel (one-row blocks spanning K); K = 100 not a multiple of
 # bk = 48; bn = 3 (block rows straddle the 32-column packs); bn = 128 > N; one column.
@@ -52,19 +54,6 @@ def _pack(ops, weight, scale, block):
                                  ops.QUANT_E4M3, bk)
 
 
-def _exact(w, x, bias):
-    """x W^T + b in float64 and |x| |W|^T + |b|, the bound of fp32 rounding."""
-    xd, wd = x.double(), w.double()
-    y, mag = xd @ wd.T, xd.abs() @ wd.abs().T
-    if bias is not None:
-        y, mag = y + bias.double(), mag + bias.double().abs()
-    return y, mag
-
-
-def _close(y, exact, mag, rel=0.0):
-    """Within 1e-5 of the magnitude (plus `rel` of the value: a bf16 output's rounding)."""
-    err = (y.double() - exact).abs()
-    return bool((err <= 1e-5 * mag + rel * exact.abs() + 1e-30).all())
 
 
 @pytest.mark.parametrize("n,k,block", SHAPES)
@@ -229,13 +218,7 @@ def test_method_tiles_above_max_rows_and_widens_bf16(ops, monkeypatch):
     w = dequantize_block_fp8(weight, scale, block)
     assert native.dense_weight().dtype == torch.bfloat16
     assert torch.equal(native.dense_weight(), w.bfloat16())
-    for rows in (1, 2, 3, 9):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        got, want = native(x), ref(x)
-        assert got.dtype == torch.bfloat16
-        exact, mag = _exact(w, x.float(), native.bias.float())
-        assert _close(got, exact, mag, rel=2.0 ** -8), rows
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-4)
+    check_bf16_layers(native, ref, w, k)
 
 
 @pytest.mark.parametrize("block", [(128, 128), (1, 1024), (64, 64)])

@@ -42,9 +42,14 @@ def _pack(ops, qw):
 def _exact(qw, x, bias):
     """x (kernel column order) W'^T + b in float64, and the magnitude |x| |W'|^T + |b|
     that bounds fp32 rounding (summation order differs between the two fp32 paths)."""
-    w = qw.dequantize_rows(0, qw.shape[0]).double()
-    xd = x.double()
-    y, mag = xd @ w.T, xd.abs() @ w.abs().T
+    return exact_linear(qw.dequantize_rows(0, qw.shape[0]), x, bias)
+
+
+def exact_linear(w, x, bias):
+    """x W^T + b in float64 and |x| |W|^T + |b|, the bound of fp32 rounding (also the
+    fp8 kernel's tests')."""
+    xd, wd = x.double(), w.double()
+    y, mag = xd @ wd.T, xd.abs() @ wd.abs().T
     if bias is not None:
         y, mag = y + bias.double(), mag + bias.double().abs()
     return y, mag
@@ -218,11 +223,17 @@ def test_method_tiles_above_max_rows_and_widens_bf16(ops, monkeypatch):
     native.set_method(native.method.for_platform(ops, torch.float32, 2))
     ref = _layer(qw, True, torch.bfloat16)
     ref.set_method(ref.method.for_platform(None, torch.float32, 0))
+    check_bf16_layers(native, ref, qw.dequantize_rows(0, n), k)
+
+
+def check_bf16_layers(native, ref, w, k):
+    """A bf16 layer on the native kernel against the exact product with W (fp32 [N, K])
+    and against `ref`, the same layer without the kernel, at decode-sized row counts."""
     for rows in (1, 2, 3, 9):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         got, want = native(x), ref(x)
         assert got.dtype == torch.bfloat16
-        exact, mag = _exact(qw, x.float(), native.bias.float())
+        exact, mag = exact_linear(w, x.float(), native.bias.float())
         assert _close(got, exact, mag, rel=2.0 ** -8), rows
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-4)
 
