@@ -69,6 +69,8 @@ def test_packed_e4m3_dequantizes_exactly_to_the_reference(ops, n, k, block):
     if n > 32:
         part = ops.dequantize_quant(codes, scales, zeros, n, ops.QUANT_E4M3, block[1], 32, n)
         assert torch.equal(part.t(), want[32:])
+    half = ops.dequantize_quant(codes, scales, zeros, n, ops.QUANT_E4M3, block[1], 0, n, True)
+    assert torch.equal(half.t(), want.to(torch.bfloat16))
 
 
 def test_every_finite_code_widens_exactly_on_every_path(ops):

@@ -77,6 +77,12 @@ def test_packed_layout_round_trips(ops, bits, n, k, group, fp16_scales):
     if n > 32:
         assert torch.equal(ops.dequantize_quant(codes, scales, zeros, n, bits, group, 32, n).t(),
                            qw.dequantize_rows(32, n))
+    # bf16 tiles (the tiled path's, on bf16 inputs): the fp32 values rounded as torch
+    # rounds them, partial 32-column blocks included.
+    for r0 in (0, 32) if n > 32 else (0,):
+        half = ops.dequantize_quant(codes, scales, zeros, n, bits, group, r0, n, True)
+        assert half.dtype == torch.bfloat16
+        assert torch.equal(half.t(), qw.dequantize_rows(r0, n).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -251,10 +257,16 @@ def test_resident_bytes_stay_within_1_1x_of_the_checkpoint(ops, bits, group):
 
 
 def test_platform_sets_the_quantized_row_limit(ops, kernel_level):
-    from tokenmill.platforms.cpu import DEFAULT_QUANTIZED_ROWS, CpuPlatform
+    from tokenmill.platforms.cpu import (DEFAULT_NATIVE_BF16_QUANTIZED_ROWS,
+                                         DEFAULT_QUANTIZED_ROWS, CpuPlatform)
     p = CpuPlatform.create("cpu", torch.float32)
     want = DEFAULT_QUANTIZED_ROWS if ops.has_fast_linear_bf16 else 0
     assert p.quantized_max_rows == want
     assert p.as_dict()["quantized_max_rows"] == want
     assert ("int4 / int8 / fp8 weights native" in p.describe()) == bool(want)
+    # A bf16 model: the limit measured where bf16 GEMMs are native, else the fp32 one.
+    b = CpuPlatform.create("cpu", torch.bfloat16)
+    native = DEFAULT_NATIVE_BF16_QUANTIZED_ROWS if b.gemm_dtype == "bfloat16" else \
+        DEFAULT_QUANTIZED_ROWS
+    assert b.quantized_max_rows == (native if want else 0)
     assert CpuPlatform.create("cpu", torch.float32, cpu_kernels="torch").quantized_max_rows == 0

@@ -34,10 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("zeros"), pybind11::arg("N"), pybind11::arg("bits"),
         pybind11::arg("group_size"), pybind11::arg("bias"));
   m.def("dequantize_quant", &dequantize_quant,
-        "rows r0:r1 of the packed 4- / 8-bit weights dequantized to fp32, as [K, r1 - r0]",
+        "rows r0:r1 of the packed 4- / 8-bit / e4m3 weights dequantized to fp32 (or "
+        "rounded to bf16), as [K, r1 - r0]",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"),
         pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("group_size"),
-        pybind11::arg("r0"), pybind11::arg("r1"));
+        pybind11::arg("r0"), pybind11::arg("r1"), pybind11::arg("bf16") = false);
   m.attr("QUANT_E4M3") = kQuantE4m3;  // the `bits` of e4m3 weights in the three above
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");

@@ -225,8 +225,20 @@ inline void rows_tail(const float* x, int64_t ldx, const float* xs, int64_t ldxs
 // W' of the block transposed: out[k * ld + n] for its first ncols columns n, fp32,
 // (code - zero) * scale as the reference computes it (the difference is exact, the
 // product one rounding); e4m3: value * scale, one rounding, as fp8.py's reference.
-template <int BITS, typename S>
-void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols) {
+// Stores lanes of v at p: fp32 as they are, bf16 rounded as c10 rounds (RNE), so a bf16
+// tile equals the fp32 one converted with .to(torch.bfloat16), bit for bit.
+static inline void store_lanes(const Vec& v, float* p, int n) {
+  if (n == Vec::W) v.store(p); else v.store_n(p, n);
+}
+static inline void store_lanes(const Vec& v, c10::BFloat16* p, int n) {
+  if (n == Vec::W) return v.store(p);
+  float tmp[Vec::W];
+  v.store(tmp);
+  for (int i = 0; i < n; ++i) p[i] = c10::BFloat16(tmp[i]);
+}
+
+template <int BITS, typename S, typename T>
+void dequantize_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols) {
   for (int64_t g = 0; g < b.G; ++g) {
     Vec s[C], z[C];
     for (int c = 0; c < C; ++c) {
@@ -241,8 +253,7 @@ void dequantize_block(const QBlock<S>& b, float* out, int64_t ld, int64_t ncols)
         const int n = lanes(ncols, c);
         Vec v;
         if constexpr (kHasZeros<BITS>) v = (w[c] - z[c]) * s[c]; else v = w[c] * s[c];
-        if (n == Vec::W) v.store(out + k * ld + c * Vec::W);
-        else if (n > 0) v.store_n(out + k * ld + c * Vec::W, n);
+        if (n > 0) store_lanes(v, out + k * ld + c * Vec::W, n);
       }
     }
   }
@@ -459,22 +470,25 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 
 torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                                int64_t N, int64_t bits, int64_t group_size, int64_t r0,
-                               int64_t r1) {
+                               int64_t r1, bool bf16) {
   const Packed p = check_packed("dequantize_quant", codes, scales, zeros, N, bits, group_size);
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N && r0 % NB == 0, "dequantize_quant: rows ", r0,
               ":", r1, " outside 0:", N, " or not starting at a multiple of 32");
   const int64_t K = p.K, cols = r1 - r0;
-  torch::Tensor out = torch::empty({K, cols}, codes.options().dtype(at::kFloat));
+  torch::Tensor out = torch::empty({K, cols},
+                                   codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (cols == 0) return out;
-  float* op = out.data_ptr<float>();
-  dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
-    constexpr int BITS = decltype(bits_tag)::value;
-    using S = decltype(scale_tag);
-    at::parallel_for(r0 / NB, (r1 - 1) / NB + 1, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk)
-        dequantize_block<BITS>(p.block<S>(blk, BITS), op + (blk * NB - r0), cols,
-                               std::min(NB, r1 - blk * NB));
+  auto run = [&](auto* op) {
+    dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
+      constexpr int BITS = decltype(bits_tag)::value;
+      using S = decltype(scale_tag);
+      at::parallel_for(r0 / NB, (r1 - 1) / NB + 1, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk)
+          dequantize_block<BITS>(p.block<S>(blk, BITS), op + (blk * NB - r0), cols,
+                                 std::min(NB, r1 - blk * NB));
+      });
     });
-  });
+  };
+  if (bf16) run(out.data_ptr<c10::BFloat16>()); else run(out.data_ptr<float>());
   return out;
 }

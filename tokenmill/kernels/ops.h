@@ -53,11 +53,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
                            torch::Tensor bias);
-// Rows r0:r1 (r0 a multiple of 32) of the dequantized [N, K] fp32 weights (kernel
-// column order), transposed: [K, r1 - r0], the right operand of x @ W^T.
+// Rows r0:r1 (r0 a multiple of 32) of the dequantized [N, K] weights (kernel column
+// order), transposed: [K, r1 - r0], the right operand of x @ W^T; fp32, or (bf16) those
+// values rounded to bf16 as .to(torch.bfloat16) rounds them.
 torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                                int64_t N, int64_t bits, int64_t group_size, int64_t r0,
-                               int64_t r1);
+                               int64_t r1, bool bf16);
 // The `bits` of float8_e4m3fn weights in the three above (FP8 checkpoints, fp8 made at
 // load): codes e4m3 [N, K] (or their uint8 bits), packed a byte a code as 8-bit ones,
 // scales fp32 [N, G] (fp8.py's block scales, one per column and group), zeros empty.

@@ -83,10 +83,13 @@ from tokenmill.models.layers.linear_methods import ALL_ROWS  # noqa: E402
 # 7 ms), 27 vs 56 ms at 64 rows, 106 vs 130 at 256, even at 512-1024 (226 vs 253, 475 vs
 # 484; int8 260 vs 248 at 512): past 256 rows the fp32 GEMMs are level.
 DEFAULT_QUANTIZED_ROWS = 256
-# Where bf16 GEMMs are native (AMX / AVX512-BF16), oneDNN's bf16 GEMM on dequantized
-# tiles should overtake the fp32 kernel much earlier, as it does the packed bf16 one:
-# that limit, by analogy (not measured on such a CPU yet).
-DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = DEFAULT_NATIVE_BF16_PACKED_ROWS
+# Where bf16 GEMMs are native (AVX512-BF16), oneDNN's bf16 GEMM on dequantized tiles
+# overtakes the kernel later than it does the packed bf16 one, since every call pays the
+# dequantization. Measured on the 2-core AVX512-BF16 EPYC (Zen 4 class), bf16 inputs,
+# kernel / tiles in ms: int8 3072 x 512 at 16 rows 0.56 / 0.72, 32 rows 1.06 / 1.03,
+# 48 rows 1.52 / 1.21; 4096 x 4096 at 16 rows 9.7 / 15.4, 32 rows 16.1 / 24.0, 48 rows
+# 25.8 / 26.4; int4 g128 the same within noise (`python -m tokenmill.bench.quant_rows`).
+DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = 32
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.

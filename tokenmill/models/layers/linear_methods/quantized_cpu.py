@@ -63,11 +63,13 @@ class PackedQuantizedWeight:
                                                      else [])
         return sum(x.numel() * x.element_size() for x in t)
 
-    def dequantize_t(self, r0: int, r1: int) -> torch.Tensor:
-        """W'[r0:r1]^T, fp32 [K, r1 - r0] (kernel column order; r0 a multiple of 32)."""
+    def dequantize_t(self, r0: int, r1: int, bf16: bool = False) -> torch.Tensor:
+        """W'[r0:r1]^T, fp32 [K, r1 - r0] (kernel column order; r0 a multiple of 32);
+        `bf16`: rounded to bf16 in the kernel (equal to .to(torch.bfloat16) of the fp32
+        tile, without writing and reading it)."""
         return self.ops.dequantize_quant(self.codes, self.scales, self.zeros,
                                          self.out_features, self.kind, self.group_size,
-                                         r0, r1)
+                                         r0, r1, bf16)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in the checkpoint's column order."""
@@ -104,7 +106,10 @@ class PackedQuantizedWeight:
         y = xc.new_empty(x2.shape[0], n)
         for r0 in range(0, n, tile):
             r1 = min(n, r0 + tile)
-            y[:, r0:r1] = xc @ self.dequantize_t(r0, r1).to(dtype)
+            if dtype == torch.bfloat16:
+                y[:, r0:r1] = xc @ self.dequantize_t(r0, r1, bf16=True)
+            else:
+                y[:, r0:r1] = xc @ self.dequantize_t(r0, r1).to(dtype)
         if bias is not None:
             y += bias.to(dtype)
         return y

@@ -1,0 +1,94 @@
+"""Where the native quantized kernel stops paying: one quantized linear at growing row
+counts, through the kernel (`linear_quant`, codes widened in registers) and through
+dequantized tiles + the library GEMM, beside the same weights in bf16 / fp32 through the
+platform's dense path. The platform's `quantized_max_rows` (platforms/cpu.py) is the
+row count where the two quantized columns cross on the machines measured.
+
+    .venv/bin/python -m tokenmill.bench.quant_rows
+    .venv/bin/python -m tokenmill.bench.quant_rows --shapes 4096x4096 --rows 8,16,32,64
+
+Weights are random codes (the speed does not depend on their values); inputs are in
+--dtype (bf16 on a CPU with native bf16, where the tiles are dequantized straight to
+bf16). Medians of torch.utils.benchmark, ms per call, at the torch thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        n, k = part.lower().split("x")
+        out.append((int(n), int(k)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.quant_rows",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="3072x512,512x1536,4096x4096", type=parse_shapes,
+                   help="N x K of the linears (default: the bench model's gate_up and "
+                        "down, and a 7B-class square)")
+    p.add_argument("--rows", default="1,8,16,24,32,48,64",
+                   type=lambda s: [int(r) for r in s.split(",")])
+    p.add_argument("--formats", default="int8,int4-g128",
+                   help="comma list of int8 (per channel), int4-gGROUP, int8-gGROUP")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--min-run-time", type=float, default=0.4)
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.utils import benchmark
+
+    from tokenmill.kernels import cpu_ops
+    from tokenmill.models.layers.linear import Linear
+    from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
+    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    ops = cpu_ops()
+    if ops is None:
+        print("no native CPU kernels on this machine: nothing to compare", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    platform = CpuPlatform.create("cpu", dtype)
+    print(f"platform: {platform.describe()}")
+    print(f"torch threads {torch.get_num_threads()}; ms per call (median); "
+          f"kernel / tiles / dense {args.dtype}")
+
+    def timed(fn) -> float:
+        return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(
+            min_run_time=args.min_run_time).median * 1e3
+
+    gen = torch.Generator().manual_seed(0)
+    for fmt in args.formats.split(","):
+        bits = 4 if fmt.startswith("int4") else 8
+        group = int(fmt.split("-g")[1]) if "-g" in fmt else None
+        for n, k in args.shapes:
+            g = group or k
+            groups = -(-k // g)
+            qw = QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8,
+                                               generator=gen),
+                                 torch.rand(n, groups, generator=gen) * 0.01,
+                                 torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
+                                 bits, g)
+            packed = PackedQuantizedWeight(ops, qw)
+            layer = Linear(k, n, bias=False, dtype=dtype)  # the same weights, dense
+            layer.weight.data.copy_(packed.dequantize(dtype))
+            layer.set_method(platform.linear_method(layer))
+            cells = []
+            with torch.inference_mode():
+                for m in args.rows:
+                    x = torch.randn(m, k, generator=gen).to(dtype)
+                    a = timed(lambda: packed.linear(x, None, 1 << 30, None))
+                    b = timed(lambda: packed.linear(x, None, 0, None))
+                    c = timed(lambda: layer(x))
+                    cells.append(f"{m}: {a:.3f} / {b:.3f} / {c:.3f}")
+            print(f"{fmt} {n}x{k}  " + "  ".join(cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
