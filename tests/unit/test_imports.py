@@ -106,3 +106,15 @@ def test_core_does_not_import_torch():
     loaded = json.loads(res.stdout.strip().splitlines()[-1])
     assert not loaded["torch"], (f"importing {module} loaded torch; tokenmill modules loaded "
                                  f"with it: {loaded['tokenmill']}")
+
+
+def test_parsers_are_a_leaf():
+    """The tool-call and reasoning parsers are text in, text out: the server, the offline
+    LLM and the grammar gate share them, so they import no other tokenmill package and no
+    third-party module."""
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = [f"{path.relative_to(PKG.parent)} imports {name}"
+           for path in sorted((PKG / "parsers").rglob("*.py"))
+           for name in sorted(imported_modules(path))
+           if not (name.startswith("tokenmill.parsers") or name.split(".")[0] in stdlib)]
+    assert bad == []
