@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import pytest
 
@@ -284,6 +285,26 @@ def test_deltas_come_when_decided(name, before, call_text, after):
     assert (first.index, first.name, first.arguments) == (0, "f", "")
     assert (args.index, json.loads(args.arguments)) == (0, {"a": 1 if name != "qwen3_coder" else "1"})
     assert stream.calls[0].id == first.id
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+def test_long_call_streams_in_linear_time(name):
+    """A 20k-character call fed 4 characters at a time: each feed goes on where the last
+    stopped (a rescan of the whole call per token took seconds: quadratic)."""
+    args = {"items": [{"k": i, "v": 'x"y{[' * 3} for i in range(600)]}
+    text = {"hermes": hermes_block("f", args),
+            "llama3_json": json.dumps({"name": "f", "parameters": args}),
+            "mistral": TC + "f[ARGS]" + json.dumps(args),
+            "deepseek_v3": CALLS_BEGIN + ds_call("f", args) + CALLS_END,
+            "qwen3_coder": coder_block("f", [("items", json.dumps(args["items"]))])}[name]
+    parser = get_tool_call_parser(name)
+    start = time.perf_counter()
+    stream = parser.streaming()
+    for i in range(0, len(text), 4):
+        stream.feed(text[i:i + 4])
+    stream.finish()
+    assert time.perf_counter() - start < 2.0  # ~0.02 s; the quadratic scan took ~5 s
+    assert len(stream.calls) == 1
 
 
 @pytest.mark.parametrize("name, tag", [("hermes", "<tool_call>"), ("mistral", TC),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from tokenmill.parsers.scanning import (BAD, WAIT, call_from_json, partial_tag_len,
-                                        take_json)
+from tokenmill.parsers.scanning import (BAD, WAIT, JsonExtent, call_from_json,
+                                        partial_tag_len, take_json)
 from tokenmill.parsers.tool_calls import Segment, ToolCallParser, ToolCallScanner
 
 PYTHON_TAG = "<|python_tag|>"
@@ -23,11 +23,11 @@ class Llama3JsonScanner(ToolCallScanner):
     def __init__(self, schemas):
         super().__init__(schemas)
         self.phase = "start"
+        self.extent = JsonExtent()
 
-    @staticmethod
-    def _call(text: str, start: int, final: bool):
+    def _call(self, text: str, start: int, final: bool):
         """(call or None, end) for the object at text[start], or WAIT."""
-        got = take_json(text, start, final)
+        got = take_json(text, start, final, self.extent, self.offset)
         if got is WAIT:
             return WAIT
         if got is BAD:

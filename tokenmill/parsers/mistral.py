@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from tokenmill.parsers.scanning import (BAD, WAIT, call_from_json, dump_arguments,
-                                        partial_tag_len, take_json)
+from tokenmill.parsers.scanning import (BAD, WAIT, JsonExtent, call_from_json,
+                                        dump_arguments, partial_tag_len, take_json)
 from tokenmill.parsers.tool_calls import (Segment, ToolCall, ToolCallParser,
                                           ToolCallScanner, mistral_call_id)
 
@@ -21,6 +21,7 @@ class MistralScanner(ToolCallScanner):
     def __init__(self, schemas):
         super().__init__(schemas)
         self.at_marker = False  # the text left begins with [TOOL_CALLS]
+        self.extent = JsonExtent()
 
     def scan(self, text: str, final: bool) -> tuple[list[Segment], int]:
         out: list[Segment] = []
@@ -52,9 +53,8 @@ class MistralScanner(ToolCallScanner):
                 calls, pos = got
                 out.extend(calls)
 
-    @staticmethod
-    def _json_calls(text: str, start: int, final: bool):
-        got = take_json(text, start, final)
+    def _json_calls(self, text: str, start: int, final: bool):
+        got = take_json(text, start, final, self.extent, self.offset)
         if got is WAIT or got is BAD:
             return None if got is BAD else WAIT
         value, end = got
@@ -64,8 +64,7 @@ class MistralScanner(ToolCallScanner):
             return None
         return calls, end
 
-    @staticmethod
-    def _named_call(text: str, start: int, final: bool):
+    def _named_call(self, text: str, start: int, final: bool):
         name_end = _NAME.match(text, start).end()
         if name_end == start:
             return None
@@ -76,7 +75,7 @@ class MistralScanner(ToolCallScanner):
             return None if final else WAIT
         if text[k] != "{":
             return None
-        got = take_json(text, k, final)
+        got = take_json(text, k, final, self.extent, self.offset)
         if got is WAIT or got is BAD:
             return None if got is BAD else WAIT
         args, end = got

@@ -25,29 +25,41 @@ def partial_tag_len(text: str, start: int, tags) -> int:
 _JSON_SPECIAL = re.compile(r'["\\{}\[\]]')
 
 
-def json_end(text: str, start: int) -> int | None:
-    """The index just past the object or array that opens at text[start] ('{' or '['),
-    by bracket depth outside strings; None when the text ends first. Whether it is valid
-    JSON is json.loads's to say."""
-    depth, in_string, pos = 0, False, start
-    while True:
-        m = _JSON_SPECIAL.search(text, pos)
-        if m is None:
-            return None
-        c, pos = m.group(), m.end()
-        if in_string:
-            if c == "\\":
-                pos += 1  # the escaped character, whatever it is
+class JsonExtent:
+    """Where the object or array opening at text[start] ('{' or '[') ends, by bracket
+    depth outside strings; whether it is valid JSON is json.loads's to say. The text grows
+    between calls while a call's JSON arrives a token at a time, so the scan goes on where
+    the last call for the same value stopped instead of starting over."""
+
+    def __init__(self):
+        self._start = -1  # the value's position in the whole output
+
+    def end(self, text: str, start: int, offset: int = 0) -> int | None:
+        """The index just past the value, or None when the text ends first; `offset` is
+        text[0]'s position in the whole output."""
+        if self._start != offset + start:
+            self._start, self._pos, self._depth, self._in_string = offset + start, offset + start, 0, False
+        depth, in_string, pos = self._depth, self._in_string, self._pos - offset
+        while True:
+            m = _JSON_SPECIAL.search(text, pos)
+            if m is None:
+                self._pos, self._depth, self._in_string = offset + pos, depth, in_string
+                return None
+            c, pos = m.group(), m.end()
+            if in_string:
+                if c == "\\":
+                    pos += 1  # the escaped character, whatever it is
+                elif c == '"':
+                    in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return pos
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self._start = -1
+                    return pos
 
 
 class _Wait:
@@ -68,9 +80,11 @@ def load_json(text: str):
     return json.loads(text, parse_constant=_no_constant)
 
 
-def take_json(text: str, start: int, final: bool):
-    """The JSON value opening at text[start]: (value, end), or BAD, or WAIT."""
-    end = json_end(text, start)
+def take_json(text: str, start: int, final: bool, extent: JsonExtent | None = None,
+              offset: int = 0):
+    """The JSON value opening at text[start]: (value, end), or BAD, or WAIT. A scanner
+    passes its `extent` and `offset` (ToolCallScanner.offset) to resume a waiting value."""
+    end = (extent or JsonExtent()).end(text, start, offset)
     if end is None:
         return BAD if final else WAIT
     try:

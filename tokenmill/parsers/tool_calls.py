@@ -96,6 +96,7 @@ class ToolCallScanner(ABC):
 
     def __init__(self, schemas: dict[str, dict]):
         self.schemas = schemas
+        self.offset = 0  # where the text scan() gets begins in the whole output
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> tuple[list[Segment], int]:
@@ -135,6 +136,7 @@ class StreamingToolParser:
         self._pending += text
         segments, used = self._scanner.scan(self._pending, final=False)
         self._pending = self._pending[used:]
+        self._scanner.offset += used
         return self._deltas(segments)
 
     def finish(self) -> list[Delta]:
