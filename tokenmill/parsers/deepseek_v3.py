@@ -1,6 +1,7 @@
 """`deepseek_v3`: DeepSeek-V3 / R1 calls in a section of special markers,
-<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
-<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>; V3.1's shorter call body, NAME<｜tool▁sep｜>{...},
+<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+(a newline after NAME); V3.1's shorter call body, NAME<｜tool▁sep｜>{...},
 is taken too. The section markers never reach the content; a call block that does not
 parse, or is never closed, stays content as written."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`qwen3_coder`: Qwen3-Coder's XML-style calls,
-<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>.
+"""`qwen3_coder`: Qwen3-Coder's XML-style calls, <tool_call>\\n<function=NAME>\\n
+<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>.
 Values are written as text; each is converted to its parameter's JSON-schema type when the
 request's tools give one (integer, number, boolean, null, object, array), and kept as the
 string it is otherwise, or when it does not read as that type."""

@@ -38,7 +38,8 @@ class JsonExtent:
         """The index just past the value, or None when the text ends first; `offset` is
         text[0]'s position in the whole output."""
         if self._start != offset + start:
-            self._start, self._pos, self._depth, self._in_string = offset + start, offset + start, 0, False
+            self._start = self._pos = offset + start
+            self._depth, self._in_string = 0, False
         depth, in_string, pos = self._depth, self._in_string, self._pos - offset
         while True:
             m = _JSON_SPECIAL.search(text, pos)
