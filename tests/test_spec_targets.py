@@ -19,11 +19,7 @@ from tokenmill.models.registry import MODEL_REGISTRY
 from tokenmill.spec_decode.loading import HIDDEN_STATE_METHODS, check_hidden_state_target
 
 # What the README lists as refused for eagle3 / dflash (the rest of the registry runs them).
-REFUSED = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM",
-           "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM",
-           "Gemma4ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-           "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
+REFUSED = {"Qwen3VLForConditionalGeneration"}
 
 
 @pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
@@ -51,14 +47,84 @@ def _tokens(llm, prompts, n: int = 16) -> list[list[int]]:
 
 
 def _target(name: str, tmp_path_factory, tiny_model_factory) -> str:
+    return _target_and_hf(name, tmp_path_factory, tiny_model_factory)[0]
+
+
+_HF: dict[str, tuple[str, object]] = {}
+
+
+def _target_and_hf(name: str, tmp_path_factory, tiny_model_factory):
+    """(checkpoint path, its HF model) of a tiny target: conftest's MODEL_SPECS, the MoE
+    or the hybrid suites' specs."""
     if name in MODEL_SPECS:
-        return tiny_model_factory(name).path
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
-    from test_moe_parity import MOE_SPECS
-    arch, overrides = MOE_SPECS[name]
-    path = str(tmp_path_factory.mktemp(name))
-    build_checkpoint(path, arch, overrides)
-    return path
+        tm = tiny_model_factory(name)
+        return tm.path, tm.hf
+    if name not in _HF:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
+        from test_hybrid_parity import HYBRID_SPECS, build_hybrid
+        from test_moe_parity import MOE_SPECS
+        path = str(tmp_path_factory.mktemp(name))
+        if name in HYBRID_SPECS:
+            hf = build_hybrid(path, *HYBRID_SPECS[name])
+        else:
+            hf = build_checkpoint(path, *MOE_SPECS[name])
+        _HF[name] = (path, hf)
+    return _HF[name]
+
+
+# Every family that taps through the model base (models/layers/taps.py), beside Llama.
+TAPPED = ["gemma3", "gemma4_kvshare", "deepseek_v2", "deepseek_v3", "qwen3_5", "qwen3_next",
+          "qwen3_headdim"]
+
+
+@pytest.mark.parametrize("name", TAPPED)
+def test_taps_are_hf_hidden_states(name, tmp_path_factory, tiny_model_factory):
+    """The taps a drafter reads are HF's `hidden_states` (the stream entering layer i;
+    the last: the final normed output), fp32, on one prefill forward."""
+    import torch
+    path, hf = _target_and_hf(name, tmp_path_factory, tiny_model_factory)
+    config = json.load(open(os.path.join(path, "config.json")))
+    n = config.get("text_config", config)["num_hidden_layers"]
+    prompt = make_prompts([11], config.get("text_config", config)["vocab_size"], seed=3)[0]
+    llm = make_llm(path)
+    model = runner_of(llm).model
+    model.aux_layer_ids = (0, n - 1, 1, n)
+    llm.generate([{"prompt_token_ids": prompt}], _greedy(1), use_tqdm=False)  # prefill only
+    got = model.aux_hidden
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([ref[i][0] for i in (0, n - 1, 1)] + [ref[n][0]], dim=-1)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want.float(), atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("name", ["gemma3", "deepseek_v2", "qwen3_5", "qwen3_next"])
+def test_hidden_state_drafters_on_targets_tapped_through_the_base(
+        name, method, tmp_path, tmp_path_factory, tiny_model_factory):
+    """EAGLE-3 and DFlash (random drafts: most rejected) on Gemma 3's two KV groups,
+    DeepSeek's latent cache and the Gated DeltaNet hybrids (whose verify step keeps
+    1 + k state slots): greedy output is the target's, with chunked prefill."""
+    from tokenmill.spec_decode.random_drafters import (build_dflash_checkpoint,
+                                                       build_eagle3_checkpoint)
+    path = _target(name, tmp_path_factory, tiny_model_factory)
+    config = json.load(open(os.path.join(path, "config.json")))
+    text = config.get("text_config", config)
+    draft = str(tmp_path / method)
+    os.makedirs(draft)
+    if method == "eagle3":
+        build_eagle3_checkpoint(draft, {**config, **text})
+    else:
+        build_dflash_checkpoint(draft, {**config, **text}, target_layer_ids=(0, 1),
+                                block_size=4)
+    prompts = make_prompts([5, 23, 40], text["vocab_size"], seed=31)
+    want = _tokens(make_llm(path), prompts)
+    llm = make_llm(path, speculative_config={"method": method, "num_speculative_tokens": 3,
+                                             "model": draft},
+                   max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm, prompts) == want
+    assert runner_of(llm).model.aux_hidden is not None  # the taps ran
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("name", ["mistral_swa", "phi3_partial", "qwen2_tied",

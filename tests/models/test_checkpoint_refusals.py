@@ -303,28 +303,6 @@ def test_every_architecture_names_what_it_lacks_or_cannot_place(sweep_checkpoint
         load(variant)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_hidden_state_drafters_are_refused_on_targets_without_taps(tmp_path, method):
-    """The Qwen3.5 hybrid target does not expose the hidden states EAGLE-3 / DFlash read:
-    refused at start-up with an error that says so (it failed at the first propose)."""
-    from tokenmill.spec_decode.random_drafters import (build_dflash_checkpoint,
-                                                       build_eagle3_checkpoint)
-    arch, overrides = HYBRID_SPECS["qwen3_5"]
-    target = str(tmp_path / "target")
-    build_hybrid(target, arch, overrides)
-    cfg = json.load(open(os.path.join(target, "config.json")))
-    draft = str(tmp_path / method)
-    os.makedirs(draft)
-    if method == "eagle3":
-        build_eagle3_checkpoint(draft, cfg)
-    else:
-        build_dflash_checkpoint(draft, cfg, target_layer_ids=(0, 1), block_size=4)
-    with pytest.raises(ValueError, match=rf"speculative_config.method '{method}' is not "
-                                         r"supported for Qwen3_5ForCausalLM targets"):
-        make_llm(target, speculative_config={"method": method, "num_speculative_tokens": 3,
-                                             "model": draft})
-
-
 def test_deepseek_v3_mtp_layers_are_unused_on_purpose(tiny_model_factory, tmp_path):
     """V3 checkpoints carry their next-token (MTP) layer as model.layers.{N} past
     num_hidden_layers: dropped by DeepseekV2ForCausalLM.map_checkpoint, so the load

@@ -37,6 +37,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import FusedMoE, grouped_topk
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tokenmill.models.layers.taps import HiddenStateTaps
 from tokenmill.models.checkpoint_io import materialize
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -219,7 +220,7 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(HiddenStateTaps, nn.Module):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     expert_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                       "down_proj": ("down_proj", 0)}
@@ -274,16 +275,12 @@ class DeepseekV2ForCausalLM(nn.Module):
                 tensor = torch.cat([tensor[:r], tensor[r:][perm]])
         yield name, tensor
 
-    # No hidden-state taps (provides_aux_hidden): spec_decode/loading.py refuses EAGLE-3 /
-    # DFlash drafters for this model at start-up.
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, self.rotary, meta)
-        return self.norm(x)
+        return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
+                               self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

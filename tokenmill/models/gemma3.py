@@ -24,6 +24,7 @@ from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import GemmaDecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tokenmill.models.layers.taps import HiddenStateTaps
 from tokenmill.models.weight_names import text_model_name
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(HiddenStateTaps, nn.Module):
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -244,13 +245,16 @@ class Gemma3ForCausalLM(nn.Module):
         # HF multiplies by the scale cast to the weights' dtype.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
-        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
-            # The same kernels as the layers below, called from C++.
+        if (self.decode_layers is not None and not self.aux_layer_ids
+                and self.decode_layers.applies(x, meta)):
+            # The same kernels as the layers below, called from C++ (one whole-model call:
+            # with a drafter's taps the layers run one by one).
             return self.norm(self.decode_layers(x, cos_sin, meta))
-        for layer in self.layers:
-            cos, sin = cos_sin[layer.kind]
-            x = layer(x, cos, sin, self.rotary[layer.kind], meta)
-        return self.norm(x)
+
+        def step(i, h):
+            cos, sin = cos_sin[self.layers[i].kind]
+            return self.layers[i](h, cos, sin, self.rotary[self.layers[i].kind], meta)
+        return self.run_layers(x, step, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -369,15 +369,19 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         per_layer = self.per_layer(input_ids, x) if self.per_layer is not None else None
         cos_sin = {kind: rot.cos_sin(positions, x.dtype) for kind, rot in self.rotary.items()}
-        if self.decode_layers is not None and self.decode_layers.applies(x, meta):
-            # The same operations as the layers below, called from C++.
+        if (self.decode_layers is not None and not self.aux_layer_ids
+                and self.decode_layers.applies(x, meta)):
+            # The same operations as the layers below, called from C++ (one whole-model
+            # call: with a drafter's taps the layers run one by one).
             return self.norm(self.decode_layers(x, cos_sin, meta, per_layer))
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's K/V by layer
-        for i, layer in enumerate(self.layers):
+
+        def step(i, h):
+            layer = self.layers[i]
             cos, sin = cos_sin[layer.kind]
-            x = layer(x, cos, sin, self.rotary[layer.kind], meta, shared_kv,
-                      per_layer[:, i] if per_layer is not None else None)
-        return self.norm(x)
+            return layer(h, cos, sin, self.rotary[layer.kind], meta, shared_kv,
+                         per_layer[:, i] if per_layer is not None else None)
+        return self.run_layers(x, step, self.norm)
 
     PER_LAYER_NAMES = ("embed_tokens_per_layer.", "per_layer_model_projection.",
                        "per_layer_projection_norm.")

@@ -16,6 +16,7 @@ from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
+from tokenmill.models.layers.taps import HiddenStateTaps
 
 
 class DecoderConfig:
@@ -131,7 +132,7 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(HiddenStateTaps, nn.Module):
     # Checkpoint names packed into one parameter: (packed name, shard index).
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -142,9 +143,6 @@ class LlamaForCausalLM(nn.Module):
     config_class = DecoderConfig
     # compute_logits is exactly lm_head(hidden): the runner's greedy head may stand in.
     plain_lm_head = True
-    # forward() fills `aux_hidden` for the layers in `aux_layer_ids` (EAGLE-3 / DFlash
-    # targets: spec_decode/loading.py refuses such drafters for models without this).
-    provides_aux_hidden = True
 
     def __init__(self, hf_config: dict):
         super().__init__()
@@ -161,11 +159,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The native loop over every layer of a decode step (set_decode_layers), or None.
         self.decode_layers: DecodeLayers | None = None
-        # Speculative decoding (EAGLE-3, DFlash): layers whose input hidden state the
-        # drafter reads (num_layers: the final normed output); the last forward leaves
-        # them concatenated in this order in `aux_hidden` [T, n * H].
-        self.aux_layer_ids: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
 
     def set_decode_layers(self, ops, max_rows: int) -> None:
         """The CPU platform's decision, at load (after the Linear layers were packed):
@@ -188,32 +181,14 @@ class LlamaForCausalLM(nn.Module):
         (a multimodal model's, with image embeddings at the placeholders)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.aux_layer_ids:  # a drafter reads the residual stream between layers
-            taps = {}
-            num_layers = len(self.layers)
-            native = self.decode_layers is not None and self.decode_layers.applies(x, meta)
-            for i in range(num_layers):
-                if i in self.aux_layer_ids:
-                    taps[i] = x.clone()  # x is updated in place by the layers
-                if not native:
-                    x = self.layers[i](x, cos, sin, self.rotary, meta)
-                elif i == 0 or i in self.aux_layer_ids:
-                    # The native loop up to the next tap (the same kernels, in pieces).
-                    end = min([j for j in self.aux_layer_ids if i < j < num_layers]
-                              + [num_layers])
-                    x = self.decode_layers(x, cos, sin, meta, i, end)
-            out = self.norm(x)
-            taps[len(self.layers)] = out  # past the last layer: HF's normed output
-            # In the drafter's order; an id may repeat (tiny targets).
-            self.aux_hidden = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
-            return out
-        elif self.decode_layers is not None and self.decode_layers.applies(x, meta):
-            # The same kernels as the layers below, called from C++ (layers/decode_layers.py).
-            x = self.decode_layers(x, cos, sin, meta)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, self.rotary, meta)
-        return self.norm(x)
+        # The native loop: the same kernels as the layers, called from C++ (in pieces
+        # between a drafter's taps; layers/decode_layers.py).
+        native = self.decode_layers is not None and self.decode_layers.applies(x, meta)
+
+        def span(start, end, h):
+            return self.decode_layers(h, cos, sin, meta, start, end)
+        return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
+                               self.norm, span if native else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -27,6 +27,7 @@ from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
 from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.layers.taps import HiddenStateTaps
 from tokenmill.models.llama import DecoderConfig
 from tokenmill.models.weight_names import text_model_name
 
@@ -145,7 +146,7 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HiddenStateTaps, nn.Module):
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -188,9 +189,8 @@ class Qwen3NextForCausalLM(nn.Module):
         (image rows in place); positions [T], or M-RoPE's [3, T]."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, self.rotary, meta)
-        return self.norm(x)
+        return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
+                               self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

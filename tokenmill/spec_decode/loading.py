@@ -12,14 +12,15 @@ HIDDEN_STATE_METHODS = ("eagle3", "dflash")
 
 def check_hidden_state_target(method: str, target) -> None:
     """Refused at start: these drafters read hidden states between the target's layers,
-    which only architectures with `provides_aux_hidden` expose so far."""
+    which architectures with `provides_aux_hidden` expose (models/layers/taps.py)."""
     if method in HIDDEN_STATE_METHODS and not getattr(target, "provides_aux_hidden", False):
         raise ValueError(
             f"speculative_config.method {method!r} is not supported for "
             f"{type(target).__name__} targets yet: the drafter reads hidden states between "
-            f"the target's layers, which this architecture does not expose (supported: "
-            f"Llama, Mistral, Phi-3, Qwen2 / Qwen2.5-VL, Qwen3 and Qwen3-MoE targets; "
-            f"'ngram' works everywhere, 'mtp' on checkpoints with an MTP head)")
+            f"the target's layers, which this architecture does not expose (every other "
+            f"family does: Llama, Mistral, Phi-3, Qwen2 / Qwen2.5-VL, Qwen3, Qwen3-MoE, "
+            f"Qwen3.5 / Qwen3-Next, Gemma 3 / 4, DeepSeek; 'ngram' works everywhere, 'mtp' "
+            f"on checkpoints with an MTP head)")
 
 
 def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platform):

@@ -1,0 +1,58 @@
+"""Hidden-state taps: the residual stream between a target's layers, for the drafters
+that read it (EAGLE-3's aux hidden states, DFlash's target layers).
+
+Every decoder runs its layers through `run_layers`, so every architecture exposes the
+same taps the same way: the runner sets `model.aux_layer_ids` (layer i: the stream
+entering layer i, i.e. HF's `hidden_states[i]`; i == num_layers: the final normed
+output) and after each forward `model.aux_hidden` holds them concatenated in that order,
+[T, len(ids) * hidden]. Under tensor parallelism the stream between layers is whole on
+every rank (each layer ends in its all-reduce), so the taps are too; with chunked
+prefill each chunk's forward taps its own rows, as the runner's hidden states are.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Step = Callable[[int, torch.Tensor], torch.Tensor]
+Span = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+
+class HiddenStateTaps:
+    """Mixin of the decoder classes: the taps' state and the layer loop that fills it."""
+
+    # spec_decode/loading.py refuses EAGLE-3 / DFlash drafters for a class without it.
+    provides_aux_hidden = True
+    aux_layer_ids: tuple[int, ...] = ()  # set on the instance by the runner
+    aux_hidden: torch.Tensor | None = None
+
+    def run_layers(self, x: torch.Tensor, step: Step, norm: Callable[[torch.Tensor],
+                   torch.Tensor], span: Span | None = None) -> torch.Tensor:
+        """norm(layers(x)). `step(i, x)` runs layer i; `span(start, end, x)`, when given,
+        runs layers [start, end) in one call (a native loop), split at the taps. Layers
+        may update x in place: a tap keeps a copy."""
+        n = len(self.layers)
+        ids = self.aux_layer_ids
+        if not ids:
+            if span is not None:
+                return norm(span(0, n, x))
+            for i in range(n):
+                x = step(i, x)
+            return norm(x)
+        taps: dict[int, torch.Tensor] = {}
+        cuts = sorted({i for i in ids if 0 < i < n})
+        bounds = list(zip([0] + cuts, cuts + [n]))
+        for start, end in bounds:
+            if start in ids:
+                taps[start] = x.clone()
+            if span is not None:
+                x = span(start, end, x)
+            else:
+                for i in range(start, end):
+                    x = step(i, x)
+        out = norm(x)
+        taps[n] = out
+        # In the drafter's order; an id may repeat (tiny targets).
+        self.aux_hidden = torch.cat([taps[i] for i in ids], dim=-1)
+        return out
