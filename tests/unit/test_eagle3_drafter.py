@@ -53,6 +53,8 @@ VARIANTS = {
     "own_embed_prefixed": dict(with_embedding=True, prefix="model."),
     "shared_embed": dict(with_embedding=False),
     "norm_before_residual": dict(with_embedding=True, norm_before_residual=True),
+    # the HF-decoder naming of the one layer (layers.0.*), under model.
+    "layers_0_naming": dict(with_embedding=True, prefix="model.", layer_prefix="layers.0."),
 }
 
 
@@ -233,6 +235,15 @@ def test_unknown_tensor_is_named(tmp_path, target_fp32):
     t = eagle3_tensors(TINY)
     t["midlayer.self_attn.extra_proj.weight"] = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="no place for.*midlayer.self_attn.extra_proj.weight"):
+        _load(_write(tmp_path, tensors=t), target_fp32)
+
+
+def test_a_second_layer_is_refused_by_name(tmp_path, target_fp32):
+    """`layers.0.*` is the one layer; a head with `layers.1.*` has a layer this drafter
+    does not build."""
+    t = eagle3_tensors(TINY)
+    t["layers.1.input_layernorm.weight"] = torch.ones(64)
+    with pytest.raises(ValueError, match="no place for.*layers.1.input_layernorm.weight"):
         _load(_write(tmp_path, tensors=t), target_fp32)
 
 

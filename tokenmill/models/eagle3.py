@@ -12,6 +12,9 @@ Checkpoint (as published for the Llama-3.1-8B drafters): config.json (Llama fiel
 `draft_vocab_size`, optional `eagle_config.eagle_aux_hidden_state_layer_ids`) and
 fc / midlayer.* / norm / lm_head / d2t / t2d tensors, optionally embed_tokens
 (absent: the target's embedding is shared), names with or without a `model.` prefix.
+Heads exported in the HF decoder's naming call their one layer `layers.0.*`: the same
+tensors (`_layer_name`); a `layers.1.*` is a second layer this drafter does not have
+(an unknown tensor, refused by name).
 """
 from __future__ import annotations
 
@@ -231,6 +234,12 @@ def load_eagle3_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
+def _layer_name(name: str) -> str:
+    """`[model.]layers.0.X` -> `midlayer.X` (the two namings of published heads)."""
+    bare = name.removeprefix("model.")
+    return "midlayer." + bare[len("layers.0."):] if bare.startswith("layers.0.") else name
+
+
 def _fill(model: Eagle3DraftModel, path: str, tensors) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
@@ -239,7 +248,7 @@ def _fill(model: Eagle3DraftModel, path: str, tensors) -> None:
     for ckpt_name, tensor in tensors:
         if ckpt_name.endswith(UNUSED_TENSOR_SUFFIXES):  # recomputed, never learned
             continue
-        name, shard = _param_name(ckpt_name, PACKED)
+        name, shard = _param_name(_layer_name(ckpt_name), PACKED)
         if name in ("d2t", "t2d"):
             maps[name] = tensor
         elif name not in params:

@@ -85,26 +85,33 @@ def eagle3_config(target_config: dict, *, draft_vocab_size: int = 96, **override
 
 
 def write_eagle3_checkpoint(path: str, config: dict, tensors: dict[str, torch.Tensor],
-                            prefix: str = "") -> str:
-    """Write config.json and model.safetensors (every name under `prefix`, e.g. "model.")."""
+                            prefix: str = "", layer_prefix: str = "midlayer.") -> str:
+    """Write config.json and model.safetensors (every name under `prefix`, e.g. "model.";
+    the decoder layer's under `layer_prefix`: "midlayer." as the EAGLE repository
+    publishes heads, "layers.0." as other exports do)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    save_file({prefix + k: v.contiguous() for k, v in tensors.items()},
+
+    def name(k: str) -> str:
+        return prefix + (layer_prefix + k[len("midlayer."):] if k.startswith("midlayer.") else k)
+    save_file({name(k): v.contiguous() for k, v in tensors.items()},
               os.path.join(path, "model.safetensors"))
     return path
 
 
 def build_eagle3_checkpoint(path: str, target_config: dict, *, draft_vocab_size: int = 96,
                             with_embedding: bool = True, prefix: str = "", seed: int = 0,
+                            layer_prefix: str = "midlayer.",
                             **config_overrides) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Write a drafter folder for the target of `target_config`; -> (config, tensors)."""
+    """Write a drafter folder for the target of `target_config`; -> (config, tensors
+    named as the module names them)."""
     ids = (config_overrides.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     tensors = eagle3_tensors(target_config, draft_vocab_size=draft_vocab_size,
                              num_aux=len(ids) if ids else 3, with_embedding=with_embedding,
                              seed=seed)
     config = eagle3_config(target_config, draft_vocab_size=draft_vocab_size, **config_overrides)
-    write_eagle3_checkpoint(path, config, tensors, prefix)
+    write_eagle3_checkpoint(path, config, tensors, prefix, layer_prefix)
     return config, tensors
 
 
