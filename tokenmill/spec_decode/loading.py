@@ -32,6 +32,11 @@ def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platf
         from tokenmill.models.eagle3 import load_eagle3_drafter
         return load_eagle3_drafter(spec.model, target, dtype, device, platform)
     if spec.method == "mtp":
+        from tokenmill.models.deepseek_v2 import DeepseekV2ForCausalLM
+        if isinstance(target, DeepseekV2ForCausalLM):  # V3's model.layers.{N} block
+            from tokenmill.models.deepseek_mtp import load_deepseek_mtp_drafter
+            return load_deepseek_mtp_drafter(model_config.path, target, dtype, device,
+                                             platform)
         from tokenmill.models.mtp import load_mtp_drafter
         return load_mtp_drafter(model_config.path, target, dtype, device, platform)
     if spec.method == "dflash":

@@ -197,3 +197,27 @@ def write_folder(path: str, base: str, config: dict, mtp: dict[str, torch.Tensor
     weight_map.update({n: "mtp.safetensors" for n in mtp})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+# ---- DeepSeek-V3's MTP block (model.layers.{N}.*) ------------------------------------
+def deepseek_mtp_tensors(path: str, seed: int) -> dict[str, torch.Tensor]:
+    """Random tensors of a V3 MTP block: its decoder layer copies the names and shapes of
+    the target's last layer (sparse as that one is: check the config makes layer N so
+    too); enorm / hnorm / shared_head.norm near 1 (plain RMSNorms), eh_proj [H, 2H],
+    shared_head.head [V, H] and the block's embedding copy [V, H]."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    n, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    src = f"model.layers.{n - 1}."
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        shapes = {n2[len(src):]: f.get_slice(n2).get_shape() for n2 in f.keys()
+                  if n2.startswith(src)}
+    g = torch.Generator().manual_seed(seed)
+    t = {k: (1.0 if k.endswith("norm.weight") else 0.0) + 0.2 * torch.randn(s, generator=g)
+         for k, s in sorted(shapes.items())}
+    t.update({"enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+              "hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+              "eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=g),
+              "shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+              "shared_head.head.weight": 0.2 * torch.randn(vocab, h, generator=g),
+              "embed_tokens.weight": 0.2 * torch.randn(vocab, h, generator=g)})
+    return {f"model.layers.{n}.{k}": v for k, v in t.items()}
