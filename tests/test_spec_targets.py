@@ -188,3 +188,32 @@ def test_ngram_on_targets_without_taps(name, tiny_model_factory):
                                                 "prompt_lookup_min": 1, "adaptive": False})
     assert _tokens(llm, prompts, 24) == want
     assert scheduler_of(llm).spec_stats.num_draft_tokens > 0
+
+
+def test_dflash_with_a_reduced_draft_vocabulary(tmp_path, tiny_model_factory):
+    """A DFlash head with its own lm_head over 64 draft ids and a d2t map: the engine
+    verifies target ids (the drafts mapped), greedy output the target's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
+    tm = tiny_model_factory("qwen3_headdim")
+    config = json.load(open(os.path.join(tm.path, "config.json")))
+    draft = str(tmp_path / "dflash")
+    os.makedirs(draft)
+    build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=4,
+                            config_overrides=dict(draft_vocab_size=64))
+    file = os.path.join(draft, "model.safetensors")
+    t = load_file(file)
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randperm(config["vocab_size"], generator=g)[:64].sort().values
+    t["lm_head.weight"] = 0.2 * torch.randn(64, config["hidden_size"], generator=g)
+    t["d2t"] = targets - torch.arange(64)
+    save_file(t, file)
+    prompts = make_prompts([5, 23, 40], config["vocab_size"], seed=31)
+    want = _tokens(make_llm(tm.path), prompts)
+    llm = make_llm(tm.path, speculative_config={"method": "dflash", "num_speculative_tokens": 3,
+                                                "model": draft},
+                   max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm, prompts) == want
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0

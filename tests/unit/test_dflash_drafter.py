@@ -189,6 +189,55 @@ def test_own_embedding_is_used(pair):
     torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
 
 
+def _reduced_vocab_draft(pair, name, dv=96, d2t=None, drop=()):
+    """A draft with its own lm_head over `dv` draft ids and a d2t map to a sorted random
+    subset of the target's ids (EAGLE-3's convention: target = draft + d2t[draft])."""
+    from safetensors.torch import save_file
+    path = pair.draft(name, pair.root, seed=2, config_overrides=dict(draft_vocab_size=dv))
+    file = os.path.join(path, "model.safetensors")
+    t = load_file(file)
+    g = torch.Generator().manual_seed(3)
+    v, h = pair.target_config["vocab_size"], pair.target_config["hidden_size"]
+    targets = torch.randperm(v, generator=g)[:dv].sort().values
+    t["lm_head.weight"] = 0.2 * torch.randn(dv, h, generator=g)
+    t["d2t"] = targets - torch.arange(dv) if d2t is None else d2t
+    save_file({k: x for k, x in t.items() if k not in drop}, file)
+    return path, targets
+
+
+def test_reduced_draft_vocabulary_maps_drafts_to_target_ids(pair):
+    path, targets = _reduced_vocab_draft(pair, "reduced")
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
+    assert drafter.lm_head is not None and not drafter.shares_target_lm_head
+    tokens = requests(pair)[0][1]
+    ctx = DFlashContext(drafter)
+    h = pair.target_hidden(tokens)
+    ctx.append("r", list(range(len(tokens))), h)
+    last = pair.next_token(tokens)
+    own_head = load_file(os.path.join(path, "model.safetensors"))["lm_head.weight"]
+    naive = naive_block_logits(path, pair.hf.model.embed_tokens.weight, own_head, h,
+                               list(range(len(tokens))), last, len(tokens), K)
+    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    assert logits.shape == (K, 96)
+    torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
+    drafts = drafter.propose(ctx, ["r"], [last], [len(tokens)], K)[0]
+    assert drafts.tolist() == targets[naive.argmax(-1)].tolist()  # target ids, not draft ids
+    assert drafter.t2d.sum() == 96 and drafter.t2d[targets].all()
+
+
+def test_reduced_draft_vocabulary_refusals(pair):
+    def load(path):
+        return load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                   create_platform(CPU, torch.float32))
+    with pytest.raises(ValueError, match="no d2t map"):
+        load(_reduced_vocab_draft(pair, "no_d2t", drop=("d2t",))[0])
+    with pytest.raises(ValueError, match="needs the draft's own lm_head"):
+        load(_reduced_vocab_draft(pair, "no_head", drop=("lm_head.weight",))[0])
+    with pytest.raises(ValueError, match=r"DFlash checkpoint .*d2t maps draft ids outside"):
+        load(_reduced_vocab_draft(pair, "bad_d2t", d2t=torch.full((96,), 1000))[0])
+
+
 def test_context_grows_only_by_appended_positions(pair):
     drafter = pair.drafter
     tokens = requests(pair)[1][1]  # 11 tokens

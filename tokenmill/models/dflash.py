@@ -20,7 +20,10 @@ the next block's first token, at position p = the context's end.
 
 Checkpoints (z-lab's Qwen3-DFlash layout) usually ship neither `embed_tokens` nor
 `lm_head`: the drafter then uses the target's (mask tokens embed as the target's
-row `mask_token_id`); one that ships its own uses those.
+row `mask_token_id`); one that ships its own uses those. A head with a reduced draft
+vocabulary (`draft_vocab_size` < vocab_size) ships its own lm_head over the draft ids
+and `d2t` (target id = draft id + d2t[draft id], EAGLE-3's convention): its drafts are
+mapped to target ids before verification.
 """
 from __future__ import annotations
 
@@ -58,6 +61,12 @@ class DFlashConfig(DecoderConfig):
         self.mask_token_id = int(d["mask_token_id"])
         self.block_size = int(d.get("block_size", 16))
         self.target_hidden_size = int(cfg.get("target_hidden_size") or self.hidden_size)
+        # A reduced draft vocabulary: the draft's own lm_head covers these ids, `d2t`
+        # maps them to the target's (as EAGLE-3 heads do).
+        self.draft_vocab_size = int(cfg.get("draft_vocab_size") or self.vocab_size)
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"DFlash draft_vocab_size {self.draft_vocab_size} must be in "
+                             f"1..vocab_size ({self.vocab_size})")
         # Other checkpoints' variants (sliding-window or causal layers, attention sinks,
         # a reduced draft vocabulary, scaled embeddings or logits): refused, not ignored.
         unsupported = {
@@ -67,7 +76,6 @@ class DFlashConfig(DecoderConfig):
             "dflash_config.use_aux_hidden_state": not d.get("use_aux_hidden_state", True),
             "layer_types (sliding_attention)":
                 "sliding_attention" in (cfg.get("layer_types") or ()),
-            "draft_vocab_size": cfg.get("draft_vocab_size", self.vocab_size) != self.vocab_size,
         }
         for key in ("input_embedding_scale", "output_multiplier"):
             unsupported[key] = float(d.get(key, cfg.get(key, 1.0))) != 1.0
@@ -146,7 +154,17 @@ class DFlashDraftModel(nn.Module):
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
                                       c.rope_params)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False) if own_lm_head else None
+        if c.draft_vocab_size != c.vocab_size and not own_lm_head:
+            raise ValueError(f"DFlash draft_vocab_size {c.draft_vocab_size} < vocab_size "
+                             f"{c.vocab_size} needs the draft's own lm_head")
+        self.draft_vocab_size = c.draft_vocab_size
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False) \
+            if own_lm_head else None
+        # draft id -> target id is id + d2t[id] (zeros: the same ids); t2d marks the
+        # target ids a draft can name. Filled from the checkpoint's maps at load.
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self._vocab_maps: dict[str, torch.Tensor] = {}
         # The target's embedding / lm_head where the checkpoint has none. A tuple, not
         # submodules: the platform must not prepare (repack) the target's layers again.
         self._target_io: tuple[nn.Module, nn.Module] | None = None
@@ -236,7 +254,18 @@ class DFlashDraftModel(nn.Module):
     def propose(self, context: "DFlashContext", req_ids: list[str], last_token_ids,
                 positions, k: int) -> torch.Tensor:
         """Greedy drafts [R, k] (target vocabulary ids) for a batch of requests."""
-        return self.draft_logits(context, req_ids, last_token_ids, positions, k).argmax(-1)
+        draft = self.draft_logits(context, req_ids, last_token_ids, positions, k).argmax(-1)
+        if self.draft_vocab_size == self.config.vocab_size:
+            return draft
+        return draft + self.d2t[draft]
+
+    def map_checkpoint(self, name: str, tensor: torch.Tensor):
+        """The vocabulary maps are kept aside for set_vocab_maps; the rest loads as is."""
+        bare = name.removeprefix("model.")
+        if bare in ("d2t", "t2d"):
+            self._vocab_maps[bare] = tensor
+            return
+        yield name, tensor
 
 
 class DFlashContext:
@@ -344,9 +373,6 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     # A drafter places no quantized layers (yet): every quantized format is refused.
     check_quantization(hf_config, f"DFlash draft {path}", implemented=())
     names = _checkpoint_names(path)
-    if "d2t" in names:
-        raise ValueError(f"DFlash draft {path}: a reduced draft vocabulary (d2t) is not "
-                         f"supported")
     if os.path.exists(os.path.join(path, "mask_embedding.pt")):
         raise ValueError(f"DFlash draft {path}: a separate mask embedding "
                          f"(mask_embedding.pt) is not supported")
@@ -373,6 +399,12 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(default)
     load_weights(model, path)
+    maps, model._vocab_maps = model._vocab_maps, {}
+    if model.draft_vocab_size != c.vocab_size and "d2t" not in maps:
+        raise ValueError(f"DFlash draft {path}: draft_vocab_size {c.draft_vocab_size} < "
+                         f"vocab_size {c.vocab_size} but no d2t map in the checkpoint")
+    from tokenmill.models.eagle3 import set_vocab_maps
+    set_vocab_maps(model, maps, path, kind="DFlash")
     model.share_target(target)
     platform.prepare_model(model)
     return model.eval().requires_grad_(False)

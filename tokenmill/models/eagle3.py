@@ -281,7 +281,7 @@ def _fill(model: Eagle3DraftModel, path: str, tensors) -> None:
             part for part in (f"lacks {missing}" if missing else "",
                               f"has tensors the drafter has no place for: {unknown}"
                               if unknown else "") if part))
-    _set_vocab_maps(model, maps, path)
+    set_vocab_maps(model, maps, path)
 
 
 def _check_fc(model: Eagle3DraftModel, fc: torch.Tensor, path: str) -> None:
@@ -293,22 +293,25 @@ def _check_fc(model: Eagle3DraftModel, fc: torch.Tensor, path: str) -> None:
                          f"another target?")
 
 
-def _set_vocab_maps(model: Eagle3DraftModel, maps: dict, path: str) -> None:
+def set_vocab_maps(model: nn.Module, maps: dict, path: str, kind: str = "EAGLE-3") -> None:
+    """Check a reduced draft vocabulary's maps (`d2t`: draft id -> target id offsets;
+    `t2d`, optional: which target ids have a draft id) and copy them into `model`'s
+    `d2t` / `t2d` buffers (EAGLE-3 and DFlash heads)."""
     v, dv = model.config.vocab_size, model.draft_vocab_size
     if "d2t" in maps:
         d2t = maps["d2t"]
         if d2t.shape != (dv,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-            raise ValueError(f"EAGLE-3 checkpoint {path}: d2t must be [{dv}] integers, got "
+            raise ValueError(f"{kind} checkpoint {path}: d2t must be [{dv}] integers, got "
                              f"{tuple(d2t.shape)} {d2t.dtype}")
         target_ids = torch.arange(dv) + d2t.long()
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= v:
-            raise ValueError(f"EAGLE-3 checkpoint {path}: d2t maps draft ids outside the "
+            raise ValueError(f"{kind} checkpoint {path}: d2t maps draft ids outside the "
                              f"target vocabulary (0..{v - 1})")
         model.d2t.copy_(d2t)
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[torch.arange(dv) + model.d2t.cpu()] = True
     if "t2d" in maps and not torch.equal(maps["t2d"].bool(), t2d):
         # t2d only restates d2t (which target ids have a draft id); a mismatch is a broken file.
-        raise ValueError(f"EAGLE-3 checkpoint {path}: t2d does not mark exactly the "
+        raise ValueError(f"{kind} checkpoint {path}: t2d does not mark exactly the "
                          f"target ids d2t maps to")
     model.t2d.copy_(t2d)
