@@ -217,3 +217,26 @@ def test_dflash_with_a_reduced_draft_vocabulary(tmp_path, tiny_model_factory):
                    max_num_batched_tokens=16, block_size=8)
     assert _tokens(llm, prompts) == want
     assert scheduler_of(llm).spec_stats.num_draft_tokens > 0
+
+
+def test_dflash_with_sliding_draft_layers_on_a_hybrid_target(tmp_path, tmp_path_factory,
+                                                             tiny_model_factory):
+    """The reference's drafter shape: a sliding-window (causal) draft layer beside a
+    full one, drafting for a Qwen3.5 target; greedy output the target's."""
+    from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
+    path = _target("qwen3_5", tmp_path_factory, tiny_model_factory)
+    config = json.load(open(os.path.join(path, "config.json")))
+    draft = str(tmp_path / "dflash")
+    os.makedirs(draft)
+    build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=4,
+                            config_overrides=dict(layer_types=["sliding_attention",
+                                                               "full_attention"],
+                                                  sliding_window=4))
+    prompts = make_prompts([5, 23, 40], config["vocab_size"], seed=31)
+    want = _tokens(make_llm(path), prompts)
+    llm = make_llm(path, speculative_config={"method": "dflash", "num_speculative_tokens": 3,
+                                             "model": draft},
+                   max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm, prompts) == want
+    assert runner_of(llm).drafter.model_proposer.model.config.layer_windows == [4, None]
+    assert scheduler_of(llm).spec_stats.num_draft_tokens > 0

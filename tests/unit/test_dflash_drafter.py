@@ -111,14 +111,20 @@ def naive_block_logits(draft_path, embed, lm_head, ctx_hidden, ctx_pos, last, p,
             qs.append([rope(rms(qh, L("self_attn.q_norm")), ps)
                        for qh in heads(L("self_attn.q_proj") @ x, nh)])
             add_kv(x, ps)
+        # A sliding layer: causal, and only keys within the window (its own position in).
+        window = (cfg["sliding_window"] if (cfg.get("layer_types") or [None] * 99)[layer]
+                  == "sliding_attention" else None)
+        key_pos = list(ctx_pos) + pos
         new_h = []
         for i in range(k + 1):
+            seen = [j for j in range(len(keys)) if window is None
+                    or 0 <= pos[i] - key_pos[j] < window]
             out = []
             for hd in range(nh):
                 g = hd // (nh // nkv)
-                scores = torch.stack([qs[i][hd] @ keys[j][g] for j in range(len(keys))])
+                scores = torch.stack([qs[i][hd] @ keys[j][g] for j in seen])
                 probs = torch.softmax(scores / math.sqrt(d), dim=0)
-                out.append(sum(probs[j] * vals[j][g] for j in range(len(keys))))
+                out.append(sum(p_ * vals[j][g] for p_, j in zip(probs, seen)))
             x = h[i] + L("self_attn.o_proj") @ torch.cat(out)
             m = rms(x, L("post_attention_layernorm"))
             new_h.append(x + L("mlp.down_proj") @ (F.silu(L("mlp.gate_proj") @ m)
@@ -170,6 +176,38 @@ def test_propose_matches_naive_reference(pair):
     assert drafter.propose(ctx, ids, lasts, ps, 2).shape == (3, 2)
     with pytest.raises(ValueError, match="blocks of 8"):
         drafter.propose(ctx, ids, lasts, ps, 8)
+
+
+@pytest.mark.parametrize("types,window", [
+    (["sliding_attention", "full_attention"], 5),   # the window cuts into the context
+    (["full_attention", "sliding_attention"], 2),   # shorter than the block itself
+    (["sliding_attention", "sliding_attention"], 64)])  # only causal in effect
+def test_sliding_layers_are_causal_and_windowed(pair, types, window):
+    """The reference's SWA draft layers: causal inside the block, the last `window`
+    positions only; batched requests of different context lengths and starts."""
+    name = f"swa_{'_'.join(t[0] for t in types)}_{window}"
+    path = pair.draft(name, pair.root, seed=4,
+                      config_overrides=dict(layer_types=types, sliding_window=window))
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
+    assert drafter.config.layer_windows == [window if t == "sliding_attention" else None
+                                            for t in types]
+    ctx, reqs = DFlashContext(drafter), requests(pair)
+    hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
+    for rid, tokens, start in reqs:
+        h = pair.target_hidden(tokens)[start:]
+        hidden.append(h)
+        positions += list(range(start, len(tokens)))
+        counts.append(len(tokens) - start)
+        lasts.append(pair.next_token(tokens))
+        ps.append(len(tokens))
+        naive.append(naive_block_logits(path, pair.hf.model.embed_tokens.weight,
+                                        pair.hf.lm_head.weight, h,
+                                        list(range(start, len(tokens))), lasts[-1], ps[-1], K))
+    ctx.append_batch([r[0] for r in reqs], counts, positions, torch.cat(hidden))
+    logits = drafter.draft_logits(ctx, [r[0] for r in reqs], lasts, ps, K)
+    for i in range(len(reqs)):
+        torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
 
 
 def test_own_embedding_is_used(pair):
@@ -311,6 +349,9 @@ def test_loader_errors_name_the_problem(pair):
         load("no_ids", dflash_overrides=dict(target_layer_ids=None))
     with pytest.raises(ValueError, match="dflash_config.use_swa"):
         load("swa", dflash_overrides=dict(use_swa=True))
+    with pytest.raises(ValueError, match="sliding_attention layers but sliding_window is None"):
+        load("swa_no_window", config_overrides=dict(
+            layer_types=["sliding_attention", "full_attention"], sliding_window=None))
     with pytest.raises(ValueError, match="target hidden states of size 32, the target's "
                                          "are 64"):
         load("target_hidden", config_overrides=dict(target_hidden_size=32))

@@ -74,8 +74,6 @@ class DFlashConfig(DecoderConfig):
             "dflash_config.causal": d.get("causal", False),
             "dflash_config.attention_sink_bias": d.get("attention_sink_bias", False),
             "dflash_config.use_aux_hidden_state": not d.get("use_aux_hidden_state", True),
-            "layer_types (sliding_attention)":
-                "sliding_attention" in (cfg.get("layer_types") or ()),
         }
         for key in ("input_embedding_scale", "output_multiplier"):
             unsupported[key] = float(d.get(key, cfg.get(key, 1.0))) != 1.0
@@ -84,6 +82,20 @@ class DFlashConfig(DecoderConfig):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"DFlash checkpoint uses {', '.join(bad)}: not supported")
+        # Layer kinds as the reference has them: "full_attention" layers see the whole
+        # context and the whole block; "sliding_attention" ones are causal inside the
+        # block and see the last `sliding_window` positions (their own included). No
+        # layer_types: every layer full.
+        types = cfg.get("layer_types") or ["full_attention"] * self.num_layers
+        if len(types) != self.num_layers or set(types) - {"full_attention",
+                                                          "sliding_attention"}:
+            raise ValueError(f"DFlash layer_types {types}: one of full_attention / "
+                             f"sliding_attention per layer ({self.num_layers})")
+        window = cfg.get("sliding_window")
+        if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+            raise ValueError(f"DFlash layer_types has sliding_attention layers but "
+                             f"sliding_window is {window!r}")
+        self.layer_windows = [window if t == "sliding_attention" else None for t in types]
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"DFlash dflash_config.mask_token_id {self.mask_token_id} is "
                              f"outside the vocabulary (vocab_size {self.vocab_size})")
@@ -107,8 +119,9 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x, cos, sin, rotary, kv: torch.Tensor, mask: torch.Tensor | None):
         """x [R*B, H] (R blocks of B rows); kv [2, R, C + B, Hkv, D] holds each request's
-        context in [:C] (padded where `mask` [R, 1, 1, C + B] is False); this layer's
-        block K/V go into [C:]."""
+        context in [:C] (padded where `mask` [R, 1, 1, C + B] is False; a sliding layer's
+        mask is [R, 1, B, C + B]: causal and windowed); this layer's block K/V go into
+        [C:]."""
         r, s = kv.shape[1], kv.shape[2]
         b = x.shape[0] // r
         q = rotary.apply(self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim)),
@@ -116,7 +129,7 @@ class DFlashAttention(nn.Module):
         k, v = self.key_value(x, cos, sin, rotary)
         kv[0, :, s - b:] = k.view(r, b, self.num_kv_heads, self.head_dim)
         kv[1, :, s - b:] = v.view(r, b, self.num_kv_heads, self.head_dim)
-        # Every block row sees the whole context and the whole block: no causal mask.
+        # A full layer's block row sees the whole context and the whole block.
         o = F.scaled_dot_product_attention(
             q.view(r, b, self.num_heads, self.head_dim).transpose(1, 2),
             kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask,
@@ -241,13 +254,25 @@ class DFlashDraftModel(nn.Module):
             if lens[i]:
                 kv[:, :, i, :lens[i]] = context.kv(rid)
         mask = None
+        cols = torch.arange(cmax + b, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        valid = (cols < lens_t[:, None]) | (cols >= cmax)  # [R, C + B]: not padding
         if min(lens) < cmax:
-            cols = torch.arange(cmax + b, device=device)
-            lens_t = torch.tensor(lens, device=device)
-            mask = ((cols < lens_t[:, None]) | (cols >= cmax)).view(r, 1, 1, cmax + b)
+            mask = valid.view(r, 1, 1, cmax + b)
+        windowed = {}
+        if any(w is not None for w in c.layer_windows):
+            # Key positions: context row j at start + j, block row i at p + i; query i
+            # at p + i. Causal, and within the window.
+            start = torch.tensor([context.start(rid) or 0 for rid in req_ids], device=device)
+            key_pos = torch.where(cols < cmax, start[:, None] + cols,
+                                  pos[:, None] + cols - cmax)  # [R, C + B]
+            q_pos = pos[:, None] + torch.arange(b, device=device)  # [R, B]
+            dist = q_pos[:, :, None] - key_pos[:, None, :]  # [R, B, C + B]
+            for w in set(c.layer_windows) - {None}:
+                windowed[w] = (valid[:, None, :] & (dist >= 0) & (dist < w))[:, None]
         cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
-        for layer, layer_kv in zip(self.layers, kv):
-            x = layer(x, cos, sin, self.rotary, layer_kv, mask)
+        for layer, layer_kv, w in zip(self.layers, kv, c.layer_windows):
+            x = layer(x, cos, sin, self.rotary, layer_kv, mask if w is None else windowed[w])
         return self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
 
     @torch.inference_mode()
@@ -281,6 +306,10 @@ class DFlashContext:
 
     def num_rows(self, req_id: str) -> int:
         return self._len.get(req_id, 0)
+
+    def start(self, req_id: str) -> int | None:
+        """The position of the first row (None: empty context)."""
+        return self._start.get(req_id) if req_id in self._len else None
 
     def end(self, req_id: str) -> int | None:
         """The position the next appended row must have (None: empty context)."""
