@@ -31,11 +31,21 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--encoder-cache-size", type=int, default=None,
                    help="multimodal models: encoder output rows kept for reuse "
                         "(default: twice the encoder budget)")
+    add_reasoning_parser_arg(p)
     add_kv_cache_args(p)
     add_cpu_platform_args(p)
     add_limit_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+
+
+def add_reasoning_parser_arg(p: argparse.ArgumentParser) -> None:
+    """vLLM's --reasoning-parser: an engine flag, as grammars wait for the reasoning."""
+    from tokenmill.parsers.registry import REASONING_PARSERS
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="the model thinks between <think> tags: chat answers carry the "
+                        "thinking in reasoning_content, and a JSON schema or tool grammar "
+                        "applies only after it (default: none)")
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
@@ -184,6 +194,7 @@ def kv_cache_kwargs(args: argparse.Namespace) -> dict:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, seed=args.seed,
                 quantization=getattr(args, "quantization", None),
+                reasoning_parser=getattr(args, "reasoning_parser", None),
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

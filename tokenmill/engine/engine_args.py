@@ -92,6 +92,10 @@ class EngineArgs:
     # at load (per-channel, activations unquantized: models/quantize_at_load.py); a
     # quantized checkpoint's own method is accepted, another refused. None: as stored.
     quantization: str | None = None
+    # vLLM's --reasoning-parser ("qwen3", "deepseek_r1"; tokenmill.parsers): a grammar
+    # (JSON schema, tool call) applies only after the reasoning ends; the server also
+    # splits the reasoning out of chat answers with it. None: no reasoning parser.
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -103,6 +107,9 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def validate(self) -> None:
+        if self.reasoning_parser is not None:
+            from tokenmill.parsers.registry import get_reasoning_parser
+            get_reasoning_parser(self.reasoning_parser)  # ValueError listing the names
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching,
                                                                      bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None, "
@@ -186,6 +193,7 @@ class EngineSetup:
     platform: Platform
     tokenizer: object
     eos_token_ids: frozenset[int]
+    reasoning_parser: str | None = None  # EngineArgs.reasoning_parser: grammars wait for it
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineSetup":
@@ -215,13 +223,17 @@ class EngineSetup:
         # Which kernels run: decided here, once, for the whole engine.
         platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
         return cls(model_config, scheduler_config, cache_config, platform, tokenizer,
-                   model_config.eos_token_ids(tokenizer))
+                   model_config.eos_token_ids(tokenizer), args.reasoning_parser)
 
     def structured_output(self):
         """A grammar manager (xgrammar loads on the first structured request)."""
         from tokenmill.structured_output.manager import StructuredOutputManager
+        parser = None
+        if self.reasoning_parser is not None:
+            from tokenmill.parsers.registry import get_reasoning_parser
+            parser = get_reasoning_parser(self.reasoning_parser)
         return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, reasoning_parser=parser)
 
 
 def load_tokenizer(path: str):

@@ -355,7 +355,7 @@ class EngineCore:
         sop = getattr(request.sampling_params, "structured_outputs", None)
         if sop is not None and self.structured_output is not None:
             request.structured_output = self.structured_output.new_request(
-                request.request_id, sop)
+                request.request_id, sop, request.prompt_token_ids)
 
     def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The grammar bitmask of `so`, from its requests' matchers as they are now."""

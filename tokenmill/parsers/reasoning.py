@@ -118,6 +118,12 @@ class ReasoningEndTracker:
     def ended(self) -> bool:
         return self._state == "content"
 
+    @property
+    def undecided(self) -> bool:
+        """Nothing fed yet, and the output may begin with its answer: it enters the
+        reasoning only by opening with the start tag."""
+        return self._state == "start" and not self._starts_in_reasoning
+
     def feed(self, token_ids) -> list[int]:
         """The ids among these new ones that come after the reasoning (the end tag's own
         id is part of the reasoning)."""

@@ -57,7 +57,7 @@ class XgrammarBackend:
         any_ws = not sop.disable_any_whitespace
         try:
             if kind == "json":
-                _check_schema(sop.json, field)
+                check_json_schema(sop.json, field)
                 return xgr.Grammar.from_json_schema(json.dumps(sop.json), any_whitespace=any_ws)
             if kind == "json_object":
                 return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws)
@@ -104,7 +104,7 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "
          "choice": "choice list", "grammar": "grammar", "structural_tag": "structural tag"}
 
 
-def _check_schema(schema: dict, field: str) -> None:
+def check_json_schema(schema: dict, field: str) -> None:
     """The JSON Schema meta-schema check, when jsonschema is installed (xgrammar
     checks the parts it converts either way)."""
     try:

@@ -10,6 +10,8 @@ The engine core owns one. It
   only thing the scheduler sees: `ready()` (grammar compiled, so the request
   may be scheduled) and `advance(token)` (accept one new token; True when the
   request must stop: the grammar is complete);
+* with a reasoning parser (`--reasoning-parser`), holds each grammar until the
+  request's reasoning ends (reasoning_gate.py): thinking tokens are free;
 * builds the step's compact bitmask (`grammar_bitmask`): one row per
   scheduled structured request, in scheduling order, and the request id -> row
   map; the runner maps the rows onto its batch (the engine core calls it
@@ -28,6 +30,7 @@ import numpy as np
 
 from tokenmill.errors import ParamError
 from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.structured_output.reasoning_gate import ReasoningGates, fill_gated_rows
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,13 @@ BITMASK_WAIT_S = 120.0
 class StructuredOutputRequest:
     """One request's grammar matcher, created when its grammar is compiled."""
 
-    __slots__ = ("request_id", "_future", "_backend", "matcher", "failed")
+    __slots__ = ("request_id", "_future", "_backend", "matcher", "failed", "gate")
 
-    def __init__(self, request_id: str, future: concurrent.futures.Future, backend):
+    def __init__(self, request_id: str, future: concurrent.futures.Future, backend,
+                 gate=None):
         self.request_id = request_id
+        # A ReasoningEndTracker: the grammar applies once it has ended (None: at once).
+        self.gate = gate
         self._future = future
         self._backend = backend
         self.matcher = None
@@ -71,6 +77,9 @@ class StructuredOutputRequest:
         m = self.matcher
         if m is None:
             return True  # failed to compile
+        gate = self.gate
+        if gate is not None and not gate.ended and not gate.feed([token_id]):
+            return False  # a thinking token: the grammar waits for the answer
         if not m.accept_token(token_id):
             logger.error("request %s: token %d does not fit its grammar; stopping it",
                          self.request_id, token_id)
@@ -80,10 +89,22 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
 
+    def thinking(self, drafts=()) -> bool:
+        """Whether every token this step samples is free: the request is inside its
+        reasoning and no draft ends it."""
+        gate = self.gate
+        return (gate is not None and not gate.ended and not gate.undecided
+                and gate.end_id not in drafts)
+
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, compile_workers: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, compile_workers: int = 1,
+                 reasoning_parser=None):
+        """`reasoning_parser`: a tokenmill.parsers ReasoningParser whose reasoning every
+        grammar waits for (None: grammars apply from the first token)."""
         self.tokenizer = tokenizer
+        self.reasoning = (ReasoningGates(reasoning_parser, tokenizer)
+                          if reasoning_parser is not None else None)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.compile_workers = compile_workers
@@ -114,6 +135,11 @@ class StructuredOutputManager:
         if self.tokenizer is None:
             raise ParamError(sop.field_name(), f"{sop.field_name()}: this model has no "
                                                f"tokenizer, which structured output needs")
+        if self.reasoning is not None and self.reasoning.error:
+            name = sop.field_name()
+            raise ParamError(name, f"{name}: cannot apply after the reasoning of "
+                                   f"--reasoning-parser {self.reasoning.parser.name}: "
+                                   f"{self.reasoning.error}")
         try:
             self.grammar_future(sop)
         except ParamError:
@@ -143,8 +169,13 @@ class StructuredOutputManager:
                     self._grammars.popitem(last=False)
             return fut
 
-    def new_request(self, request_id: str, sop: StructuredOutputsParams) -> StructuredOutputRequest:
-        return StructuredOutputRequest(request_id, self.grammar_future(sop), self.backend)
+    def new_request(self, request_id: str, sop: StructuredOutputsParams,
+                    prompt_token_ids=()) -> StructuredOutputRequest:
+        gate = None
+        if self.reasoning is not None and not self.reasoning.error:
+            gate = self.reasoning.tracker(prompt_token_ids)
+        return StructuredOutputRequest(request_id, self.grammar_future(sop), self.backend,
+                                       gate)
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to `timeout` s for a compilation in flight (nothing else to run)."""
@@ -179,23 +210,17 @@ class StructuredOutputManager:
             if so_req is None or so_req.matcher is None:
                 continue
             drafts = spec_tokens.get(rid, ())
+            if so_req.thinking(drafts):
+                continue
             rows[rid] = num_rows
-            work.append((so_req.matcher, drafts))
+            work.append((so_req, drafts))
             num_rows += 1 + len(drafts)
         if not work:
             return {}, None
         bitmask = np.full((num_rows, self.bitmask_words), -1, dtype=np.int32)
         row = 0
-        for m, drafts in work:
-            m.fill_next_token_bitmask(bitmask, row)
-            accepted = 0
-            for j, tok in enumerate(drafts):
-                if m.is_terminated() or not m.accept_token(tok):
-                    break
-                accepted += 1
-                m.fill_next_token_bitmask(bitmask, row + 1 + j)
-            if accepted:
-                m.rollback(accepted)
+        for so_req, drafts in work:
+            fill_gated_rows(so_req.matcher, so_req.gate, bitmask, row, drafts)
             row += 1 + len(drafts)
         return rows, bitmask
 
