@@ -1,7 +1,9 @@
 """Request fields tokenmill does not implement: refused with a 400 naming the field when
-they would change what a correct answer is (tools, tool_choice, reasoning_effort, best_of,
+they would change what a correct answer is (legacy functions, reasoning_effort, best_of,
 suffix, audio, ...); accepted and ignored when they would not (user, metadata, store, ...);
-any other unknown field is ignored and logged once per name at WARNING.
+any other unknown field is ignored and logged once per name at WARNING. (Tool calling
+itself: test_server_tools.py; here only that the demo model's template, which has no place
+for tools, refuses them rather than dropping them from the prompt.)
 
 The `tools` refusal runs against a live server with the official openai client; every other
 field is checked in process (no socket), each refusal followed by a request the same app
@@ -33,17 +35,17 @@ PROTOCOL_LOGGER = "tokenmill.entrypoints.openai.protocol"
 
 
 # ---- live, with the openai client ---------------------------------------------------------
-def test_tools_is_a_400_naming_tools(client):
+def test_tools_a_template_cannot_render_are_a_400_naming_tools(client):
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as ei:
             client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4,
                                            tools=[TOOL], tool_choice="required", stream=stream)
         body = _error(ei, 400)
         assert body["param"] == "tools" and body["message"].startswith("tools:")
-        assert "tool calling is not implemented" in body["message"]
+        assert "does not render tools" in body["message"]
         assert body["type"] == "BadRequestError"
         assert_serving(client)
-    # tool_choice "none" does not make the tools harmless: they would be in the prompt
+    # tool_choice "none" does not make the tools harmless: they belong in the prompt
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4,
                                        tools=[TOOL], tool_choice="none")
@@ -95,18 +97,15 @@ def body_for(path: str, **fields) -> dict:
 
 REFUSED = [
     # -- tool calling ------------------------------------------------------------------------
-    (CHAT, "tools", [TOOL]),
-    (CHAT, "tool_choice", "required"),
+    (CHAT, "tool_choice", "required"),  # without tools
     (CHAT, "tool_choice", "auto"),
     (CHAT, "tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
-    (CHAT, "parallel_tool_calls", True),
-    (CHAT, "parallel_tool_calls", False),
     (CHAT, "functions", [TOOL["function"]]),
     (CHAT, "function_call", "auto"),
     (CHAT, "function_call", {"name": "get_weather"}),
     (CMPL, "tools", [TOOL]),
     (CMPL, "tool_choice", "required"),
-    (TOK, "tools", [TOOL]),
+    (TOK, "tools", [TOOL]),  # the demo model's template renders no tools
     # -- OpenAI chat fields that change the answer ---------------------------------------------
     (CHAT, "reasoning_effort", "low"),
     (CHAT, "verbosity", "low"),
@@ -133,13 +132,11 @@ REFUSED = [
     (CMPL, "mm_processor_kwargs", {"num_crops": 4}),
     (CHAT, "echo", True),
     (CHAT, "add_special_tokens", True),
-    (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
     (CHAT, "documents", [{"title": "a", "text": "b"}]),
     (CHAT, "continue_final_message", True),
     (CHAT, "logits_processors", ["my.module:Proc"]),
     (CHAT, "return_tokens_as_token_ids", True),
     (CHAT, "mm_processor_kwargs", {"num_crops": 4}),
-    (TOK, "chat_template_kwargs", {"enable_thinking": False}),
     (TOK, "documents", [{"title": "a", "text": "b"}]),
     (TOK, "continue_final_message", True),
     (TOK, "mm_processor_kwargs", {"num_crops": 4}),
@@ -180,17 +177,23 @@ def test_best_of_above_n_is_refused_but_equal_to_n_is_not(app):
 
 
 MESSAGES_REFUSED = [
-    ("role-tool", [*USER, {"role": "assistant", "content": "calling"},
-                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
-     "messages[2].role"),
+    ("role-tool-without-id", [*USER, {"role": "assistant", "content": "calling"},
+                              {"role": "tool", "content": "sunny"}],
+     "messages[2].tool_call_id"),
     ("role-function", [*USER, {"role": "function", "name": "get_weather", "content": "sunny"}],
      "messages[1].role"),
-    ("assistant-tool_calls",
-     [*USER, {"role": "assistant", "content": None,
-              "tool_calls": [{"id": "c1", "type": "function",
-                              "function": {"name": "get_weather",
-                                           "arguments": "{\"city\": \"Oslo\"}"}}]},
-      {"role": "user", "content": "and?"}], "messages[1].tool_calls"),
+    ("user-tool_calls",
+     [{"role": "user", "content": "hi",
+       "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{}"}}]}],
+     "messages[0].tool_calls"),
+    ("tool_calls-not-a-call",
+     [*USER, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
+      {"role": "user", "content": "and?"}], "messages[1].tool_calls[0]"),
+    ("tool_calls-arguments-number",
+     [*USER, {"role": "assistant", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": 3}}]},
+      {"role": "user", "content": "and?"}], "messages[1].tool_calls[0].function.arguments"),
     ("assistant-function_call",
      [*USER, {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
       {"role": "user", "content": "and?"}], "messages[1].function_call"),
@@ -241,6 +244,7 @@ HARMLESS = [
                 function_call=None, reasoning_effort=None, verbosity=None, modalities=None,
                 audio=None, web_search_options=None, best_of=None)),
     (CHAT, dict(tools=[], functions=[], tool_choice="none", function_call="none")),
+    (CHAT, dict(parallel_tool_calls=False, chat_template_kwargs={"enable_thinking": False})),
     (CHAT, dict(modalities=["text"], best_of=1, use_beam_search=False, length_penalty=1.0,
                 early_stopping=False, echo=False, add_special_tokens=False,
                 chat_template_kwargs={}, documents=[], continue_final_message=False,
@@ -252,6 +256,7 @@ HARMLESS = [
                 add_special_tokens=True)),
     (TOK, dict(tools=[], chat_template_kwargs=None, continue_final_message=False,
                return_token_strs=False)),
+    (TOK, dict(chat_template_kwargs={"enable_thinking": False})),
 ]
 
 

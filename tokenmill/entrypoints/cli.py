@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="chat image_url parts may name file:// images inside DIR (default: "
                         "none; data: URLs are always taken, http(s) URLs never fetched)")
+    from tokenmill.parsers.registry import TOOL_CALL_PARSERS
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default when a request has tools): the '
+                        "model's output goes through --tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls, for tool_choice \"auto\" "
+                        "(\"required\" and named calls need none: a grammar forces them)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template (a Jinja file, or the template itself) in place "
+                        "of the tokenizer's")
     s.add_argument("--no-web-ui", action="store_true",
                    help="no web playground and dashboard at / (the JSON routes stay, "
                         "/stats included)")

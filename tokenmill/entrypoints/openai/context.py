@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ from tokenmill.entrypoints.openai.errors import APIError, bad_value, client_mess
 from tokenmill.entrypoints.openai.logprobs import LogprobFormatter
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.streaming import Merged
+from tokenmill.entrypoints.openai.tools import template_messages
 from tokenmill.limits import RequestLimits
+from tokenmill.parsers.registry import get_reasoning_parser
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 # A template's own errors (syntax, raise_exception(), sandbox refusals) and bad message
@@ -40,6 +43,10 @@ class ServerOptions:
     web_ui: bool = True  # the playground and dashboard page at /
     # chat image_url parts may name file:// images inside this folder (None: never)
     allowed_local_media_path: str | None = None
+    # tool calling (vLLM's flags): tool_choice "auto" needs both
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name of tokenmill.parsers.registry
+    chat_template: str | None = None  # the server's own template (--chat-template)
 
 
 class ServerContext:
@@ -52,6 +59,9 @@ class ServerContext:
         engine_args = getattr(async_llm.engine, "args", None)
         self.max_logprobs = getattr(engine_args, "max_logprobs", 20)
         self.limits = RequestLimits.from_any(getattr(engine_args, "limits", None))
+        # --reasoning-parser is the engine's (its grammars wait for the reasoning)
+        name = getattr(engine_args, "reasoning_parser", None)
+        self.reasoning_parser = get_reasoning_parser(name) if name else None
         self.logprobs = LogprobFormatter(self.tokenizer)
         # Chat templates and tokenization of whole prompts: CPU work that must not stall
         # the event loop (threads start on first use; build_app's lifespan shuts it down).
@@ -66,9 +76,11 @@ class ServerContext:
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     async def render_chat(self, messages, add_generation_prompt: bool,
-                          chat_template: str | None) -> list[int]:
-        """The conversation's prompt token ids through the model's chat template (or the
-        request's, when the server trusts those), rendered off the event loop."""
+                          chat_template: str | None, tools: list | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
+        """The conversation's prompt token ids through the model's chat template (the
+        server's --chat-template, or the request's when the server trusts those), with
+        the request's tools and extra template arguments, rendered off the event loop."""
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template", 400,
                            param="messages")
@@ -82,14 +94,16 @@ class ServerContext:
                            "template (start it with --trust-request-chat-template)", 400,
                            param="chat_template")
         param = "messages" if chat_template is None else "chat_template"
-        dicts = [m.model_dump(exclude_none=True) for m in messages]
+        template = chat_template if chat_template is not None else self.options.chat_template
+        kwargs = self._template_kwargs(template, tools, template_kwargs)
+        dicts = template_messages([m.model_dump(exclude_none=True) for m in messages])
         try:
             # transformers renders in jinja2's ImmutableSandboxedEnvironment
             # (chat_template_utils._cached_compile_jinja_template): a template cannot reach
             # Python internals (`''.__class__.__mro__` raises SecurityError) nor mutate its
             # inputs (`messages.append(...)` does too).
             return await self.run_blocking(self.async_llm.engine.apply_chat_template, dicts,
-                                           add_generation_prompt, chat_template)
+                                           add_generation_prompt, template, **kwargs)
         except _TEMPLATE_ERRORS as e:
             # the first line of the message, never a traceback
             detail = client_message(getattr(e, "message", None) or str(e))
@@ -99,6 +113,36 @@ class ServerContext:
             logger.warning("chat template failed: %s", type(e).__name__, exc_info=True)
             raise APIError(f"{param}: could not apply the chat template", 400,
                            param=param) from e
+
+    def _template_kwargs(self, template: str | None, tools, template_kwargs) -> dict:
+        """apply_chat_template's extra arguments: the tools, when the template renders
+        them (else a 400: they would silently be left out of the prompt), and the
+        request's chat_template_kwargs, none of them one of its own parameters."""
+        kwargs = dict(template_kwargs or {})
+        taken = sorted(set(kwargs) & _reserved_template_args(self.tokenizer)) if kwargs else []
+        if taken:
+            raise APIError(f"chat_template_kwargs: {ascii(taken[0])[:60]} is an argument of "
+                           f"the template call itself, not of the template", 400,
+                           param="chat_template_kwargs")
+        if tools:
+            try:
+                source = self.tokenizer.get_chat_template(template, tools)
+            except (ValueError, TypeError):
+                source = ""
+            if "tools" not in source:
+                raise APIError("tools: this chat template does not render tools (the server "
+                               "takes one that does with --chat-template)", 400, param="tools")
+            kwargs["tools"] = tools
+        return kwargs
+
+    async def starts_in_reasoning(self, prompt_ids: list[int]) -> bool | None:
+        """The reasoning parser's say on where the output starts, from the prompt as the
+        model reads it (None without a reasoning parser, or when the prompt has no tag)."""
+        if self.reasoning_parser is None or self.tokenizer is None:
+            return None
+        text = await self.run_blocking(self.tokenizer.decode, prompt_ids,
+                                       skip_special_tokens=False)
+        return self.reasoning_parser.starts_in_reasoning(text)
 
     async def chat_images(self, messages) -> list:
         """The images of the conversation's image_url parts, decoded off the event loop
@@ -115,10 +159,11 @@ class ServerContext:
 
     @staticmethod
     def sampling_params(req, default_max_tokens: int | None, output_kind: RequestOutputKind,
-                        rename: dict | None = None) -> SamplingParams:
+                        rename: dict | None = None, **extra) -> SamplingParams:
+        """`extra`: to_sampling_params' `forced` grammar and `defaults`."""
         try:
             return req.to_sampling_params(default_max_tokens=default_max_tokens,
-                                          output_kind=output_kind)
+                                          output_kind=output_kind, **extra)
         except ValueError as e:
             raise bad_value(e, rename=rename) from e
 
@@ -155,6 +200,24 @@ class ServerContext:
                 text = text[:_LOGGED_PROMPT_CHARS] + "..."
             line += f", prompt={text}"
         logger.info(line)
+
+
+_TEMPLATE_CALL_ARGS = frozenset({"messages", "conversation", "tools", "documents",
+                                 "add_generation_prompt", "chat_template", "tokenize"})
+
+
+@functools.lru_cache(maxsize=4)
+def _reserved_names(cls) -> frozenset:
+    """apply_chat_template's own parameters: a template argument of that name would
+    change the call, not the template."""
+    method = getattr(cls, "apply_chat_template", None)
+    params = inspect.signature(method).parameters if method is not None else {}
+    return frozenset(n for n, p in params.items() if p.kind is not p.VAR_KEYWORD) | \
+        _TEMPLATE_CALL_ARGS
+
+
+def _reserved_template_args(tokenizer) -> frozenset:
+    return _reserved_names(type(tokenizer)) if tokenizer is not None else frozenset()
 
 
 def _get_ctx(request: Request) -> ServerContext:

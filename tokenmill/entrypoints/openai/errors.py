@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.entrypoints.openai.protocol import UNSUPPORTED_FIELD
-from tokenmill.errors import EngineDeadError, EngineOverloadedError
+from tokenmill.errors import EngineDeadError, EngineOverloadedError, ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ def install_handlers(app: FastAPI, rejected) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
         return reject(exc.message, exc.status, exc.type, exc.param)
+
+    @app.exception_handler(ParamError)
+    async def _param_error(_, exc: ParamError):  # a request field checked in a route
+        return reject(client_message(exc.message), 400, "BadRequestError", exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):

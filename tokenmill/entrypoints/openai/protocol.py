@@ -53,11 +53,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 # ---- fields refused, fields ignored on purpose, unknown fields ---------------------------
-# A request that asks for something tokenmill does not do (tool calls, audio, beam search,
-# a reasoning effort, ...) gets a 400 naming the field instead of a plain answer the client
-# cannot tell from a correct one. A value that asks for nothing beyond what tokenmill does
-# is accepted: null always (clients that send every field send nulls), and the "off" values
-# (`tools: []`, `tool_choice: "none"`, `use_beam_search: false`, `best_of` equal to `n`, ...).
+# A request that asks for something tokenmill does not do (legacy function calls, audio,
+# beam search, a reasoning effort, ...) gets a 400 naming the field instead of a plain answer
+# the client cannot tell from a correct one. A value that asks for nothing beyond what
+# tokenmill does is accepted: null always (clients that send every field send nulls), and
+# the "off" values (`functions: []`, `use_beam_search: false`, `best_of` equal to `n`, ...).
 
 UNSUPPORTED_FIELD = "unsupported_field"  # the pydantic error type errors.py turns into a 400
 
@@ -85,12 +85,18 @@ def _best_of_is_n(v, data) -> bool:
 
 
 _NO_TOOLS = "tool calling is not implemented by this server"
+_LEGACY_FUNCTIONS = "the legacy function calling fields are not implemented (use tools)"
+# Completions take no tools; a client sending them wants tool calls.
 _TOOL_FIELDS: dict[str, tuple] = {
-    "tools": (_null_or([]), _NO_TOOLS),
-    "tool_choice": (_null_or("none"), _NO_TOOLS + ' (only "none" is accepted)'),
-    "parallel_tool_calls": (_null, _NO_TOOLS),
-    "functions": (_null_or([]), _NO_TOOLS),
-    "function_call": (_null_or("none"), _NO_TOOLS + ' (only "none" is accepted)'),
+    "tools": (_null_or([]), _NO_TOOLS + " on /v1/completions (use /v1/chat/completions)"),
+    "tool_choice": (_null_or("none"), _NO_TOOLS + ' on /v1/completions (only "none" is '
+                                                  'accepted)'),
+    "parallel_tool_calls": (_null, _NO_TOOLS + " on /v1/completions"),
+}
+# Chat takes tools (tools.py); OpenAI's deprecated function calling is refused.
+_FUNCTION_FIELDS: dict[str, tuple] = {
+    "functions": (_null_or([]), _LEGACY_FUNCTIONS),
+    "function_call": (_null_or("none"), _LEGACY_FUNCTIONS + ' (only "none" is accepted)'),
 }
 _BEAM_FIELDS: dict[str, tuple] = {
     "best_of": (_best_of_is_n, "best_of other than n (generate more, return the best) is "
@@ -109,7 +115,6 @@ _VLLM_OUTPUT_FIELDS: dict[str, tuple] = {
                                           "implemented"),
 }
 _CHAT_TEMPLATE_FIELDS: dict[str, tuple] = {
-    "chat_template_kwargs": (_null_or({}), "extra chat template arguments are not implemented"),
     "documents": (_null_or([]), "documents for the chat template are not implemented"),
     "continue_final_message": (_null_or(False), "continuing the last message is not "
                                                 "implemented"),
@@ -158,9 +163,28 @@ def _refuse(param: str, message: str):
 _PART_TYPES = frozenset({"text", "image_url", "image", "image_pil"})
 
 
+def _check_tool_calls(calls, where: str) -> None:
+    """An assistant turn's `tool_calls`, in OpenAI's shape."""
+    if not isinstance(calls, list):
+        raise _refuse("messages", f"{where}: must be a list of calls")
+    for j, c in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or c.get("type", "function") != "function":
+            raise _refuse("messages", f'{at}: a call is {{"type": "function", "function": '
+                                      f'{{"name", "arguments"}}}}')
+        if not isinstance(fn.get("name"), str):
+            raise _refuse("messages", f"{at}.function.name: must be a string")
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise _refuse("messages", f"{at}.function.arguments: must be a JSON string")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise _refuse("messages", f"{at}.id: must be a string")
+
+
 def _check_messages(messages) -> None:
-    """Refuses the message fields that only mean something with tool calling or audio
-    output, and content parts tokenmill does not render (a 400 naming `messages`)."""
+    """Refuses the message fields that only mean something with legacy function calling or
+    audio output, malformed tool turns, and content parts tokenmill does not render (a 400
+    naming `messages`)."""
     if not isinstance(messages, list):
         return  # the field's own validation names the problem
     for i, m in enumerate(messages):
@@ -168,13 +192,19 @@ def _check_messages(messages) -> None:
             continue
         where = f"messages[{i}]"
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise _refuse("messages", f"{where}.role: {role!r} messages (tool results) are "
-                                      f"not supported: {_NO_TOOLS}")
+        if role == "function":
+            raise _refuse("messages", f"{where}.role: 'function' messages are not supported: "
+                                      f"{_LEGACY_FUNCTIONS} (a tool result is role 'tool')")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise _refuse("messages", f"{where}.tool_call_id: a tool message needs the id of "
+                                      f"the call it answers")
         if not _null_or([])(m.get("tool_calls"), m):
-            raise _refuse("messages", f"{where}.tool_calls: {_NO_TOOLS}")
+            if role != "assistant":
+                raise _refuse("messages", f"{where}.tool_calls: only assistant messages "
+                                          f"carry tool calls")
+            _check_tool_calls(m["tool_calls"], f"{where}.tool_calls")
         if m.get("function_call") is not None:
-            raise _refuse("messages", f"{where}.function_call: {_NO_TOOLS}")
+            raise _refuse("messages", f"{where}.function_call: {_LEGACY_FUNCTIONS}")
         if m.get("audio") is not None:
             raise _refuse("messages", f"{where}.audio: audio is not supported")
         content = m.get("content")
@@ -328,10 +358,12 @@ class _SamplingRequest(_RequestBody):
         return self.prompt_logprobs
 
     def to_sampling_params(self, default_max_tokens: int | None,
-                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-                           ) -> SamplingParams:
-        """Raises ValueError naming the field (SamplingParams' checks)."""
-        kwargs: dict[str, Any] = {"output_kind": output_kind}
+                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                           forced: StructuredOutputsParams | None = None,
+                           defaults: dict | None = None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' checks). `forced`: a grammar
+        the request's tool_choice asks for; `defaults`: values for fields it left unset."""
+        kwargs: dict[str, Any] = {"output_kind": output_kind, **(defaults or {})}
         for name in _PASSTHROUGH:
             v = getattr(self, name)
             if v is not None:
@@ -347,6 +379,12 @@ class _SamplingRequest(_RequestBody):
         if prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = prompt_logprobs
         structured = self._structured_outputs()
+        if forced is not None:
+            if structured is not None:
+                field = structured._origin or "structured_outputs"
+                raise ValueError(f"{field}: cannot be combined with a tool_choice that forces "
+                                 f"a call (required or a named function)")
+            structured = forced
         if structured is not None:
             kwargs["structured_outputs"] = structured
         return SamplingParams(**kwargs)
@@ -389,7 +427,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     ENDPOINT: ClassVar[str] = "/v1/chat/completions"
     REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {
-        **_TOOL_FIELDS,
+        **_FUNCTION_FIELDS,
         "reasoning_effort": (_null, "a reasoning effort is not implemented"),
         "verbosity": (_null, "a verbosity setting is not implemented"),
         "modalities": (_null_or(["text"]), 'only text output (["text"]) is implemented'),
@@ -411,6 +449,11 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # tool calling (tools.py checks them against the server's flags)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -429,7 +472,6 @@ class TokenizeRequest(_RequestBody):
     # what changes the prompt a chat request would get, and what changes the answer's shape
     ENDPOINT: ClassVar[str] = "/tokenize"
     REFUSED_FIELDS: ClassVar[dict[str, tuple]] = {
-        "tools": _TOOL_FIELDS["tools"],
         **_CHAT_TEMPLATE_FIELDS,
         "mm_processor_kwargs": _VLLM_OUTPUT_FIELDS["mm_processor_kwargs"],
         "return_token_strs": (_null_or(False), "token strings are not implemented"),
@@ -442,6 +484,8 @@ class TokenizeRequest(_RequestBody):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as chat renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_RequestBody):

@@ -79,6 +79,18 @@ def resolve_engine_process(flag: bool | None) -> bool:
     return ENGINE_PROCESS_DEFAULT
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself when it is one."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
 def run_server(args) -> int:
     """`tokenmill serve`: build the engine, then serve until SIGINT / SIGTERM (exit 0) or
     until the engine dies (exit 1)."""
@@ -88,6 +100,9 @@ def run_server(args) -> int:
     from tokenmill.engine.engine_args import EngineArgs
     from tokenmill.engine.arg_utils import engine_kwargs, resolve_model
 
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
     model_arg = args.model_pos or args.model
     model = resolve_model(model_arg)
     name = args.served_model_name or model_arg or DEMO_MODEL_NAME
@@ -102,7 +117,10 @@ def run_server(args) -> int:
         metrics_public=args.metrics_public, log_prompts=args.log_prompts,
         trust_request_chat_template=args.trust_request_chat_template,
         web_ui=not args.no_web_ui,
-        allowed_local_media_path=getattr(args, "allowed_local_media_path", None))
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        chat_template=chat_template)
     app = build_app(async_llm, name, options=options)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -6,12 +6,14 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from tokenmill.entrypoints.openai.chat_output import ChoiceOutput, chat_finish_reason
 from tokenmill.entrypoints.openai.context import Ctx, salted, usage
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.logprobs import sample_positions_of
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.streaming import (DONE, check_finals, collect, raise_if_failed,
                                                    sse, streaming)
+from tokenmill.entrypoints.openai.tools import tool_plan
 from tokenmill.sampling_params import RequestOutputKind
 
 router = APIRouter()
@@ -27,9 +29,17 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
     if req.logprobs and req.top_logprobs is not None and req.top_logprobs > ctx.max_logprobs:
         raise APIError(f"top_logprobs: {req.top_logprobs} is more than this server's "
                        f"max_logprobs={ctx.max_logprobs}", 400, param="top_logprobs")
+    opts = ctx.options
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                     opts.enable_auto_tool_choice, opts.tool_call_parser)
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    params = ctx.sampling_params(req, None, kind, rename)  # chat: up to the context length
-    ids = await ctx.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
+    forced = plan.grammar() if plan else None
+    defaults = {"skip_special_tokens": False} if plan and plan.needs_special_tokens else None
+    # chat: up to the context length
+    params = ctx.sampling_params(req, None, kind, rename, forced=forced, defaults=defaults)
+    ids = await ctx.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
+                                plan.tools if plan else None, req.chat_template_kwargs)
+    starts_in_reasoning = await ctx.starts_in_reasoning(ids)
     images = await ctx.chat_images(req.messages)
     prompt = {"prompt_token_ids": ids}
     if images:
@@ -42,6 +52,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
     model, n, fmt = ctx.model_name, params.n, ctx.logprobs
     num_logprobs = params.logprobs  # None unless logprobs=true
     want_prompt_logprobs = req.prompt_logprobs is not None
+
+    def choice_output() -> ChoiceOutput:  # one per choice: its own parser state
+        return ChoiceOutput(ctx.reasoning_parser, starts_in_reasoning,
+                            plan.output_stream() if plan else None)
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None,
               stop_reason=None, **extra) -> str:
@@ -58,6 +72,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
             for index in range(n):
                 yield chunk(index, {"role": "assistant", "content": ""})
             pending: dict[int, list] = {}
+            outputs = {index: choice_output() for index in range(n)}
             prompt_tokens = completion_tokens = 0
             plp_extra = {}  # the prompt logprobs, sent with the first content chunk
             async for _, out in job:
@@ -69,15 +84,23 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
                     positions = pending.setdefault(c.index, [])
                     if num_logprobs is not None:
                         positions.extend(sample_positions_of(c))
-                    if not c.text and c.finish_reason is None and not plp_extra:
-                        continue
-                    logprobs = None
-                    if num_logprobs is not None:
-                        logprobs = {"content": fmt.chat_logprobs(positions, num_logprobs)}
-                        pending[c.index] = []
-                    yield chunk(c.index, {"content": c.text}, logprobs, c.finish_reason,
-                                c.stop_reason, **plp_extra)
-                    plp_extra = {}
+                    parsed = outputs[c.index]
+                    deltas = parsed.feed(c.text)
+                    done = c.finish_reason is not None
+                    if done:
+                        deltas += parsed.finish()
+                    if not deltas and (done or plp_extra):
+                        deltas = [{"content": ""}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        logprobs = None
+                        if num_logprobs is not None and k == 0:
+                            logprobs = {"content": fmt.chat_logprobs(positions, num_logprobs)}
+                            pending[c.index] = []
+                        yield chunk(c.index, delta, logprobs,
+                                    chat_finish_reason(c.finish_reason, parsed.calls) if last
+                                    else None, c.stop_reason if last else None, **plp_extra)
+                        plp_extra = {}
                 raise_if_failed(out)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -93,8 +116,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx):
         logprobs = None
         if num_logprobs is not None:
             logprobs = {"content": fmt.chat_logprobs(sample_positions_of(c), num_logprobs)}
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason,
+        message = choice_output().message(c.text)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": chat_finish_reason(c.finish_reason,
+                                                       message.get("tool_calls")),
                         "stop_reason": c.stop_reason})
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices,

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from tokenmill.entrypoints.openai.context import Ctx
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill.entrypoints.openai.tools import check_tools
 
 router = APIRouter()
 
@@ -17,7 +18,10 @@ async def tokenize(req: TokenizeRequest, ctx: Ctx):
     if tok is None:
         raise APIError("this model has no tokenizer", 400)
     if req.messages is not None:
-        ids = await ctx.render_chat(req.messages, req.add_generation_prompt, req.chat_template)
+        if req.tools:
+            check_tools(req.tools)
+        ids = await ctx.render_chat(req.messages, req.add_generation_prompt, req.chat_template,
+                                    req.tools, req.chat_template_kwargs)
     elif req.prompt is not None:  # a long prompt takes a while: not on the event loop
         ids = await ctx.run_blocking(tok.encode, req.prompt,
                                      add_special_tokens=req.add_special_tokens)
