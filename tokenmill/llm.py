@@ -71,12 +71,36 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             **template_kwargs) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them."""
+             tools: list[dict] | None = None, tool_choice=None,
+             chat_template_kwargs: dict | None = None, **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them.
+
+        `tools` (OpenAI's shape) go to the chat template; assistant turns may carry
+        `tool_calls` and `role: "tool"` results follow them. `tool_choice` "required" or a
+        named function ({"type": "function", "function": {"name": ...}}) forces the call
+        with a grammar: the text is then the JSON list [{"name", "parameters"}] or the
+        function's arguments. "auto" / "none" render the tools only (no parsing here)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         engine = self.llm_engine
+        if tools or tool_choice is not None:
+            from tokenmill.entrypoints.openai.tools import check_tools, tool_plan
+            if tools:
+                check_tools(tools)
+                template_kwargs["tools"] = tools
+            if tool_choice not in (None, "auto", "none"):
+                grammar = tool_plan(tools, tool_choice, None, False, None).grammar()
+                if isinstance(sampling_params, Sequence):
+                    sampling_params = [sp.clone(structured_outputs=grammar)
+                                       for sp in sampling_params]
+                else:
+                    sampling_params = (sampling_params or SamplingParams()).clone(
+                        structured_outputs=grammar)
+        template_kwargs.update(chat_template_kwargs or {})
         prompts = []
         for conv in conversations:
+            if any(m.get("tool_calls") for m in conv):
+                from tokenmill.entrypoints.openai.tools import template_messages
+                conv = template_messages(conv)
             prompt = {"prompt_token_ids": engine.apply_chat_template(
                 conv, add_generation_prompt, chat_template, **template_kwargs)}
             # OpenAI content parts: image_url (data: / file:// URLs), or image objects
