@@ -277,3 +277,19 @@ def test_a_template_without_tools_is_a_400(async_llm):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "tools" and "does not render tools" in err["message"], err
+
+
+def test_parser_flags_are_checked_at_start(capsys):
+    """An unknown parser name stops `tokenmill serve` before anything loads, listing the
+    valid ones; so does --enable-auto-tool-choice without a parser."""
+    from tokenmill.entrypoints.cli import main
+    for argv, needle in [
+            (["--tool-call-parser", "bogus"], "(choose from 'deepseek_v3', 'hermes', "
+                                              "'llama3_json', 'mistral', 'qwen3_coder')"),
+            (["--reasoning-parser", "o1"], "(choose from 'deepseek_r1', 'qwen3')")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *argv])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", "--chat-template", "/no/such/file"]) == 2
