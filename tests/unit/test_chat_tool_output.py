@@ -79,6 +79,25 @@ def test_tool_choice_resolution():
         tool_plan(TOOLS, "auto", None, True, None)
 
 
+def test_parsers_with_special_token_markers_keep_them_in_the_text():
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    assert plan(parser="mistral").needs_special_tokens
+    assert plan(parser="llama3_json").needs_special_tokens
+    assert not plan(parser="hermes").needs_special_tokens
+    assert not plan("required", parser="mistral").needs_special_tokens  # no parser then
+    keep = {"skip_special_tokens": False}
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert not ChatCompletionRequest(**body).to_sampling_params(
+        None, defaults=keep).skip_special_tokens
+    assert ChatCompletionRequest(**body, skip_special_tokens=True).to_sampling_params(
+        None, defaults=keep).skip_special_tokens  # the request's own value wins
+    forced = plan("required").grammar()
+    sp = ChatCompletionRequest(**body).to_sampling_params(None, forced=forced)
+    assert sp.structured_outputs is forced
+    with pytest.raises(ValueError, match="^guided_regex: cannot be combined with a tool_choice"):
+        ChatCompletionRequest(**body, guided_regex="a+").to_sampling_params(None, forced=forced)
+
+
 def test_required_schema_accepts_exactly_valid_call_lists():
     schema = calls_schema(check_tools(TOOLS))
     validator = jsonschema.Draft202012Validator(schema)

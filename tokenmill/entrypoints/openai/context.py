@@ -19,6 +19,8 @@ from tokenmill.entrypoints.openai.streaming import Merged
 from tokenmill.entrypoints.openai.tools import template_messages
 from tokenmill.limits import RequestLimits
 from tokenmill.parsers.registry import get_reasoning_parser
+from tokenmill.structured_output.reasoning_gate import (ReasoningGates,
+                                                        prompt_starts_in_reasoning)
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 # A template's own errors (syntax, raise_exception(), sandbox refusals) and bad message
@@ -62,6 +64,8 @@ class ServerContext:
         # --reasoning-parser is the engine's (its grammars wait for the reasoning)
         name = getattr(engine_args, "reasoning_parser", None)
         self.reasoning_parser = get_reasoning_parser(name) if name else None
+        self._reasoning_gates = (ReasoningGates(self.reasoning_parser, self.tokenizer)
+                                 if self.reasoning_parser is not None else None)
         self.logprobs = LogprobFormatter(self.tokenizer)
         # Chat templates and tokenization of whole prompts: CPU work that must not stall
         # the event loop (threads start on first use; build_app's lifespan shuts it down).
@@ -140,6 +144,9 @@ class ServerContext:
         model reads it (None without a reasoning parser, or when the prompt has no tag)."""
         if self.reasoning_parser is None or self.tokenizer is None:
             return None
+        gates = self._reasoning_gates
+        if not gates.error:  # the tags are tokens: read the ids, as the engine's gate does
+            return prompt_starts_in_reasoning(prompt_ids, gates.start_id, gates.end_id)
         text = await self.run_blocking(self.tokenizer.decode, prompt_ids,
                                        skip_special_tokens=False)
         return self.reasoning_parser.starts_in_reasoning(text)
