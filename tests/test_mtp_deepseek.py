@@ -9,12 +9,12 @@
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import make_llm, runner_of, scheduler_of
+from test_mtp_qwen3_next import _prompts
 from tokenmill import SamplingParams
 from tokenmill.spec_decode.random_drafters import deepseek_mtp_tensors, write_folder
 
@@ -38,16 +38,6 @@ def v3_mtp(tiny_model_factory, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("deepseek_v3_mtp") / "ckpt")
     write_folder(path, tm.path, config, tensors)
     return path, tm.hf, tensors
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(4)
-    out = []
-    for i in range(4):
-        head = rng.integers(0, vocab, size=int(rng.integers(3, 15))).tolist()
-        motif = rng.integers(0, vocab, size=3).tolist()
-        out.append(head + motif * 3 if i % 2 == 0 else head)
-    return out
 
 
 def _generate(llm, prompts, n=12):

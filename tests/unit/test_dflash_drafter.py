@@ -140,9 +140,10 @@ def requests(pair, seed=5):
     return [("a", prompts[0], 0), ("b", prompts[1], 0), ("c", prompts[2], 3)]
 
 
-def test_propose_matches_naive_reference(pair):
-    drafter, ctx = pair.drafter, DFlashContext(pair.drafter)
-    reqs = requests(pair)
+def batch_and_reference(pair, drafter, draft_path):
+    """The requests' contexts appended in one batch -> (context, ids, last tokens, block
+    positions, the naive logits of each request's block)."""
+    ctx, reqs = DFlashContext(drafter), requests(pair)
     hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
     for rid, tokens, start in reqs:
         h = pair.target_hidden(tokens)[start:]
@@ -152,11 +153,16 @@ def test_propose_matches_naive_reference(pair):
         lasts.append(pair.next_token(tokens))
         ps.append(len(tokens))
         naive.append(naive_block_logits(
-            pair.draft_path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
+            draft_path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
             h, list(range(start, len(tokens))), lasts[-1], ps[-1], K))
     ctx.append_batch([r[0] for r in reqs], counts, positions, torch.cat(hidden))
     assert [ctx.num_rows(r[0]) for r in reqs] == counts
-    ids = [r[0] for r in reqs]
+    return ctx, [r[0] for r in reqs], lasts, ps, naive
+
+
+def test_propose_matches_naive_reference(pair):
+    drafter = pair.drafter
+    ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, pair.draft_path)
     logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
     assert logits.shape == (3, K, pair.target_config["vocab_size"])
     for i in range(3):
@@ -192,21 +198,9 @@ def test_sliding_layers_are_causal_and_windowed(pair, types, window):
                                   create_platform(CPU, torch.float32))
     assert drafter.config.layer_windows == [window if t == "sliding_attention" else None
                                             for t in types]
-    ctx, reqs = DFlashContext(drafter), requests(pair)
-    hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
-    for rid, tokens, start in reqs:
-        h = pair.target_hidden(tokens)[start:]
-        hidden.append(h)
-        positions += list(range(start, len(tokens)))
-        counts.append(len(tokens) - start)
-        lasts.append(pair.next_token(tokens))
-        ps.append(len(tokens))
-        naive.append(naive_block_logits(path, pair.hf.model.embed_tokens.weight,
-                                        pair.hf.lm_head.weight, h,
-                                        list(range(start, len(tokens))), lasts[-1], ps[-1], K))
-    ctx.append_batch([r[0] for r in reqs], counts, positions, torch.cat(hidden))
-    logits = drafter.draft_logits(ctx, [r[0] for r in reqs], lasts, ps, K)
-    for i in range(len(reqs)):
+    ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, path)
+    logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
+    for i in range(len(ids)):
         torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
 
 
