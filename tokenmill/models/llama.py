@@ -143,6 +143,7 @@ class LlamaForCausalLM(HiddenStateTaps, nn.Module):
     config_class = DecoderConfig
     # compute_logits is exactly lm_head(hidden): the runner's greedy head may stand in.
     plain_lm_head = True
+    has_lm_head = True  # False: a checkpoint without one (models/registry.py)
 
     def __init__(self, hf_config: dict):
         super().__init__()
@@ -154,8 +155,10 @@ class LlamaForCausalLM(HiddenStateTaps, nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
                                       c.rope_params)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
+        # (None for a checkpoint saved without it: an embedding model, models/registry.py)
+        self.lm_head = (Linear(c.hidden_size, c.vocab_size, bias=False)
+                        if self.has_lm_head else None)
+        if c.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
         # The native loop over every layer of a decode step (set_decode_layers), or None.
         self.decode_layers: DecodeLayers | None = None

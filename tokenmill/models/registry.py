@@ -43,10 +43,47 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
+class _Headless:
+    """A decoder saved without its LM head (HF's bare `*Model` classes, how embedding
+    models such as Qwen3-Embedding are stored: `Qwen3Model`, weights without the
+    `model.` prefix - the loader strips it anyway - and no lm_head): the causal LM's
+    model with `lm_head` None. It pools (the runner's pooling rows read the final
+    normed hidden states) and never samples."""
+
+    has_lm_head = False
+    plain_lm_head = False
+
+    def __init__(self, hf_config: dict):
+        super().__init__(hf_config)
+        self.lm_head = None  # (a family that built one anyway: dropped before loading)
+
+    def compute_logits(self, hidden):
+        raise RuntimeError(f"{type(self).__name__} has no LM head: it only pools")
+
+
+def _headless_class(arch: str) -> type[nn.Module] | None:
+    """`arch` = "{X}Model" (or Gemma's "{X}TextModel") whose "{X}ForCausalLM" tokenmill
+    loads: that class without its LM head."""
+    if not arch.endswith("Model") or "For" in arch:
+        return None
+    stems = [arch[:-len("Model")]]
+    if arch.endswith("TextModel"):
+        stems.append(arch[:-len("TextModel")])
+    for stem in stems:
+        causal = MODEL_REGISTRY.get(stem + "ForCausalLM")
+        if causal is not None:
+            return type(arch, (_Headless, causal), {"__module__": __name__})
+    return None
+
+
 def resolve_model_class(hf_config: dict) -> type[nn.Module]:
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
+        headless = _headless_class(arch)
+        if headless is not None:
+            return headless
     raise ValueError(f"architectures {archs} not supported; supported architectures: "
-                     f"{', '.join(supported_architectures())}")
+                     f"{', '.join(supported_architectures())} (and each *ForCausalLM's "
+                     f"bare *Model, without its LM head, for pooling)")

@@ -290,5 +290,6 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     emb = model.embed_tokens
     model.embed_tokens = VocabParallelEmbedding(emb.weight, group.rank * emb.num_embeddings,
                                                 group)
-    model.lm_head.register_forward_hook(gather)
+    if model.lm_head is not None:  # (None: a checkpoint without one, it only pools)
+        model.lm_head.register_forward_hook(gather)
     model.config.vocab_size = vocab_size  # the batch's view: the whole vocabulary
