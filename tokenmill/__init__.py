@@ -13,6 +13,8 @@ _EXPORTS = {
     "EngineArgs": "tokenmill.engine.llm_engine",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",
+    "PoolingParams": "tokenmill.pooling.params",
+    "EmbeddingRequestOutput": "tokenmill.outputs",
 }
 __all__ = list(_EXPORTS)
 

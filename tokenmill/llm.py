@@ -1,4 +1,4 @@
-"""The offline API, call-compatible with vLLM's LLM for generate() and chat()."""
+"""The offline API, call-compatible with vLLM's LLM for generate(), chat() and embed()."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.llm_engine import EngineArgs, LLMEngine
 from tokenmill.multimodal.media import extract_images
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling.params import PoolingParams
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -110,6 +111,37 @@ class LLM:
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (a str, {"prompt": str}, {"prompt_token_ids": [...]}, or
+        a list of them), pooled as the model's pooler config says (last-token, mean or
+        CLS, optionally normalised: tokenmill/pooling/config.py). Works on any model
+        tokenmill loads, beside generate() on the same instance."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params: got {len(params)} for {len(prompts)} "
+                                 f"prompts")
+        for pp in params:
+            if not isinstance(pp, PoolingParams):
+                raise ValueError(f"pooling_params must be PoolingParams, got "
+                                 f"{type(pp).__name__}")
+        engine = self.llm_engine
+        prepared = [engine.prepare_request(p, pp) for p, pp in zip(prompts, params)]
+        ids = []
+        try:
+            for prep in prepared:
+                ids.append(engine.add_request(None, None, prepared=prep))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order = {rid: i for i, rid in enumerate(request_ids)}
@@ -117,17 +149,20 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm)
         start = time.perf_counter()
-        out_tokens = 0
+        out_tokens = in_tokens = 0
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(
-                            f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",
-                            refresh=False)
+                        if isinstance(out, EmbeddingRequestOutput):  # (embed(): prompts only)
+                            in_tokens += len(out.prompt_token_ids)
+                            rate = f"input {in_tokens / (time.perf_counter() - start):.1f} tok/s"
+                        else:
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            rate = f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                        bar.set_postfix_str(rate, refresh=False)
         except BaseException:
             engine.abort_request([rid for rid, i in order.items() if results[i] is None])
             raise

@@ -55,3 +55,29 @@ class RequestOutput:
     # Set when a completion finished with finish_reason "error": what went wrong (the
     # engine failed this request alone: NaN logits, a fault in its sampling, ...).
     error: str | None = None
+
+
+# ---- embeddings (LLM.embed, /v1/embeddings) -------------------------------------------
+@dataclass
+class EmbeddingOutput:
+    """One prompt's pooled vector (vLLM's shape)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What embed() returns per prompt, shaped like vLLM's: `outputs.embedding`, the
+    prompt's token ids. `error` as RequestOutput's (then the embedding is empty)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None

@@ -6,6 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.pooling.params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
 
 
@@ -30,7 +31,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_ids: frozenset[int] = frozenset(),
                  arrival_time: float | None = None, share_prompt_with: str | None = None,
-                 cache_salt: str | None = None, mm_features: list | None = None):
+                 cache_salt: str | None = None, mm_features: list | None = None,
+                 pooling_params: "PoolingParams | None" = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -60,6 +62,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Multimodal: its images (sched_output.MultiModalFeature, in prompt order), or None.
         self.mm_features = mm_features or None
+        # Pooling (an embedding request): prefill only, finished on its pooled vector;
+        # its sampling_params are pooling_sampling_params()'s, never sampled. None: generate.
+        self.pooling_params = pooling_params
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.pooling.params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -37,6 +38,8 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     # Images of a multimodal prompt, in prompt order (None: text only).
     mm_features: list[MultiModalFeature] | None = None
+    # An embedding request: its rows pool and sample nothing (None: it generates).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -184,6 +187,9 @@ class ModelRunnerOutput:
     # requests owning them sampled nothing this step; the scheduler recomputes them from
     # their first such block (vLLM's invalid_block_ids).
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Pooling: the vector (float32 [hidden]) of each embedding request whose prompt
+    # completed this step; the scheduler finishes it with that as its output.
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def logprobs_row_starts(sampled_token_ids: list[list[int]]) -> list[int]:

@@ -16,6 +16,8 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenmill import faults
 from tokenmill.core.encoder_cache_manager import EncoderCacheManager
 from tokenmill.core.block_pool import BlockPool
@@ -56,6 +58,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # one row per new token
     prompt_logprobs: LogprobsLists | None = None  # once, when the prompt is done
     error: str | None = None  # finish_reason "error": what went wrong, for the client
+    pooled: np.ndarray | None = None  # an embedding request's vector (float32), once
 
     @property
     def finished(self) -> bool:
@@ -312,6 +315,15 @@ class Scheduler:
         kvm = self.kv_cache_manager
         if req.num_computed_tokens or not (kvm.enable_caching or self.connector is not None):
             return None, 0, 0
+        if req.pooling_params is not None:
+            # Mean and CLS pooling read every position's hidden state: computed from
+            # scratch. Last-token pooling reads the last one only, which a prefix hit
+            # (never the whole prompt) leaves to compute; the external tier is skipped
+            # (a failed load would have to void a vector already pooled).
+            if req.pooling_params.pooling_type != "LAST" or not kvm.enable_caching:
+                return None, 0, 0
+            hit, num_hit = kvm.get_computed_blocks(req)
+            return hit, num_hit, 0
         hit, num_hit = kvm.get_computed_blocks(req)
         num_ext = 0
         if self.connector is not None:
@@ -468,7 +480,7 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
-                    mm_features=req.mm_features))
+                    mm_features=req.mm_features, pooling_params=req.pooling_params))
                 self._known_to_runner.add(req.request_id)
                 self._resend_as_new.discard(req.request_id)
             num_scheduled[req.request_id] = num_new
@@ -489,6 +501,8 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
+            if req.pooling_params is not None:
+                continue  # samples nothing: no placeholder, never scheduled past its prompt
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1
         if self.connector is not None:  # the one field known only now; then out is final
@@ -541,6 +555,12 @@ class Scheduler:
         if runner_output.errored:
             self.fail_requests(runner_output.errored)
         outputs = []  # (the failed ones: take_failed_outputs, by the engine core)
+        for rid, vector in runner_output.pooler_output.items():
+            req = self.requests.get(rid)  # (aborted meanwhile: None)
+            if req is not None and not req.is_finished:
+                self._remove_from_queues(req)
+                self._finish(req, RequestStatus.FINISHED_STOPPED)  # its blocks go back
+                outputs.append(EngineCoreOutput(rid, [], req.finish_reason, pooled=vector))
         max_len = self.config.max_model_len
         logprobs = runner_output.logprobs
         row_starts = (logprobs_row_starts(runner_output.sampled_token_ids)

@@ -37,6 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add_limit_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+    add_pooling_args(p)
 
 
 def add_reasoning_parser_arg(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,32 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(AT_LOAD)} (per-channel weights, activations "
                         f"unquantized); a quantized checkpoint's own method is accepted, "
                         f"another refused (default: the weights as stored)")
+
+
+def add_pooling_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's --runner / --task and --pooler-config (tokenmill/pooling/config.py)."""
+    g = p.add_argument_group("pooling (embeddings)")
+    g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=None,
+                   help="pooling: an embedding engine (/v1/embeddings; generation refused); "
+                        "generate: generation only over HTTP; auto: pooling for a checkpoint "
+                        "without an LM head (*Model) or with sentence-transformers files, "
+                        "else generate (default: auto)")
+    g.add_argument("--task", choices=["auto", "generate", "embed"], default=None,
+                   help="vLLM's older name for --runner: embed = pooling")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how embeddings pool, over the checkpoint\'s sentence-transformers '
+                        'files: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
+                        'true}\' (default: those files, else LAST, normalised)')
+
+
+def pooling_kwargs(args: argparse.Namespace) -> dict:
+    from tokenmill.pooling.config import TASK_RUNNERS
+    runner, task = getattr(args, "runner", None), getattr(args, "task", None)
+    task = TASK_RUNNERS[task] if task is not None else None
+    if runner is not None and task is not None and task != runner:
+        raise ValueError(f"--task {args.task} contradicts --runner {runner}")
+    return dict(runner=runner or task or "auto",
+                pooler_config=getattr(args, "pooler_config", None))
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -206,7 +233,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 engine_process=bool(getattr(args, "engine_process", None)),
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
                 distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
-                **kv_cache_kwargs(args), **cpu_platform_kwargs(args), **limit_kwargs(args))
+                **kv_cache_kwargs(args), **cpu_platform_kwargs(args), **limit_kwargs(args),
+                **pooling_kwargs(args))
 
 
 def resolve_model(name: str | None) -> str:

@@ -180,7 +180,7 @@ class AsyncLLM:
         run unconstrained)."""
         engine = self.engine
         prepared = await self.run_blocking(engine.prepare_request, prompt, params)
-        sop = prepared.params.structured_outputs
+        sop = getattr(prepared.params, "structured_outputs", None)  # (PoolingParams: none)
         if sop is not None:
             timeout = engine.limits.grammar_compile_timeout
             fut = engine.engine_core.structured_output.grammar_future(sop)
@@ -196,8 +196,10 @@ class AsyncLLM:
 
     async def add_request(self, prompt, sampling_params: SamplingParams | None,
                           request_id: str | None = None) -> tuple[str, asyncio.Queue]:
-        """Validate and enqueue on the engine thread. Raises ParamError (a ValueError)
-        for bad input, EngineOverloadedError when the queue is full, EngineDeadError."""
+        """Validate and enqueue on the engine thread (PoolingParams for `sampling_params`:
+        an embedding request, one EmbeddingRequestOutput when done). Raises ParamError
+        (a ValueError) for bad input, EngineOverloadedError when the queue is full,
+        EngineDeadError."""
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         n = self._admit(sampling_params)

@@ -163,7 +163,8 @@ class MPEngineCoreClient:
         msg = EngineCoreRequest(request.request_id, request.prompt_token_ids,
                                 request.sampling_params, sorted(request.eos_token_ids),
                                 request.arrival_time, request.share_prompt_with,
-                                request.cache_salt, request.mm_features)
+                                request.cache_salt, request.mm_features,
+                                request.pooling_params)
         if not self.has_unfinished_requests():
             self._last_message = time.monotonic()  # silence counts from now
         replica.unfinished.add(request.request_id)

@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenmill.core.sched_output import MultiModalFeature
 from tokenmill.core.scheduler import EngineCoreOutput
+from tokenmill.pooling.params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class EngineCoreRequest:
     share_prompt_with: str | None = None
     cache_salt: str | None = None
     mm_features: list[MultiModalFeature] | None = None
+    pooling_params: PoolingParams | None = None  # an embedding request
 
 
 @dataclass

@@ -159,7 +159,7 @@ class _CoreLoop:
             self.core.add_request(Request(
                 msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                 frozenset(msg.eos_token_ids), msg.arrival_time, msg.share_prompt_with,
-                msg.cache_salt, msg.mm_features))
+                msg.cache_salt, msg.mm_features, msg.pooling_params))
         except Exception as e:  # noqa: BLE001 - this request fails, the core goes on
             logger.exception("request %s: the engine core refused it", msg.request_id)
             self.send(b"out", CoreOutputs(

@@ -15,6 +15,7 @@ from tokenmill import platforms
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.limits import RequestLimits
 from tokenmill.platforms import DEFAULT_GREEDY_HEAD_MAX_ROWS, Platform, check_cpu_args
+from tokenmill.pooling.config import PoolerConfig, resolve_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,12 @@ class EngineArgs:
     # (JSON schema, tool call) applies only after the reasoning ends; the server also
     # splits the reasoning out of chat answers with it. None: no reasoning parser.
     reasoning_parser: str | None = None
+    # Pooling (tokenmill/pooling/config.py): vLLM's --runner ("auto", "generate",
+    # "pooling"; --task "embed" is "pooling") and --pooler-config (a dict or its JSON:
+    # pooling_type LAST / MEAN / CLS, normalize), over the checkpoint's
+    # sentence-transformers files.
+    runner: str = "auto"
+    pooler_config: object = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
@@ -194,6 +201,9 @@ class EngineSetup:
     tokenizer: object
     eos_token_ids: frozenset[int]
     reasoning_parser: str | None = None  # EngineArgs.reasoning_parser: grammars wait for it
+    # "generate" or "pooling" (an embedding engine), and how the model pools.
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig = PoolerConfig()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineSetup":
@@ -222,8 +232,14 @@ class EngineSetup:
                                    cache_dtype=args.kv_cache_dtype)
         # Which kernels run: decided here, once, for the whole engine.
         platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
+        runner_type, pooler = resolve_pooling(args.runner, args.pooler_config,
+                                              model_config.hf_config, model_config.path)
+        if runner_type == "pooling" and spec is not None:
+            raise ValueError("speculative_config: the pooling runner samples nothing to "
+                             "speculate on")
         return cls(model_config, scheduler_config, cache_config, platform, tokenizer,
-                   model_config.eos_token_ids(tokenizer), args.reasoning_parser)
+                   model_config.eos_token_ids(tokenizer), args.reasoning_parser,
+                   runner_type=runner_type, pooler_config=pooler)
 
     def structured_output(self):
         """A grammar manager (xgrammar loads on the first structured request)."""

@@ -13,6 +13,7 @@ from tokenmill.engine.output_processor import CompletionState, OutputProcessor, 
 from tokenmill.errors import ParamError
 from tokenmill.limits import RequestLimits
 from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.pooling.params import PoolingParams, pooling_sampling_params
 from tokenmill.sampling_params import ENGINE_DERIVED, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ class PreparedRequest:
     """A request that passed every check, ready for add_request (LLMEngine.prepare_request)."""
     text: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams  # resolved: the engine's own copy, with derived fields
+    # resolved: the engine's own copy, with derived fields (PoolingParams: an embedding)
+    params: SamplingParams | PoolingParams
     cache_salt: str | None
     mm_features: list | None = None  # its images (sched_output.MultiModalFeature)
 
@@ -41,6 +43,10 @@ class LLMEngine:
         self.platform = setup.platform
         logger.info("platform: %s", self.platform.describe())
         self.eos_token_ids = setup.eos_token_ids
+        # "generate" or "pooling" (embeddings only), and how embedding requests pool.
+        self.runner_type, self.pooler_config = setup.runner_type, setup.pooler_config
+        logger.info("runner: %s; embeddings: %s", self.runner_type,
+                    self.pooler_config.describe())
         if args.engine_process or args.data_parallel_size > 1:
             # The engine core(s) in their own process(es); this one tokenizes,
             # detokenizes and checks stop strings (tokenmill.engine.core_client).
@@ -59,16 +65,19 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None,
+                       pooling: bool = False) -> tuple:
         """A str, {"prompt": str} or {"prompt_token_ids": [...]} (either dict with an
         optional "multi_modal_data": {"image": an image or a list of them}) -> (text,
         token ids, images as MultiModalFeatures or None), validated.
 
         `truncate_prompt_tokens` (SamplingParams'): keep the last k tokens; -1: the last
-        max_model_len - 1 (the longest prompt that leaves room for an output token)."""
+        max_model_len - 1 (the longest prompt that leaves room for an output token).
+        `pooling`: an embedding's prompt, which needs no room for output (max_model_len
+        tokens fit, and -1 keeps that many)."""
         text = None
-        max_len = self.model_config.max_model_len
-        keep = self._truncation(truncate_prompt_tokens, prompt)
+        max_len = self.model_config.max_model_len + (1 if pooling else 0)
+        keep = self._truncation(truncate_prompt_tokens, prompt, pooling)
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -78,8 +87,7 @@ class LLMEngine:
             if keep is not None:
                 ids = ids[-keep:]
             if len(ids) >= max_len:  # before looking at a million entries one by one
-                raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no "
-                                           f"room for output within max_model_len={max_len}")
+                raise ParamError("prompt", self._too_long(len(ids), pooling))
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ParamError("prompt", "prompt_token_ids must be a list of ints")
             ids = list(ids)
@@ -108,11 +116,17 @@ class LLMEngine:
             raise ParamError("prompt", f"prompt_token_ids: token id {bad[0]} is outside the "
                                        f"vocabulary [0, {vocab})")
         if len(ids) >= max_len:
-            raise ParamError("prompt", f"prompt is {len(ids)} tokens long, which leaves no room "
-                                       f"for output within max_model_len={max_len}")
+            raise ParamError("prompt", self._too_long(len(ids), pooling))
         return text, ids, features
 
-    def _truncation(self, k: int | None, prompt) -> int | None:
+    def _too_long(self, n: int, pooling: bool) -> str:
+        max_len = self.model_config.max_model_len
+        if pooling:
+            return f"prompt is {n} tokens long, more than max_model_len={max_len}"
+        return (f"prompt is {n} tokens long, which leaves no room for output within "
+                f"max_model_len={max_len}")
+
+    def _truncation(self, k: int | None, prompt, pooling: bool = False) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps, or None."""
         if k is None:
             return None
@@ -125,7 +139,7 @@ class LLMEngine:
             # Cutting the prompt could split an image's placeholder run.
             raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens cannot be "
                                                        "combined with multi_modal_data")
-        return max_len - 1 if k == -1 else k
+        return max_len - (0 if pooling else 1) if k == -1 else k
 
     def _process_multimodal(self, ids: list[int], mm) -> tuple[list[int], list | None]:
         """The images of a prompt: preprocessed, placeholders expanded (see
@@ -152,7 +166,14 @@ class LLMEngine:
                         processed: tuple | None = None) -> PreparedRequest:
         """Every check and all the slow work of adding a request (tokenizing, the params'
         model checks, parsing the grammar and starting its compilation), touching no
-        engine state: safe on any thread. ParamError (a ValueError) on bad input."""
+        engine state: safe on any thread. ParamError (a ValueError) on bad input.
+        PoolingParams: an embedding request (any runner, given a model that loads)."""
+        if isinstance(params, PoolingParams):
+            return self._prepare_pooling(prompt, params, processed)
+        if self.runner_type == "pooling":
+            raise ParamError("model", "this model is served by the pooling runner "
+                                      "(--runner pooling): it computes embeddings "
+                                      "(/v1/embeddings, LLM.embed), not generations")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ParamError(None, f"sampling_params must be a SamplingParams, "
@@ -172,6 +193,8 @@ class LLMEngine:
         text, ids, params, cache_salt = (prepared.text, prepared.prompt_token_ids,
                                          prepared.params, prepared.cache_salt)
         request_id = request_id if request_id is not None else self.next_request_id()
+        if isinstance(params, PoolingParams):
+            return self._add_pooling(request_id, prepared)
         if request_id in self.output_processor.requests:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         processor = self.output_processor
@@ -206,6 +229,42 @@ class LLMEngine:
         processor.add_request(req_state)
         for r in core_requests:
             self.engine_core.add_request(r)
+        return request_id
+
+    # ---- embedding requests (tokenmill/pooling) --------------------------------
+    def _prepare_pooling(self, prompt, params: PoolingParams,
+                         processed: tuple | None) -> PreparedRequest:
+        """An embedding request's checks; its params resolved with the model's pooler."""
+        if params.pooling_type is not None:
+            raise ParamError("pooling_type", "pooling_type is the model's (--pooler-config), "
+                                             "not a request's")
+        if params.dimensions is not None:
+            raise ParamError("dimensions", "dimensions: this model does not support "
+                                           "matryoshka (truncated) embeddings")
+        text, ids, mm = processed if processed is not None else self.process_prompt(
+            prompt, params.truncate_prompt_tokens, pooling=True)
+        if mm:
+            raise ParamError("multi_modal_data", "multi_modal_data: embeddings of images "
+                                                 "are not supported")
+        cfg = self.pooler_config
+        resolved = params.clone(pooling_type=cfg.pooling_type,
+                                normalize=cfg.normalize if params.normalize is None
+                                else params.normalize)
+        return PreparedRequest(text, ids, resolved, self._cache_salt(prompt))
+
+    def _add_pooling(self, request_id: str, prepared: PreparedRequest) -> str:
+        """One core request, prefill only: its output is the pooled vector."""
+        processor = self.output_processor
+        if request_id in processor.requests or request_id in processor.pooling or \
+                self.engine_core.has_request(request_id):
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
+        metrics = RequestMetrics(time.monotonic())
+        processor.add_pooling_request(request_id, prepared.text, prepared.prompt_token_ids,
+                                      metrics)
+        self.engine_core.add_request(Request(
+            request_id, prepared.prompt_token_ids, pooling_sampling_params(), frozenset(),
+            metrics.arrival_time, cache_salt=prepared.cache_salt,
+            pooling_params=prepared.params))
         return request_id
 
     @staticmethod
@@ -284,7 +343,7 @@ class LLMEngine:
         self.engine_core.shutdown()
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self.output_processor.requests)
+        return list(self.output_processor.requests) + list(self.output_processor.pooling)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs) -> list[int]:

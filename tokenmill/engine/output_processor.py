@@ -5,7 +5,8 @@ engine core. Per step, the processor appends the new tokens of each
 completion, decodes them, looks for stop strings in the new text (a stop
 string may span tokens), turns logprob rows into {token id: Logprob} dicts and
 builds the RequestOutput its output_kind asks for. Completions that hit a stop
-string are reported back so the engine finishes them in the core.
+string are reported back so the engine finishes them in the core. An embedding request
+has no tokens: its one output carries the pooled vector (EmbeddingRequestOutput).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tokenmill import faults
 from tokenmill.core.sched_output import LogprobsLists
 from tokenmill.core.scheduler import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                               Logprob, RequestMetrics, RequestOutput)
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,15 @@ class CompletionState:
 
 
 @dataclass
+class PoolingRequestState:
+    """An embedding request: one core request of the same id, one final output."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+
+@dataclass
 class RequestState:
     request_id: str
     prompt: str | None
@@ -81,6 +92,12 @@ class OutputProcessor:
         # Completions whose processing failed in the last process() call: core id ->
         # (reason, message); the engine fails them in the core.
         self.failed: dict[str, tuple[str, str]] = {}
+        self.pooling: dict[str, PoolingRequestState] = {}  # embedding requests
+
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int], metrics: RequestMetrics) -> None:
+        self.pooling[request_id] = PoolingRequestState(request_id, prompt, prompt_token_ids,
+                                                       metrics)
 
     def add_request(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -89,6 +106,8 @@ class OutputProcessor:
 
     def remove_request(self, request_id: str) -> list[str]:
         """Forget a request; return its completions' core ids."""
+        if self.pooling.pop(request_id, None) is not None:
+            return [request_id]
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
@@ -111,7 +130,13 @@ class OutputProcessor:
         stopped: list[tuple[str, str]] = []
         self.num_new_tokens = {}
         self.failed = {}
+        outputs: list = []
         for out in core_outputs:
+            pooled = self.pooling.get(out.request_id)
+            if pooled is not None:
+                if out.finished:
+                    outputs.append(self._pooled_output(pooled, out, now))
+                continue
             entry = self.core_to_request.get(out.request_id)
             if entry is None:
                 continue
@@ -129,7 +154,6 @@ class OutputProcessor:
             if all(c is not comp for c in comps):  # (two outputs of one request: one entry)
                 comps.append(comp)
 
-        outputs = []
         for state, comps in touched.values():
             try:
                 out = self._make_output(state, comps)
@@ -143,6 +167,19 @@ class OutputProcessor:
             if out is not None:
                 outputs.append(out)
         return outputs, stopped
+
+    def _pooled_output(self, state: PoolingRequestState, out: EngineCoreOutput,
+                       now: float) -> EmbeddingRequestOutput:
+        """An embedding request's one output: its vector, or its error."""
+        del self.pooling[state.request_id]
+        state.metrics.finished_time = now
+        error = out.error
+        if out.pooled is None and error is None:  # (finished without a vector: aborted)
+            error = f"the request finished without an embedding ({out.finish_reason})"
+        vector = out.pooled.tolist() if out.pooled is not None else []
+        return EmbeddingRequestOutput(state.request_id, EmbeddingOutput(vector),
+                                      state.prompt_token_ids, True, state.prompt,
+                                      state.metrics, error)
 
     def _error_output(self, state: RequestState, message: str) -> RequestOutput:
         """A final output for a request whose output could not be built: every

@@ -34,6 +34,10 @@ class CachedRequestState:
     mm_features: list | None = None
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    # An embedding request (pooling/params.PoolingParams) and its pooling so far
+    # (worker/pooler.PoolingState, made at its first chunk); None: it generates.
+    pooling_params: object = None
+    pooler: object = None
 
     @property
     def num_tokens(self) -> int:

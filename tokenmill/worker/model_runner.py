@@ -9,8 +9,9 @@ the ids back into the batch and returns the ModelRunnerOutput.
 By concern: runner_kv_cache.py (specs, caches, backends, graphs), runner_inputs.py
 (batch update, decode-first reorder, flat inputs, attention and state metadata),
 runner_multimodal.py (M-RoPE, the encoder cache), runner_sampling.py (sample_tokens,
-prompt logprobs, grammar rows), runner_spec.py (draft verification), step_checks.py
-(fault sites, NaN / vocabulary checks).
+prompt logprobs, grammar rows), runner_spec.py (draft verification), runner_pooling.py
+(embedding rows: pooled, never sampled), step_checks.py (fault sites, NaN / vocabulary
+checks).
 """
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 from tokenmill.worker.runner_inputs import InputPrepMixin, StepInputs, reorder_decodes_first
 from tokenmill.worker.runner_kv_cache import KVCacheMixin
 from tokenmill.worker.runner_multimodal import MultimodalMixin
+from tokenmill.worker.runner_pooling import PoolingMixin
 from tokenmill.worker.runner_sampling import SamplingMixin
 from tokenmill.worker.runner_spec import DraftVerifyMixin
 from tokenmill.worker.state_cache import StateSlots
 
 
 class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
-                  DraftVerifyMixin):
+                  DraftVerifyMixin, PoolingMixin):
     """Owns the step's tensors: the persistent batch, the KV caches and state slots, the
     forward and the sampling. Its concerns live in mixins, one module each (KV cache
     setup, input preparation and metadata, multimodal inputs, sampling, draft
@@ -87,6 +89,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._grammar: GrammarOutput | None = None  # sample_tokens()' argument, while it runs
         self._prompt_logprobs_ready: dict[str, LogprobsLists] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # asked and not yet sent
+        # Embedding requests the runner holds, and the vectors of the step in progress.
+        self._pooling_reqs: set[str] = set()
+        self._pooled_ready: dict[str, torch.Tensor] = {}
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
         # Speculative decoding: the drafter and the verifier of its drafts.
         self.draft_model = draft_model
@@ -153,6 +158,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
                 self.state_slots.release(rid)
         self._pending = None
         self._prompt_logprobs_ready = {}
+        self._pooled_ready = {}
         self._grammar = None
         self._step_hidden = self._step_meta = None
         self._spec_write_slots = {}
@@ -186,6 +192,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         for rid in req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
+            self._pooling_reqs.discard(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
             if self.state_slots is not None:
@@ -233,6 +240,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             self.kv_connector.save_kv(kv_meta, kv_failed)
         if self.draft_model is not None:
             self._step_hidden, self._step_meta = hidden, meta
+        if self._pool_step(hidden, discard):  # every row pools: no logits to compute
+            self._pending = None
+            return None
         # Only the rows that sample reach lm_head.
         sample_hidden = hidden[torch.from_numpy(logits_indices).to(dev)]
         if self._greedy_head_applies(so, sample_hidden.shape[0]):

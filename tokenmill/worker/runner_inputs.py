@@ -81,6 +81,7 @@ class InputPrepMixin:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
+            self._pooling_reqs.discard(rid)
             batch.remove_request(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
@@ -108,7 +109,8 @@ class InputPrepMixin:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, gen,
                                        [list(b) for b in new.block_ids],
                                        new.num_computed_tokens, list(new.output_token_ids),
-                                       mm_features=new.mm_features or None)
+                                       mm_features=new.mm_features or None,
+                                       pooling_params=new.pooling_params)
             if state.mm_features and self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
                     len(state.prompt_token_ids),
@@ -117,6 +119,8 @@ class InputPrepMixin:
             batch.add_request(state)
             if sp.prompt_logprobs is not None:
                 self._prompt_logprobs_reqs.add(new.req_id)
+            if new.pooling_params is not None:
+                self._pooling_reqs.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]

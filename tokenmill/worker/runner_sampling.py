@@ -98,7 +98,7 @@ class SamplingMixin:
         the engine once the tokens before it were accepted (None: no structured request)."""
         self._grammar = grammar
         try:
-            return self._sample_tokens()
+            return self._attach_pooled(self._sample_tokens())
         finally:
             self._grammar = None
 
