@@ -64,7 +64,7 @@ def build_qwen3_embedding(path: str, seed: int = 0, tokenizer_from: str | None =
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     if tokenizer_from is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(os.path.join(tokenizer_from, name), os.path.join(path, name))
     return model
 

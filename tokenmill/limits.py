@@ -20,6 +20,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 class RequestLimits:
     max_n: int = 64  # completions per request (n)
     max_prompts_per_request: int = 256  # prompts in one /v1/completions body
+    max_embedding_inputs: int = 2048  # inputs in one /v1/embeddings body (OpenAI's cap)
     max_stop_strings: int = 64
     max_stop_string_length: int = 1024  # characters
     max_stop_token_ids: int = 1024

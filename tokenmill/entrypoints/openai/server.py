@@ -19,6 +19,7 @@ from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from tokenmill.entrypoints.openai.routes import (chat, completions, misc, stats, tokenize,
                                                  web_ui)
+from tokenmill.entrypoints.openai.routes import embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     install_handlers(app, metrics.rejected)
     for module in (completions, chat, tokenize, misc, stats):
         app.include_router(module.router)
+    app.include_router(embeddings.router)  # (a pooling engine only: routes/embeddings.py)
     if options.web_ui:
         app.include_router(web_ui.router)
     # The last added runs first: auth, then the body cap (an unauthenticated client
