@@ -174,6 +174,35 @@ def test_mixed_batches_of_generate_and_embed(tiny_model_factory, async_schedulin
     assert_no_blocks(llm)
 
 
+@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
+def test_preempted_embeddings_start_over_and_pool_the_same_vector(tiny_model_factory, kind):
+    """A KV pool too small for the load: generations growing past it preempt embedding
+    requests mid-prefill, which are recomputed from their first token (their pooling so
+    far dropped) and pool the same vectors."""
+    tm = tiny_model_factory("qwen3_headdim")
+    llm = make_llm(tm.path, max_num_batched_tokens=32, num_kv_blocks=12,
+                   pooler_config={"pooling_type": kind})
+    engine, sched = llm.llm_engine, scheduler_of(llm)
+    preempted = []
+    preempt = sched._preempt
+    sched._preempt = lambda req: (preempted.append(req.request_id), preempt(req))[1]
+    gen = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    embeds = {}
+    for i, p in enumerate(make_prompts([60, 60, 70, 66, 58, 75], 384, seed=6)):
+        if i < 2:  # the oldest: they grow, and preemption takes the newest
+            engine.add_request(None, {"prompt_token_ids": p}, gen)
+        else:
+            embeds[engine.add_request(None, {"prompt_token_ids": p}, PoolingParams())] = p
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(preempted) & set(embeds), preempted
+    for rid, p in embeds.items():
+        v = torch.tensor(finals[rid].outputs.embedding)
+        assert max_diff(v, hf_pooled(tm.hf.model, p, kind, True)) < TOL
+    assert_no_blocks(llm)
+
+
 def test_prefix_cache_hits_for_last_token_pooling_only(embedder):
     """Last-token pooling may start from cached prefix blocks (the last position is always
     computed); mean pooling needs every position, so it never looks the cache up."""
