@@ -219,6 +219,29 @@ def test_prefix_cache_hits_for_last_token_pooling_only(embedder):
         assert_no_blocks(llm)
 
 
+def test_a_non_finite_vector_fails_its_request_alone(embedder):
+    """An overflow in one request's activations: that request finishes with an error
+    (never NaN in a response), the others of its batch get their vectors."""
+    path, hf = embedder
+    llm = make_llm(path)
+    model = llm.llm_engine.engine_core.runner.model
+    forward = model.forward
+
+    def poisoned(input_ids, positions, meta, **kw):  # NaN on the rows of token 383
+        hidden = forward(input_ids, positions, meta, **kw)
+        return hidden.masked_fill((input_ids == 383).unsqueeze(-1), float("nan"))
+
+    model.forward = poisoned
+    good = make_prompts([20], 383, seed=7)[0]
+    bad, ok = llm.embed(token_prompts([[5, 6, 383], good]), use_tqdm=False)
+    assert bad.finished and bad.outputs.embedding == [] and "NaN" in bad.error
+    assert ok.error is None and max_diff(torch.tensor(ok.outputs.embedding),
+                                         hf_pooled(hf, good)) < TOL
+    stats = llm.llm_engine.engine_core.stats()
+    assert stats.num_errors == {"nan_embedding": 1}
+    assert_no_blocks(llm)
+
+
 def test_abort_frees_an_embedding_mid_prefill(embedder):
     path, _ = embedder
     llm = make_llm(path, max_num_batched_tokens=16)
