@@ -242,6 +242,20 @@ def test_a_non_finite_vector_fails_its_request_alone(embedder):
     assert_no_blocks(llm)
 
 
+def test_tensor_parallel_embeddings(embedder):
+    """Two ranks (gloo): the bare model shards without an lm_head; rank 0 pools."""
+    path, hf = embedder
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16,
+                   pooler_config={"pooling_type": "MEAN"})
+    try:
+        prompts = make_prompts(LENGTHS, 384, seed=8)
+        for p, v in zip(prompts, vectors(llm.embed(token_prompts(prompts), use_tqdm=False))):
+            assert max_diff(v, hf_pooled(hf, p, "MEAN", True)) < TOL
+        assert_no_blocks(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_abort_frees_an_embedding_mid_prefill(embedder):
     path, _ = embedder
     llm = make_llm(path, max_num_batched_tokens=16)
