@@ -1,10 +1,13 @@
 // The playground: a chat streamed from /v1/chat/completions, with the request's settings,
-// a stop button, and per reply its tokens, time to first token and tokens/s.
+// a stop button, and per reply its tokens, time to first token and tokens/s. A reply shows
+// its reasoning (--reasoning-parser) collapsed above the text, and its tool calls below.
 import {ApiError, getJSON, streamJSON} from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 
-let history = [];  // the conversation sent with each request: {role, content}
+// the conversation sent with each request: {role, content} (an assistant turn with
+// tool_calls too, as OpenAI's messages have them)
+let history = [];
 let controller = null;  // the AbortController of the reply streaming now
 
 // An element of the log: a message bubble, or a notice.
@@ -42,6 +45,76 @@ function notice(text) {
   const div = entry("notice", text);
   div.setAttribute("role", "alert");
   return div;
+}
+
+// What a reply streams besides its content: reasoning into a collapsed block above the
+// text (made on its first piece), each tool call into a block of its own below it, the
+// call's name and its arguments as they grow. Text goes in with append (never as HTML).
+class ReplyParts {
+  constructor(content) {
+    this.content = content;
+    this.reasoning = null;  // the <details> block's text element, once there is reasoning
+    this.calls = [];  // by the delta's index: {id, name, arguments, nameEl, argsEl}
+  }
+
+  addReasoning(text) {
+    if (!this.reasoning) {
+      const details = document.createElement("details");
+      details.className = "reasoning";
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      this.reasoning = document.createElement("div");
+      this.reasoning.className = "text";
+      details.append(summary, this.reasoning);
+      this.content.before(details);
+    }
+    this.reasoning.append(text);
+  }
+
+  addToolCall({index, id, function: fn}) {
+    let call = this.calls[index];
+    if (!call) {
+      const div = document.createElement("div");
+      div.className = "tool-call";
+      const nameEl = document.createElement("span");
+      nameEl.className = "name";
+      const argsEl = document.createElement("pre");
+      argsEl.className = "arguments";
+      div.append(nameEl, argsEl);
+      // after the content and the calls before it, above the metrics line
+      (this.lastCall() || this.content).after(div);
+      call = this.calls[index] = {id: null, name: "", arguments: "", div, nameEl, argsEl};
+    }
+    if (id) call.id = id;
+    if (fn && fn.name) {
+      call.name = fn.name;
+      call.nameEl.textContent = fn.name;
+    }
+    if (fn && fn.arguments) {
+      call.arguments += fn.arguments;
+      call.argsEl.append(fn.arguments);
+    }
+  }
+
+  lastCall() {
+    const made = this.calls.filter(Boolean);
+    return made.length ? made[made.length - 1].div : null;
+  }
+
+  // The assistant turn for the history: no reasoning (it is not sent back), the calls in
+  // OpenAI's shape with content null when there is no text beside them.
+  message() {
+    const text = this.content.textContent;
+    const calls = this.calls.filter(Boolean);
+    if (!calls.length) return {role: "assistant", content: text};
+    return {role: "assistant", content: text || null,
+            tool_calls: calls.map((c) => ({id: c.id, type: "function",
+                                           function: {name: c.name, arguments: c.arguments}}))};
+  }
+
+  empty() {
+    return !this.content.textContent && !this.reasoning && !this.calls.length;
+  }
 }
 
 // A number field's value, or undefined when empty (the server's default then).
@@ -112,6 +185,7 @@ async function send() {
   const userEntry = entry("user", text);
   const reply = entry("assistant");
   const content = reply.querySelector(".content");
+  const parts = new ReplyParts(content);
   const meta = document.createElement("div");
   meta.className = "meta";
   meta.title = "measured in this browser: TTFT from sending to the first text, " +
@@ -130,13 +204,16 @@ async function send() {
     for await (const chunk of streamJSON("v1/chat/completions", body, controller.signal)) {
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
-        const delta = choice.delta && choice.delta.content;
-        if (delta) {
+        const delta = choice.delta || {};
+        const calls = delta.tool_calls || [];
+        if (delta.reasoning_content) parts.addReasoning(delta.reasoning_content);
+        if (delta.content) content.append(delta.content);
+        for (const call of calls) parts.addToolCall(call);
+        if (delta.reasoning_content || delta.content || calls.length) {
           const now = performance.now();
           if (first === null) first = now;
           last = now;
           chunks += 1;
-          content.append(delta);
           scrollDown();
         }
         if (choice.finish_reason) finish = choice.finish_reason;
@@ -150,8 +227,7 @@ async function send() {
   setStreaming(false);
   reply.removeAttribute("aria-busy");
 
-  const replyText = content.textContent;
-  if (error && !replyText) {  // nothing came: the turn did not happen, the text goes back
+  if (error && parts.empty()) {  // nothing came: the turn did not happen, the text goes back
     history.pop();
     userEntry.classList.add("failed");
     userEntry.title = "not sent";
@@ -160,8 +236,8 @@ async function send() {
     notice(error.message);
     return;
   }
-  history.push({role: "assistant", content: replyText});
-  // Without the usage chunk (stopped), a content chunk is about one token.
+  history.push(parts.message());
+  // Without the usage chunk (stopped), a chunk with text is about one token.
   const tokens = usage ? usage.completion_tokens : chunks;
   const tps = tokens > 1 && last > first ? (tokens - 1) / ((last - first) / 1000) : null;
   meta.textContent = describe({tokens, exact: !!usage, ttft: first === null ? null : first - start,
