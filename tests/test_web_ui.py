@@ -23,6 +23,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from live_server import live_server
+from tool_chat import TOOL_TEMPLATE, TOOLS, think_checkpoint
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(
@@ -266,6 +267,122 @@ def test_a_json_schema_gives_a_reply_that_validates(page, client):
     assert console_errors(page) == []
 
 
+# ---- reasoning and tool calls ---------------------------------------------------------
+THINK_MODEL = "demo-think"
+
+
+@pytest.fixture(scope="module")
+def think_server(demo_path, tmp_path_factory):
+    """--reasoning-parser and tools on the demo model with `<think>` / `</think>` as tokens
+    (as tests/test_server_reasoning.py starts it)."""
+    folder = tmp_path_factory.mktemp("think-server")
+    checkpoint = think_checkpoint(demo_path, str(folder / "model"))
+    template = folder / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    with live_server(checkpoint, folder / "server.log", "--served-model-name", THINK_MODEL,
+                     "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "256",
+                     "--chat-template", str(template), "--reasoning-parser", "qwen3",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--log-stats-interval", "0", "--uvicorn-log-level", "warning") as srv:
+        srv.end_tag = think_end_id(checkpoint)
+        yield srv
+
+
+def think_end_id(checkpoint: str) -> str:
+    from transformers import AutoTokenizer
+    return str(AutoTokenizer.from_pretrained(checkpoint).convert_tokens_to_ids("</think>"))
+
+
+def extend_chat_requests(driver, extra: dict) -> None:
+    """The page has no fields for tools, template kwargs or logit_bias: its chat requests
+    get `extra` merged in by a wrapped fetch (gone with the next page load), which also
+    keeps each body sent in window.sentBodies. `extra` goes as JSON text: selenium's own
+    conversion sorts the keys, and the template renders the tools' JSON in their order."""
+    driver.execute_script("""
+        const extra = JSON.parse(arguments[0]);
+        const plain = window.fetch;
+        window.sentBodies = [];
+        window.fetch = (path, init) => {
+          if (String(path).endsWith("chat/completions")) {
+            const body = Object.assign(JSON.parse(init.body), extra);
+            window.sentBodies.push(body);
+            init = {...init, body: JSON.stringify(body)};
+          }
+          return plain(path, init);
+        };""", json.dumps(extra))
+
+
+def test_reasoning_collapsed_and_tool_calls_in_a_reply(browser, think_server, shots):
+    page = open_page(browser, think_server.url)
+    browser.get_log("browser")
+    client = openai.OpenAI(base_url=f"{think_server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    user = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    # thinking opened by the template, a named tool forced after it; the random model's
+    # greedy thinking ends where a bias on `</think>` makes it: the first bias that gives
+    # some reasoning and then the call
+    for bias in (2, 3, 4, 5, 6, 7, 8, 10, 12):
+        extra = {"tools": TOOLS, "tool_choice": forced, "logit_bias": {think_server.end_tag: bias},
+                 "chat_template_kwargs": {"thinking": True}}
+        r = client.chat.completions.create(model=THINK_MODEL, messages=user, temperature=0,
+                                           max_tokens=200, extra_body=extra)
+        choice = r.choices[0]
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+        if reasoning and choice.finish_reason == "tool_calls":
+            break
+    else:
+        pytest.fail("no bias gives reasoning and then a call: add one")
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls and all(name == "get_weather" for name, _ in calls)
+
+    extend_chat_requests(page, extra)
+    fill(page, "temperature", 0)
+    fill(page, "max-tokens", 200)
+    reply = send(page, user[0]["content"])
+    assert finished(page, reply) == ""  # no text beside the call (content null)
+    details = reply.find_elements(By.CSS_SELECTOR, "details.reasoning")
+    assert len(details) == 1 and details[0].get_property("open") is False  # collapsed
+    assert details[0].find_element(By.CSS_SELECTOR, "summary").text == "Reasoning"
+    assert details[0].find_element(By.CSS_SELECTOR, ".text").get_property(
+        "textContent") == reasoning
+    order = page.execute_script(
+        "return [...arguments[0].children].map((e) => e.className)", reply)
+    assert order == ["who", "reasoning", "content"] + ["tool-call"] * len(calls) + ["meta"]
+    shown = [(b.find_element(By.CSS_SELECTOR, ".name").get_property("textContent"),
+              b.find_element(By.CSS_SELECTOR, ".arguments").get_property("textContent"))
+             for b in reply.find_elements(By.CSS_SELECTOR, ".tool-call")]
+    assert shown == calls
+    meta = reply.find_element(By.CSS_SELECTOR, ".meta").text
+    assert f"{r.usage.completion_tokens} tokens" in meta and "finish: tool_calls" in meta, meta
+    details[0].find_element(By.CSS_SELECTOR, "summary").click()  # opens on a click
+    assert details[0].get_property("open") is True
+    page.save_screenshot(str(shots / "playground-tools.png"))
+
+    # the next request carries the turn as OpenAI's message: calls, content null, no reasoning
+    second = send(page, "Thanks.")
+    finished(page, second)
+    sent = page.execute_script("return window.sentBodies")
+    assert len(sent) == 2
+    turn = sent[1]["messages"][1]
+    ids = [c["id"] for c in turn["tool_calls"]]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == len(ids)
+    assert turn == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+        for i, (name, args) in zip(ids, calls)]}
+    # and the server answers it as it answers the client's same conversation (the template
+    # renders no ids)
+    r2 = client.chat.completions.create(
+        model=THINK_MODEL, temperature=0, max_tokens=200, extra_body=extra,
+        messages=user + [choice.message.model_dump(include={"role", "content", "tool_calls"}),
+                         {"role": "user", "content": "Thanks."}])
+    assert [(b.find_element(By.CSS_SELECTOR, ".name").get_property("textContent"),
+             b.find_element(By.CSS_SELECTOR, ".arguments").get_property("textContent"))
+            for b in second.find_elements(By.CSS_SELECTOR, ".tool-call")] == [
+        (c.function.name, c.function.arguments) for c in r2.choices[0].message.tool_calls]
+    assert console_errors(page) == []
+
+
 # ---- the dashboard ----------------------------------------------------------------------
 def test_the_dashboard_moves_while_a_load_runs(page, server, client, shots):
     wait_idle(server.url)
@@ -367,3 +484,4 @@ def test_the_api_key_field_against_api_key(browser, keyed_server, shots):
         "finished_total"] == 1
     # the only console errors: the refused requests, as the browser logs them
     assert console_errors(page, allowed="401") == []
+
