@@ -298,7 +298,7 @@ def test_loader_errors_name_the_problem(qwen3_next_target, tmp_path):
            "layers.0.extra.weight", "matches no parameter")
     broken("bad_shape", dict(ck.mtp, **{"mtp.fc.weight": torch.zeros(3, 3)}), "fc.weight",
            "(3, 3)")
-    with pytest.raises(ValueError, match="needs a Qwen3-Next / Qwen3.5 target"):
+    with pytest.raises(ValueError, match="needs a Qwen3-Next / Qwen3.5 or DeepSeek-V3 target"):
         _load(ck.path, torch.nn.Linear(2, 2))
 
 
