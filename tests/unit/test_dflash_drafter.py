@@ -270,6 +270,44 @@ def test_reduced_draft_vocabulary_refusals(pair):
         load(_reduced_vocab_draft(pair, "bad_d2t", d2t=torch.full((96,), 1000))[0])
 
 
+@pytest.mark.parametrize("form", ["pt_file", "tensor"])
+def test_a_dedicated_mask_embedding_stands_in_for_the_mask_rows(pair, form):
+    """mask_embedding.pt (or a `mask_embedding` tensor in the safetensors): the block's
+    mask rows embed as it, not as the embedding's mask_token_id row."""
+    from safetensors.torch import save_file
+    path = pair.draft(f"mask_{form}", pair.root, seed=6)
+    h = pair.target_config["hidden_size"]
+    mask = torch.randn(h, generator=torch.Generator().manual_seed(8))
+    if form == "pt_file":
+        torch.save(mask, os.path.join(path, "mask_embedding.pt"))
+    else:
+        file = os.path.join(path, "model.safetensors")
+        save_file(dict(load_file(file), mask_embedding=mask), file)
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
+    assert torch.equal(drafter.mask_embedding, mask)
+    tokens = requests(pair)[1][1]
+    ctx = DFlashContext(drafter)
+    hidden = pair.target_hidden(tokens)
+    ctx.append("r", list(range(len(tokens))), hidden)
+    last = pair.next_token(tokens)
+    mask_id = json.load(open(os.path.join(path, "config.json")))["dflash_config"]["mask_token_id"]
+    embed = pair.hf.model.embed_tokens.weight.detach().clone()
+    embed[mask_id] = mask
+    naive = naive_block_logits(path, embed, pair.hf.lm_head.weight, hidden,
+                               list(range(len(tokens))), last, len(tokens), K)
+    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
+    # Not the plain row's logits: the substitution matters here.
+    plain = naive_block_logits(path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
+                               hidden, list(range(len(tokens))), last, len(tokens), K)
+    assert (plain - naive).abs().max() > 1e-2
+    torch.save(torch.zeros(h + 1), os.path.join(path, "mask_embedding.pt"))
+    with pytest.raises(ValueError, match=f"mask embedding must be {h} floats"):
+        load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                            create_platform(CPU, torch.float32))
+
+
 def test_context_grows_only_by_appended_positions(pair):
     drafter = pair.drafter
     tokens = requests(pair)[1][1]  # 11 tokens

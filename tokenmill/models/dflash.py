@@ -20,10 +20,11 @@ the next block's first token, at position p = the context's end.
 
 Checkpoints (z-lab's Qwen3-DFlash layout) usually ship neither `embed_tokens` nor
 `lm_head`: the drafter then uses the target's (mask tokens embed as the target's
-row `mask_token_id`); one that ships its own uses those. A head with a reduced draft
-vocabulary (`draft_vocab_size` < vocab_size) ships its own lm_head over the draft ids
-and `d2t` (target id = draft id + d2t[draft id], EAGLE-3's convention): its drafts are
-mapped to target ids before verification.
+row `mask_token_id`, or a dedicated mask embedding where the folder has
+`mask_embedding.pt` or a `mask_embedding` tensor); one that ships its own uses those.
+A head with a reduced draft vocabulary (`draft_vocab_size` < vocab_size) ships its own
+lm_head over the draft ids and `d2t` (target id = draft id + d2t[draft id], EAGLE-3's
+convention): its drafts are mapped to target ids before verification.
 """
 from __future__ import annotations
 
@@ -178,6 +179,9 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self._vocab_maps: dict[str, torch.Tensor] = {}
+        # A separate learned embedding [H] for the mask rows (mask_embedding.pt, or a
+        # `mask_embedding` tensor); None: the mask token's row of the embedding.
+        self.register_buffer("mask_embedding", None)
         # The target's embedding / lm_head where the checkpoint has none. A tuple, not
         # submodules: the platform must not prepare (repack) the target's layers again.
         self._target_io: tuple[nn.Module, nn.Module] | None = None
@@ -193,7 +197,13 @@ class DFlashDraftModel(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         embed = self.embed_tokens if self.embed_tokens is not None else self._target_io[0]
-        return embed(ids)
+        x = embed(ids)
+        if self.mask_embedding is not None:
+            # A dedicated mask embedding stands in for every mask_token_id row (as the
+            # reference substitutes it by id).
+            x = torch.where((ids == self.config.mask_token_id)[:, None],
+                            self.mask_embedding.to(x.dtype), x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self._target_io[1]
@@ -287,10 +297,20 @@ class DFlashDraftModel(nn.Module):
     def map_checkpoint(self, name: str, tensor: torch.Tensor):
         """The vocabulary maps are kept aside for set_vocab_maps; the rest loads as is."""
         bare = name.removeprefix("model.")
-        if bare in ("d2t", "t2d"):
+        if bare in ("d2t", "t2d", "mask_embedding"):
             self._vocab_maps[bare] = tensor
             return
         yield name, tensor
+
+    def set_mask_embedding(self, tensor: torch.Tensor, where: str) -> None:
+        h = self.config.hidden_size
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != h \
+                or not tensor.dtype.is_floating_point:
+            raise ValueError(f"{where}: the mask embedding must be {h} floats, got "
+                             f"{getattr(tensor, 'dtype', type(tensor).__name__)} "
+                             f"{tuple(getattr(tensor, 'shape', ()))}")
+        self.mask_embedding = tensor.reshape(h).to(self.norm.weight.device,
+                                                   self.norm.weight.dtype)
 
 
 class DFlashContext:
@@ -402,9 +422,6 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
     # A drafter places no quantized layers (yet): every quantized format is refused.
     check_quantization(hf_config, f"DFlash draft {path}", implemented=())
     names = _checkpoint_names(path)
-    if os.path.exists(os.path.join(path, "mask_embedding.pt")):
-        raise ValueError(f"DFlash draft {path}: a separate mask embedding "
-                         f"(mask_embedding.pt) is not supported")
     own_embed, own_head = "embed_tokens.weight" in names, "lm_head.weight" in names
     c, tc = DFlashConfig(hf_config), target.config
     bad_ids = [i for i in c.target_layer_ids if not 0 <= i < tc.num_layers]
@@ -429,6 +446,13 @@ def load_dflash_drafter(path: str, target: nn.Module, dtype: torch.dtype,
         torch.set_default_dtype(default)
     load_weights(model, path)
     maps, model._vocab_maps = model._vocab_maps, {}
+    mask_file = os.path.join(path, "mask_embedding.pt")
+    if os.path.exists(mask_file):  # tensors only: no pickled code runs
+        model.set_mask_embedding(torch.load(mask_file, map_location="cpu", weights_only=True),
+                                 f"DFlash draft {mask_file}")
+    elif "mask_embedding" in maps:
+        model.set_mask_embedding(maps.pop("mask_embedding"), f"DFlash draft {path}")
+    maps.pop("mask_embedding", None)
     if model.draft_vocab_size != c.vocab_size and "d2t" not in maps:
         raise ValueError(f"DFlash draft {path}: draft_vocab_size {c.draft_vocab_size} < "
                          f"vocab_size {c.vocab_size} but no d2t map in the checkpoint")
