@@ -142,14 +142,35 @@ def test_refusals_through_the_client_leave_the_server_clean(client, server):
     assert len(r.data) == 6 and used_blocks(server) == 0
 
 
-def test_a_generation_server_refuses_embeddings(async_llm):  # noqa: F811 (the fixture)
+def test_a_generation_server_takes_a_mixed_load(async_llm):  # noqa: F811 (the fixture)
+    """Unlike vLLM, a generation server pools too: embeddings and completions sent
+    together all succeed, each embedding equals the same input's alone (within float32
+    rounding across batches), each greedy completion equals its text alone."""
+    import asyncio
+
     from tokenmill.entrypoints.openai.server import build_app
     app = build_app(async_llm, "demo")
-    r, ok = call(app, ("POST", "/v1/embeddings", {"json": {"input": "hello"}}),
-                 ("POST", "/v1/completions", {"json": {"prompt": "hello", "max_tokens": 1}}))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
-    assert "--runner pooling" in r.json()["error"]["message"]
-    assert ok.status_code == 200
+    emb = ("POST", "/v1/embeddings", {"json": {"input": TEXTS[2]}})
+    gen = ("POST", "/v1/completions", {"json": {"prompt": "hello there", "max_tokens": 8,
+                                                "temperature": 0}})
+    alone_emb, alone_gen = call(app, emb, gen)
+    assert alone_emb.status_code == 200 and alone_gen.status_code == 200, alone_emb.text
+    want = np.array(alone_emb.json()["data"][0]["embedding"])
+    assert abs(np.linalg.norm(want) - 1) < 1e-5  # normalised by default
+
+    async def mixed():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                     timeout=120) as c:
+            return await asyncio.gather(*[c.request(m, path, **kw)
+                                          for m, path, kw in [emb, gen] * 6])
+    out = asyncio.run(mixed())
+    assert all(r.status_code == 200 for r in out), [r.text for r in out]
+    for r in out[0::2]:
+        got = np.array(r.json()["data"][0]["embedding"])
+        assert np.abs(got - want).max() <= SAME
+    for r in out[1::2]:
+        assert r.json()["choices"][0]["text"] == alone_gen.json()["choices"][0]["text"]
 
 
 def test_generated_requests_get_no_server_error(server):

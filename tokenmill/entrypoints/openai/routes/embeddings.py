@@ -1,8 +1,11 @@
 """POST /v1/embeddings: one engine request per input, pooled (tokenmill/pooling), as
 OpenAI answers it (`encoding_format` float, or base64 of little-endian float32 bytes).
 
-Served by a pooling engine only (--runner pooling / --task embed, or a checkpoint that
-defaults to it), as vLLM does: a generation server answers 400 naming `model`."""
+Served by a pooling engine (--runner pooling / --task embed, or a checkpoint that
+defaults to it), and, unlike vLLM, by a generation engine too: any decoder pools (the
+engine's pooler config, last token and normalised by default), and the embedding
+requests share the scheduler with the generations, so one server takes a mixed load. A
+pooling server still refuses generation (its checkpoint may have no LM head)."""
 from __future__ import annotations
 
 import base64
@@ -55,9 +58,6 @@ def _encode(vector: list[float], encoding_format: str):
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, raw: Request, ctx: Ctx):
     ctx.check_model(req.model)
-    if getattr(ctx.async_llm.engine, "runner_type", "generate") != "pooling":
-        raise APIError("this model is served for generation: /v1/embeddings needs a server "
-                       "started with --runner pooling (or --task embed)", 400, param="model")
     prompts = _inputs(req.input, ctx.limits.max_embedding_inputs)
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
