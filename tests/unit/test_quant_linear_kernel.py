@@ -11,6 +11,7 @@ level, the plain-array fallback, aarch64 NEON under qemu).
 import pytest
 import torch
 
+from tokenmill import kernels
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
@@ -256,9 +257,14 @@ def test_resident_bytes_stay_within_1_1x_of_the_checkpoint(ops, bits, group):
     assert layer.method.packed.nbytes() <= 1.1 * checkpoint
 
 
-def test_platform_sets_the_quantized_row_limit(ops, kernel_level):
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_platform_sets_the_quantized_row_limit(ops, kernel_level, native_bf16, monkeypatch):
+    """Both CPU kinds on every machine: whether bf16 is native is the platform's
+    reading of the CPU flags, stood in for here."""
+    from tokenmill.platforms import cpu
     from tokenmill.platforms.cpu import (DEFAULT_NATIVE_BF16_QUANTIZED_ROWS,
                                          DEFAULT_QUANTIZED_ROWS, CpuPlatform)
+    monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: native_bf16)
     p = CpuPlatform.create("cpu", torch.float32)
     want = DEFAULT_QUANTIZED_ROWS if ops.has_fast_linear_bf16 else 0
     assert p.quantized_max_rows == want
@@ -266,6 +272,10 @@ def test_platform_sets_the_quantized_row_limit(ops, kernel_level):
     assert ("int4 / int8 / fp8 weights native" in p.describe()) == bool(want)
     # A bf16 model: the limit measured where bf16 GEMMs are native, else the fp32 one.
     b = CpuPlatform.create("cpu", torch.bfloat16)
+    # (an x86 level forced below avx512 widens as an AVX2 CPU would)
+    levels = kernels.all_levels()
+    below = "avx512" in levels and levels.index(kernel_level) < levels.index("avx512")
+    assert (b.gemm_dtype == "bfloat16") == (native_bf16 and not below)
     native = DEFAULT_NATIVE_BF16_QUANTIZED_ROWS if b.gemm_dtype == "bfloat16" else \
         DEFAULT_QUANTIZED_ROWS
     assert b.quantized_max_rows == (native if want else 0)
