@@ -217,6 +217,7 @@ def test_quantized_loop_rows_follow_the_quantized_kernels_limit(tiny_model_facto
     if not hasattr(ops, "linear_quant"):
         pytest.skip("this level has no quantized kernel")
     monkeypatch.setattr(cpu_platform, "DEFAULT_QUANTIZED_ROWS", 2)  # GEMMs widened: this
+    monkeypatch.setattr(cpu_platform, "DEFAULT_QUAD_QUANTIZED_ROWS", 2)  # bf16 at avx512_vnni
     path = _quantized_checkpoint(tiny_model_factory, tmp_path, "gptq_int4_descact")
     rows = _spy(monkeypatch, compare=True)
     llm = make_llm(path, dtype="bfloat16", max_num_seqs=4)

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import NUM_NEW, make_llm, scheduler_of
+from conftest import NUM_NEW, make_llm, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.kernels.testing import kernel_level  # noqa: F401 (fixture)
 from tokenmill.models.layers.linear import Linear
@@ -169,3 +169,40 @@ def test_gptq_writer_keeps_the_source_sharding(tmp_path):
         assert torch.equal(reference[name], w)
     down = load(dst).layers[1].mlp.down_proj
     assert torch.equal(down.dense_weight(), deq["model.layers.1.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("case", ["qwen3_8bit_g32_descact_asym_v2", "qwen3_4bit_g32_sym_v1"])
+def test_gptq_bf16_quad_layout_is_as_close_as_the_widening_kernel(gptq_model, monkeypatch,
+                                                                  case):
+    """bf16 models at the avx512_vnni level multiply 4- / 8-bit weights with integer dot
+    products on activations rounded to 15 bits (the quad layout): the first token's
+    logprobs stay as close to the fp32 run (HF-exact, above) as the bf16 run on the
+    widening kernel's, i.e. the rounding adds nothing beyond bf16's own."""
+    from tokenmill.kernels import cpu_ops
+    from tokenmill.platforms import cpu as cpu_platform
+    ops = cpu_ops()
+    if ops is None or not ops.has_quant_quad:
+        pytest.skip("the quad layout needs the avx512_vnni kernel level")
+    m = gptq_model(case)
+    prompts = [{"prompt_token_ids": p} for p in m.prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+
+    def first_logprobs(**kw):
+        llm = make_llm(m.path, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm, [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                     for o in outs]
+
+    def worst(got, ref):
+        return max(abs(g[t] - r[t]) for g, r in zip(got, ref) for t in g.keys() & r.keys())
+
+    _, ref = first_logprobs(dtype="float32")
+    llm, quad = first_logprobs(dtype="bfloat16")
+    layer = runner_of(llm).model.layers[0].mlp.down_proj
+    assert layer.method.packed.quad, layer.method.describe()
+    monkeypatch.setattr(cpu_platform, "DEFAULT_QUAD_QUANTIZED_ROWS", 0)
+    llm, plain = first_logprobs(dtype="bfloat16")
+    layer = runner_of(llm).model.layers[0].mlp.down_proj
+    assert not layer.method.packed.quad
+    assert worst(quad, ref) <= 2 * worst(plain, ref) + 5e-3, (worst(quad, ref),
+                                                              worst(plain, ref))

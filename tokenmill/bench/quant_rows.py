@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     platform = CpuPlatform.create("cpu", dtype)
     print(f"platform: {platform.describe()}")
     print(f"torch threads {torch.get_num_threads()}; ms per call (median); "
-          f"kernel / tiles / dense {args.dtype}")
+          f"kernel / tiles / dense {args.dtype}"
+          + (" / quad-layout kernel" if getattr(ops, "has_quant_quad", False) else ""))
 
     def timed(fn) -> float:
         return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(
@@ -75,6 +76,10 @@ def main(argv=None) -> int:
                                  torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
                                  bits, g)
             packed = PackedQuantizedWeight(ops, qw)
+            # The quad layout (integer dot products on 15-bit activations) where this
+            # CPU's kernels have it: the bf16 models' kernel there.
+            quad = PackedQuantizedWeight(ops, qw, quad=True)
+            quad = quad if quad.quad else None
             layer = Linear(k, n, bias=False, dtype=dtype)  # the same weights, dense
             layer.weight.data.copy_(packed.dequantize(dtype))
             layer.set_method(platform.linear_method(layer))
@@ -85,7 +90,9 @@ def main(argv=None) -> int:
                     a = timed(lambda: packed.linear(x, None, 1 << 30, None))
                     b = timed(lambda: packed.linear(x, None, 0, None))
                     c = timed(lambda: layer(x))
-                    cells.append(f"{m}: {a:.3f} / {b:.3f} / {c:.3f}")
+                    d = ("" if quad is None else
+                         f" / quad {timed(lambda: quad.linear(x, None, 1 << 30, None)):.3f}")
+                    cells.append(f"{m}: {a:.3f} / {b:.3f} / {c:.3f}{d}")
             print(f"{fmt} {n}x{k}  " + "  ".join(cells), flush=True)
     return 0
 

@@ -1,6 +1,7 @@
 // y = x @ W'^T + b for integer-quantized weights (W8A16 / W4A16: GPTQ, AWQ,
 // compressed-tensors, int8 made at load) and float8_e4m3fn ones (FP8 checkpoints,
-// fp8 made at load), fp32 math.
+// fp8 made at load), fp32 math; at the avx512_vnni level 4- / 8-bit codes may instead
+// be packed in the quad layout (below) and multiplied as integers on 15-bit activations.
 //
 // W' is the canonical form of models/layers/linear_methods/quantized_weight.py:
 // W'[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k / group_size, codes
@@ -12,7 +13,7 @@
 // registers keeps that advantage (no dequantized copy of the matrix is made or kept).
 //
 // Packed layout, made once at load (pack_quant_weight), per block of 32 output
-// columns (zero padded), the same at every capability level:
+// columns (zero padded), the same at every capability level (the quad layout aside):
 // - codes: 8-bit and e4m3 [N/32, K, 32] bytes, columns in order; 4-bit [N/32, K, 16] bytes,
 //   byte i = column i in the low nibble, column 16 + i in the high one (the pair
 //   interleave of cpu_linear.cpp's bf16 layout): W bytes widened to W dwords give
@@ -40,6 +41,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -259,6 +261,234 @@ void dequantize_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols) {
   }
 }
 
+// ---- The quad layout: integer dot products on 15-bit activations (AVX512-VNNI) ----
+//
+// Why: at one row the widening kernels above spend three vector ops per 16 weights
+// (widen, convert, FMA), and where the weights sit in the last-level cache (a small
+// model) that, not memory, sets the speed. `vpdpbusd` multiplies 4 unsigned bytes by 4
+// signed bytes and adds the sum to an int32 lane: 64 weights of one row in one op with
+// no widening at all. The codes are the unsigned bytes as they are; the activations
+// become integers: per row and block of up to kActBlock k (within a group), x is
+// scaled so max |x| maps to 16383 and rounded (xq = rne(x * 16383 / amax)), and each
+// xq (15 bits with its sign) is split into two signed bytes, xq = hi * 128 + lo with
+// lo in [0, 127]: two `vpdpbusd` per 64 weights, and the sums are exact integers
+// (|sum| < 2^31 for a block of 128). The only error is the rounding of x, at most
+// amax / 32766 per element: below a bf16 activation's own rounding unless an element
+// is 128x smaller than its block's largest, which is why only bf16 models take this
+// layout (quantized_cpu.py); fp32 models keep the exact widening kernels.
+//
+// Layout (pack_quant_weight(quad=true)), per block of 32 columns, K a multiple of 8:
+// - 8-bit: [K/4, 128] bytes: line q holds, for each column c, its codes at k = 4q..4q+3
+//   in bytes 4c..4c+3 (a 64-byte load is 16 columns' dwords, vpdpbusd's unsigned side);
+// - 4-bit: [K/8, 128] bytes: line o, bytes 4c..4c+3 hold column c's codes at k = 8o + j
+//   in the low nibble and 8o + 4 + j in the high one (masking gives the quad 8o..8o+3,
+//   a shift and a mask the quad 8o+4..8o+7).
+// Groups must be a multiple of 8 (or the whole K) so that no line spans two.
+#if defined(TM_VEC_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TM_QUANT_QUAD 1
+#endif
+
+constexpr int64_t kQuadLine = 128;  // bytes per line of a 32-column block
+template <int BITS>
+constexpr int64_t kQuadK = BITS == 4 ? 8 : 4;  // k per line
+constexpr int64_t kActBlock = 128;  // k per activation scale (sums stay below 2^31)
+constexpr float kActMax = 16383.f;  // xq in [-16383, 16383]: hi in [-128, 127]
+
+// Activation blocks per group: blocks never straddle a group boundary.
+inline int64_t act_blocks_per_group(int64_t group, int64_t K) {
+  return (std::min(group, K) + kActBlock - 1) / kActBlock;
+}
+
+// Rows of x as 15-bit integers split into two signed bytes per k, 4 k a dword.
+struct QuadX {
+  std::vector<int32_t> hi, lo;  // [M, K/4]
+  std::vector<float> scale;     // [M, G * bpg]: amax / 16383 per activation block
+  std::vector<float> gsum;      // [M, G]: sum over the group of xq * scale (zero points)
+  int64_t nq = 0, bpg = 0, G = 0;
+};
+
+#if defined(TM_QUANT_QUAD)
+// x [M, K] fp32 -> QuadX. K and the block bounds are multiples of 8.
+QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
+  QuadX q;
+  q.nq = K / 4;
+  q.bpg = act_blocks_per_group(group, K);
+  q.G = G;
+  q.hi.resize(M * q.nq);
+  q.lo.resize(M * q.nq);
+  q.scale.assign(M * G * q.bpg, 0.f);
+  q.gsum.assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    auto* hi = reinterpret_cast<int8_t*>(q.hi.data() + m * q.nq);
+    auto* lo = reinterpret_cast<int8_t*>(q.lo.data() + m * q.nq);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t gk1 = std::min(K, (g + 1) * group);
+      float gsum = 0.f;
+      for (int64_t j = 0; j < q.bpg; ++j) {
+        const int64_t k0 = g * group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
+        if (k0 >= k1) break;
+        __m512 vmax = _mm512_setzero_ps(), vbad = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 16) {
+          const __mmask16 mk = k1 - k >= 16 ? 0xffff : 0xff;  // blocks are multiples of 8
+          const __m512 v = _mm512_maskz_loadu_ps(mk, xr + k);
+          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+          vbad = _mm512_add_ps(vbad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN: inf / NaN
+        }
+        const float amax = _mm512_reduce_max_ps(vmax);
+        // A NaN or infinite x makes the block's scale NaN: the outputs it touches are
+        // NaN, as the fp32 product's would be (max_ps may drop a NaN: vbad keeps it).
+        const bool finite = std::isfinite(amax) && _mm512_reduce_add_ps(vbad) == 0.f;
+        const float inv = finite && amax > 0.f ? kActMax / amax : 0.f;
+        const float scale = finite ? amax / kActMax : std::numeric_limits<float>::quiet_NaN();
+        const __m512 vinv = _mm512_set1_ps(inv);
+        __m512i vsum = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += 16) {
+          const __mmask16 mk = k1 - k >= 16 ? 0xffff : 0xff;
+          const __m512i xq = _mm512_cvtps_epi32(  // round to nearest even, as torch.round
+              _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv));
+          vsum = _mm512_add_epi32(vsum, xq);
+          _mm_mask_storeu_epi8(hi + k, mk, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xq, 7)));
+          _mm_mask_storeu_epi8(lo + k, mk, _mm512_cvtepi32_epi8(
+              _mm512_and_si512(xq, _mm512_set1_epi32(127))));
+        }
+        q.scale[(m * G + g) * q.bpg + j] = scale;
+        gsum += static_cast<float>(_mm512_reduce_add_epi32(vsum)) * scale;
+      }
+      q.gsum[m * G + g] = gsum;
+    }
+  }
+  return q;
+}
+
+// The two 16-column halves of line `l` as unsigned-byte quads: 8-bit, one quad per
+// half (w[0][c]); 4-bit, the low nibbles' quad (w[0][c]) and the high ones' (w[1][c]).
+template <int BITS>
+TM_INLINE void quad_line(const uint8_t* line, __m512i (&w)[2][2]) {
+  for (int c = 0; c < 2; ++c) {
+    const __m512i v = _mm512_loadu_si512(line + c * 64);
+    if constexpr (BITS == 8) {
+      w[0][c] = v;
+    } else {
+      const __m512i nib = _mm512_set1_epi8(0x0f);
+      w[0][c] = _mm512_and_si512(v, nib);
+      w[1][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+  }
+}
+
+// R rows (from row m0 of xq) against one block, into y (stride ldy).
+template <int R, int BITS, typename S>
+void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias,
+                float* y, int64_t ldy, int64_t ncols) {
+  constexpr int64_t kq = kQuadK<BITS>;
+  alignas(64) float out[R * NB] = {};
+  for (int64_t g = 0; g < b.G; ++g) {
+    const int64_t gk1 = std::min(b.K, (g + 1) * b.group);
+    __m512 s[2];
+    for (int c = 0; c < 2; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * 16).v;
+    for (int64_t j = 0; j < xq.bpg; ++j) {
+      const int64_t k0 = g * b.group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
+      if (k0 >= k1) break;
+      __m512i ah[R][2], al[R][2];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c) ah[r][c] = al[r][c] = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k1; k += kq) {
+        const uint8_t* line = b.codes + (k / kq) * kQuadLine;
+        tmvec::prefetch(line + 8192);  // a lone row streams the weights: keep 8 KB ahead
+        tmvec::prefetch(line + 8192 + 64);
+        __m512i w[2][2];
+        quad_line<BITS>(line, w);
+        for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h) {
+          const int64_t qi = k / 4 + h;  // the quad's dword in a row of xq
+          for (int r = 0; r < R; ++r) {
+            const int64_t row = (m0 + r) * xq.nq + qi;
+            const __m512i xh = _mm512_set1_epi32(xq.hi[row]);
+            const __m512i xl = _mm512_set1_epi32(xq.lo[row]);
+            for (int c = 0; c < 2; ++c) {
+              ah[r][c] = _mm512_dpbusd_epi32(ah[r][c], w[h][c], xh);
+              al[r][c] = _mm512_dpbusd_epi32(al[r][c], w[h][c], xl);
+            }
+          }
+        }
+      }
+      // Close the activation block: out += (hi * 128 + lo) * x's scale * the group's.
+      for (int r = 0; r < R; ++r) {
+        const __m512 sa = _mm512_set1_ps(xq.scale[((m0 + r) * xq.G + g) * xq.bpg + j]);
+        for (int c = 0; c < 2; ++c) {
+          const __m512i acc = _mm512_add_epi32(_mm512_slli_epi32(ah[r][c], 7), al[r][c]);
+          float* o = out + r * NB + c * 16;
+          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s[c], sa),
+                                             _mm512_load_ps(o)));
+        }
+      }
+    }
+    // The zero points: out -= scale * zero * (the group's sum of x as quantized).
+    for (int c = 0; c < 2; ++c) {
+      const __m512 sz = _mm512_mul_ps(s[c], tmvec::load_u8(b.zeros + g * NB + c * 16).v);
+      for (int r = 0; r < R; ++r) {
+        float* o = out + r * NB + c * 16;
+        _mm512_store_ps(o, _mm512_fnmadd_ps(sz, _mm512_set1_ps(xq.gsum[(m0 + r) * xq.G + g]),
+                                            _mm512_load_ps(o)));
+      }
+    }
+  }
+  store_rows<R>(out, bias, y, ldy, ncols);
+}
+
+constexpr int QUAD_MR = 4;  // rows per call: 4 x 2 x 2 int32 sums, 2-4 weight vectors
+
+template <int BITS, typename S, int R>
+void quad_tail(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias, float* y,
+               int64_t ldy, int64_t rows, int64_t ncols) {
+  if constexpr (R > 1) {
+    if (rows == R - 1) return quad_micro<R - 1, BITS>(xq, m0, b, bias, y, ldy, ncols);
+    return quad_tail<BITS, S, R - 1>(xq, m0, b, bias, y, ldy, rows, ncols);
+  }
+}
+
+template <int BITS, typename S>
+void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, float* y,
+                     int64_t ldy, int64_t rows, int64_t ncols) {
+  int64_t m = 0;
+  for (; m + QUAD_MR <= rows; m += QUAD_MR)
+    quad_micro<QUAD_MR, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+  if (m < rows)
+    quad_tail<BITS, S, QUAD_MR>(xq, m, b, bias, y + m * ldy, ldy, rows - m, ncols);
+}
+
+// The quad layout's codes of line l widened to fp32: kq vectors per 16-column half c,
+// out[i] = the codes at k = l * kq + i (dequantize_quad_block).
+template <int BITS>
+TM_INLINE void quad_codes(const uint8_t* line, int c, Vec* out) {
+  __m512i w[2][2];
+  quad_line<BITS>(line, w);
+  for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h)
+    for (int i = 0; i < 4; ++i)
+      out[h * 4 + i] = Vec(_mm512_cvtepi32_ps(_mm512_and_si512(
+          _mm512_srli_epi32(w[h][c], 8 * i), _mm512_set1_epi32(0xff))));
+}
+
+template <int BITS, typename S, typename T>
+void dequantize_quad_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols) {
+  constexpr int64_t kq = kQuadK<BITS>;
+  for (int64_t g = 0; g < b.G; ++g) {
+    const int64_t k1 = std::min(b.K, (g + 1) * b.group);
+    for (int c = 0; c < 2; ++c) {
+      const int n = lanes(ncols, c);
+      if (n == 0) continue;
+      const Vec s = load_scale<BITS>(b.scales + g * NB + c * 16);
+      const Vec z = tmvec::load_u8(b.zeros + g * NB + c * 16);
+      for (int64_t k = g * b.group; k < k1; k += kq) {
+        Vec w[kq];
+        quad_codes<BITS>(b.codes + (k / kq) * kQuadLine, c, w);
+        for (int i = 0; i < kq; ++i) store_lanes((w[i] - z) * s, out + (k + i) * ld + c * 16, n);
+      }
+    }
+  }
+}
+#endif  // TM_QUANT_QUAD
+
 // All `rows` rows of x against one block into y (stride ldy).
 template <int BITS, typename S>
 void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float* bias,
@@ -310,6 +540,7 @@ struct Packed {
   const void* scales;
   const uint8_t* zeros;
   int64_t nblocks, K, group, G;
+  bool quad;  // the quad layout (integer dot products on 15-bit activations)
 
   template <typename S>
   QBlock<S> block(int64_t b, int bits) const {
@@ -324,11 +555,19 @@ Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Ten
                     const torch::Tensor& zeros, int64_t N, int64_t bits, int64_t group) {
   TORCH_CHECK(known_kind(bits), op, ": bits must be 4, 8 or ", kQuantE4m3, " (e4m3), got ",
               bits);
+  // The quad layout's lines are 128 bytes, the plain layout's k lines 32 or 16.
+  const bool quad = codes.dim() == 3 && codes.size(2) == kQuadLine;
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(2) == (bits == 4 ? NB / 2 : NB),
+                  (codes.size(2) == (bits == 4 ? NB / 2 : NB) || (quad && bits != kQuantE4m3)),
               op, ": codes must come from pack_quant_weight with the same bits");
-  const int64_t nb = codes.size(0), K = codes.size(1);
+#if !defined(TM_QUANT_QUAD)
+  TORCH_CHECK(!quad, op, ": codes in the quad layout need the avx512_vnni kernel level "
+              "(this module is ", TOKENMILL_CPU_LEVEL_NAME, ")");
+#endif
+  const int64_t nb = codes.size(0), K = codes.size(1) * (quad ? (bits == 4 ? 8 : 4) : 1);
   TORCH_CHECK(group > 0, op, ": group_size must be positive");
+  TORCH_CHECK(!quad || group % 8 == 0 || group >= K, op,
+              ": the quad layout needs a group size that is a multiple of 8 or the whole K");
   const int64_t G = (K + group - 1) / group;
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == nb &&
                   scales.size(1) == G && scales.size(2) == NB &&
@@ -344,7 +583,7 @@ Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Ten
   }
   TORCH_CHECK(N > 0 && N <= nb * NB && N > (nb - 1) * NB, op, ": bad column count ", N);
   return {codes.data_ptr<uint8_t>(), scales.data_ptr(),
-          bits == kQuantE4m3 ? nullptr : zeros.data_ptr<uint8_t>(), nb, K, group, G};
+          bits == kQuantE4m3 ? nullptr : zeros.data_ptr<uint8_t>(), nb, K, group, G, quad};
 }
 
 // [N, X] -> [N/32 * 32, X] zero padded, viewed as [N/32, 32, X] -> [N/32, X, 32].
@@ -359,9 +598,13 @@ torch::Tensor blocks_of(const torch::Tensor& t) {
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
     torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
-    int64_t group_size) {
+    int64_t group_size, bool quad) {
   TORCH_CHECK(known_kind(bits), "pack_quant_weight: bits must be 4, 8 or ", kQuantE4m3,
               " (e4m3), got ", bits);
+#if !defined(TM_QUANT_QUAD)
+  TORCH_CHECK(!quad, "pack_quant_weight: the quad layout needs the avx512_vnni kernel level "
+              "(this module is ", TOKENMILL_CPU_LEVEL_NAME, ")");
+#endif
   const bool e4m3 = bits == kQuantE4m3;
   if (e4m3 && codes.scalar_type() == at::kFloat8_e4m3fn) codes = codes.view(at::kByte);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
@@ -390,8 +633,20 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
   if (bits == 4)
     TORCH_CHECK(codes.max().item<uint8_t>() <= 15 && zeros.max().item<uint8_t>() <= 15,
                 "pack_quant_weight: a 4-bit code or zero point exceeds 15");
+  if (quad) {
+    TORCH_CHECK(bits != kQuantE4m3 && K % 8 == 0 && (group_size % 8 == 0 || group_size >= K),
+                "pack_quant_weight: the quad layout takes 4- or 8-bit codes with K a multiple "
+                "of 8 and a group size that is a multiple of 8 or the whole K");
+  }
   torch::Tensor w = blocks_of(codes);  // [nb, K, 32]
-  if (bits == 4) {  // byte i = column i | column 16 + i << 4
+  const int64_t nb = w.size(0);
+  if (quad && bits == 8) {  // [nb, K/4, 4, 32] -> [nb, K/4, 32 columns, 4 k]
+    w = w.view({nb, K / 4, 4, NB}).permute({0, 1, 3, 2}).reshape({nb, K / 4, kQuadLine});
+  } else if (quad) {  // k 8o + j in the low nibble, 8o + 4 + j in the high one
+    auto o = w.view({nb, K / 8, 8, NB});
+    w = o.narrow(2, 0, 4).bitwise_or(o.narrow(2, 4, 4).bitwise_left_shift(4))
+            .permute({0, 1, 3, 2}).reshape({nb, K / 8, kQuadLine});
+  } else if (bits == 4) {  // byte i = column i | column 16 + i << 4
     w = w.narrow(2, 0, NB / 2).bitwise_or(w.narrow(2, NB / 2, NB / 2).bitwise_left_shift(4))
             .contiguous();
   }
@@ -431,6 +686,38 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     bias_hold = bias.to(at::kFloat).contiguous();
     bp = bias_hold.data_ptr<float>();
   }
+#if defined(TM_QUANT_QUAD)
+  if (p.quad) {
+    torch::Tensor out = torch::empty({M, N}, x.options());
+    if (M == 0) return out;
+    const QuadX xq = quantize_x(xp, M, K, group_size, G);
+    float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+    dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
+      constexpr int BITS = decltype(bits_tag)::value;
+      using S = decltype(scale_tag);
+      if constexpr (BITS != kQuantE4m3) {
+        at::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
+          std::vector<float> tile(yp == nullptr ? M * NB : 0);
+          for (int64_t blk = b0; blk < b1; ++blk) {
+            const int64_t n0 = blk * NB, ncols = std::min(NB, N - n0);
+            const QBlock<S> qb = p.block<S>(blk, BITS);
+            const float* bias_b = bp != nullptr ? bp + n0 : nullptr;
+            if (yp != nullptr) {
+              quad_block_rows<BITS>(xq, qb, bias_b, yp + n0, N, M, ncols);
+            } else {
+              quad_block_rows<BITS>(xq, qb, bias_b, tile.data(), NB, M, ncols);
+              auto* ob = out.data_ptr<c10::BFloat16>() + n0;
+              for (int64_t r = 0; r < M; ++r)
+                for (int64_t n = 0; n < ncols; ++n)
+                  ob[r * N + n] = c10::BFloat16(tile[r * NB + n]);
+            }
+          }
+        });
+      }
+    });
+    return out;
+  }
+#endif
   // Per row and group, the sum of x (closes each group's sums of x * code; e4m3 has
   // no zero point to close with).
   const int64_t xs_rows = M < DEQUANT_MIN_ROWS && bits != kQuantE4m3 ? M : 0;
@@ -483,9 +770,19 @@ torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch:
       constexpr int BITS = decltype(bits_tag)::value;
       using S = decltype(scale_tag);
       at::parallel_for(r0 / NB, (r1 - 1) / NB + 1, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t blk = b0; blk < b1; ++blk)
-          dequantize_block<BITS>(p.block<S>(blk, BITS), op + (blk * NB - r0), cols,
-                                 std::min(NB, r1 - blk * NB));
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          const QBlock<S> qb = p.block<S>(blk, BITS);
+          const int64_t ncols = std::min(NB, r1 - blk * NB);
+#if defined(TM_QUANT_QUAD)
+          if constexpr (BITS != kQuantE4m3) {
+            if (p.quad) {
+              dequantize_quad_block<BITS>(qb, op + (blk * NB - r0), cols, ncols);
+              continue;
+            }
+          }
+#endif
+          dequantize_block<BITS>(qb, op + (blk * NB - r0), cols, ncols);
+        }
       });
     });
   };

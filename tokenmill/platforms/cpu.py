@@ -90,6 +90,10 @@ DEFAULT_QUANTIZED_ROWS = 256
 # 48 rows 1.52 / 1.21; 4096 x 4096 at 16 rows 9.7 / 15.4, 32 rows 16.1 / 24.0, 48 rows
 # 25.8 / 26.4; int4 g128 the same within noise (`python -m tokenmill.bench.quant_rows`).
 DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = 32
+# bf16 models at a level with the quad layout (avx512_vnni: integer dot products on
+# 15-bit activations, cpu_quant_linear.cpp) keep 4- / 8-bit inputs of up to this many
+# rows in the kernel: it widens nothing, so it stays ahead of the tiles longer.
+DEFAULT_QUAD_QUANTIZED_ROWS = 64
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.
@@ -258,6 +262,10 @@ class CpuPlatform(Platform):
                      and hasattr(ops, "linear_quant"))
         quantized_rows = (0 if not quantized else DEFAULT_QUANTIZED_ROWS
                           if gemm == torch.float32 else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
+        # bf16 activations only: the 15-bit rounding is below a bf16's own, not an fp32's
+        quad_rows = (DEFAULT_QUAD_QUANTIZED_ROWS
+                     if quantized and model_dtype == torch.bfloat16
+                     and getattr(ops, "has_quant_quad", False) else 0)
         native = "native" if ops is not None else "torch"
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
@@ -277,7 +285,7 @@ class CpuPlatform(Platform):
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
                                and hasattr(ops, "decode_layers")),
             linear_f32_max_rows=DEFAULT_F32_PACKED_ROWS if packed_f32 else 0,
-            quantized_max_rows=quantized_rows,
+            quantized_max_rows=quantized_rows, quantized_quad_max_rows=quad_rows,
             tensor_parallel_size=tensor_parallel_size, ops=ops)
 
     # ---- what it decided ---------------------------------------------------------------
@@ -331,6 +339,8 @@ class CpuPlatform(Platform):
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
                 + (f", int4 / int8 / fp8 weights native up to {self.quantized_max_rows} rows"
                    if self.quantized_max_rows else "")
+                + (f" (int4 / int8 by integer dot products on 15-bit activations up to "
+                   f"{self.quantized_quad_max_rows})" if self.quantized_quad_max_rows else "")
                 + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "
                    f"layers and lm_head off the native paths (no collectives inside them)"
                    if self.tensor_parallel_size > 1 else ""))

@@ -40,6 +40,9 @@ class Platform:
     # of up to this many rows take the native W8A16 / W4A16 kernel (e4m3 codes too),
     # larger ones dequantized tiles (0: never native).
     quantized_max_rows: int = 0
+    # > 0: 4- / 8-bit weights in the quad layout (integer dot products on 15-bit
+    # activations, platforms/cpu.py) for inputs of up to this many rows
+    quantized_quad_max_rows: int = 0
     # Their GEMM where the platform has one: "triton" (ops/triton_quant_linear.py,
     # CUDA) or "torch" (native above, else dequantized tiles).
     quantized_gemm: str = "torch"
@@ -180,7 +183,8 @@ class Platform:
             on_cpu = self.device == "cpu" and self.quantized_max_rows > 0
             return bind_kernels(self.ops if on_cpu else None, self.widen_to,
                                 self.quantized_max_rows if on_cpu else 0,
-                                triton=self.quantized_gemm == "triton")
+                                triton=self.quantized_gemm == "triton",
+                                quad_max_rows=self.quantized_quad_max_rows if on_cpu else 0)
         if type(current) is not UnquantizedLinearMethod or current.compute_dtype is not None:
             return current
         w = layer.weight

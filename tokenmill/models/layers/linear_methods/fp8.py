@@ -127,11 +127,12 @@ class Fp8BlockLinearMethod(LinearMethod):
         return method
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
-                     triton: bool = False) -> "Fp8BlockLinearMethod":
+                     triton: bool = False, quad_max_rows: int = 0) -> "Fp8BlockLinearMethod":
         """This method with the platform's kernels (as QuantizedLinearMethod's): the
         Triton GEMM (`triton`, CUDA), else the native CPU module `ops` for inputs of up
         to `max_rows` rows (None / 0: none) and the GEMMs in `compute_dtype` where the
-        platform widens. Nothing to change: this method itself."""
+        platform widens. Nothing to change: this method itself. (`quad_max_rows`: the
+        integer kinds' quad layout; e4m3 codes have none.)"""
         if triton:
             return self.with_triton()
         dtype = compute_dtype if compute_dtype is not None else self.compute_dtype

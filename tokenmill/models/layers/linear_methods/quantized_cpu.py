@@ -11,6 +11,13 @@ that is exact, else fp32; e4m3 weights have no zero point. Inputs of up to
 larger ones dequantize tiles of weight rows (`dequantize_quant`, exactly the
 reference's W') and multiply them with the library GEMM in the compute dtype, never
 the whole matrix at once.
+
+`quad`: 4- and 8-bit codes in the kernels' quad layout, where the module has it (the
+avx512_vnni level) and the shape allows it (K a multiple of 8, groups a multiple of 8
+or the whole row): `linear_quant` then multiplies with integer dot products (vpdpbusd)
+on activations rounded to 15 bits per block of 128 (error at most max|x_block| / 32766
+per element, below a bf16 activation's own rounding for all but the block's smallest
+elements): the platform asks for it for bf16 models only, fp32 ones stay exact.
 """
 from __future__ import annotations
 
@@ -25,21 +32,30 @@ _KERNEL_INPUTS = (torch.float32, torch.bfloat16)
 PACK = 32  # output columns per packed block (the kernel's)
 
 
+def quad_layout_fits(ops, bits: int, in_features: int, group_size: int) -> bool:
+    """Whether `ops` packs a `bits`-bit [N, in_features] weight with this group size in
+    the quad layout (cpu_quant_linear.cpp: no line of 8 k may span two groups)."""
+    return (getattr(ops, "has_quant_quad", False) and bits in (4, 8)
+            and in_features % 8 == 0 and (group_size % 8 == 0 or group_size >= in_features))
+
+
 class PackedQuantizedWeight:
     """A `QuantizedWeight` packed once for the native kernels of `ops` (or, `e4m3`,
     block-scaled e4m3 weights). `kind`: the kernels' `bits` argument (4, 8, or
     ops.QUANT_E4M3); `bits`: the codes' width."""
 
     perm: torch.Tensor | None = None
+    quad = False  # the quad layout (integer dot products on 15-bit activations)
 
-    def __init__(self, ops, qw: QuantizedWeight):
+    def __init__(self, ops, qw: QuantizedWeight, quad: bool = False):
         self.ops = ops
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.perm = qw.bits, qw.group_size, qw.perm
         self.kind = qw.bits
+        self.quad = quad and quad_layout_fits(ops, qw.bits, self.in_features, qw.group_size)
         self.codes, self.scales, self.zeros = ops.pack_quant_weight(
             qw.codes.contiguous(), qw.scales.contiguous(), qw.zeros.contiguous(), qw.bits,
-            qw.group_size)
+            qw.group_size, self.quad)
 
     @classmethod
     def e4m3(cls, ops, weight: torch.Tensor, scale_inv: torch.Tensor,

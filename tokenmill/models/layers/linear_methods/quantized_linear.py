@@ -43,6 +43,9 @@ class QuantizedLinearMethod(LinearMethod):
     qweight: QuantizedWeight | None = None
     packed: PackedQuantizedWeight | None = None  # with the native kernels: the only copy
     triton = False       # the CUDA path's Triton GEMM (for_platform)
+    # > 0: pack 4- / 8-bit codes in the quad layout (integer dot products on 15-bit
+    # activations; bf16 models where the kernels have it) for up to this many rows
+    quad_max_rows = 0
     gpu = None           # ops/triton_quant_linear.IntWeightTriton: then the only copy
 
     # ---- what a format implements --------------------------------------------------
@@ -61,12 +64,14 @@ class QuantizedLinearMethod(LinearMethod):
                                  requires_grad=False) if bias else None)
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None,
-                     max_rows: int, triton: bool = False) -> "QuantizedLinearMethod":
+                     max_rows: int, triton: bool = False,
+                     quad_max_rows: int = 0) -> "QuantizedLinearMethod":
         """This method (checkpoint tensors untouched) with the platform's kernels: the
-        native CPU module, or (`triton`) the Triton GEMM on a GPU."""
+        native CPU module, or (`triton`) the Triton GEMM on a GPU. `quad_max_rows` > 0:
+        the quad layout where the weight's shape allows it, with that row limit."""
         method = copy.copy(self)
         method.ops, method.compute_dtype, method.max_rows = ops, compute_dtype, max_rows
-        method.triton = triton
+        method.triton, method.quad_max_rows = triton, quad_max_rows
         return method
 
     def process_weights_after_loading(self, layer) -> None:
@@ -79,7 +84,10 @@ class QuantizedLinearMethod(LinearMethod):
             return
         if (self.packed is None and self.ops is not None
                 and hasattr(self.ops, "linear_quant")):
-            self.packed = PackedQuantizedWeight(self.ops, self.qweight)
+            self.packed = PackedQuantizedWeight(self.ops, self.qweight,
+                                                quad=self.quad_max_rows > 0)
+            if self.packed.quad:
+                self.max_rows = self.quad_max_rows
             self.qweight = None  # no uint8 codes copy stays beside the packed one
 
     def _convert(self, layer) -> None:
@@ -128,7 +136,10 @@ class QuantizedLinearMethod(LinearMethod):
 
     def describe_kernel(self) -> str:
         """", Triton" / ", native up to N rows" / "" and the widened dtype, for the log."""
+        quad = (" (integer dot products, 15-bit activations)"
+                if self.packed is not None and self.packed.quad else "")
         native = (", Triton" if self.gpu is not None else
-                  f", native up to {self.max_rows} rows" if self.packed is not None else "")
+                  f", native up to {self.max_rows} rows{quad}" if self.packed is not None
+                  else "")
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         return native + wide

@@ -1,0 +1,234 @@
+"""The quad layout of the native quantized kernels (tokenmill/kernels/cpu_quant_linear.cpp,
+avx512_vnni level): 4- and 8-bit codes multiplied with integer dot products (vpdpbusd)
+on activations rounded to 15 bits per block of at most 128 k within a group.
+
+Checked against an independent float64 model of that rounding (written here from the
+rule, not read from the kernel): per row and block, scale = amax / 16383, xq =
+round-half-even(x * (16383 / amax)) in fp32; the kernel's output must equal
+(xq * scale) @ W'^T to fp32 rounding, and stay within the rounding's own bound of the
+unrounded product. Also: the layout round-trips through dequantize_quant, NaN / inf
+stay in their row, the refusals, and the platform asking for it for bf16 models only.
+"""
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantizedWeight,
+                                                                  quad_layout_fits)
+from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
+from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+
+# (N, K, group): one group = K (per channel) with K not a multiple of 128, groups of 8,
+# 32, 128 and 192 (> 128: two activation blocks per group, the last one short), N not
+# a multiple of 32, a lone column
+SHAPES = [(45, 264, 264), (33, 128, 32), (1, 64, 64), (70, 512, 128), (64, 40, 8),
+          (96, 576, 192), (40, 1536, 1536)]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64]
+ACT_BLOCK, ACT_MAX = 128, 16383.0
+
+
+@pytest.fixture
+def quad_ops(ops):
+    if not ops.has_quant_quad:
+        pytest.skip(f"no quad layout at the {ops.capability} level (avx512_vnni only)")
+    return ops
+
+
+def _random(n, k, bits, group, fp16_scales=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    top = 1 << bits
+    scales = torch.rand(n, groups, generator=g) * 0.01 + 1e-3
+    if fp16_scales:
+        scales = scales.half().float()
+    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8), scales,
+                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
+                           bits, group).check()
+
+
+def _pack(ops, qw, quad=True):
+    return ops.pack_quant_weight(qw.codes, qw.scales, qw.zeros, qw.bits, qw.group_size, quad)
+
+
+def _blocks(k, group):
+    """The activation blocks (k0, k1): at most 128 k, never across a group boundary."""
+    for g0 in range(0, k, group):
+        g1 = min(k, g0 + group)
+        for k0 in range(g0, g1, ACT_BLOCK):
+            yield k0, min(g1, k0 + ACT_BLOCK)
+
+
+def _rounded_x(x, group):
+    """x as the quad kernel multiplies it, float64, and the rounding's bound per
+    element (half a step: amax / 32766)."""
+    x = x.float()
+    out = torch.empty(x.shape, dtype=torch.float64)
+    half_step = torch.empty(x.shape, dtype=torch.float64)
+    for k0, k1 in _blocks(x.shape[1], group):
+        blk = x[:, k0:k1]
+        amax = blk.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, torch.tensor(ACT_MAX) / amax, torch.zeros_like(amax))
+        xq = torch.round(blk * inv)  # fp32 product, rounded half to even
+        out[:, k0:k1] = xq.double() * (amax / torch.tensor(ACT_MAX)).double()
+        half_step[:, k0:k1] = (amax.double() / (2 * ACT_MAX)).expand(-1, k1 - k0)
+    return out, half_step
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("fp16_scales", [False, True])
+def test_quad_layout_round_trips(quad_ops, bits, n, k, group, fp16_scales):
+    qw = _random(n, k, bits, group, fp16_scales=fp16_scales)
+    codes, scales, zeros = _pack(quad_ops, qw)
+    assert tuple(codes.shape) == (-(-n // 32), k // (8 if bits == 4 else 4), 128)
+    assert codes.numel() == _pack(quad_ops, qw, quad=False)[0].numel()  # the same bytes
+    whole = quad_ops.dequantize_quant(codes, scales, zeros, n, bits, group, 0, n)
+    assert torch.equal(whole.t(), qw.dequantize_rows(0, n))
+    if n > 32:
+        part = quad_ops.dequantize_quant(codes, scales, zeros, n, bits, group, 32, n, True)
+        assert torch.equal(part.t(), qw.dequantize_rows(32, n).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quad_kernel_is_the_product_of_the_rounded_activations(quad_ops, bits, n, k, group,
+                                                                dtype):
+    qw = _random(n, k, bits, group, seed=n + k)
+    packed = _pack(quad_ops, qw)
+    w = qw.dequantize_rows(0, n).double()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g)
+        x[:, :8] *= 40  # a block with an outlier: its other elements round coarser
+        x[rows // 2, :] *= 1e-3  # rows of very different magnitudes
+        x = x.to(dtype)
+        y = quad_ops.linear_quant(x, *packed, n, bits, group, bias)
+        assert y.dtype == dtype and tuple(y.shape) == (rows, n)
+        xr, half_step = _rounded_x(x, group)
+        want = xr @ w.T + bias.double()
+        mag = xr.abs() @ w.abs().T + bias.double().abs()
+        out_rounding = 2.0 ** -8 * want.abs() if dtype == torch.bfloat16 else 0.0
+        err = (y.double() - want).abs()
+        assert bool((err <= 1e-5 * mag + out_rounding + 1e-30).all()), rows
+        # ... and within the rounding's bound of the product of x as it came
+        true = x.double() @ w.T + bias.double()
+        bound = half_step @ w.abs().T + 1e-5 * mag + out_rounding
+        assert bool(((y.double() - true).abs() <= bound + 1e-30).all()), rows
+
+
+def test_quad_kernel_catches_a_wrong_code_or_zero_point(quad_ops):
+    """The comparison above can fail: one code or zero point changed in the packed
+    layout moves its column's output out of the bound."""
+    n, k, group = 64, 256, 64
+    qw = _random(n, k, 8, group)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(3))
+    w = qw.dequantize_rows(0, n).double()
+    xr, _ = _rounded_x(x, group)
+    mag = xr.abs() @ w.abs().T
+    for tensor_index in (0, 2):  # codes, zeros
+        packed = list(_pack(quad_ops, qw))
+        t = packed[tensor_index].clone()
+        t.view(-1)[77] ^= 0x10
+        packed[tensor_index] = t
+        y = quad_ops.linear_quant(x, *packed, n, 8, group, torch.empty(0))
+        assert not bool(((y.double() - xr @ w.T).abs() <= 1e-5 * mag).all())
+
+
+def test_non_finite_activations_stay_in_their_row(quad_ops):
+    n, k = 64, 512
+    qw = _random(n, k, 8, k)
+    packed = _pack(quad_ops, qw)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(3, k)
+        x[1, 300] = bad
+        y = quad_ops.linear_quant(x, *packed, n, 8, k, torch.empty(0))
+        assert bool(y[[0, 2]].isfinite().all())
+        assert not bool(y[1].isfinite().any())
+    zero = quad_ops.linear_quant(torch.zeros(2, k), *packed, n, 8, k, torch.empty(0))
+    assert torch.equal(zero, torch.zeros(2, n))
+
+
+def test_quad_refusals(ops):
+    qw = _random(40, 64, 8, 32)
+    if not ops.has_quant_quad:
+        with pytest.raises(RuntimeError, match="quad layout needs the avx512_vnni"):
+            _pack(ops, qw)
+        return
+    for k, group in ((60, 60), (64, 12)):  # K not a multiple of 8; groups of 12
+        bad = _random(40, k, 8, group)
+        with pytest.raises(RuntimeError, match="quad layout takes 4- or 8-bit codes"):
+            _pack(ops, bad)
+        assert not quad_layout_fits(ops, 8, k, group)
+    codes = torch.zeros(40, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="quad layout"):
+        ops.pack_quant_weight(codes, torch.ones(40, 1), torch.empty(0, dtype=torch.uint8),
+                              ops.QUANT_E4M3, 64, True)
+    # a plain-layout module's codes with the quad shape: refused by the group check
+    c, s, z = _pack(ops, qw)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.linear_quant(torch.randn(1, 64), c, s, z, 40, 8, 12, torch.empty(0))
+
+
+def _layer(qw, dtype):
+    class _Canonical(QuantizedLinearMethod):
+        def __init__(self, q):
+            self.q = q
+
+        def create_weights(self, layer, in_features, out_features, bias, dtype=None):
+            self._register_bias(layer, out_features, bias, dtype)
+
+        def to_quantized(self, layer):
+            return self.q
+
+    n, k = qw.shape
+    return Linear(k, n, bias=True, dtype=dtype, method=_Canonical(qw))
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_level,
+                                                                native_bf16, monkeypatch):
+    from tokenmill.platforms import cpu
+    from tokenmill.platforms.cpu import DEFAULT_QUAD_QUANTIZED_ROWS, CpuPlatform
+    monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: native_bf16)
+    bf16 = CpuPlatform.create("cpu", torch.bfloat16)
+    f32 = CpuPlatform.create("cpu", torch.float32)
+    assert f32.quantized_quad_max_rows == 0  # fp32 models stay exact
+    want = DEFAULT_QUAD_QUANTIZED_ROWS if ops.has_quant_quad else 0
+    assert bf16.quantized_quad_max_rows == want
+    assert ("15-bit activations" in bf16.describe()) == bool(want)
+    qw = _random(70, 128, 4, 32)
+    for platform, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
+        layer = _layer(qw, dtype)
+        layer.set_method(platform.linear_method(layer))
+        packed = layer.method.packed
+        assert packed is not None
+        assert packed.quad == (dtype == torch.bfloat16 and ops.has_quant_quad)
+        if packed.quad:
+            assert layer.method.max_rows == DEFAULT_QUAD_QUANTIZED_ROWS
+            assert "15-bit activations" in layer.method.describe()
+        assert torch.equal(layer.dense_weight().float(), qw.dequantize().to(dtype).float())
+
+
+def test_packed_weight_falls_back_to_the_plain_layout_where_the_shape_does_not_fit(quad_ops):
+    for k, group, quad in ((100, 100, False), (96, 12, False), (96, 24, True), (96, 96, True)):
+        qw = _random(40, k, 8, group)
+        packed = PackedQuantizedWeight(quad_ops, qw, quad=True)
+        assert packed.quad == quad
+        x = torch.randn(2, k).bfloat16()
+        y = packed.linear(x, None, 64, None)
+        xr, half_step = (_rounded_x(x, group) if quad else (x.double(), torch.zeros(x.shape)))
+        w = qw.dequantize_rows(0, 40).double()
+        want = xr @ w.T
+        bound = 1e-5 * (xr.abs() @ w.abs().T) + 2.0 ** -8 * want.abs()
+        assert bool(((y.double() - want).abs() <= bound + 1e-30).all()), (k, group)
+
+
+def test_levels_without_the_layout_report_it(kernel_level):
+    module = kernels.cpu_ops(kernel_level)
+    if module is None:
+        pytest.skip("no native kernels")
+    assert module.has_quant_quad == (kernel_level == "avx512_vnni")
