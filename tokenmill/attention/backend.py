@@ -23,25 +23,36 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.core.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 
-# float8_e4m3fn's largest finite value: K/V beyond it are stored as +-448 (saturated),
-# never as NaN (--kv-cache-dtype fp8, per-layer scale 1.0).
+# float8_e4m3fn's largest finite value: K/V beyond it (after their layer's scale) are
+# stored as +-448 (saturated), never as NaN (--kv-cache-dtype fp8).
 FP8_MAX = 448.0
 
 
-def to_cache_dtype(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """x as the cache stores it: unchanged, or for a float8_e4m3fn cache rounded to
-    nearest even after saturating at +-448 (what the native and Triton writes store)."""
+def to_cache_dtype(x: torch.Tensor, cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: unchanged, or for a float8_e4m3fn cache x / scale (in
+    fp32; `scale` the layer's k_scale or v_scale, 1.0 without one) rounded to nearest
+    even after saturating at +-448 (what the native and Triton writes store)."""
     if cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype:
+        if scale != 1.0:
+            x = x.float() / scale
         return x.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
     return x
 
 
-def as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Values read from a cache (gathered blocks) in `dtype`: a float8_e4m3fn cache's
+    codes times the layer's scale, in fp32 then rounded to `dtype`."""
+    if scale != 1.0 and x.dtype == torch.float8_e4m3fn:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """x as attention reads it back from the cache, in x's dtype: through fp8 and back
     for a float8_e4m3fn cache (so a prompt's own K/V are the values every later read
     sees, whether it runs in one chunk or several, or hits the prefix cache)."""
     if cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype:
-        return to_cache_dtype(x, cache).to(x.dtype)
+        return from_cache(to_cache_dtype(x, cache, scale), x.dtype, scale)
     return x
 
 
@@ -63,6 +74,10 @@ class AttentionImpl:
         self.scale = layer.scale
         self.sliding_window: int | None = layer.sliding_window
         self.logit_softcap: float | None = layer.logit_softcap
+        # An fp8 cache holds K / k_scale and V / v_scale (the checkpoint's per-layer
+        # scales); 1.0 for any other cache (the runner resets them at bind).
+        self.k_scale: float = getattr(layer, "k_scale", 1.0)
+        self.v_scale: float = getattr(layer, "v_scale", 1.0)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:

@@ -5,8 +5,9 @@ attend through `paged_decode` (kernels/cpu_paged_attention.cpp: any head size, G
 sliding window started at its first position, soft-capped scores), one call for all
 decode rows. Prompt chunks take the PyTorch reference's SDPA path (torch_ref.py),
 whose GEMMs are oneDNN's already. An fp8 (float8_e4m3fn) cache is written and read
-by the same two kernels: the write rounds and saturates, the decode widens in
-registers (kernels/vec_fp8.h).
+by the same two kernels: the write divides by the layer's k_scale / v_scale, rounds
+and saturates, the decode widens in registers (kernels/vec_fp8.h) and multiplies the
+scales back (k_scale folded into the query scale, v_scale into the output).
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ class CpuNativeAttentionImpl(TorchAttentionImpl):
         # The kernel copies bytes (no cast inside it) except into an fp8 cache.
         if k.dtype != cache.dtype and cache.dtype != torch.float8_e4m3fn:
             return super().write_kv(k, v, cache, meta)
-        self.ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset)
+        self.ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset,
+                                self.k_scale, self.v_scale)
 
     def decode(self, q, cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
                                      meta.decode_seq_lens, self.scale,
-                                     self.sliding_window or 0, self.logit_softcap or 0.0)
+                                     self.sliding_window or 0, self.logit_softcap or 0.0,
+                                     self.k_scale, self.v_scale)
 
 
 class CpuNativeAttentionBackend(TorchAttentionBackend):

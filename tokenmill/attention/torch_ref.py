@@ -12,10 +12,12 @@ A sliding-window layer (`sliding_window` = w) lets a query at position p see key
 from the first block its window reaches). Soft-capping (`logit_softcap`, Gemma 2/3):
 scores become cap * tanh(scores / cap), so a capped chunk writes the attention out.
 
-An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8): K/V are written rounded and
-saturated at +-448 (`to_cache_dtype`), and every read widens the gathered blocks to
-the queries' dtype; a chunk without context attends over its own K/V rounded the
-same way (`as_cached`), so the values attention sees never depend on chunking.
+An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8): K/V are written divided by the
+layer's k_scale / v_scale (1.0 unless the checkpoint has them), rounded and saturated
+at +-448 (`to_cache_dtype`), and every read widens the gathered blocks to the queries'
+dtype times the scale (`from_cache`); a chunk without context attends over its own K/V
+rounded the same way (`as_cached`), so the values attention sees never depend on
+chunking.
 """
 from __future__ import annotations
 
@@ -23,14 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import (AttentionBackend, AttentionImpl, as_cached,
-                                        is_paged_kv, to_cache_dtype)
+                                        from_cache, is_paged_kv, to_cache_dtype)
 from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 class TorchAttentionImpl(AttentionImpl):
     def write_kv(self, k, v, cache, meta: AttentionMetadata) -> None:
-        cache[meta.slot_block, 0, meta.slot_offset] = to_cache_dtype(k, cache)
-        cache[meta.slot_block, 1, meta.slot_offset] = to_cache_dtype(v, cache)
+        cache[meta.slot_block, 0, meta.slot_offset] = to_cache_dtype(k, cache, self.k_scale)
+        cache[meta.slot_block, 1, meta.slot_offset] = to_cache_dtype(v, cache, self.v_scale)
 
     def forward(self, q, k, v, cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decodes
@@ -48,10 +50,10 @@ class TorchAttentionImpl(AttentionImpl):
         """The decode rows (one query each) -> [nd, Hq, D]: their blocks gathered, then one
         batched grouped-query matmul."""
         nd, hkv, d = q.shape[0], self.num_kv_heads, self.head_size
-        blocks = cache[meta.decode_block_table.long()].to(q.dtype)  # [nd, nb, 2, bs, Hkv, D]
+        blocks = cache[meta.decode_block_table.long()]  # [nd, nb, 2, bs, Hkv, D]
         kv = blocks.transpose(1, 2).reshape(nd, 2, -1, hkv, d)  # [nd, 2, L, Hkv, D]
-        keys = kv[:, 0].permute(0, 2, 3, 1)  # [nd, Hkv, D, L]
-        values = kv[:, 1].transpose(1, 2)  # [nd, Hkv, L, D]
+        keys = from_cache(kv[:, 0], q.dtype, self.k_scale).permute(0, 2, 3, 1)  # [nd, Hkv, D, L]
+        values = from_cache(kv[:, 1], q.dtype, self.v_scale).transpose(1, 2)  # [nd, Hkv, L, D]
         qg = q.view(nd, hkv, -1, d)  # [nd, Hkv, G, D]
         scores = self._softcap(torch.matmul(qg, keys).float() * self.scale)
         scores = scores + meta.decode_mask(cache.shape[2], self.sliding_window)
@@ -66,7 +68,7 @@ class TorchAttentionImpl(AttentionImpl):
     def prefill(self, q, k, v, cache, p: PrefillChunk) -> torch.Tensor:
         """One request's chunk of n queries (its K/V in the cache already) -> [n, Hq, D]."""
         n = q.shape[0]
-        k, v = as_cached(k, cache), as_cached(v, cache)
+        k, v = as_cached(k, cache, self.k_scale), as_cached(v, cache, self.v_scale)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         window = self.sliding_window
         gqa = self.num_heads != self.num_kv_heads
@@ -83,9 +85,10 @@ class TorchAttentionImpl(AttentionImpl):
         if p.context_len == 0:
             kh, vh = k, v
         else:
-            blocks = cache[p.block_table[first:]].to(q.dtype)  # [nb, 2, bs, Hkv, D]
+            blocks = cache[p.block_table[first:]]  # [nb, 2, bs, Hkv, D]
             kv = blocks.transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_size)
-            kh, vh = kv[0, :seq_len - start], kv[1, :seq_len - start]
+            kh = from_cache(kv[0, :seq_len - start], q.dtype, self.k_scale)
+            vh = from_cache(kv[1, :seq_len - start], q.dtype, self.v_scale)
         kh, vh = kh.transpose(0, 1).unsqueeze(0), vh.transpose(0, 1).unsqueeze(0)
         # Query i sits at position context_len + i and sees keys start..context_len + i
         # (and, with a window w, only those after context_len + i - w).

@@ -52,23 +52,24 @@ class TritonAttentionImpl(AttentionImpl):
         self.ops = triton_attention
 
     def write_kv(self, k, v, cache, meta: AttentionMetadata) -> None:
-        self.ops.write_kv(k, v, cache, meta.slot_mapping)
+        self.ops.write_kv(k, v, cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q, k, v, cache, meta: AttentionMetadata) -> torch.Tensor:
         """One decode launch over the decode rows, one prefill launch over every prompt
         chunk (their K/V are in the cache already)."""
         ops, nd, window = self.ops, meta.num_decodes, self.sliding_window or 0
         cap = self.logit_softcap or 0.0
+        kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if not meta.prefills:
             return ops.paged_decode(q, cache, meta.decode_block_table, meta.decode_seq_lens,
-                                    self.scale, window, softcap=cap)
+                                    self.scale, window, softcap=cap, **kv_scales)
         out = torch.empty_like(q)
         if nd:
             ops.paged_decode(q[:nd], cache, meta.decode_block_table, meta.decode_seq_lens,
-                             self.scale, window, out=out[:nd], softcap=cap)
+                             self.scale, window, out=out[:nd], softcap=cap, **kv_scales)
         ops.paged_prefill(q[nd:], cache, meta.prefill_block_table, meta.prefill_query_start_loc,
                           meta.prefill_seq_lens, meta.prefill_max_query_len, self.scale, window,
-                          out=out[nd:], softcap=cap)
+                          out=out[nd:], softcap=cap, **kv_scales)
         return out
 
 

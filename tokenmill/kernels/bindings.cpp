@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (window > 0: the last `window` positions)",
         pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
-        pybind11::arg("softcap") = 0.0);
+        pybind11::arg("softcap") = 0.0, pybind11::arg("k_scale") = 1.0,
+        pybind11::arg("v_scale") = 1.0);
   m.def("widen_e4m3", &widen_e4m3,
         "float8_e4m3fn codes (uint8) -> fp32 through the decode kernel's vector widening",
         pybind11::arg("codes"));
@@ -49,13 +50,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");
-  m.def("kv_cache_write", &kv_cache_write, "write new K/V rows into the paged cache");
+  m.def("kv_cache_write", &kv_cache_write,
+        "write new K/V rows into the paged cache (an fp8 cache: K / k_scale, V / v_scale)",
+        pybind11::arg("cache"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("slot_block"), pybind11::arg("slot_offset"),
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");
   m.def("decode_layers", &decode_layers,
-        "all decoder layers of a Llama-family model for a decode-only step, in one call");
+        "all decoder layers of a Llama-family model for a decode-only step, in one call",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("dims"),
+        pybind11::arg("quant"), pybind11::arg("eps"), pybind11::arg("scale"),
+        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slot_block"),
+        pybind11::arg("slot_offset"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
+        pybind11::arg("kv_scales") = std::vector<double>{});
   m.def("gemma_decode_layers", &gemma_decode_layers,
         "all decoder layers of a Gemma 3 model for a decode-only step, in one call");
   m.def("gemma4_decode_layers", &gemma4_decode_layers,

@@ -42,12 +42,13 @@ enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // quant: per layer and linear (NUM_LINEARS each), linear_quant's bits (4, 8 or
 // kQuantE4m3) and group size, bits 0 for a packed float linear;
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
-// K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows.
+// K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows;
+// kv_scales: per layer its fp8 cache's (k_scale, v_scale), or empty (all 1.0).
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<int64_t> dims, std::vector<int64_t> quant,
                             double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
-                            torch::Tensor seq_lens) {
+                            torch::Tensor seq_lens, std::vector<double> kv_scales) {
   TORCH_CHECK(weights.size() % NUM_SLOTS == 0, "decode_layers: ", NUM_SLOTS,
               " tensors per layer");
   TORCH_CHECK(dims.size() == 6 || dims.size() == 7, "decode_layers: 6 or 7 dims");
@@ -58,6 +59,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   const size_t num_layers = weights.size() / NUM_SLOTS;
   TORCH_CHECK(quant.size() == num_layers * NUM_LINEARS * 2, "decode_layers: ",
               NUM_LINEARS * 2, " quant entries per layer");
+  TORCH_CHECK(kv_scales.empty() || kv_scales.size() == num_layers * 2,
+              "decode_layers: kv_scales must be empty or (k_scale, v_scale) per layer");
   // fp32 models (packed fp32 linears): the Python layers' fp32 norms are PyTorch's
   // rms_norm (HF's formula), so the loop calls the same ATen op there.
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -84,11 +87,13 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                    w[Q_NORM].numel() > 0 ? eps : 0.0);
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, hkv, d});
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, hkv, d});
-    // PagedAttention.forward, decode-only.
-    kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset);
-    torch::Tensor attn =
-        paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens, scale, window, 0.0)
-            .view({t, -1});
+    // PagedAttention.forward, decode-only (CpuNativeAttentionImpl's calls).
+    const double ks = kv_scales.empty() ? 1.0 : kv_scales[2 * l],
+                 vs = kv_scales.empty() ? 1.0 : kv_scales[2 * l + 1];
+    kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset, ks, vs);
+    torch::Tensor attn = paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens,
+                                      scale, window, 0.0, ks, vs)
+                             .view({t, -1});
     torch::Tensor o = linear(attn, w + O_PROJ, hidden, lq + 2 * Q_O);
     // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
     h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);

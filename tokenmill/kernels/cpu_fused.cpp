@@ -224,7 +224,8 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Ten
 // code torch's clamp + cast gives); otherwise k / v are in the cache's dtype and are
 // copied as bytes.
 void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
-                    torch::Tensor slot_block, torch::Tensor slot_offset) {
+                    torch::Tensor slot_block, torch::Tensor slot_offset, double k_scale,
+                    double v_scale) {
   TORCH_CHECK(cache.dim() == 5 && cache.stride(4) == 1 && cache.stride(3) == cache.size(4),
               "kv_cache_write: cache must be [num_blocks, 2, block_size, hkv, d]");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == cache.size(3) &&
@@ -243,6 +244,10 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(slot_block.scalar_type() == at::kLong && slot_offset.scalar_type() == at::kLong &&
                   slot_block.numel() == k.size(0) && slot_offset.numel() == k.size(0),
               "kv_cache_write: slot_block / slot_offset must be [T] int64");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "kv_cache_write: k_scale / v_scale must be finite and positive");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "kv_cache_write: k_scale / v_scale apply to a float8_e4m3fn cache only");
   auto sb = slot_block.contiguous(), so = slot_offset.contiguous();
   const int64_t T = k.size(0), row = k.size(1) * k.size(2) * k.element_size();
   const int64_t nblocks = cache.size(0), bs = cache.size(2);
@@ -259,6 +264,7 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                 s_tok = cache.stride(2) * es;
   if (fp8) {
     const int64_t n = k.size(1) * k.size(2), kst = k.stride(0), vst = v.stride(0);
+    const float k_div = static_cast<float>(k_scale), v_div = static_cast<float>(v_scale);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kt, "kv_cache_write", [&] {
       const auto* ks = reinterpret_cast<const scalar_t*>(kp);
       const auto* vs = reinterpret_cast<const scalar_t*>(vp);
@@ -269,9 +275,10 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
           auto* dv = reinterpret_cast<c10::Float8_e4m3fn*>(dst + s_kv);
           const scalar_t* kr = ks + t * kst;
           const scalar_t* vr = vs + t * vst;
+          // x / scale in fp32 (exact for scale 1), as the PyTorch reference divides.
           for (int64_t i = 0; i < n; ++i) {
-            dk[i] = tmvec::e4m3_saturate(static_cast<float>(kr[i]));
-            dv[i] = tmvec::e4m3_saturate(static_cast<float>(vr[i]));
+            dk[i] = tmvec::e4m3_saturate(static_cast<float>(kr[i]) / k_div);
+            dv[i] = tmvec::e4m3_saturate(static_cast<float>(vr[i]) / v_div);
           }
         }
       });

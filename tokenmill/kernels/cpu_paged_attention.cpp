@@ -272,10 +272,13 @@ inline void narrow(const float* src, T* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// q / out of the model's dtype T, the cache of C (T, or float8_e4m3fn).
+// q / out of the model's dtype T, the cache of C (T, or float8_e4m3fn). `scale` already
+// holds an fp8 cache's k_scale (q . (k_scale k) = (k_scale q) . k); v_scale != 1
+// multiplies each output row once, after the weighted sum of the stored V.
 template <typename T, typename C>
 void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int64_t nd,
-            int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap) {
+            int64_t hq, int64_t hkv, int64_t d, float scale, int64_t window, float softcap,
+            float v_scale) {
   const int64_t g = hq / hkv;
   // Enough rows to keep every thread busy: one job per row, all its heads (each
   // block visited once); else one per (row, kv head). The results are the same.
@@ -293,6 +296,8 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
       widen_scaled(q + q_off, qf.data(), width, scale);
       attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, softcap, scores.data(),
                    acc.data());
+      if (v_scale != 1.f)
+        for (int64_t i = 0; i < width; ++i) acc[i] *= v_scale;
       narrow(acc.data(), out + q_off, width);
     }
   });
@@ -303,10 +308,11 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
 // q [nd, Hq, D]; kv [num_blocks, 2, bs, Hkv, D] (dim 0 may be padded);
 // block_table [nd, max_nb] int32; seq_lens [nd] int32 -> out [nd, Hq, D].
 // window > 0: row r attends its last `window` positions only (a sliding window);
-// softcap > 0: scores (scaled) become softcap * tanh(score / softcap) before the softmax.
+// softcap > 0: scores (scaled) become softcap * tanh(score / softcap) before the softmax;
+// k_scale / v_scale: a float8_e4m3fn cache's per-layer scales (values = codes x scale).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [nd, Hq, D] tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && kv.stride(3) == kv.size(4),
               "kv cache must be [num_blocks, 2, block_size, Hkv, D] with contiguous heads");
@@ -316,6 +322,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous());
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous());
   TORCH_CHECK(q.size(1) % kv.size(3) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "paged_decode: k_scale / v_scale must be finite and positive");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "paged_decode: k_scale / v_scale apply to a float8_e4m3fn cache only");
   auto out = torch::empty_like(q);
   auto run = [&](auto q_tag, auto cache_tag) {
     using T = decltype(q_tag);
@@ -325,7 +335,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
                kv.stride(3)};
     decode<T, C>(reinterpret_cast<const T*>(q.data_ptr()), c, seq_lens.data_ptr<int32_t>(),
                  reinterpret_cast<T*>(out.data_ptr()), q.size(0), q.size(1), kv.size(3),
-                 q.size(2), static_cast<float>(scale), window, static_cast<float>(softcap));
+                 q.size(2), static_cast<float>(scale * k_scale), window,
+                 static_cast<float>(softcap), static_cast<float>(v_scale));
   };
   auto with_cache = [&](auto q_tag) {
     if (fp8) {

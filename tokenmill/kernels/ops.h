@@ -24,9 +24,11 @@ using namespace at;  // NOLINT: as torch/types.h
 #define TOKENMILL_STR(x) TOKENMILL_STR2(x)
 #define TOKENMILL_CPU_LEVEL_NAME TOKENMILL_STR(TOKENMILL_CPU_LEVEL)
 
+// k_scale / v_scale: an fp8 cache's per-layer scales (the cache holds K / k_scale and
+// V / v_scale): the scores and the output are multiplied back by them; 1.0 otherwise.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale, int64_t window,
-                           double softcap);
+                           double softcap, double k_scale = 1.0, double v_scale = 1.0);
 // float8_e4m3fn codes [n] (uint8) widened to fp32 [n] by this level's vec_fp8.h.
 torch::Tensor widen_e4m3(torch::Tensor codes);
 // MLA's latent-space decode (cpu_mla_decode.cpp): q [nd, H, R + rope] against cache
@@ -72,8 +74,11 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
 torch::Tensor qk_norm_rope(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight,
                            torch::Tensor cos, torch::Tensor sin, int64_t hq, int64_t hkv,
                            int64_t d, int64_t rd, double eps);
+// An fp8 cache stores K / k_scale and V / v_scale (scales 1.0: K and V as they are; any
+// other scale only into a float8_e4m3fn cache).
 void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
-                    torch::Tensor slot_block, torch::Tensor slot_offset);
+                    torch::Tensor slot_block, torch::Tensor slot_offset, double k_scale = 1.0,
+                    double v_scale = 1.0);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -84,7 +89,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             double eps, double scale,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
-                            torch::Tensor seq_lens);
+                            torch::Tensor seq_lens, std::vector<double> kv_scales = {});
 torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                   std::vector<int64_t> layer_info, std::vector<int64_t> dims,
                                   double eps, double scale, double softcap,

@@ -29,10 +29,12 @@ products of an fp32 model use IEEE fp32 (no TF32), so they follow the CPU path
 to rounding. Imported only where the platform picks Triton: it imports triton.
 
 An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is handed to the kernels as its
-uint8 bits (FP8): the writes round to nearest even and saturate at +-448 in integer
-and fp32 arithmetic (`to_e4m3`, c10's algorithm, so the codes equal torch's cast),
-the reads widen the codes through fp16 bits (`from_e4m3`) to the queries' dtype
-(both in ops/triton_fp8.py).
+uint8 bits (FP8): the writes divide K / V by the layer's k_scale / v_scale in fp32,
+round to nearest even and saturate at +-448 in integer and fp32 arithmetic (`to_e4m3`,
+c10's algorithm, so the codes equal torch's cast), the reads widen the codes through
+fp16 bits (`from_e4m3`), multiply by the scale in fp32 and round to the queries' dtype
+(as the PyTorch reference's `from_cache`; both conversions in ops/triton_fp8.py).
+The scales default to 1.0, which leaves every value as it was without them.
 Bit arithmetic rather than tl.float8e4nv: the same code on every GPU generation
 (sm_80 has no e4m3 conversions) and under the interpreter.
 """
@@ -48,7 +50,7 @@ from tokenmill.ops.triton_fp8 import from_e4m3, to_e4m3
 
 
 @triton.jit
-def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale, v_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ckv, stride_ct, stride_ch,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -71,8 +73,8 @@ def _kv_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
         val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=in_head, other=0.0)
     dst = cache_ptr + blk * stride_cb + off * stride_ct + h * stride_ch + d
     if FP8:
-        tl.store(dst, to_e4m3(key), mask=valid)
-        tl.store(dst + stride_ckv, to_e4m3(val), mask=valid)
+        tl.store(dst, to_e4m3(key.to(tl.float32) / k_scale), mask=valid)
+        tl.store(dst + stride_ckv, to_e4m3(val.to(tl.float32) / v_scale), mask=valid)
     else:
         tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=valid)
         tl.store(dst + stride_ckv, val.to(cache_ptr.dtype.element_ty), mask=valid)
@@ -133,7 +135,8 @@ def _weighted(p, v, IEEE: tl.constexpr, USE_DOT: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
-                 qpos, window, scale, softcap, stride_cb, stride_ckv, stride_ct, stride_ch,
+                 qpos, window, scale, softcap, k_scale, v_scale,
+                 stride_cb, stride_ckv, stride_ct, stride_ch,
                  HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                  USE_DOT: tl.constexpr, FP8: tl.constexpr):
@@ -150,9 +153,9 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
         k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + stride_ckv + base[:, None] + d[None, :], mask=kv_mask,
                     other=0.0)
-        if FP8:  # e4m3 codes, widened to the queries' dtype
-            k = from_e4m3(k).to(q.dtype)
-            v = from_e4m3(v).to(q.dtype)
+        if FP8:  # e4m3 codes times the layer's scale, in the queries' dtype
+            k = (from_e4m3(k).to(tl.float32) * k_scale).to(q.dtype)
+            v = (from_e4m3(v).to(tl.float32) * v_scale).to(q.dtype)
         visible = kin[None, :] & (kpos[None, :] <= qpos[:, None])
         if window > 0:
             visible = visible & (kpos[None, :] > qpos[:, None] - window)
@@ -173,7 +176,7 @@ def _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_row_ptr, kvh, k_start, k_end,
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale, window,
-                         softcap, stride_qt, stride_qh, stride_ot, stride_oh,
+                         softcap, k_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -196,7 +199,7 @@ def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale,
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + row * stride_bt, kvh,
                                  k_start, seq_len, qpos, window, scale, softcap,
-                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 k_scale, v_scale, stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
                                  USE_DOT, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a pad row (seq_len 0): zeros
@@ -206,7 +209,7 @@ def _paged_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale,
 
 @triton.jit
 def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr, ml_ptr,
-                               scale, window, softcap,
+                               scale, window, softcap, k_scale, v_scale,
                                stride_qt, stride_qh,
                                stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -240,7 +243,7 @@ def _paged_decode_split_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, part_ptr,
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + row * stride_bt, kvh,
                                  k_start, k_end, qpos, window, scale, softcap,
-                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 k_scale, v_scale, stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
                                  USE_DOT, FP8)
     at = (row * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split  # (row, head, split)
@@ -281,7 +284,7 @@ def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-                          scale, window, softcap,
+                          scale, window, softcap, k_scale, v_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_cb, stride_ckv, stride_ct, stride_ch, stride_bt,
                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -315,7 +318,7 @@ def _paged_prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_p
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, cache_ptr, bt_ptr + r * stride_bt, kvh,
                                  k_start, k_end, qpos, window, scale, softcap,
-                                 stride_cb, stride_ckv, stride_ct, stride_ch,
+                                 k_scale, v_scale, stride_cb, stride_ckv, stride_ct, stride_ch,
                                  HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP, IEEE,
                                  USE_DOT, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -381,16 +384,29 @@ def _launch(d: int) -> dict:
     return dict(num_warps=8, num_stages=2) if triton.next_power_of_2(d) > 256 else {}
 
 
+def _check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    k_scale, v_scale = float(k_scale), float(v_scale)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (s > 0 and s != float("inf")):
+            raise ValueError(f"{name} must be a finite positive number, got {s}")
+    if (k_scale, v_scale) != (1.0, 1.0) and cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"k_scale / v_scale apply to a float8_e4m3fn cache only, not "
+                         f"{cache.dtype}")
+    return k_scale, v_scale
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] -> cache at slot_mapping [T] (int64; -1: skipped)."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k/v [T, Hkv, D] -> cache at slot_mapping [T] (int64; -1: skipped); an fp8 cache
+    stores k / k_scale and v / v_scale."""
     _check_cache(cache)
+    k_scale, v_scale = _check_kv_scales(cache, k_scale, v_scale)
     t, hkv, d = k.shape
     if t == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
-    _kv_write_kernel[(t, hkv)](k, v, _cache_arg(cache), slot_mapping,
+    _kv_write_kernel[(t, hkv)](k, v, _cache_arg(cache), slot_mapping, k_scale, v_scale,
                                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                *_cache_strides(cache), BLOCK_SIZE=cache.shape[2], **_head(d),
                                FP8=cache.dtype == torch.float8_e4m3fn)
@@ -419,13 +435,16 @@ MAX_DECODE_SPLITS = 16
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int = 0,
                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """q [N, Hq, D], block_table [N, >= blocks of the longest row] (int32),
     seq_lens [N] (int32; 0: a pad row) -> [N, Hq, D]. `num_splits` (a power of two;
     None: `decode_splits`): the keys of each row in that many parts run by programs
     of their own, then combined (split-K, for batches too small to fill the GPU).
-    `softcap` > 0: scores soft-capped at it (0: off)."""
+    `softcap` > 0: scores soft-capped at it (0: off). `k_scale` / `v_scale`: an fp8
+    cache's per-layer scales (its values are the codes times them)."""
     _check_cache(cache)
+    k_scale, v_scale = _check_kv_scales(cache, k_scale, v_scale)
     softcap = float(softcap or 0.0)
     _check_query(q, cache, softcap)
     n, hq, d = q.shape
@@ -447,6 +466,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
         _paged_decode_split_kernel[(n, hkv, splits)](
             q, _cache_arg(cache), block_table, seq_lens, part, ml, float(scale), int(window or 0), softcap,
+            k_scale, v_scale,
             q.stride(0), q.stride(1), *_cache_strides(cache), block_table.stride(0),
             NUM_SPLITS=splits, **shapes)
         _combine_splits_kernel[(n, hq)](part, ml, out, out.stride(0), out.stride(1),
@@ -454,7 +474,7 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
         return out
     _paged_decode_kernel[(n, hkv)](
         q, _cache_arg(cache), block_table, seq_lens, out, float(scale), int(window or 0), softcap,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), block_table.stride(0), **shapes)
     return out
 
@@ -462,11 +482,14 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor
 def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
                   scale: float, window: int = 0,
-                  out: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                  out: torch.Tensor | None = None, softcap: float = 0.0,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D] (the chunks' queries, flat), block_table [R, >= blocks of the
     longest request] (int32), query_start_loc [R + 1], seq_lens [R] (int32; the
-    cached tokens + this chunk) -> [T, Hq, D]. `softcap` as in `paged_decode`."""
+    cached tokens + this chunk) -> [T, Hq, D]. `softcap`, `k_scale`, `v_scale` as in
+    `paged_decode`."""
     _check_cache(cache)
+    k_scale, v_scale = _check_kv_scales(cache, k_scale, v_scale)
     softcap = float(softcap or 0.0)
     _check_query(q, cache, softcap)
     t, hq, d = q.shape
@@ -481,7 +504,7 @@ def paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     grid = (num_reqs, hq, triton.cdiv(max_query_len, block_m))
     _paged_prefill_kernel[grid](
         q, _cache_arg(cache), block_table, query_start_loc, seq_lens, out, float(scale), int(window or 0),
-        softcap, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        softcap, k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(cache), block_table.stride(0),
         GROUP=hq // hkv, **_head(d), BLOCK_SIZE=cache.shape[2], BLOCK_M=block_m,
         BLOCK_N=_block_n(d), SOFTCAP=softcap > 0, **_flags(q, cache), **_launch(d))

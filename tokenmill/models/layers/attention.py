@@ -31,6 +31,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # The checkpoint's per-layer FP8 KV cache scales (models/kv_scales.py): an fp8
+        # cache holds K / k_scale and V / v_scale. 1.0 when it has none.
+        self.k_scale: float = 1.0
+        self.v_scale: float = 1.0
         # Bound by the runner: the cache, its KV cache group, the backend's implementation.
         self.kv_cache: torch.Tensor | None = None
         self.kv_group: int | None = None

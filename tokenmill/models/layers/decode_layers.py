@@ -34,6 +34,7 @@ class DecodeLayers:
         self.ops = ops
         self._weights: list[torch.Tensor] | None = None
         self._checked_cache, self._cache_dtype = None, None
+        self._kv_scales: list[float] = []  # (k_scale, v_scale) per layer, or [] (all 1.0)
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
                      c.hidden_size, c.intermediate_size]
@@ -99,8 +100,8 @@ class DecodeLayers:
 
     def weights(self) -> tuple[list[torch.Tensor], list[int]]:
         """The layers' tensors and their linears' (bits, group size) (`quant`), in
-        cpu_decode_layers.cpp's order. Gathered once; again after the runner binds new
-        KV caches (see _caches_ok)."""
+        cpu_decode_layers.cpp's order, and (in `_kv_scales`) their fp8 caches' scales.
+        Gathered once; again after the runner binds new KV caches (see _caches_ok)."""
         if self._weights is None:
             none = torch.empty(0)
             out, quant = [], []
@@ -113,6 +114,11 @@ class DecodeLayers:
                         attn.attn.kv_cache, *o[0],
                         layer.post_attention_layernorm.weight, *gate_up[0], *down[0]]
                 quant += [*qkv[1], *o[1], *gate_up[1], *down[1]]
+            # Each layer's fp8 cache scales, as its bound implementation uses them.
+            scales = [float(s) for layer in self.model.layers
+                      for s in (layer.self_attn.attn.impl.k_scale,
+                                layer.self_attn.attn.impl.v_scale)]
+            self._kv_scales = [] if all(s == 1.0 for s in scales) else scales
             self._weights = out, quant
         return self._weights
 
@@ -124,6 +130,7 @@ class DecodeLayers:
         Layers of several KV cache groups (Qwen2 sliding above max_window_layers):
         one call per run of consecutive layers in one group, with its tables."""
         weights, quant = self.weights()
+        scales = self._kv_scales
         per_layer = len(weights) // len(self.model.layers)
         quant_per_layer = len(quant) // len(self.model.layers)
         end = len(self.model.layers) if end is None else end
@@ -136,7 +143,8 @@ class DecodeLayers:
             x = self.ops.decode_layers(
                 x, weights[lo * per_layer:hi * per_layer], dims,
                 quant[lo * quant_per_layer:hi * quant_per_layer], self.eps, self.scale, cos,
-                sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens)
+                sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens,
+                scales[2 * lo:2 * hi])
         return x
 
 
