@@ -9,6 +9,7 @@ from torch import nn
 from tokenmill.models.checkpoint_io import (checkpoint_header, iter_checkpoint,
                                             iter_checkpoint_lazy)
 from tokenmill.models.int_quant_layers import apply_int_quant, finish_int_quant
+from tokenmill.models.kv_scales import KVScales
 from tokenmill.models.layers.linear_methods.int_layout import INT_TENSOR_KINDS
 from tokenmill.models.quantization import check_quantization, fp8_config, int_quant_config
 from tokenmill.models.quantize_at_load import quantize_model, resolve_quantization
@@ -94,7 +95,8 @@ UNUSED_TENSOR_SUFFIXES = (
 )
 
 
-def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None) -> None:
+def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None,
+                 kv_scales: KVScales | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint, or raise naming what is
     missing, what cannot be placed (a tensor matching no parameter, outside
     UNUSED_TENSOR_SUFFIXES and what the model's map_checkpoint drops) or what has the
@@ -119,6 +121,10 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
 
     `shard_plan` (tensor parallelism, models/tensor_parallel.py): the (lazily read)
     checkpoint tensors are cut to this rank's slice before they are copied.
+
+    `kv_scales` (models/kv_scales.py): per-layer FP8 KV cache scales (k_scale, v_scale,
+    ...) that match no parameter are kept there for `KVScales.apply`; without it they
+    are refused as any unplaced tensor.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
@@ -166,7 +172,8 @@ def load_weights(model: nn.Module, model_dir: str, tensors=None, shard_plan=None
             continue
         name, shard = _param_name(ckpt_name, packed)
         if name not in params:
-            unknown(ckpt_name)
+            if kv_scales is None or not kv_scales.take(ckpt_name, tensor):
+                unknown(ckpt_name)
             continue
         if shard_plan is not None:
             tensor = shard_plan.take(name, shard, tensor)
@@ -298,14 +305,18 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                                    "checkpoint", where, intq.method)
     finally:
         torch.set_default_dtype(torch_default)
+    kv_scales = KVScales()
     if tp:
         plan = tensor_parallel.ShardPlan(model, hf_config, tp_group.rank, tp_group.size)
         load_weights(model, model_dir, iter_checkpoint_lazy(model_dir),
-                     shard_plan=plan)
+                     shard_plan=plan, kv_scales=kv_scales)
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:
         load_weights(model, model_dir, None if fp8 is None else
-                     fp8_checkpoint_tensors(iter_checkpoint(model_dir), header, fp8))
+                     fp8_checkpoint_tensors(iter_checkpoint(model_dir), header, fp8),
+                     kv_scales=kv_scales)
+    # Per-tensor scales: the same on every tensor-parallel rank (each holds its heads).
+    kv_scales.apply(model, where)
     if intq is not None:
         finish_int_quant(model)
     if at_load is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from tokenmill.core.kv_cache_spec import (FP8_KV_DTYPE, FullAttentionSpec, KVCacheConfig,
@@ -17,6 +18,7 @@ from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
 from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
 
 logger = logging.getLogger(__name__)
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 class KVCacheMixin:
@@ -133,6 +135,7 @@ class KVCacheMixin:
             layers[name].kv_cache = layers[target].kv_cache
             layers[name].kv_group = layers[target].kv_group
             layers[name].impl = self.attn_backends[group_of[target]].make_impl(layers[name])
+        _drop_unused_kv_scales(layers)
         graphs = self._cuda_graphs_apply()
         # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
         self.state_caches = allocate_state_caches(config, self.device, int(graphs))
@@ -160,3 +163,19 @@ class KVCacheMixin:
         return (self.platform.cuda_graphs and self.device.type == "cuda"
                 and self.drafter is None and bool(self.attn_backends)
                 and all(b.cuda_graphs for b in self.attn_backends.values()))
+
+
+def _drop_unused_kv_scales(layers: dict[str, nn.Module]) -> None:
+    """A checkpoint's KV cache scales apply to an fp8 cache only (as in vLLM): the
+    implementations of layers with any other cache run unscaled; said once."""
+    ignored = 0
+    for layer in layers.values():
+        impl, cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+        if impl is None or not hasattr(impl, "k_scale") or cache is None:
+            continue
+        if cache.dtype != FP8_DTYPE and (impl.k_scale, impl.v_scale) != (1.0, 1.0):
+            impl.k_scale = impl.v_scale = 1.0
+            ignored += 1
+    if ignored:
+        logger.info("the checkpoint's KV cache scales (%d layers) are not used: the KV cache "
+                    "is not fp8 (they apply to --kv-cache-dtype fp8)", ignored)
