@@ -72,10 +72,17 @@ def _config(path: str) -> dict:
      r"awq version 'exllama' is not implemented"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "backend": "llm-awq"},
      r"awq backend 'llm-awq' is not implemented"),
-    # float-quantized FP8 loads as the fp8 method (test_fp8_scales.py); its variants
-    # that do not map onto per-tensor / per-channel e4m3 weights are refused by name.
+    # float-quantized FP8 loads as the fp8 method (test_fp8_scales.py, block strategy:
+    # test_ct_fp8_block.py); its variants that do not map onto per-tensor / per-channel
+    # / block e4m3 weights are refused by name.
+    (ct({"type": "float", "num_bits": 8, "strategy": "group", "group_size": 128},
+        format="float-quantized"),
+     r"FP8 weights strategy 'group' is not implemented"),
     (ct({"type": "float", "num_bits": 8, "strategy": "block"}, format="float-quantized"),
-     r"FP8 weights strategy 'block' is not implemented"),
+     r"strategy 'block' needs block_structure \[bn, bk\] \(two positive ints\), got None"),
+    (ct({"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 0]},
+        format="float-quantized"),
+     r"strategy 'block' needs block_structure .*got \[128, 0\]"),
     (ct({"type": "float", "num_bits": 4, "strategy": "tensor"}, format="float-quantized"),
      r"float-quantized weights of type 'float' / num_bits 4 are not implemented"),
     ({**ct(format="float-quantized"), "config_groups": {"g": {
@@ -92,8 +99,12 @@ def _config(path: str) -> dict:
     (ct({"strategy": "group", "group_size": None}), r"strategy 'group' needs a positive"),
     (ct(sparsity_config={"format": "sparse-24-bitmask"}), r"sparsity_config format "
                                                           r"'sparse-24-bitmask'"),
-    (ct(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme is not "
-                                                           r"implemented"),
+    (ct(kv_cache_scheme={"num_bits": 8, "type": "int"}), r"kv_cache_scheme type 'int' is "
+                                                         r"not implemented"),
+    (ct(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "channel"}),
+     r"kv_cache_scheme strategy 'channel' is not implemented"),
+    (ct(kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True}),
+     r"kv_cache_scheme dynamic is not implemented"),
     (ct(quantization_status="frozen"), r"quantization_status 'frozen' is not implemented"),
     ({**ct(), "config_groups": {"a": {"weights": CT_W4},
                                 "b": {"weights": {**CT_W4, "num_bits": 8}}}},

@@ -27,7 +27,11 @@ GEMM layout with zero points) and "compressed-tensors" pack-quantized W4A16 / W8
 places them). Their variants not implemented are refused by name: other bit widths,
 GPTQ's marlin / bitblas / ... formats, AWQ's gemv / exllama / marlin versions and
 zero_point false, activation quantization
-(W8A8, W4A8), sparsity, KV-cache schemes.
+(W8A8, W4A8), sparsity, KV-cache schemes other than FP8 per tensor.
+
+A compressed-tensors `kv_cache_scheme` of FP8 per tensor (`check_kv_cache_scheme`) is
+accepted: its per-layer k_scale / v_scale tensors load with any checkpoint
+(models/kv_scales.py) and scale an fp8 KV cache.
 """
 from __future__ import annotations
 
@@ -94,20 +98,23 @@ class Fp8Config:
     `weight_scale_inv` per [bn, bk] block, or (block_size None) a `weight_scale` per
     tensor or per output row; activations unquantized here whatever the scheme."""
     block_size: tuple[int, int] | None
-    # modules_to_not_convert (transformers) / ignored_layers (vLLM): checkpoint module
-    # names or suffixes whose weights stay unquantized.
+    # modules_to_not_convert (transformers) / ignored_layers (vLLM) / ignore
+    # (compressed-tensors, "re:" patterns too): checkpoint module names or suffixes
+    # whose weights stay unquantized.
     ignored: tuple[str, ...] = ()
     # activation_scheme "static": the checkpoint has `input_scale` tensors (not used).
     static_activations: bool = False
+    # The block scales' tensor: "weight_scale_inv" (quant_method fp8, DeepSeek-V3 /
+    # Qwen -FP8) or "weight_scale" (compressed-tensors' block strategy). Both are the
+    # dequantization factor: w = e4m3 * scale over the block.
+    block_scale_name: str = "weight_scale_inv"
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint module `module` ("model.layers.0.mlp.down_proj") is
         one the config leaves unquantized: an entry equal to it, to a prefix of it at a
         module boundary ("model.layers.0" covers its projections), or to its tail
         ("lm_head", "mlp.gate"); with or without the "model." prefix."""
-        name = module.removeprefix("model.")
-        return any(name == e or name.startswith(e + ".") or name.endswith("." + e)
-                   for e in (e.removeprefix("model.") for e in self.ignored))
+        return ignores_module(self.ignored, module)
 
 
 def parse_fp8_config(qc: dict, where: str) -> Fp8Config:
@@ -154,42 +161,86 @@ def fp8_config(hf_config: dict, where: str = "checkpoint") -> Fp8Config | None:
     return parse_fp8_config(quantization_config(hf_config), where)
 
 
-def _ct_fp8_scheme(group: dict, where: str) -> bool:
-    """Whether one compressed-tensors FP8 config group quantizes its activations
-    statically (an input_scale per layer), or refusal of what does not map onto the
-    per-tensor / per-channel e4m3 weights."""
+def _ct_block_structure(w: dict, where: str) -> tuple[int, int]:
+    """A block-strategy weights scheme's [bn, bk] (`block_structure`: a list of two
+    positive ints, or older files' "NxM" string)."""
+    block = w.get("block_structure")
+    if isinstance(block, str) and "x" in block:
+        parts = block.split("x")
+        block = [int(p) for p in parts] if all(p.isdigit() for p in parts) else block
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                       for b in block)):
+        raise ValueError(f"{where}: FP8 weights strategy 'block' needs block_structure "
+                         f"[bn, bk] (two positive ints), got {block!r}")
+    return block[0], block[1]
+
+
+def _ct_fp8_scheme(group: dict, where: str) -> tuple[bool, tuple[int, int] | None]:
+    """(whether one compressed-tensors FP8 config group quantizes its activations
+    statically (an input_scale per layer), its weights' [bn, bk] blocks or None for
+    per-tensor / per-channel scales), or refusal of what does not map onto the fp8
+    method's e4m3 weights."""
     w = group.get("weights")
     if not isinstance(w, dict):
         raise ValueError(f"{where}: a config group has no weights scheme")
     if (w.get("type"), w.get("num_bits")) != ("float", 8):
         raise ValueError(f"{where}: float-quantized weights of type {w.get('type')!r} / "
                          f"num_bits {w.get('num_bits')!r} are not implemented (FP8: float, 8)")
-    if w.get("strategy") not in ("tensor", "channel"):
+    if w.get("strategy") not in ("tensor", "channel", "block"):
         raise ValueError(f"{where}: FP8 weights strategy {w.get('strategy')!r} is not "
-                         f"implemented ('tensor', 'channel')")
+                         f"implemented ('tensor', 'channel', 'block')")
+    block = _ct_block_structure(w, where) if w.get("strategy") == "block" else None
     if w.get("dynamic", False):
         raise ValueError(f"{where}: dynamic FP8 weight scales are not implemented")
+    if not w.get("symmetric", True):
+        raise ValueError(f"{where}: asymmetric FP8 weights (a zero point) are not "
+                         f"implemented")
     act = group.get("input_activations")
     if act is None:
-        return False
+        return False, block
     if (act.get("type"), act.get("num_bits")) != ("float", 8):
         raise ValueError(f"{where}: input_activations of type {act.get('type')!r} / num_bits "
                          f"{act.get('num_bits')!r} are not implemented (FP8 or none)")
     if group.get("output_activations") is not None:
         raise ValueError(f"{where}: output_activations is not implemented")
-    return not act.get("dynamic", False)
+    return not act.get("dynamic", False), block
+
+
+def check_kv_cache_scheme(scheme, where: str) -> None:
+    """compressed-tensors' `kv_cache_scheme`: FP8 K/V with one static scale per layer
+    and tensor (the checkpoint's k_scale / v_scale, models/kv_scales.py; used with
+    --kv-cache-dtype fp8) is read; anything else is refused naming the field."""
+    if not scheme:
+        return
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{where}: kv_cache_scheme must be an object, got {scheme!r}")
+    want = {"type": "float", "num_bits": 8, "strategy": "tensor"}
+    for key, value in want.items():
+        got = scheme.get(key, "tensor" if key == "strategy" else None)
+        if got != value:
+            raise ValueError(f"{where}: kv_cache_scheme {key} {got!r} is not implemented "
+                             f"(FP8 KV scales per tensor: type 'float', num_bits 8, "
+                             f"strategy 'tensor')")
+    if scheme.get("dynamic", False):
+        raise ValueError(f"{where}: kv_cache_scheme dynamic is not implemented (static "
+                         f"per-layer k_scale / v_scale only)")
+    if not scheme.get("symmetric", True):
+        raise ValueError(f"{where}: kv_cache_scheme symmetric false (a KV zero point) is "
+                         f"not implemented")
 
 
 def _ct_groups(qc: dict, where: str) -> dict[str, dict]:
     """A compressed-tensors config's config_groups (name -> group), after refusing what
-    no tokenmill scheme reads: sparsity, KV-cache schemes, transforms."""
+    no tokenmill scheme reads: sparsity, KV-cache schemes other than FP8 per tensor,
+    transforms."""
     sparsity = qc.get("sparsity_config")
     if sparsity and (sparsity.get("format") or "dense") != "dense":
         raise ValueError(f"{where}: sparsity_config format {sparsity.get('format')!r} "
                          f"(2:4 / bitmask sparsity) is not implemented")
-    for field in ("kv_cache_scheme", "transform_config"):
-        if qc.get(field):
-            raise ValueError(f"{where}: {field} is not implemented")
+    check_kv_cache_scheme(qc.get("kv_cache_scheme"), where)
+    if qc.get("transform_config"):
+        raise ValueError(f"{where}: transform_config is not implemented")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where}: config_groups is empty or missing: no quantization "
@@ -200,15 +251,22 @@ def _ct_groups(qc: dict, where: str) -> dict[str, dict]:
 def parse_ct_fp8_config(qc: dict, where: str) -> Fp8Config:
     """compressed-tensors' float-quantized FP8 ("FP8" / "FP8-Dynamic" releases of
     llm-compressor: e4m3 `weight` with a `weight_scale` per tensor or per output row,
-    activations per token dynamically or with a static `input_scale`) as the fp8
-    method's per-tensor / per-channel config; the activations stay unquantized here
-    (W8A16), as for quant_method "fp8"."""
-    static = {_ct_fp8_scheme(g, f"{where}: config group {n!r}")
-              for n, g in _ct_groups(qc, where).items()}
-    if len(static) > 1:
+    activations per token dynamically or with a static `input_scale`; "FP8_BLOCK": a
+    `weight_scale` [ceil(N / bn), ceil(K / bk)] per `block_structure` block) as the fp8
+    method's per-tensor / per-channel or block config; the activations stay
+    unquantized here (W8A16), as for quant_method "fp8"."""
+    schemes = {_ct_fp8_scheme(g, f"{where}: config group {n!r}")
+               for n, g in _ct_groups(qc, where).items()}
+    if len({static for static, _ in schemes}) > 1:
         raise ValueError(f"{where}: config groups mixing static and dynamic activation "
                          f"scales are not implemented")
-    return Fp8Config(None, _names(qc, "ignore", where, "config"), static.pop())
+    if len({block for _, block in schemes}) > 1:
+        raise ValueError(f"{where}: config groups with different FP8 weight strategies / "
+                         f"block structures {sorted(str(b) for _, b in schemes)} are not "
+                         f"implemented")
+    static, block = schemes.pop()
+    return Fp8Config(block, _names(qc, "ignore", where, "config"), static,
+                     block_scale_name="weight_scale")
 
 
 def check_quantization(hf_config: dict, where: str, implemented=None) -> str | None:

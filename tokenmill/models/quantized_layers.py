@@ -74,7 +74,9 @@ UNREAD_SCALE_SUFFIXES = (".activation_scale", ".input_scale_inv")
 
 
 def _scale_suffix(cfg: Fp8Config) -> str:
-    return ROW_SCALE_SUFFIX if cfg.block_size is None else SCALE_SUFFIX
+    """The suffix of the weight scales this config reads: per tensor / per channel, or
+    its block scales' (".weight_scale_inv", compressed-tensors' ".weight_scale")."""
+    return ROW_SCALE_SUFFIX if cfg.block_size is None else "." + cfg.block_scale_name
 
 
 def _unread_scale(cfg: Fp8Config, name: str) -> bool:
@@ -84,9 +86,8 @@ def _unread_scale(cfg: Fp8Config, name: str) -> bool:
         return True
     if name.endswith(INPUT_SCALE_SUFFIX):
         return not cfg.static_activations
-    if cfg.block_size is None:
-        return name.endswith(SCALE_SUFFIX)  # block scales without a block size
-    return name.endswith(ROW_SCALE_SUFFIX)
+    read = _scale_suffix(cfg)
+    return name.endswith((SCALE_SUFFIX, ROW_SCALE_SUFFIX)) and not name.endswith(read)
 
 
 def _checkpoint_name(header: dict, name: str) -> str | None:
@@ -97,11 +98,12 @@ def _checkpoint_name(header: dict, name: str) -> str | None:
     return None
 
 
-def _check_scale(header: dict, w: str, block, where: str) -> str:
-    """The name of fp8 weight `w`'s scales (block scales; block None: per tensor or
+def _check_scale(header: dict, w: str, cfg: Fp8Config, where: str) -> str:
+    """The name of fp8 weight `w`'s scales (block scales; no block size: per tensor or
     per channel), checked present and shaped to fit."""
     n, k = header[w][1]
-    scale = w[:-len(".weight")] + (ROW_SCALE_SUFFIX if block is None else SCALE_SUFFIX)
+    block = cfg.block_size
+    scale = w[:-len(".weight")] + _scale_suffix(cfg)
     if scale not in header:
         kind = "per-tensor / per-channel" if block is None else "block"
         raise ValueError(f"{where}: fp8 tensor {w} has no {kind} scales: {scale} "
@@ -163,7 +165,7 @@ def _apply_fp8_experts(model: nn.Module, cfg: Fp8Config, header: dict, dtype, wh
                              f"lists its module as not converted (modules_to_not_convert / "
                              f"ignored_layers): the checkpoint contradicts its config")
         for w in fp8:
-            claimed.update((w, _check_scale(header, w, cfg.block_size, where)))
+            claimed.update((w, _check_scale(header, w, cfg, where)))
         module.use_method(Fp8BlockFusedMoEMethod(block), dtype)
         count += 1
     return count
@@ -226,7 +228,7 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
                                  f"{w} has {n} rows, not a multiple of the fp8 block's "
                                  f"{bn}: its block scales cannot be concatenated with the "
                                  f"next shard's (not supported)")
-            claimed.update((w, _check_scale(header, w, cfg.block_size, where)))
+            claimed.update((w, _check_scale(header, w, cfg, where)))
         module.use_method(Fp8BlockLinearMethod(block), dtype)
         count += 1
     count += _apply_fp8_experts(model, cfg, header, dtype, where, claimed)
@@ -253,9 +255,15 @@ def fp8_checkpoint_tensors(tensors, header: dict, cfg: Fp8Config):
     """The checkpoint's (name, tensor) pairs as the fp8 layers take them: without
     weight_block_size each `weight_scale` (scalar, [N] or [N, 1]) becomes the
     `weight_scale_inv` [N, 1] of one-row blocks (a per-tensor scale on every row);
-    a static scheme's `input_scale` tensors are dropped (not used)."""
+    compressed-tensors' block `weight_scale` is the `weight_scale_inv` (the same
+    dequantization factor per block, under another name); a static scheme's
+    `input_scale` tensors are dropped (not used)."""
     for name, tensor in tensors:
         if cfg.static_activations and name.endswith(INPUT_SCALE_SUFFIX):
+            continue
+        if (cfg.block_size is not None and cfg.block_scale_name == "weight_scale"
+                and name.endswith(ROW_SCALE_SUFFIX)):
+            yield name + "_inv", tensor.float()
             continue
         if cfg.block_size is None and name.endswith(ROW_SCALE_SUFFIX):
             weight = name[:-len(ROW_SCALE_SUFFIX)] + ".weight"

@@ -48,3 +48,39 @@ def encode_compressed_tensors(qw: QuantizedWeight, symmetric: bool,
     if qw.perm is not None:
         out["weight_g_idx"] = act_order_g_idx(qw)
     return out
+
+
+class Fp8BlockWeight:
+    """e4m3 codes [N, K] and their fp32 dequantization scales per [bn, bk] block
+    ([ceil(N / bn), ceil(K / bk)]; the edge blocks cover what is left): W = codes * scale."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]):
+        self.codes, self.scales, self.block = codes, scales, block
+
+    def dequantize(self) -> torch.Tensor:
+        bn, bk = self.block
+        n, k = self.codes.shape
+        full = self.scales.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return self.codes.float() * full
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> Fp8BlockWeight:
+    """Round to nearest: each block's scale = its amax / 448 (e4m3's largest value),
+    codes = w / scale rounded to e4m3."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w.float()
+    amax = padded.abs().view(rows, bn, cols, bk).amax(dim=(1, 3))
+    scales = amax.clamp(min=1e-12) / 448.0
+    full = scales.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    codes = (w.float() / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return Fp8BlockWeight(codes, scales, block)
+
+
+def encode_compressed_tensors_fp8_block(fw: Fp8BlockWeight) -> dict[str, torch.Tensor]:
+    """compressed-tensors float-quantized, strategy "block": weight e4m3 [N, K] and
+    weight_scale fp32 [ceil(N / bn), ceil(K / bk)], the dequantization factor (not its
+    inverse, whatever quant_method fp8's `weight_scale_inv` name suggests)."""
+    return {"weight": fw.codes, "weight_scale": fw.scales}

@@ -1,5 +1,6 @@
 """Quantize an unquantized Hugging Face checkpoint folder into GPTQ, AWQ or
-compressed-tensors' exact published layout (round-to-nearest, rtn.py), and optionally
+compressed-tensors' exact published layout (round-to-nearest, rtn.py; compressed-
+tensors' FP8 block strategy too: encode.quantize_fp8_block), and optionally
 write the dequantized fp32 checkpoint that HF transformers runs as the reference.
 
 Quantized: every 2-D `*_proj.weight` of the decoder layers (attention and MLP
@@ -21,7 +22,8 @@ from safetensors.torch import save_file
 
 from tokenmill.models.checkpoint_io import safetensors_files
 from tokenmill.models.quant_formats.encode import (encode_awq, encode_compressed_tensors,
-                                                   encode_gptq)
+                                                   encode_compressed_tensors_fp8_block,
+                                                   encode_gptq, quantize_fp8_block)
 from tokenmill.models.quant_formats.rtn import quantize_rtn
 
 INDEX = "model.safetensors.index.json"
@@ -170,6 +172,35 @@ def write_compressed_tensors_checkpoint(src_dir: str, dst_dir: str, bits: int = 
                                         "input_activations": None,
                                         "output_activations": None,
                                         "format": "pack-quantized"}},
+          "ignore": ["lm_head", *keep]}
+    return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
+                           return_dequantized)
+
+
+def write_compressed_tensors_fp8_block_checkpoint(
+        src_dir: str, dst_dir: str, block: tuple[int, int] = (128, 128),
+        reference_dir: str | None = None, keep: tuple[str, ...] = (),
+        return_dequantized: bool = True) -> dict[str, torch.Tensor]:
+    """compressed-tensors float-quantized FP8 with block scales (llm-compressor's
+    FP8_BLOCK scheme): e4m3 `weight` and fp32 `weight_scale` per [bn, bk] block; the
+    activations' dynamic per-group scheme in the config (tokenmill keeps them
+    unquantized)."""
+    def encode(name, w):
+        fw = quantize_fp8_block(w, block)
+        return encode_compressed_tensors_fp8_block(fw), fw
+
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+               "block_structure": list(block), "dynamic": False, "group_size": None,
+               "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+            "group_size": block[1], "dynamic": True, "observer": None}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "quantization_status": "compressed", "kv_cache_scheme": None,
+          "sparsity_config": {},
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                        "input_activations": acts,
+                                        "output_activations": None,
+                                        "format": "float-quantized"}},
           "ignore": ["lm_head", *keep]}
     return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
                            return_dequantized)
