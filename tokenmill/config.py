@@ -194,3 +194,6 @@ class CacheConfig:
     memory_fraction: float = 0.3
     # K/V element type: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn).
     cache_dtype: str = "auto"
+    # Hybrid prefix caching: recurrent-state snapshot slots (None: 4 per sequence, at
+    # most a quarter of the KV budget).
+    num_state_snapshots: int | None = None

@@ -34,8 +34,17 @@ class StateMetadata:
 
     num_decodes: int
     state_indices: torch.Tensor  # [num_reqs] long
-    # Multi-token rows: (query_start, query_end, slot), as host ints.
+    # Multi-token rows: (query_start, query_end, slot), as host ints. Hybrid prefix
+    # caching cuts a row into consecutive pieces at its snapshot boundaries.
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    # Piece index -> the slot whose state is copied into the piece's slot before it runs
+    # (a cache hit resuming from a snapshot), and -> the snapshot slot its state is copied
+    # to after it. Pieces are ordered so that a snapshot is written before it is read.
+    restore_before: dict[int, int] = field(default_factory=dict)
+    snapshot_after: dict[int, int] = field(default_factory=dict)
+    # (slot, snapshot slot) of one-token rows among the decodes whose token ends at a
+    # snapshot boundary: copied after the decode step.
+    decode_snapshots: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the decode rows hold 1 + drafts tokens each, which must run
     # in order. Step j = (flat token rows [m], slots read [m], slots written [m]) for
     # token j of every row that has one; None: one token per decode row, in place.

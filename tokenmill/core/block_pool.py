@@ -18,7 +18,7 @@ Without prefix caching freed blocks simply go to the tail, as before.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class BlockPool:
@@ -37,6 +37,9 @@ class BlockPool:
         self.cached: dict[Hashable, int] = {}
         self.block_key: list[Hashable | None] = [None] * num_blocks
         self.num_evictions = 0
+        # Called with each key that leaves the cache (evicted, uncached, reset): what is
+        # tied to a cached block goes with it (a hybrid's state snapshots).
+        self.on_evict: Callable[[Hashable], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,6 +85,8 @@ class BlockPool:
             self.block_key[b] = None
             if self.cached.get(key) == b:
                 del self.cached[key]
+                if self.on_evict is not None:
+                    self.on_evict(key)
             self.num_evictions += 1
 
     def share(self, block_ids: list[int]) -> None:
@@ -140,6 +145,8 @@ class BlockPool:
             self.block_key[block_id] = None
             if self.cached.get(key) == block_id:
                 del self.cached[key]
+                if self.on_evict is not None:
+                    self.on_evict(key)
             if self.ref_cnt[block_id] == 0 and self.enable_caching:
                 self._free.move_to_end(block_id, last=False)  # worth nothing: reuse first
 
@@ -147,7 +154,9 @@ class BlockPool:
         """Forget every cached key (blocks in use keep working, unshared). Returns
         how many were dropped."""
         n = len(self.cached)
-        for b in self.cached.values():
+        for key, b in self.cached.items():
             self.block_key[b] = None
+            if self.on_evict is not None:
+                self.on_evict(key)
         self.cached.clear()
         return n

@@ -5,6 +5,7 @@ from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_spec import KVCacheConfig, SlidingWindowSpec
 from tokenmill.core.kv_cache_utils import PrefixCacheStats, request_block_hashes
 from tokenmill.core.request import Request
+from tokenmill.core.state_snapshots import StateSnapshotCache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,9 +39,19 @@ class KVCacheManager:
     loads before the forward, and samples nothing for any row over a block that
     did not load), later ones may not (a step already scheduled could not be
     undone). A block that did not load leaves the cache; its holders recompute it.
+
+    Hybrid models (a recurrent-state group) cache prefixes only where a state
+    snapshot exists (core/state_snapshots.py): a hit ends at the longest cached
+    prefix whose last block has one, and the request's state starts from a copy of
+    it (`state_restores` of the step). Each step snapshots its chunks at their due
+    boundaries (`state_snapshots`), and `align_chunk` ends a prompt chunk cut by the
+    budget at a block boundary ("align": every boundary a cold run splits its
+    recurrent computation at holds a snapshot, so a hit resumes from exactly the
+    state the cold run went on from).
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = False):
+    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = False,
+                 state_snapshot_interval: int = 256):
         self.config = kv_cache_config
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.groups)
@@ -62,6 +73,17 @@ class KVCacheManager:
         self._loading_now: set[int] = set()
         self._loading: set[int] = set()
         self.prefix_cache_stats = PrefixCacheStats()
+        self.snapshots: StateSnapshotCache | None = None
+        if enable_caching and kv_cache_config.state_group_id is not None:
+            interval = max(1, state_snapshot_interval // self.block_size) * self.block_size
+            self.snapshots = StateSnapshotCache(kv_cache_config.num_state_snapshots,
+                                                self.block_size, interval)
+            self.pool.on_evict = self.snapshots.drop  # a snapshot lives as long as its block
+        # This schedule call's state operations (hybrids): request -> snapshot it starts
+        # from; request -> [(boundary, snapshot slot)] it writes.
+        self._state_restores: dict[str, int] = {}
+        self._state_writes: dict[str, list[tuple[int, int]]] = {}
+        self._written_now: set[int] = set()
 
     @property
     def usage(self) -> float:
@@ -118,7 +140,10 @@ class KVCacheManager:
                 if i + 1 - run > spec.first_needed_block((i + 1) * self.block_size):
                     valid[i + 1] = False
             ids[gid] = [BlockPool.NULL_BLOCK if b is None else b for b in found]
-        num = max(n for n in range(num + 1) if valid[n])
+        # A hybrid resumes only where its recurrent state was snapshotted.
+        num = max(n for n in range(num + 1)
+                  if valid[n] and (n == 0 or self.snapshots is None
+                                   or self._snapshot_usable(request, hashes, n)))
         hits = [[] for _ in range(self.num_groups)]
         for gid in self.block_groups:
             group = ids[gid][:num]
@@ -178,6 +203,8 @@ class KVCacheManager:
             for group_blocks, ids in zip(blocks, new_computed_blocks):
                 self.pool.touch(ids)  # before allocating: allocation must not evict them
                 group_blocks.extend(ids)
+            if self.snapshots is not None and num_new_computed_tokens:
+                self._take_restore(request, num_new_computed_tokens)
         new_ids = [[] for _ in range(self.num_groups)]
         for gid in self.block_groups:
             k = skip.get(gid, 0)
@@ -185,7 +212,72 @@ class KVCacheManager:
             blocks[gid].extend(new_ids[gid])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+            if self.snapshots is not None:
+                self._take_snapshots(request, num_tokens - num_new_tokens, num_tokens)
         return new_ids
+
+    # ---- recurrent-state snapshots (hybrid models) -------------------------------------
+    def _snapshot_key(self, hashes, num_blocks: int):
+        """The key a state snapshot after `num_blocks` blocks is kept under: that of
+        its last block (first attention group)."""
+        return (self.first_block_group, hashes[num_blocks - 1])
+
+    def _snapshot_usable(self, request: Request, hashes, num_blocks: int) -> bool:
+        """A snapshot after `num_blocks` blocks exists; one this schedule call writes only
+        if the request then computes more than one token: a one-token row runs with the
+        decode rows, before the prompt rows that write snapshots in every layer."""
+        slot = self.snapshots.slot_of.get(self._snapshot_key(hashes, num_blocks))
+        if slot is None:
+            return False
+        return (slot not in self._written_now
+                or num_blocks * self.block_size < request.num_tokens - 1)
+
+    def _take_restore(self, request: Request, num_hit: int) -> None:
+        hashes = request_block_hashes(request, self.block_size)
+        slot = self.snapshots.get(self._snapshot_key(hashes, num_hit // self.block_size))
+        if slot is None:  # get_computed_blocks only returns hits that have one
+            raise RuntimeError(f"prefix hit of {request.request_id} has no state snapshot")
+        self.snapshots.pin(slot)
+        self._state_restores[request.request_id] = slot
+
+    def _take_snapshots(self, request: Request, start: int, end: int) -> None:
+        """Snapshot slots for the due boundaries of the chunk [start, end) whose block
+        is cached and has none yet (an identical prefix computed twice keeps one)."""
+        due = self.snapshots.due_boundaries(start, end, request.num_tokens)
+        if not due:
+            return
+        hashes = request_block_hashes(request, self.block_size)
+        for b in due:
+            key = self._snapshot_key(hashes, b // self.block_size)
+            if self.pool.get_cached_block(key) is None or self.snapshots.has(key):
+                continue
+            slot = self.snapshots.take(key)
+            if slot is not None:
+                self._state_writes.setdefault(request.request_id, []).append((b, slot))
+                self._written_now.add(slot)
+
+    def align_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """Hybrids with prefix caching: a chunk [start, start + num_new) that stops short
+        of the request's known tokens ends at a block boundary instead, which the step
+        snapshots (kept as is when that leaves nothing: a budget under one block)."""
+        if self.snapshots is None or start + num_new >= request.num_tokens:
+            return num_new
+        end = (start + num_new) // self.block_size * self.block_size
+        return end - start if end > start else num_new
+
+    def take_state_ops(self) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
+        """The schedule call is over: its restores and snapshot writes, for the step."""
+        ops = self._state_restores, self._state_writes
+        self._state_restores, self._state_writes = {}, {}
+        self._written_now = set()
+        if self.snapshots is not None:
+            self.snapshots.schedule_done()
+        return ops
+
+    def reset_state_snapshots(self) -> None:
+        """Forget every snapshot (the steps that wrote them may not have run)."""
+        if self.snapshots is not None:
+            self.snapshots.reset()
 
     def _free_outside_window(self, blocks: list[list[int]], num_computed: int) -> None:
         """Give back each sliding group's blocks that lie entirely before the window of

@@ -192,6 +192,8 @@ class KVCacheConfig:
     groups: list[KVCacheGroup] = field(default_factory=list)
     # State slots of each MambaSpec layer (one per live sequence); 0 without such layers.
     num_state_slots: int = 0
+    # Snapshot slots after them (hybrid prefix caching: core/state_snapshots.py); 0: none.
+    num_state_snapshots: int = 0
 
     @property
     def attention_group_id(self) -> int:
@@ -237,8 +239,12 @@ class KVCacheConfig:
         return sum(self.buffer_page_sizes())
 
     def state_bytes(self) -> int:
-        """Bytes of every recurrent layer's state slots."""
-        return sum(len(g.layer_names) * g.spec.page_size_bytes * self.num_state_slots
+        """Bytes of every recurrent layer's state slots and snapshot slots."""
+        return self.state_slot_bytes() * (self.num_state_slots + self.num_state_snapshots)
+
+    def state_slot_bytes(self) -> int:
+        """Bytes of one state slot: every recurrent layer's state."""
+        return sum(len(g.layer_names) * g.spec.page_size_bytes
                    for g in self.groups if not g.is_attention)
 
 

@@ -125,6 +125,12 @@ class SchedulerOutput:
     # hashes whose encoder outputs it drops before that.
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_hashes: list[str] = field(default_factory=list)
+    # Hybrid prefix caching (core/state_snapshots.py; snapshot slots numbered from 0):
+    # request id -> the snapshot its recurrent state starts from (a cache hit), and
+    # request id -> (token count, snapshot slot) pairs: its state after that many
+    # tokens is copied out (a boundary inside or at the end of its chunk this step).
+    state_restores: dict[str, int] = field(default_factory=dict)
+    state_snapshots: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

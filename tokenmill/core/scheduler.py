@@ -44,6 +44,9 @@ class SchedulerConfig:
     # max_num_encoder_input_tokens), and encoder output rows the runner may keep.
     max_num_encoder_input_tokens: int = 2048
     encoder_cache_size: int = 8192
+    # Hybrid models with prefix caching: a recurrent-state snapshot every this many
+    # prompt tokens (rounded to whole blocks), besides chunk ends and the prompt's end.
+    state_snapshot_interval: int = 256
 
 
 _WAIT = object()
@@ -72,7 +75,8 @@ class Scheduler:
         whose scheduler half this builds; None: no external tier."""
         self.config = config
         self.kv_cache_manager = KVCacheManager(kv_cache_config,
-                                               bool(config.enable_prefix_caching))
+                                               bool(config.enable_prefix_caching),
+                                               config.state_snapshot_interval)
         # The scheduler half of the KV connector: which blocks to load and store.
         self.connector = None
         if kv_connector is not None:
@@ -166,6 +170,7 @@ class Scheduler:
             self.connector.forget_loads()  # (the failed steps' loads come back never)
         self._resend_as_new.update(r for r in requeued + list(new_req_ids) if r in self.requests)
         self.encoder_cache.reset()  # (a failed step may not have encoded what it was sent)
+        self.kv_cache_manager.reset_state_snapshots()  # (nor written its state snapshots)
         self.admit_only_preempted = True
         return requeued
 
@@ -373,6 +378,7 @@ class Scheduler:
             if num_new <= 0 or self._limit_reached_in_flight(req) or self._loading(req):
                 i += 1
                 continue
+            num_new = self.kv_cache_manager.align_chunk(req, req.num_computed_tokens, num_new)
             enc = []
             if req.mm_features and req.num_computed_tokens < req.num_prompt_tokens:
                 num_new, enc, enc_budget = self._encoder_inputs(
@@ -441,6 +447,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             start = req.num_computed_tokens + num_hit + num_ext
+            num_new = self.kv_cache_manager.align_chunk(req, start, num_new)
             enc = []
             if req.mm_features and start < req.num_prompt_tokens:
                 num_new, enc, enc_budget = self._encoder_inputs(req, start, num_new,
@@ -486,7 +493,9 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
+        restores, snapshots = self.kv_cache_manager.take_state_ops()
         out = SchedulerOutput(
+            state_restores=restores, state_snapshots=snapshots,
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),

@@ -43,8 +43,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
-    # Automatic prefix caching (None: on for full-attention models, off for hybrids).
+    # Automatic prefix caching (None: on; hybrids snapshot their recurrent state).
     enable_prefix_caching: bool | None = None
+    # Hybrid (Gated DeltaNet) prefix caching: a recurrent-state snapshot every this many
+    # prompt tokens (whole blocks), and how many snapshot slots (None: 4 per sequence).
+    state_snapshot_interval: int = 256
+    num_state_snapshots: int | None = None
     # The external KV tier: a KVConnectorConfig, a dict of its fields, or store specs
     # ("cpu", "disk:PATH", "redis://host:port/db"); None: no external tier.
     kv_connector: object = None
@@ -122,6 +126,9 @@ class EngineArgs:
             raise ValueError(f"enable_prefix_caching must be True, False or None, "
                              f"got {self.enable_prefix_caching!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(self.state_snapshot_interval, int) or self.state_snapshot_interval < 1:
+            raise ValueError(f"state_snapshot_interval must be an int >= 1, "
+                             f"got {self.state_snapshot_interval!r}")
         from tokenmill.kv_connector.config import KVConnectorConfig
         self.kv_connector = KVConnectorConfig.from_any(self.kv_connector)
         self.limits = RequestLimits.from_any(self.limits)
@@ -228,8 +235,10 @@ class EngineSetup:
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget
+        scheduler_config.state_snapshot_interval = args.state_snapshot_interval
         cache_config = CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory,
-                                   cache_dtype=args.kv_cache_dtype)
+                                   cache_dtype=args.kv_cache_dtype,
+                                   num_state_snapshots=args.num_state_snapshots)
         # Which kernels run: decided here, once, for the whole engine.
         platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
         runner_type, pooler = resolve_pooling(args.runner, args.pooler_config,

@@ -36,9 +36,13 @@ class EngineStepError(EngineDeadError):
 
 def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
                          max_model_len: int, device: torch.device,
-                         state_slots_per_seq: int = 1) -> KVCacheConfig:
+                         state_slots_per_seq: int = 1,
+                         state_snapshots: bool = False) -> KVCacheConfig:
     """`state_slots_per_seq`: recurrent-state slots each sequence owns (1 + the drafts
-    of a step under speculative decoding: one state after each verified token)."""
+    of a step under speculative decoding: one state after each verified token).
+    `state_snapshots`: a hybrid with prefix caching: slots for its state snapshots too
+    (`cache.num_state_snapshots`, or by default 4 per sequence, at most a quarter of the
+    budget), out of the same budget."""
     specs = runner.get_kv_cache_spec(cache.block_size)
     # Layers with equal specs share a group and its block table (full attention,
     # each sliding window, the recurrent state: kv_cache_spec.group_layer_specs).
@@ -46,6 +50,11 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
     state = any(isinstance(g.spec, MambaSpec) for g in groups)
     config = KVCacheConfig(1, groups,
                            num_state_slots=max_num_seqs * state_slots_per_seq if state else 0)
+    if state and state_snapshots:
+        n = cache.num_state_snapshots
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_state_snapshots must be an int >= 1, got {n!r}")
+        config.num_state_snapshots = n if n is not None else 4 * max_num_seqs
     per_block = config.bytes_per_block()
     # Blocks one sequence of max_model_len holds at once, over every group: all of its
     # positions in a full-attention group; in a sliding group the window before the
@@ -71,6 +80,9 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
             # Tensor-parallel ranks on this host share its memory: each takes its part.
             budget = (int(available_memory_bytes(device) * cache.memory_fraction)
                       // getattr(runner, "ranks_per_host", 1))
+        if state and state_snapshots and cache.num_state_snapshots is None:
+            config.num_state_snapshots = max(1, min(
+                4 * max_num_seqs, budget // 4 // max(1, config.state_slot_bytes())))
         budget -= config.state_bytes()  # the recurrent state comes out of the same budget
         num_blocks = min(max(budget, 0) // per_block, useful)
     if num_blocks - 1 < per_seq:
@@ -118,7 +130,8 @@ class EngineCore:
         self.kv_cache_config = make_kv_cache_config(
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device,
-            1 + (speculative_config.num_speculative_tokens if speculative_config else 0))
+            1 + (speculative_config.num_speculative_tokens if speculative_config else 0),
+            state_snapshots=scheduler_config.enable_prefix_caching is not False)
         # The external KV tier (tokenmill.kv_connector): its stores, shared by the
         # scheduler's half and the runner's.
         self.kv_connector = make_kv_connector(kv_connector_config, model_config,

@@ -66,6 +66,7 @@ class InitKVCache:
     num_state_slots: int
     block_size: int
     group_layers: list[list[str]]  # per KV cache group, its layer names
+    num_state_snapshots: int = 0
 
 
 # The message each operation's body is (decoded as that type, not by position).
@@ -129,7 +130,8 @@ def _rank_kv_cache_config(runner, msg: InitKVCache) -> KVCacheConfig:
     (its heads only)."""
     specs = runner.get_kv_cache_spec(msg.block_size)
     return KVCacheConfig(msg.num_blocks, [KVCacheGroup(names, specs[names[0]])
-                                          for names in msg.group_layers], msg.num_state_slots)
+                                          for names in msg.group_layers], msg.num_state_slots,
+                         msg.num_state_snapshots)
 
 
 def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:
@@ -336,7 +338,7 @@ class MultiprocTPExecutor:
         attn = config.groups[config.attention_group_id].spec
         self._send(INIT_KV + serial.encode(InitKVCache(
             config.num_blocks, config.num_state_slots, attn.block_size,
-            [g.layer_names for g in config.groups])))
+            [g.layer_names for g in config.groups], config.num_state_snapshots)))
         self.runner.initialize_kv_cache(config)
 
     def remove_requests(self, req_ids) -> None:

@@ -11,9 +11,9 @@ from tokenmill.models.layers.rotary import LONGROPE_USE_LONG
 logger = logging.getLogger(__name__)
 
 HYBRID_REASON = (
-    "it has recurrent-state (Gated DeltaNet) layers: a cache hit would have to restore "
-    "their state at the block boundary, and a state recomputed from a snapshot is not "
-    "bit-identical to one computed in a single pass (see ARCHITECTURE.md)")
+    "it has recurrent-state (Gated DeltaNet) layers: a hit needs the state snapshot at "
+    "the end of the cached prefix, which the local prefix cache keeps (in memory) but "
+    "the external tier's entries do not carry yet; local prefix caching stays on")
 
 MULTI_GROUP_REASON = (
     "its layers form {n} KV cache groups (full and sliding-window layers, or layers of "
@@ -27,15 +27,14 @@ def _num_block_groups(config: KVCacheConfig) -> int:
 
 
 def resolve_prefix_caching(flag: bool | None, kv_cache_config: KVCacheConfig) -> bool:
-    """None: on for full-attention models. Hybrids: always off, with the reason."""
-    if kv_cache_config.state_group_id is not None:
-        if flag:
-            logger.warning("prefix caching requested but turned off for this model: %s",
-                           HYBRID_REASON)
-        elif flag is None:
-            logger.info("prefix caching is off for this model: %s", HYBRID_REASON)
-        return False
-    return True if flag is None else bool(flag)
+    """None: on. Hybrids too: their recurrent state is snapshotted at block boundaries
+    (core/state_snapshots.py), which needs the config's snapshot slots."""
+    on = True if flag is None else bool(flag)
+    if on and kv_cache_config.state_group_id is not None and \
+            not kv_cache_config.num_state_snapshots:
+        raise ValueError("prefix caching of a hybrid model needs state snapshot slots "
+                         "(num_state_snapshots) in its KV cache config")
+    return on
 
 
 def make_kv_connector(config: KVConnectorConfig | None, model_config,

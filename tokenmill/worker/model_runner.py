@@ -233,6 +233,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
                 and self.last_step.cu_num_logits is None
                 and self.cuda_graphs.can_run(len(input_ids))):
             hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # a pure-decode step
+            if meta.state is not None and meta.state.decode_snapshots:
+                # (the graph copies no snapshot: the slots hold the step's end state)
+                for tensors in self.state_caches.values():
+                    for t in tensors:
+                        for src, dst in meta.state.decode_snapshots:
+                            t[dst] = t[src]
         else:
             hidden = self.model(ids_t, pos_t, meta,
                                 **({"inputs_embeds": embeds} if embeds is not None else {}))

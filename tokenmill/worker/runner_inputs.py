@@ -204,7 +204,8 @@ class InputPrepMixin:
             req_indices * table.max_num_blocks_per_req + positions // bs].astype(np.int64) * bs
             + positions % bs)
         if self.state_slots is not None:
-            meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts)
+            meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts,
+                                              so.state_restores, so.state_snapshots)
         self.last_step = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
             seq_lens=seq_lens, slot_mapping=slot_mapping,
@@ -215,7 +216,9 @@ class InputPrepMixin:
         return input_ids, positions, logits_indices, meta, discard
 
     def _state_metadata(self, num_decodes: int, query_start_loc: np.ndarray,
-                        computed: np.ndarray, num_drafts: np.ndarray | None = None
+                        computed: np.ndarray, num_drafts: np.ndarray | None = None,
+                        restores: dict[str, int] | None = None,
+                        snapshots: dict[str, list[tuple[int, int]]] | None = None
                         ) -> StateMetadata:
         """Each row's state slot; a request seen for the first time gets a zeroed one.
 
@@ -239,15 +242,76 @@ class InputPrepMixin:
             for tensors in self.state_caches.values():
                 for t in tensors:
                     t.index_fill_(0, idx, 0)
+        # A one-token row resuming from a snapshot (a hit leaving one token): it runs
+        # with the decode rows, so its state is copied in now (never a snapshot this
+        # step writes: the scheduler does not hand those to such rows).
+        early = [(int(slots[r]), self.snapshot_base + restores[batch.req_ids[r]])
+                 for r in range(num_decodes) if restores and batch.req_ids[r] in restores]
+        if early:
+            dst = torch.tensor([d for d, _ in early], dtype=torch.long, device=self.device)
+            src = torch.tensor([s for _, s in early], dtype=torch.long, device=self.device)
+            for tensors in self.state_caches.values():
+                for t in tensors:
+                    t[dst] = t[src]
         self._spec_write_slots = {}
         nd_tokens = int(query_start_loc[num_decodes])
         meta = StateMetadata(nd_tokens, torch.from_numpy(slots).to(self.device))
         if nd_tokens > num_decodes:
             meta.decode_steps = self._state_decode_steps(num_decodes, query_start_loc, slots)
+        for r in range(num_decodes) if snapshots else ():
+            for _, snap in snapshots.get(batch.req_ids[r], ()):  # a one-token chunk's end
+                meta.decode_snapshots.append((int(slots[r]), self.snapshot_base + snap))
+        if restores or snapshots:
+            self._state_pieces(meta, num_decodes, query_start_loc, computed, slots,
+                               restores or {}, snapshots or {})
+            return meta
         for r in range(num_decodes, n):
             meta.prefills.append((int(query_start_loc[r]), int(query_start_loc[r + 1]),
                                   int(slots[r])))
         return meta
+
+    def _state_pieces(self, meta: StateMetadata, num_decodes: int, query_start_loc,
+                      computed, slots, restores: dict[str, int],
+                      snapshots: dict[str, list[tuple[int, int]]]) -> None:
+        """Hybrid prefix caching: each prompt row cut at its snapshot boundaries into
+        pieces, the state copied out after a piece that ends at one and copied in from
+        the snapshot a cache hit resumes from. A row that restores a snapshot another
+        row of this step writes (a hit on blocks scheduled in the same call) runs after
+        that row in every layer."""
+        batch = self.input_batch
+        base = self.snapshot_base
+        rows = list(range(num_decodes, batch.num_reqs()))
+        writer = {snap: r for r in rows for _, snap in snapshots.get(batch.req_ids[r], ())}
+        order, seen = [], set()
+
+        def visit(r):  # depth first: the writer of a row's snapshot goes before it
+            if r in seen:
+                return
+            seen.add(r)
+            src = restores.get(batch.req_ids[r])
+            if src is not None and writer.get(src, r) != r:
+                visit(writer[src])
+            order.append(r)
+
+        for r in rows:
+            visit(r)
+        for r in order:
+            rid = batch.req_ids[r]
+            start, end, slot = int(query_start_loc[r]), int(query_start_loc[r + 1]), int(slots[r])
+            src = restores.get(rid)
+            if src is not None:
+                meta.restore_before[len(meta.prefills)] = base + src
+            row_start = start
+            for boundary, snap in sorted(snapshots.get(rid, ())):
+                cut = row_start + boundary - int(computed[r])
+                if not start < cut <= end:
+                    raise RuntimeError(f"snapshot boundary {boundary} of {rid} is outside "
+                                       f"its chunk this step")
+                meta.prefills.append((start, cut, slot))
+                meta.snapshot_after[len(meta.prefills) - 1] = base + snap
+                start = cut
+            if end > start:
+                meta.prefills.append((start, end, slot))
 
     def _state_decode_steps(self, nd: int, query_start_loc: np.ndarray, slots: np.ndarray):
         """Step j reads each row's state after its token j - 1 and writes the state after

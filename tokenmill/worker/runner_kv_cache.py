@@ -15,7 +15,7 @@ from tokenmill.core.kv_cache_spec import (FP8_KV_DTYPE, FullAttentionSpec, KVCac
                                           SlidingWindowSpec, kv_cache_dtype_name)
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_cache import allocate_kv_caches, dtype_name
-from tokenmill.worker.state_cache import StateSlots, allocate_state_caches
+from tokenmill.worker.state_cache import StateSlots, allocate_state_caches, snapshot_base
 
 logger = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
@@ -139,6 +139,7 @@ class KVCacheMixin:
         graphs = self._cuda_graphs_apply()
         # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
         self.state_caches = allocate_state_caches(config, self.device, int(graphs))
+        self.snapshot_base = snapshot_base(config, int(graphs))
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
             state_layers[name].state = tensors

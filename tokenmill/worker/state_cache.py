@@ -18,17 +18,23 @@ from tokenmill.worker.kv_cache import TORCH_DTYPES
 def allocate_state_caches(config: KVCacheConfig, device: torch.device, extra_slots: int = 0
                           ) -> dict[str, tuple[torch.Tensor, ...]]:
     """`extra_slots`: scratch slots after the config's, never handed to a request (the
-    pad rows of a CUDA graph read and write one: worker/cuda_graph.py)."""
+    pad rows of a CUDA graph read and write one: worker/cuda_graph.py). The state
+    snapshot slots (hybrid prefix caching) follow them: `snapshot_base`."""
+    num = config.num_state_slots + extra_slots + config.num_state_snapshots
     caches = {}
     for group in config.groups:
         if not isinstance(group.spec, MambaSpec):
             continue
         for name in group.layer_names:
             caches[name] = tuple(
-                torch.zeros((config.num_state_slots + extra_slots, *shape), dtype=TORCH_DTYPES[dtype],
-                            device=device)
+                torch.zeros((num, *shape), dtype=TORCH_DTYPES[dtype], device=device)
                 for shape, dtype in zip(group.spec.shapes, group.spec.dtypes, strict=True))
     return caches
+
+
+def snapshot_base(config: KVCacheConfig, extra_slots: int = 0) -> int:
+    """Index of snapshot slot 0 in every recurrent layer's state tensors."""
+    return config.num_state_slots + extra_slots
 
 
 class StateSlots:

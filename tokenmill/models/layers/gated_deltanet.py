@@ -52,6 +52,12 @@ def conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
     return F.silu(out)
 
 
+def _copy_slots(state: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """state[dst] = state[src] for each (src, dst): snapshots of prefix caching."""
+    for src, dst in pairs:
+        state[dst] = state[src]
+
+
 def conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [L, C] consecutive inputs of one sequence, continuing from its conv state."""
@@ -240,8 +246,13 @@ class GatedDeltaNet(nn.Module):
                                                write)
         elif nd:
             conv_out[:nd] = conv1d_decode(mixed[:nd], conv_state, sm.state_indices[:nd], weight, None)
-        for start, end, slot in sm.prefills:
+        _copy_slots(conv_state, sm.decode_snapshots)
+        for i, (start, end, slot) in enumerate(sm.prefills):
+            if i in sm.restore_before:  # a cache hit: its state starts from a snapshot
+                conv_state[slot] = conv_state[sm.restore_before[i]]
             conv_out[start:end] = conv1d_prefill(mixed[start:end], conv_state, slot, weight, None)
+            if i in sm.snapshot_after:
+                conv_state[sm.snapshot_after[i]] = conv_state[slot]
 
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
@@ -266,10 +277,15 @@ class GatedDeltaNet(nn.Module):
         elif nd:
             core[:nd] = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
                                sm.state_indices[:nd])
-        for start, end, slot in sm.prefills:
+        _copy_slots(ssm_state, sm.decode_snapshots)
+        for i, (start, end, slot) in enumerate(sm.prefills):
+            if i in sm.restore_before:
+                ssm_state[slot] = ssm_state[sm.restore_before[i]]
             out, final = chunked(q[start:end], k[start:end], v[start:end],
                                  g[start:end], beta[start:end], ssm_state[slot])
             core[start:end] = out
             ssm_state[slot] = final.to(ssm_state.dtype)
+            if i in sm.snapshot_after:
+                ssm_state[sm.snapshot_after[i]] = ssm_state[slot]
         core = self.norm(core.to(x.dtype), z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))
