@@ -23,7 +23,7 @@ import pytest
 
 from conftest import make_llm, runner_of, scheduler_of
 from test_hf_parity import assert_same_tokens_and_logprobs, record_schedules, run_greedy_logprobs
-from test_hybrid_parity import hybrid_model  # noqa: F401  (the fixture)
+from test_hybrid_parity import HYBRID_SPECS, HybridModel, build_hybrid
 from tokenmill import SamplingParams
 
 MODELS = ["qwen3_5", "qwen3_next"]
@@ -71,7 +71,21 @@ def check_against_hf_and_off(tm, prompts, comps, off):
 
 
 @pytest.fixture(scope="module")
-def uncached(hybrid_model):  # noqa: F811
+def hybrid_model(tmp_path_factory):
+    cache: dict[str, HybridModel] = {}
+
+    def get(name: str) -> HybridModel:
+        if name not in cache:
+            arch, overrides = HYBRID_SPECS[name]
+            path = str(tmp_path_factory.mktemp(name))
+            cache[name] = HybridModel(name, path, arch, build_hybrid(path, arch, overrides))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def uncached(hybrid_model):
     cache = {}
 
     def get(name):
@@ -88,7 +102,7 @@ def uncached(hybrid_model):  # noqa: F811
 # ---- (a) ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", MODELS)
-def test_shared_prefix_batch_twice(hybrid_model, uncached, name):  # noqa: F811
+def test_shared_prefix_batch_twice(hybrid_model, uncached, name):
     tm = hybrid_model(name)
     prompts = shared_prompts(tm.vocab_size)
     off = uncached(name)
@@ -121,7 +135,7 @@ def test_shared_prefix_batch_twice(hybrid_model, uncached, name):  # noqa: F811
 # ---- (b) ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [5, 13])
-def test_chunked_prefill_odd_budgets(hybrid_model, uncached, budget):  # noqa: F811
+def test_chunked_prefill_odd_budgets(hybrid_model, uncached, budget):
     tm = hybrid_model("qwen3_5")
     prompts = shared_prompts(tm.vocab_size)
     llm = hybrid_llm(tm, max_num_batched_tokens=budget)
@@ -153,7 +167,7 @@ def test_chunked_prefill_odd_budgets(hybrid_model, uncached, budget):  # noqa: F
 # ---- (c) ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_preemption(hybrid_model, uncached, async_scheduling):  # noqa: F811
+def test_preemption(hybrid_model, uncached, async_scheduling):
     tm = hybrid_model("qwen3_next")
     prompts = shared_prompts(tm.vocab_size)
     # 23 usable blocks of 8 tokens: the 7 sequences need ~40.
@@ -169,7 +183,7 @@ def test_preemption(hybrid_model, uncached, async_scheduling):  # noqa: F811
 
 # ---- (d) ---------------------------------------------------------------------------------
 
-def test_aborts_leave_nothing_held(hybrid_model):  # noqa: F811
+def test_aborts_leave_nothing_held(hybrid_model):
     tm = hybrid_model("qwen3_5")
     prompts = shared_prompts(tm.vocab_size)
     llm = hybrid_llm(tm, max_num_batched_tokens=24)
@@ -192,7 +206,7 @@ def test_aborts_leave_nothing_held(hybrid_model):  # noqa: F811
     assert kvm.snapshots.num_used == 0
 
 
-def test_external_tier_is_refused_with_the_reason(hybrid_model, caplog):  # noqa: F811
+def test_external_tier_is_refused_with_the_reason(hybrid_model, caplog):
     """The external KV tier does not carry state snapshots yet: it stays off for a
     hybrid (with a warning saying why), local prefix caching stays on."""
     tm = hybrid_model("qwen3_5")
