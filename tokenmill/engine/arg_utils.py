@@ -188,8 +188,14 @@ def limit_kwargs(args: argparse.Namespace) -> dict:
 
 def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="automatic prefix caching (default: on for "
-                                      "full-attention models, off for hybrids)")
+                   default=None, help="automatic prefix caching (default: on; hybrid "
+                                      "models snapshot their recurrent state)")
+    p.add_argument("--state-snapshot-interval", type=int, default=None,
+                   help="hybrid prefix caching: a recurrent-state snapshot every this many "
+                        "prompt tokens, in whole blocks (default 256)")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="hybrid prefix caching: recurrent-state snapshot slots (default: 4 "
+                        "per sequence, at most a quarter of the KV cache budget)")
     p.add_argument("--kv-store", action="append", default=None, metavar="STORE",
                    help="an external KV store, searched in the order given: cpu, disk:PATH "
                         "or redis://HOST:PORT/DB (repeat for several)")
@@ -214,8 +220,13 @@ def kv_cache_kwargs(args: argparse.Namespace) -> dict:
             connector["disk_bytes"] = args.kv_disk_bytes
         if args.kv_model_id is not None:
             connector["model_id"] = args.kv_model_id
-    return dict(enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
-                kv_connector=connector)
+    out = dict(enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+               kv_connector=connector)
+    if getattr(args, "state_snapshot_interval", None) is not None:
+        out["state_snapshot_interval"] = args.state_snapshot_interval
+    if getattr(args, "num_state_snapshots", None) is not None:
+        out["num_state_snapshots"] = args.num_state_snapshots
+    return out
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

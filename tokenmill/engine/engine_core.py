@@ -151,6 +151,11 @@ class EngineCore:
                     self.kv_cache_config.num_blocks, cache_config.block_size,
                     self.kv_cache_config.num_blocks * self.kv_cache_config.bytes_per_block() / 2**20,
                     attn.dtype)
+        if self.scheduler.kv_cache_manager.snapshots is not None:
+            cfg = self.kv_cache_config
+            logger.info("prefix caching of the recurrent state: %d snapshot slots (%.1f MiB)",
+                        cfg.num_state_snapshots,
+                        cfg.num_state_snapshots * cfg.state_slot_bytes() / 2**20)
 
     def add_request(self, request: Request) -> None:
         self._attach_grammar(request)
