@@ -150,3 +150,14 @@ def test_snapshot_slots_are_pinned_within_a_call():
     restores, writes = mgr.take_state_ops()
     assert [b for b, _ in writes["a"]] == [4, 8]
     assert sorted(s for _, s in writes["a"]) == [0, 1]
+
+
+def test_state_ops_cross_the_contract():
+    """The step's restores and snapshot writes travel in the SchedulerOutput message."""
+    from tokenmill.core import serial
+    from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
+    so = SchedulerOutput([], CachedRequestData(), {"a": 12}, 12, state_restores={"a": 3},
+                         state_snapshots={"a": [(8, 1), (16, 2)]})
+    back = serial.decode(serial.encode(so), SchedulerOutput)
+    assert back.state_restores == {"a": 3}
+    assert back.state_snapshots == {"a": [(8, 1), (16, 2)]}
