@@ -14,6 +14,16 @@ range; the table is `key_averages()` sorted by --sort-by. `--trace` also writes 
 Chrome trace (chrome://tracing, https://ui.perfetto.dev). The profiler adds
 overhead: the printed ms per step is for comparing runs of this script, not a
 benchmark (use `tokenmill bench latency` / `throughput` for those).
+
+`--host-time` runs no profiler: it measures how much of a decode step is kernel time
+and how much is the rest (the Python between the kernels), per stage
+(bench/kernel_clock.py says how): after the warm-up, rounds of --round-steps plain
+steps (wall time per stage) alternate with as many instrumented ones (time inside
+every native kernel and aten op), --steps of each in all. `--json PATH` writes the
+figures.
+
+    .venv/bin/python -m tokenmill.bench.profile_step --host-time --batch-size 1 --input-len 64
+    .venv/bin/python -m tokenmill.bench.profile_step --host-time --batch-size 128 --input-len 64
 """
 from __future__ import annotations
 
@@ -50,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-shapes", action="store_true",
                    help="group the table by input shapes too")
     p.add_argument("--trace", default=None, metavar="PATH", help="also write a Chrome trace")
+    p.add_argument("--host-time", action="store_true",
+                   help="no profiler: kernel time against the rest of each decode step, per "
+                        "stage (plain and instrumented steps interleaved)")
+    p.add_argument("--round-steps", type=positive_int, default=8,
+                   help="--host-time: plain (then instrumented) steps per round (default 8)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="--host-time: write the figures as JSON")
     from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
     return p
@@ -89,7 +106,13 @@ def label_ranges(engine) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.host_time and args.phase != "decode":
+        parser.error("--host-time: decode steps only (--phase decode), which repeat alike")
+    if args.host_time and args.async_scheduling:
+        parser.error("--host-time: the timed aten ops are the calling thread's: "
+                     "--no-async-scheduling")
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -100,7 +123,16 @@ def main(argv=None) -> int:
     name = args.model or BENCH_MODEL_NAME
     model_path = ensure_bench_model(name) if is_bench_model(name) else name
     vocab = read_model_config(model_path)["vocab_size"]
-    decode_steps = args.warmup_steps + args.steps + 4  # room for async scheduling's lag
+    decode_steps = args.warmup_steps + args.steps * (2 if args.host_time else 1) + 4
+    # (+4: room for async scheduling's lag)
+    clock = None
+    if args.host_time:
+        from tokenmill import kernels
+        from tokenmill.bench.kernel_clock import KernelClock
+        clock = KernelClock()
+        ops = kernels.cpu_ops(args.cpu_capability) if args.cpu_kernels != "torch" else None
+        if ops is not None:  # before the engine is built: layers keep references to kernels
+            clock.wrap_native(ops)
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed,
               max_model_len=args.input_len + decode_steps, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -121,10 +153,14 @@ def main(argv=None) -> int:
     started: set[str] = set()
 
     def step() -> None:
-        with record_function("engine.step"):
-            for out in engine.step():
-                if out.outputs[0].token_ids:
-                    started.add(out.request_id)
+        if clock is not None:  # no profiler range: its enter and exit are aten ops too
+            outs = engine.step()
+        else:
+            with record_function("engine.step"):
+                outs = engine.step()
+        for out in outs:
+            if out.outputs[0].token_ids:
+                started.add(out.request_id)
 
     def prefilling() -> bool:
         return len(started) < args.batch_size and engine.has_unfinished_requests()
@@ -134,6 +170,8 @@ def main(argv=None) -> int:
             step()
         for _ in range(args.warmup_steps):
             step()
+    if clock is not None:
+        return _host_time(args, engine, clock, step, model_path)
     label_ranges(engine)
     activities = [ProfilerActivity.CPU]
     if engine.model_config.device.type == "cuda":
@@ -160,6 +198,53 @@ def main(argv=None) -> int:
     if args.trace:
         prof.export_chrome_trace(args.trace)
         print(f"wrote {args.trace}")
+    return 0
+
+
+def _host_time(args, engine, clock, step, model_path) -> int:
+    """Plain and instrumented decode steps in alternating rounds (the KV cache grows
+    alike under both); the table of kernel_clock.format_summary."""
+    import json
+
+    import torch
+
+    from tokenmill.bench.kernel_clock import STEP, format_summary
+    core = engine.engine_core
+    runner = getattr(core, "runner", None)
+    if runner is None:
+        print("--host-time needs the engine core in this process", file=sys.stderr)
+        return 2
+    for path, method in STAGES:
+        obj = engine
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, method):
+            clock.wrap_stage(obj, method, f"{type(obj).__name__}.{method}")
+    clock.wrap_stage(runner.model, "forward", "model.forward")
+    clock.wrap_stage(engine, "step", STEP)
+    done = 0
+    while done < args.steps:
+        n = min(args.round_steps, args.steps - done)
+        for _ in range(n):
+            step()
+            clock.end_step(timed=False)
+        with clock.kernels():
+            for _ in range(n):
+                step()
+                clock.end_step(timed=True)
+        done += n
+    s = clock.summary()
+    s.update(model=model_path, dtype=args.dtype, batch_size=args.batch_size,
+             input_len=args.input_len, torch_threads=torch.get_num_threads(),
+             platform=engine.platform.describe())
+    print(f"host time: {args.steps} plain + {args.steps} instrumented decode steps, batch "
+          f"{args.batch_size}, prompts of {args.input_len} tokens, {model_path} {args.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+    print(format_summary(s, top=args.row_limit))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
