@@ -18,9 +18,11 @@ from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 class AttentionMetadataBuilder:
     def __init__(self, device: torch.device):
         self.device = device
+        self._on_cpu = torch.device(device).type == "cpu"
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        t = torch.from_numpy(array)
+        return t if self._on_cpu else t.to(self.device)  # (CPU: no no-op .to to dispatch)
 
     def _slots(self, table, block_ids: np.ndarray, positions: np.ndarray,
                num_decodes: int) -> AttentionMetadata:

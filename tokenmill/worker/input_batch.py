@@ -77,6 +77,10 @@ class InputBatch:
         self.block_tables = [BlockTable(max_num_reqs, -(-max_model_len // bs), bs)
                              for bs in block_sizes]
         self._num_reqs = 0  # rows [0, _num_reqs) are in use after condense()
+        # A removal left a hole below the last row in use: condense() has work to do.
+        self._has_holes = False
+        # all_plain_greedy()'s answer until a row is added, removed or moved (None: ask).
+        self._plain_greedy: bool | None = None
 
     # ---- membership ------------------------------------------------------------
     def num_reqs(self) -> int:
@@ -84,6 +88,7 @@ class InputBatch:
 
     def add_request(self, state: CachedRequestState) -> int:
         row = self._first_free_row()
+        self._plain_greedy = None
         rid = state.req_id
         self.req_ids[row] = rid
         self.req_id_to_index[rid] = row
@@ -119,6 +124,10 @@ class InputBatch:
         return row
 
     def _first_free_row(self) -> int:
+        if not self._has_holes:  # rows [0, num_reqs) in use: the next one is free
+            row = len(self.req_id_to_index)
+            if row < self.max_num_reqs and self.req_ids[row] is None:
+                return row
         for row in range(self.max_num_reqs):
             if self.req_ids[row] is None:
                 return row
@@ -128,6 +137,8 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self._has_holes = True
+        self._plain_greedy = None
         self.req_ids[row] = None
         self.params[row] = None
         self.needs_processors[row] = False
@@ -140,6 +151,9 @@ class InputBatch:
 
     def condense(self) -> None:
         """Move the last rows into holes so rows [0, num_reqs) are dense."""
+        if not self._has_holes:  # nothing was removed since the last condense()
+            return
+        self._has_holes = False
         n = self.num_reqs()
         holes = [r for r in range(n) if self.req_ids[r] is None]
         tail = [r for r in range(self.max_num_reqs - 1, n - 1, -1) if self.req_ids[r] is not None]
@@ -147,6 +161,7 @@ class InputBatch:
             self._move(src, dst)
 
     def _move(self, src: int, dst: int) -> None:
+        self._plain_greedy = None
         rid = self.req_ids[src]
         self.req_ids[dst], self.req_ids[src] = rid, None
         self.req_id_to_index[rid] = dst
@@ -165,6 +180,7 @@ class InputBatch:
             table.clear_row(src)
 
     def swap_states(self, a: int, b: int) -> None:
+        self._plain_greedy = None
         ra, rb = self.req_ids[a], self.req_ids[b]
         self.req_ids[a], self.req_ids[b] = rb, ra
         self.req_id_to_index[rb], self.req_id_to_index[ra] = a, b
@@ -194,10 +210,13 @@ class InputBatch:
     # ---- sampling ------------------------------------------------------------
     def all_plain_greedy(self) -> bool:
         """Every row takes the argmax of its raw logits: greedy, no logprobs, no processors,
-        no grammar."""
+        no grammar. (Kept until a row is added, removed or moved: asked twice a step.)"""
+        if self._plain_greedy is not None:
+            return self._plain_greedy
         n = self.num_reqs()
-        return bool((self.temperature[:n] < 1e-5).all() and (self.num_logprobs[:n] < 0).all()
+        self._plain_greedy = bool((self.temperature[:n] < 1e-5).all() and (self.num_logprobs[:n] < 0).all()
                     and not self.needs_processors[:n].any() and not self.has_grammar[:n].any())
+        return self._plain_greedy
 
     def make_sampling_metadata(self) -> SamplingMetadata:
         n = self.num_reqs()

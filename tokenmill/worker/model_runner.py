@@ -26,7 +26,7 @@ from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.sched_output import GrammarOutput, LogprobsLists, SchedulerOutput
 from tokenmill.models.layers.greedy_head import GreedyHead
 from tokenmill.platforms import Platform
-from tokenmill.sample.sampler import Sampler
+from tokenmill.sample.sampler import Sampler, nonfinite_rows
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.dflash_proposer import DFlashProposer
 from tokenmill.spec_decode.drafter import Drafter
@@ -63,6 +63,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.platform = platform
         self.dtype = dtype
         self.device = device
+        self._on_cpu = torch.device(device).type == "cpu"
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -140,6 +141,16 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             if self.greedy_head is not None:
                 self.greedy_head_max_rows = self.platform.greedy_head_max_rows
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A numpy array as a tensor on the device (on CPU: the same memory, no copy and
+        no dispatch of a no-op `.to`)."""
+        t = torch.from_numpy(array)
+        return t if self._on_cpu else t.to(self.device)
+
+    def _to_host(self, t: torch.Tensor) -> np.ndarray:
+        """A tensor's values as numpy (on CPU: its memory, no no-op `.to("cpu")`)."""
+        return (t if self._on_cpu else t.cpu()).numpy()
+
     def _arange_upto(self, n: int) -> np.ndarray:
         if n > self._arange.size:
             self._arange = np.arange(n, dtype=np.int64)
@@ -214,7 +225,6 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         reorder_decodes_first(self.input_batch, so.num_scheduled_tokens,
                               spec_tokens=so.scheduled_spec_decode_tokens)
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
-        dev = self.device
         kv_failed = set()
         if kv_meta is not None:  # ... and are in their blocks before any layer reads them
             invalid = self._kv_invalid_block_ids = self.kv_connector.wait_for_load()
@@ -224,10 +234,10 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
                     if not invalid.isdisjoint(self.requests[rid].block_ids[gid]):
                         discard[r] = True
                         kv_failed.add(rid)
-        ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
+        ids_t = self._to_device(input_ids.astype(np.int64))
         if self.uses_mrope:
             positions = self._mrope_positions(positions)
-        pos_t = torch.from_numpy(positions).to(dev)
+        pos_t = self._to_device(positions)
         embeds = self._multimodal_embeds(so, ids_t) if self.has_encoder else None
         if (embeds is None and self.cuda_graphs is not None and not meta.prefills
                 and self.last_step.cu_num_logits is None
@@ -249,11 +259,14 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         if self._pool_step(hidden, discard):  # every row pools: no logits to compute
             self._pending = None
             return None
-        # Only the rows that sample reach lm_head.
-        sample_hidden = hidden[torch.from_numpy(logits_indices).to(dev)]
+        # Only the rows that sample reach lm_head (a step of one token a row: all of them).
+        if logits_indices.size == hidden.shape[0] and self.last_step.cu_num_logits is None:
+            sample_hidden = hidden  # (n rows, n tokens: logits_indices is arange(n))
+        else:
+            sample_hidden = hidden[self._to_device(logits_indices)]
         if self._greedy_head_applies(so, sample_hidden.shape[0]):
             # No logits to look at: a non-finite hidden row is what makes NaN logits.
-            self._pending_nonfinite_hidden = ~torch.isfinite(sample_hidden).all(dim=1)
+            self._pending_nonfinite_hidden = nonfinite_rows(sample_hidden)
             self._pending = (None, discard, self.greedy_head(sample_hidden))
         else:
             self._pending = (self.model.compute_logits(sample_hidden), discard, None)

@@ -49,9 +49,10 @@ def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
     n = batch.num_reqs()
     if n <= 1:
         return False
-    spec = spec_tokens or {}
-    sched = np.array([num_scheduled[batch.req_ids[i]] - len(spec.get(batch.req_ids[i], ()))
-                      for i in range(n)])
+    sched = np.fromiter(map(num_scheduled.__getitem__, batch.req_ids[:n]), np.int64, n)
+    if spec_tokens:
+        sched -= np.fromiter((len(spec_tokens.get(rid, ())) for rid in batch.req_ids[:n]),
+                             np.int64, n)
     computed = batch.num_computed_tokens_cpu[:n]
     prompt = batch.num_prompt_tokens[:n]
     region = np.where(computed == 0, 3,
@@ -91,9 +92,10 @@ class InputPrepMixin:
             for rid in so.preempted_req_ids:  # resumed later from 0: a fresh state then
                 self.state_slots.release(rid)
         # Preempted or simply not scheduled: out of the batch, state kept.
-        for rid in list(batch.req_id_to_index):
-            if rid not in so.num_scheduled_tokens:
-                batch.remove_request(rid)
+        if not batch.req_id_to_index.keys() <= so.num_scheduled_tokens.keys():
+            for rid in list(batch.req_id_to_index):
+                if rid not in so.num_scheduled_tokens:
+                    batch.remove_request(rid)
         for new in so.scheduled_new_reqs:
             step_checks.input_fault(new.req_id, new.prompt_token_ids)
             sp = new.sampling_params
@@ -148,8 +150,8 @@ class InputPrepMixin:
     def _prepare_inputs(self, so: SchedulerOutput):
         batch = self.input_batch
         n = batch.num_reqs()
-        num_sched = np.array([so.num_scheduled_tokens[batch.req_ids[i]] for i in range(n)],
-                             dtype=np.int64)
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids[:n]),
+                                np.int64, n)
         spec = so.scheduled_spec_decode_tokens
         num_drafts = None
         if spec:
@@ -164,11 +166,15 @@ class InputPrepMixin:
         total = int(cu[-1])
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu
-        req_indices = np.repeat(np.arange(n), num_sched)
-        # Offset of each token inside its request's chunk.
-        offsets = self._arange_upto(total) - np.repeat(query_start_loc[:-1], num_sched)
         computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
-        positions = computed[req_indices] + offsets
+        if total == n:  # one token a row (decodes): row i's token is token i
+            req_indices = self._arange_upto(n)
+            positions = computed.copy()
+        else:
+            req_indices = np.repeat(np.arange(n), num_sched)
+            # Offset of each token inside its request's chunk.
+            offsets = self._arange_upto(total) - np.repeat(query_start_loc[:-1], num_sched)
+            positions = computed[req_indices] + offsets
         input_ids = batch.token_ids_cpu.reshape(-1)[req_indices * batch.max_model_len + positions]
         seq_lens = computed + num_sched
         discard = seq_lens < batch.num_tokens_no_spec[:n]

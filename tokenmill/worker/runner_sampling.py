@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.core.sched_output import (GrammarOutput, LogprobsLists, ModelRunnerOutput,
                                          SchedulerOutput)
-from tokenmill.sample.sampler import gather_logprobs
+from tokenmill.sample.sampler import gather_logprobs, greedy_argmax
 from tokenmill.worker import step_checks
 
 
@@ -128,21 +128,31 @@ class SamplingMixin:
         if step.cu_num_logits is not None and logprobs is not None:
             logprobs = self._emitted_logprobs(logprobs, tokens, num_emitted)
         # Write back into the batch, vectorised over the rows that keep their tokens.
-        total = int(num_emitted.sum())
-        rows = np.repeat(np.arange(n), num_emitted)
-        j = self._arange_upto(total) - np.repeat(np.cumsum(num_emitted) - num_emitted,
-                                                 num_emitted)
-        flat = tokens[rows, j]
-        batch.token_ids_cpu[rows, batch.num_tokens_no_spec[rows] + j] = flat
-        batch.num_tokens_no_spec[:n] += num_emitted.astype(batch.num_tokens_no_spec.dtype)
-        out = [[] for _ in range(n)]
-        flat_list = flat.tolist()
-        pos = 0
-        for r in np.nonzero(num_emitted)[0].tolist():
-            e = int(num_emitted[r])
-            out[r] = flat_list[pos:pos + e]
-            pos += e
-            self.requests[req_ids[r]].output_token_ids.extend(out[r])
+        if step.cu_num_logits is None and keep.all():  # one token each, every row keeps it
+            rows = self._arange_upto(n)
+            flat = tokens[:, 0]
+            batch.token_ids_cpu[rows, batch.num_tokens_no_spec[:n]] = flat
+            batch.num_tokens_no_spec[:n] += 1
+            out = [[t] for t in flat.tolist()]
+            requests = self.requests
+            for rid, toks in zip(req_ids, out):
+                requests[rid].output_token_ids += toks
+        else:
+            total = int(num_emitted.sum())
+            rows = np.repeat(np.arange(n), num_emitted)
+            j = self._arange_upto(total) - np.repeat(np.cumsum(num_emitted) - num_emitted,
+                                                     num_emitted)
+            flat = tokens[rows, j]
+            batch.token_ids_cpu[rows, batch.num_tokens_no_spec[rows] + j] = flat
+            batch.num_tokens_no_spec[:n] += num_emitted.astype(batch.num_tokens_no_spec.dtype)
+            out = [[] for _ in range(n)]
+            flat_list = flat.tolist()
+            pos = 0
+            for r in np.nonzero(num_emitted)[0].tolist():
+                e = int(num_emitted[r])
+                out[r] = flat_list[pos:pos + e]
+                pos += e
+                self.requests[req_ids[r]].output_token_ids.extend(out[r])
         spec_token_ids = None
         if self.drafter is not None:
             # Processors read the tokens before each position; verifying drafts would
@@ -180,28 +190,35 @@ class SamplingMixin:
         """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
-            nan_rows = self._pending_nonfinite_hidden
+            nan_rows = self._to_host(self._pending_nonfinite_hidden)
             vocab = self.greedy_head.lm_head.out_features
-            sampled_np = sampled.to("cpu", dtype=torch.int64).numpy()
+            sampled_np = self._to_host(sampled if sampled.dtype == torch.int64
+                                       else sampled.to(torch.int64))
         else:
             # A row whose logits hold NaN (an overflow in this request's activations)
             # samples garbage: that request is failed, never given token 0.
-            # (amax propagates NaN: one vectorised pass, a tenth of isnan().any())
-            nan_rows = torch.isnan(logits.amax(dim=1))
             vocab = logits.shape[1]
-            md = self._sampling_metadata(discard)
-            sampler_out = self.sampler(logits.float(), md)
-            ids = sampler_out.sampled_token_ids.to(torch.int64)
+            sampler_out = None
+            if logits.device.type == "cpu" and self.input_batch.all_plain_greedy():
+                # Argmax of the raw logits is all this step samples: one max() pass in
+                # their own dtype gives it and the NaN rows (no widened copy).
+                ids, nan_rows = greedy_argmax(logits)
+            else:
+                # (amax propagates NaN: one vectorised pass, a tenth of isnan().any())
+                nan_rows = torch.isnan(logits.amax(dim=1))
+                md = self._sampling_metadata(discard)
+                sampler_out = self.sampler(logits.float(), md)
+                ids = sampler_out.sampled_token_ids
+            ids = ids.to(torch.int64)
             if ids.device.type != "cpu":  # one device -> host copy for the ids and flags
                 both = torch.stack([ids.view(-1), nan_rows.to(torch.int64)]).cpu().numpy()
                 ids, nan_rows = torch.from_numpy(both[0]), torch.from_numpy(both[1] != 0)
             sampled_np = ids.numpy()
-            if sampler_out.logprobs is not None:
+            if sampler_out is not None and sampler_out.logprobs is not None:
                 lt = sampler_out.logprobs
                 logprobs = LogprobsLists(lt.token_ids.cpu().numpy(), lt.logprobs.cpu().numpy(),
                                          lt.ranks.cpu().numpy())
-        if nan_rows is not None:
-            nan_rows = nan_rows.to("cpu").numpy()
+            nan_rows = self._to_host(nan_rows)
         return sampled_np.reshape(-1, 1), logprobs, nan_rows, vocab
 
     def _sampling_metadata(self, discard: np.ndarray, cu_num_logits: np.ndarray | None = None):

@@ -33,17 +33,18 @@ def check_sampled(req_ids, discard: np.ndarray, nan_rows: np.ndarray | None,
     """The rows that must not emit their tokens: NaN logits, or an id outside the
     vocabulary (the reference's clamp-and-terminate). request id -> (reason, message)."""
     errored = {}
-    if nan_rows is not None:
+    if nan_rows is not None and nan_rows.any():
         for r in np.nonzero(nan_rows & ~discard)[0].tolist():
             errored[req_ids[r]] = ("nan_logits", "the model produced NaN logits for this "
                                                  "request")
-    emitted = np.arange(tokens.shape[1]) < num_emitted[:, None]
-    outside = (((tokens < 0) | (tokens >= vocab)) & emitted).any(axis=1) & ~discard
-    for r in np.nonzero(outside)[0].tolist():
-        bad = tokens[r][emitted[r] & ((tokens[r] < 0) | (tokens[r] >= vocab))]
-        errored.setdefault(req_ids[r], ("token_out_of_vocab",
-                                        f"sampled token id {int(bad[0])} is outside "
-                                        f"the vocabulary"))
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):  # (else none is out)
+        emitted = np.arange(tokens.shape[1]) < num_emitted[:, None]
+        outside = (((tokens < 0) | (tokens >= vocab)) & emitted).any(axis=1) & ~discard
+        for r in np.nonzero(outside)[0].tolist():
+            bad = tokens[r][emitted[r] & ((tokens[r] < 0) | (tokens[r] >= vocab))]
+            errored.setdefault(req_ids[r], ("token_out_of_vocab",
+                                            f"sampled token id {int(bad[0])} is outside "
+                                            f"the vocabulary"))
     for rid, (reason, _) in errored.items():
         logger.error("request %s failed: %s", rid, reason)
     return errored
