@@ -27,3 +27,61 @@ def test_profile_step_table(llama_tiny, tmp_path, capsys, argv):
     assert "platform: " in text  # which kernels ran
     assert ("kernels PyTorch (cpu_kernels=torch)" in text) == ("torch" in argv)
     assert trace.stat().st_size > 0
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_profile_step_host_time(llama_tiny, tmp_path, capsys, kernels):
+    """--host-time: plain, instrumented and host-only steps, the stages' own times adding
+    up to the step, the kernels by name (native ones only with the native kernels)."""
+    import json
+    out = tmp_path / "host.json"
+    assert profile_step.main(["--model", llama_tiny.path, "--dtype", "bfloat16",
+                              "--batch-size", "2", "--input-len", "8", "--steps", "4",
+                              "--round-steps", "2", "--warmup-steps", "1", "--host-time",
+                              "--cpu-kernels", kernels, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "not kernel" in text and "host-only step" in text
+    s = json.loads(out.read_text())
+    assert s["plain_steps"] == s["timed_steps"] == s["host_only_steps"] == 4
+    stages = s["stages"]
+    for name in ("step", "Scheduler.schedule", "ModelRunner.execute_model",
+                 "ModelRunner._prepare_inputs", "model.forward", "ModelRunner.sample_tokens",
+                 "Scheduler.update_from_output", "OutputProcessor.process"):
+        assert name in stages, name
+    assert sum(st["wall_ms"] for st in stages.values()) == pytest.approx(s["step_ms"])
+    assert s["kernel_ms"] == pytest.approx(sum(k["ms"] for k in s["kernels"].values()))
+    assert s["kernel_ms"] > 0 and s["aten_ms"] > 0
+    native = [k for k, v in s["kernels"].items() if v["kind"] == "native"]
+    assert bool(native) == (kernels == "auto"), native
+    # Host-only steps replay the model's calls: their forward takes next to nothing.
+    assert stages["model.forward"]["host_only_ms"] < stages["model.forward"]["wall_ms"]
+
+
+def test_profile_step_host_time_refuses_async(llama_tiny):
+    with pytest.raises(SystemExit):
+        profile_step.main(["--model", llama_tiny.path, "--host-time", "--async-scheduling"])
+
+
+def test_kernel_clock_counts_a_native_call_once():
+    """A native function's own aten ops are its time, not counted again as aten ops;
+    aten ops outside it are counted; nothing is timed outside kernels()."""
+    import types
+
+    import torch
+
+    from tokenmill.bench.kernel_clock import KernelClock
+    ops = types.ModuleType("fake_ops")
+    ops.lin = torch._C._nn.linear  # a builtin that dispatches aten ops itself
+    clock = KernelClock()
+    clock.wrap_native(ops)
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    ops.lin(x, w)  # not timed: outside kernels()
+    assert not clock._kernel_calls
+    with clock.kernels():
+        ops.lin(x, w)
+        torch.relu(x)
+    native = {name for kind, name in clock._kernel_calls if kind == "native"}
+    aten = {name for kind, name in clock._kernel_calls if kind == "aten"}
+    assert native == {"lin"}
+    assert "aten::relu" in aten
+    assert not any("linear" in n or "addmm" in n or n == "aten::mm" for n in aten), aten

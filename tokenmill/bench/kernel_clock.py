@@ -23,6 +23,15 @@ run as a kernel too; a tiny aten op's count includes its dispatch from Python (a
 microsecond), so the kernel side is, if anything, slightly generous. The rest is
 Python: the scheduler, the batch bookkeeping, numpy, module calls, the output path.
 
+A third kind of step measures the rest directly, without subtracting two large
+figures (on a busy machine the kernels' time varies by more than the rest amounts
+to): in **host-only** steps the model's forward, its logits and the greedy head
+return what they computed in the step before (the same shapes: the engine's stepping
+of a decode batch is unchanged; the tokens they give are not the model's and are
+thrown away, and the step's K/V is not written). Their wall time is everything but
+the model: scheduling, inputs, sampling from the logits (at 128 rows its argmax, a
+kernel outside the model, is part of it), the write-back and the outputs.
+
 Only the calling thread's aten ops are seen (the mode is thread-local): the engine
 must run steps synchronously (the CPU default).
 """
@@ -45,8 +54,10 @@ class KernelClock:
         self.timing_kernels = False
         self._stack: list[str] = []
         self._reset_step()
+        self.host_only = False  # a host-only step runs: cached_model's calls replay
         self.plain_steps: list[dict] = []   # per plain step: stage -> self wall seconds
         self.timed_steps: list[dict] = []   # per timed step: the kernel side (see end_step)
+        self.host_steps: list[dict] = []    # per host-only step: as plain ones
 
     # ---- instrumentation -----------------------------------------------------------
     def wrap_native(self, ops) -> None:
@@ -97,6 +108,18 @@ class KernelClock:
                 clock._child[stack[-1] if stack else None] += dt
         setattr(obj, method, step if label == STEP else staged)
 
+    def cached(self, fn):
+        """`fn`, whose result a host-only step replays from the last other step."""
+        clock, last = self, []
+
+        def call(*a, **kw):
+            if clock.host_only and last:
+                return last[0]
+            out = fn(*a, **kw)
+            last[:] = [out]
+            return out
+        return call
+
     def _kernel(self, key: tuple[str, str], dt: float, cpu: float) -> None:
         self._kernel_time[key] += dt
         self._kernel_calls[key] += 1
@@ -117,10 +140,13 @@ class KernelClock:
         self._kernel_cpu = 0.0
         self._step_cpu = 0.0
 
-    def end_step(self, timed: bool) -> None:
-        """Close the step just run (its root stage `STEP` wrapped by `wrap_stage`)."""
+    def end_step(self, kind: str) -> None:
+        """Close the step just run ("plain", "timed" or "host"; its root stage `STEP`
+        wrapped by `wrap_stage`)."""
         own = {s: self._wall[s] - self._child[s] for s in self._wall}
-        if timed:
+        if kind == "host":
+            self.host_steps.append({"stages": own, "cpu": self._step_cpu})
+        elif kind == "timed":
             self.timed_steps.append({"stage_kernel": dict(self._stage_kernel),
                                      "kernel_time": dict(self._kernel_time),
                                      "kernel_calls": dict(self._kernel_calls),
@@ -148,6 +174,10 @@ class KernelClock:
                 by_kernel[k] += 1e3 * t / n_timed
             calls.update(step["kernel_calls"])
         step_ms = [1e3 * sum(step["stages"].values()) for step in self.plain_steps]
+        n_host = len(self.host_steps)
+        host_ms = [1e3 * sum(step["stages"].values()) for step in self.host_steps]
+        host_wall = {s: 1e3 * sum(step["stages"].get(s, 0.0) for step in self.host_steps)
+                     / max(n_host, 1) for s in stages}
         step_cpu = 1e3 * sum(step["cpu"] for step in self.plain_steps) / n_plain
         kernel_cpu = 1e3 * sum(step["kernel_cpu"] for step in self.timed_steps) / n_timed
         total = sum(wall.values())
@@ -163,8 +193,17 @@ class KernelClock:
             # the calling thread's CPU time: the step's, the kernels', the rest
             "step_cpu_ms": step_cpu, "kernel_cpu_ms": kernel_cpu,
             "non_kernel_cpu_ms": step_cpu - kernel_cpu,
+            "non_kernel_cpu_share": (step_cpu - kernel_cpu) / step_cpu if step_cpu else 0.0,
+            "host_only_steps": n_host,
+            "host_only_ms": statistics.mean(host_ms) if host_ms else None,
+            "host_only_ms_median": statistics.median(host_ms) if host_ms else None,
+            "host_only_cpu_ms": (1e3 * sum(step["cpu"] for step in self.host_steps) / n_host
+                                 if n_host else None),
+            "host_only_share": (statistics.median(host_ms) / statistics.median(step_ms)
+                                if host_ms else None),
             "stages": {s: {"wall_ms": wall[s], "kernel_ms": kern.get(s, 0.0),
-                           "non_kernel_ms": wall[s] - kern.get(s, 0.0)} for s in stages},
+                           "non_kernel_ms": wall[s] - kern.get(s, 0.0),
+                           "host_only_ms": host_wall[s]} for s in stages},
             # aten names carry their namespace ("aten::mm", "onednn::..."); native ones get one
             "kernels": {(name if kind == "aten" else f"native::{name}"):
                         {"kind": kind, "ms": t, "calls_per_step": calls[(kind, name)] / n_timed}
@@ -198,18 +237,27 @@ class _AtenTimer(TorchDispatchMode):
 def format_summary(s: dict, top: int = 12) -> str:
     """The summary as a text table: stages (own time; nested stages are not part of
     their parent's row), then the kernels that took the most time."""
-    lines = [f"{'stage (own time, ms per step)':<44}{'wall':>9}{'kernel':>9}{'other':>9}"]
+    host = s["host_only_ms"] is not None
+    lines = [f"{'stage (own time, ms per step)':<40}{'wall':>9}{'kernel':>9}{'other':>9}"
+             + (f"{'host-only':>11}" if host else "")]
     for name, st in s["stages"].items():
-        lines.append(f"{name:<44}{st['wall_ms']:>9.3f}{st['kernel_ms']:>9.3f}"
-                     f"{st['non_kernel_ms']:>9.3f}")
-    lines.append(f"{'whole step':<44}{s['step_ms']:>9.3f}{s['kernel_ms']:>9.3f}"
-                 f"{s['non_kernel_ms']:>9.3f}")
+        lines.append(f"{name:<40}{st['wall_ms']:>9.3f}{st['kernel_ms']:>9.3f}"
+                     f"{st['non_kernel_ms']:>9.3f}"
+                     + (f"{st['host_only_ms']:>11.3f}" if host else ""))
+    lines.append(f"{'whole step':<40}{s['step_ms']:>9.3f}{s['kernel_ms']:>9.3f}"
+                 f"{s['non_kernel_ms']:>9.3f}" + (f"{s['host_only_ms']:>11.3f}" if host else ""))
     lines.append(f"step {s['step_ms']:.3f} ms (median {s['step_ms_median']:.3f}); kernels "
                  f"{s['kernel_ms']:.3f} ms (native {s['native_kernel_ms']:.3f}, aten "
                  f"{s['aten_ms']:.3f}); not kernel {s['non_kernel_ms']:.3f} ms = "
                  f"{100 * s['non_kernel_share']:.1f}% of the step")
+    if host:
+        lines.append(f"host-only step (the model's calls replayed): {s['host_only_ms']:.3f} "
+                     f"ms (median {s['host_only_ms_median']:.3f}; CPU "
+                     f"{s['host_only_cpu_ms']:.3f}) = {100 * s['host_only_share']:.1f}% of "
+                     f"the median step")
     lines.append(f"calling thread's CPU time: step {s['step_cpu_ms']:.3f} ms, kernels "
-                 f"{s['kernel_cpu_ms']:.3f} ms, not kernel {s['non_kernel_cpu_ms']:.3f} ms")
+                 f"{s['kernel_cpu_ms']:.3f} ms, not kernel {s['non_kernel_cpu_ms']:.3f} ms = "
+                 f"{100 * s['non_kernel_cpu_share']:.1f}%")
     n_aten = sum(k["calls_per_step"] for k in s["kernels"].values() if k["kind"] == "aten")
     lines.append(f"top kernels (ms per step, calls per step; {n_aten:.0f} aten calls a step):")
     for name, k in list(s["kernels"].items())[:top]:

@@ -19,8 +19,9 @@ benchmark (use `tokenmill bench latency` / `throughput` for those).
 and how much is the rest (the Python between the kernels), per stage
 (bench/kernel_clock.py says how): after the warm-up, rounds of --round-steps plain
 steps (wall time per stage) alternate with as many instrumented ones (time inside
-every native kernel and aten op), --steps of each in all. `--json PATH` writes the
-figures.
+every native kernel and aten op) and as many host-only ones (the model's forward,
+logits and greedy head replay the step before's results: the rest, measured
+directly), --steps of each in all. `--json PATH` writes the figures.
 
     .venv/bin/python -m tokenmill.bench.profile_step --host-time --batch-size 1 --input-len 64
     .venv/bin/python -m tokenmill.bench.profile_step --host-time --batch-size 128 --input-len 64
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage (plain and instrumented steps interleaved)")
     p.add_argument("--round-steps", type=positive_int, default=8,
                    help="--host-time: plain (then instrumented) steps per round (default 8)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads once the engine is built (default: the engine's); "
+                        "--threads 1 with --host-time: the calling thread's CPU time is "
+                        "then all of the step's work, whatever else shares the machine")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="--host-time: write the figures as JSON")
     from tokenmill.engine.arg_utils import add_cpu_platform_args
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
     name = args.model or BENCH_MODEL_NAME
     model_path = ensure_bench_model(name) if is_bench_model(name) else name
     vocab = read_model_config(model_path)["vocab_size"]
-    decode_steps = args.warmup_steps + args.steps * (2 if args.host_time else 1) + 4
+    decode_steps = args.warmup_steps + args.steps * (3 if args.host_time else 1) + 4
     # (+4: room for async scheduling's lag)
     clock = None
     if args.host_time:
@@ -138,6 +143,8 @@ def main(argv=None) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               async_scheduling=args.async_scheduling, **platform_kwargs(args))
     engine = llm.llm_engine
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(f"platform: {engine.platform.describe()}")
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True,
@@ -201,6 +208,17 @@ def main(argv=None) -> int:
     return 0
 
 
+class _CachedHead:
+    """The runner's greedy head, replayed in host-only steps (KernelClock.cached)."""
+
+    def __init__(self, head, clock):
+        self.lm_head = head.lm_head
+        self._call = clock.cached(head.__call__)
+
+    def __call__(self, x):
+        return self._call(x)
+
+
 def _host_time(args, engine, clock, step, model_path) -> int:
     """Plain and instrumented decode steps in alternating rounds (the KV cache grows
     alike under both); the table of kernel_clock.format_summary."""
@@ -220,24 +238,35 @@ def _host_time(args, engine, clock, step, model_path) -> int:
             obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, method):
             clock.wrap_stage(obj, method, f"{type(obj).__name__}.{method}")
-    clock.wrap_stage(runner.model, "forward", "model.forward")
+    model = runner.model
+    model.forward = clock.cached(model.forward)  # (instance attributes: nn.Module calls them)
+    model.compute_logits = clock.cached(model.compute_logits)
+    if runner.greedy_head is not None:
+        runner.greedy_head = _CachedHead(runner.greedy_head, clock)
+    clock.wrap_stage(model, "forward", "model.forward")
     clock.wrap_stage(engine, "step", STEP)
     done = 0
     while done < args.steps:
         n = min(args.round_steps, args.steps - done)
         for _ in range(n):
             step()
-            clock.end_step(timed=False)
+            clock.end_step("plain")
         with clock.kernels():
             for _ in range(n):
                 step()
-                clock.end_step(timed=True)
+                clock.end_step("timed")
+        clock.host_only = True
+        for _ in range(n):
+            step()
+            clock.end_step("host")
+        clock.host_only = False
         done += n
     s = clock.summary()
     s.update(model=model_path, dtype=args.dtype, batch_size=args.batch_size,
              input_len=args.input_len, torch_threads=torch.get_num_threads(),
              platform=engine.platform.describe())
-    print(f"host time: {args.steps} plain + {args.steps} instrumented decode steps, batch "
+    print(f"host time: {args.steps} plain + {args.steps} instrumented + {args.steps} "
+          f"host-only decode steps, batch "
           f"{args.batch_size}, prompts of {args.input_len} tokens, {model_path} {args.dtype}, "
           f"torch threads {torch.get_num_threads()}")
     print(format_summary(s, top=args.row_limit))
