@@ -176,8 +176,10 @@ class KernelClock:
         step_ms = [1e3 * sum(step["stages"].values()) for step in self.plain_steps]
         n_host = len(self.host_steps)
         host_ms = [1e3 * sum(step["stages"].values()) for step in self.host_steps]
-        host_wall = {s: 1e3 * sum(step["stages"].get(s, 0.0) for step in self.host_steps)
-                     / max(n_host, 1) for s in stages}
+        # (medians: host-only steps are short, and one preempted step would swing a mean)
+        host_wall = {s: 1e3 * statistics.median([step["stages"].get(s, 0.0)
+                                                 for step in self.host_steps])
+                     if n_host else 0.0 for s in stages}
         step_cpu = 1e3 * sum(step["cpu"] for step in self.plain_steps) / n_plain
         kernel_cpu = 1e3 * sum(step["kernel_cpu"] for step in self.timed_steps) / n_timed
         total = sum(wall.values())
@@ -238,14 +240,16 @@ def format_summary(s: dict, top: int = 12) -> str:
     """The summary as a text table: stages (own time; nested stages are not part of
     their parent's row), then the kernels that took the most time."""
     host = s["host_only_ms"] is not None
-    lines = [f"{'stage (own time, ms per step)':<40}{'wall':>9}{'kernel':>9}{'other':>9}"
-             + (f"{'host-only':>11}" if host else "")]
+    lines = [f"{'stage (own time, ms per step: means;':<40}{'wall':>9}{'kernel':>9}{'other':>9}"
+             + (f"{'host-only':>11}" if host else ""),
+             "  host-only: medians)"]
     for name, st in s["stages"].items():
         lines.append(f"{name:<40}{st['wall_ms']:>9.3f}{st['kernel_ms']:>9.3f}"
                      f"{st['non_kernel_ms']:>9.3f}"
                      + (f"{st['host_only_ms']:>11.3f}" if host else ""))
     lines.append(f"{'whole step':<40}{s['step_ms']:>9.3f}{s['kernel_ms']:>9.3f}"
-                 f"{s['non_kernel_ms']:>9.3f}" + (f"{s['host_only_ms']:>11.3f}" if host else ""))
+                 f"{s['non_kernel_ms']:>9.3f}"
+                 + (f"{s['host_only_ms_median']:>11.3f}" if host else ""))
     lines.append(f"step {s['step_ms']:.3f} ms (median {s['step_ms_median']:.3f}); kernels "
                  f"{s['kernel_ms']:.3f} ms (native {s['native_kernel_ms']:.3f}, aten "
                  f"{s['aten_ms']:.3f}); not kernel {s['non_kernel_ms']:.3f} ms = "

@@ -128,8 +128,9 @@ def main(argv=None) -> int:
     name = args.model or BENCH_MODEL_NAME
     model_path = ensure_bench_model(name) if is_bench_model(name) else name
     vocab = read_model_config(model_path)["vocab_size"]
-    decode_steps = args.warmup_steps + args.steps * (3 if args.host_time else 1) + 4
     # (+4: room for async scheduling's lag)
+    per_step = 2 + HOST_STEPS_PER_STEP if args.host_time else 1
+    decode_steps = args.warmup_steps + args.steps * per_step + 4
     clock = None
     if args.host_time:
         from tokenmill import kernels
@@ -208,6 +209,10 @@ def main(argv=None) -> int:
     return 0
 
 
+# Host-only steps per plain step: they are short and their spread is wide.
+HOST_STEPS_PER_STEP = 4
+
+
 class _CachedHead:
     """The runner's greedy head, replayed in host-only steps (KernelClock.cached)."""
 
@@ -256,7 +261,7 @@ def _host_time(args, engine, clock, step, model_path) -> int:
                 step()
                 clock.end_step("timed")
         clock.host_only = True
-        for _ in range(n):
+        for _ in range(n * HOST_STEPS_PER_STEP):
             step()
             clock.end_step("host")
         clock.host_only = False
@@ -265,8 +270,8 @@ def _host_time(args, engine, clock, step, model_path) -> int:
     s.update(model=model_path, dtype=args.dtype, batch_size=args.batch_size,
              input_len=args.input_len, torch_threads=torch.get_num_threads(),
              platform=engine.platform.describe())
-    print(f"host time: {args.steps} plain + {args.steps} instrumented + {args.steps} "
-          f"host-only decode steps, batch "
+    print(f"host time: {args.steps} plain + {args.steps} instrumented + "
+          f"{args.steps * HOST_STEPS_PER_STEP} host-only decode steps, batch "
           f"{args.batch_size}, prompts of {args.input_len} tokens, {model_path} {args.dtype}, "
           f"torch threads {torch.get_num_threads()}")
     print(format_summary(s, top=args.row_limit))

@@ -27,14 +27,23 @@ class StepInputs:
     positions: np.ndarray
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
-    slot_mapping: np.ndarray
+    req_indices: np.ndarray  # each token's row
     logits_indices: np.ndarray
     discard_mask: np.ndarray  # rows still consuming their prompt: they sample nothing
     block_table: np.ndarray  # group 0, rows [0, num_reqs)
+    block_size: int  # group 0's
     # Speculative decoding: logits rows of request i are cu_num_logits[i]..[i+1]-1
     # (its drafts' positions, then one more); num_drafts[i] = that count - 1.
     cu_num_logits: np.ndarray | None = None
     num_drafts: np.ndarray | None = None
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """Group 0's flat slot of each token (block id * block_size + offset); computed
+        when asked: the kernels read the builders' metadata, not this."""
+        bs = self.block_size
+        return (self.block_table[self.req_indices, self.positions // bs].astype(np.int64) * bs
+                + self.positions % bs)
 
 
 def reorder_decodes_first(batch: InputBatch, num_scheduled: dict[str, int],
@@ -150,9 +159,12 @@ class InputPrepMixin:
     def _prepare_inputs(self, so: SchedulerOutput):
         batch = self.input_batch
         n = batch.num_reqs()
-        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids[:n]),
-                                np.int64, n)
         spec = so.scheduled_spec_decode_tokens
+        if so.total_num_scheduled_tokens == n and not spec:  # every row one token
+            num_sched = np.ones(n, dtype=np.int64)
+        else:
+            num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__,
+                                        batch.req_ids[:n]), np.int64, n)
         num_drafts = None
         if spec:
             # The drafts follow the row's real tokens; they are inputs like any other.
@@ -193,9 +205,12 @@ class InputPrepMixin:
         # Leading decode rows (one token, or one plus its drafts) share one batched
         # decode call: each of their tokens is a query row that sees the cache up to
         # itself (every token's K/V is written before attention runs).
-        single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
-        not_single = np.nonzero(~single)[0]
-        nd = int(not_single[0]) if not_single.size else n
+        if total == n:  # decodes only
+            nd = n
+        else:
+            single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
+            not_single = np.nonzero(~single)[0]
+            nd = int(not_single[0]) if not_single.size else n
         groups = {gid: self.attn_builders[gid].step(
                       batch.block_tables[gid], self.kv_cache_config.groups[gid].sliding_window,
                       req_indices, positions, seq_lens, computed, num_sched, query_start_loc,
@@ -205,18 +220,15 @@ class InputPrepMixin:
         if len(groups) > 1:
             meta.by_group = groups
         table = batch.block_tables[self.attn_group_id]
-        bs = table.block_size
-        slot_mapping = (table.block_table.reshape(-1)[
-            req_indices * table.max_num_blocks_per_req + positions // bs].astype(np.int64) * bs
-            + positions % bs)
         if self.state_slots is not None:
             meta.state = self._state_metadata(nd, query_start_loc, computed, num_drafts,
                                               so.state_restores, so.state_snapshots)
         self.last_step = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
-            seq_lens=seq_lens, slot_mapping=slot_mapping,
+            seq_lens=seq_lens, req_indices=req_indices,
             logits_indices=logits_indices, discard_mask=discard,
-            block_table=table.block_table[:n].copy(), cu_num_logits=cu_num_logits,
+            block_table=table.block_table[:n].copy(), block_size=table.block_size,
+            cu_num_logits=cu_num_logits,
             num_drafts=num_drafts)
         self.last_attn_meta = meta
         return input_ids, positions, logits_indices, meta, discard
