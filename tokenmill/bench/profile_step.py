@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     # (+4: room for async scheduling's lag)
     per_step = 2 + HOST_STEPS_PER_STEP if args.host_time else 1
     decode_steps = args.warmup_steps + args.steps * per_step + 4
+    if args.host_time:  # every request stays to the end: chunked prompts start apart
+        decode_steps += args.batch_size
     clock = None
     if args.host_time:
         from tokenmill import kernels
