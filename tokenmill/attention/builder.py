@@ -4,7 +4,8 @@ The model runner builds a step's metadata per KV cache group through that group'
 builder (the group's backend made it), and the draft proposers build their K/V-write
 and decode metadata through the builder of the group their layers are in, so a
 drafter's attention reads exactly the fields its implementation needs. A backend
-whose kernels read more (Triton's flat slot mapping, its prompt chunks at once)
+whose kernels read more (Triton's flat slot mapping; the prompt chunks at once,
+which `PromptBatchBuilder` adds for the CPU native and Triton prefill kernels)
 extends `_fill_slots` / `step`.
 """
 from __future__ import annotations
@@ -89,4 +90,25 @@ class AttentionMetadataBuilder:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 self._tensor(table.block_table[r, :nb].astype(np.int64))))
+        return meta
+
+
+class PromptBatchBuilder(AttentionMetadataBuilder):
+    """Adds every prompt chunk of the step at once (prefill_query_start_loc from the
+    first chunk's first query, prefill_seq_lens, prefill_block_table int32,
+    prefill_max_query_len): what one prefill kernel call over all chunks reads."""
+
+    def step(self, table, window, req_indices, positions, seq_lens, computed, num_sched,
+             query_start_loc, num_decode_rows, num_reqs) -> AttentionMetadata:
+        meta = super().step(table, window, req_indices, positions, seq_lens, computed,
+                            num_sched, query_start_loc, num_decode_rows, num_reqs)
+        nd = num_decode_rows
+        if num_reqs > nd:
+            qsl = query_start_loc[nd:num_reqs + 1] - query_start_loc[nd]
+            lens = seq_lens[nd:num_reqs]
+            nb = -(-int(lens.max()) // table.block_size)
+            meta.prefill_query_start_loc = self._tensor(qsl.astype(np.int64))
+            meta.prefill_seq_lens = self._tensor(lens.astype(np.int32))
+            meta.prefill_block_table = self._tensor(table.block_table[nd:num_reqs, :nb].copy())
+            meta.prefill_max_query_len = int(np.diff(qsl).max())
         return meta

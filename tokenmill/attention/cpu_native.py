@@ -1,21 +1,44 @@
 """The CPU native backend: tokenmill.kernels' paged attention kernels.
 
-K/V go into the cache through `kv_cache_write` (kernels/cpu_fused.cpp) and decode rows
+K/V go into the cache through `kv_cache_write` (kernels/cpu_fused.cpp), decode rows
 attend through `paged_decode` (kernels/cpu_paged_attention.cpp: any head size, GQA, a
 sliding window started at its first position, soft-capped scores), one call for all
-decode rows. Prompt chunks take the PyTorch reference's SDPA path (torch_ref.py),
-whose GEMMs are oneDNN's already. An fp8 (float8_e4m3fn) cache is written and read
-by the same two kernels: the write divides by the layer's k_scale / v_scale, rounds
-and saturates, the decode widens in registers (kernels/vec_fp8.h) and multiplies the
-scales back (k_scale folded into the query scale, v_scale into the output).
+decode rows, and every prompt chunk of the step through one `paged_prefill`
+(kernels/cpu_paged_prefill.cpp: flash-style tiles over the chunk's cached prefix and
+its own K/V, read from the cache blocks; the same masks and caps). The builder adds
+the chunks' flat fields (builder.PromptBatchBuilder). An fp8 (float8_e4m3fn) cache is
+written and read by the same kernels: the write divides by the layer's k_scale /
+v_scale, rounds and saturates, the reads widen in registers (kernels/vec_fp8.h); the
+decode multiplies the scales back (k_scale folded into the query scale, v_scale into
+the output). The prefill kernel takes no scales: a layer with scales other than 1
+sends its prompt chunks through the PyTorch reference's SDPA (torch_ref.py), which
+multiplies them back.
 """
 from __future__ import annotations
 
 import torch
 
 from tokenmill.attention.backend import is_paged_kv
+from tokenmill.attention.builder import PromptBatchBuilder
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.torch_ref import TorchAttentionBackend, TorchAttentionImpl
+
+
+def prompt_batch(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query_start_loc int64, seq_lens int32, block_table int32) of the step's prompt
+    chunks: the builder's, or (metadata made by hand) made once from `meta.prefills`."""
+    if meta.prefill_query_start_loc is None:
+        chunks, first = meta.prefills, meta.prefills[0].query_start
+        width = max(c.block_table.numel() for c in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            table[i, :c.block_table.numel()] = c.block_table
+        meta.prefill_query_start_loc = torch.tensor(
+            [c.query_start - first for c in chunks] + [chunks[-1].query_end - first])
+        meta.prefill_seq_lens = torch.tensor(
+            [c.context_len + c.query_end - c.query_start for c in chunks], dtype=torch.int32)
+        meta.prefill_block_table = table
+    return meta.prefill_query_start_loc, meta.prefill_seq_lens, meta.prefill_block_table
 
 
 class CpuNativeAttentionImpl(TorchAttentionImpl):
@@ -30,6 +53,25 @@ class CpuNativeAttentionImpl(TorchAttentionImpl):
         self.ops.kv_cache_write(cache, k, v, meta.slot_block, meta.slot_offset,
                                 self.k_scale, self.v_scale)
 
+    def forward(self, q, k, v, cache, meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decodes
+        if not meta.prefills:  # decode-only step: one call, no output copy
+            return self.decode(q, cache, meta)
+        # The kernels read a cache of the queries' dtype or fp8 only; a cache of another
+        # dtype (K/V written through the reference's cast) takes the reference's SDPA.
+        if q.dtype != cache.dtype and cache.dtype != torch.float8_e4m3fn:
+            return super().forward(q, k, v, cache, meta)
+        # paged_prefill has no KV scales (checkpoint k_scale / v_scale of an fp8 cache):
+        # the reference's SDPA reads those chunks and multiplies the scales back.
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            return super().forward(q, k, v, cache, meta)
+        qsl, seq_lens, table = prompt_batch(meta)
+        chunks = self.ops.paged_prefill(q[nd:], cache, table, qsl, seq_lens, self.scale,
+                                        self.sliding_window or 0, self.logit_softcap or 0.0)
+        if not nd:
+            return chunks
+        return torch.cat([self.decode(q[:nd], cache, meta), chunks])
+
     def decode(self, q, cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.paged_decode(q.contiguous(), cache, meta.decode_block_table,
                                      meta.decode_seq_lens, self.scale,
@@ -40,6 +82,7 @@ class CpuNativeAttentionImpl(TorchAttentionImpl):
 class CpuNativeAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
     impl_class = CpuNativeAttentionImpl
+    builder_class = PromptBatchBuilder
 
     def __init__(self, ops):
         self.ops = ops

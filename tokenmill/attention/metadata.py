@@ -4,8 +4,9 @@ layer of the group.
 
 The fields every backend reads (slot_block / slot_offset, the decode rows' block table
 and lengths, the prompt chunks) are always filled; the flat fields below them
-(slot_mapping, the prefill_* ones) only by the Triton builder, whose kernels read
-them. No kernel handle travels here: each layer got its implementation at bind.
+(slot_mapping: the Triton builder; the prefill_* ones: the Triton and CPU native
+builders) only where kernels read them. No kernel handle travels here: each layer got
+its implementation at bind.
 """
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Triton only (its builder fills them): the flat slot of each token.
+    # Triton only (its builder fills it): the flat slot of each token.
     slot_mapping: torch.Tensor | None = None  # [T] block id * block_size + offset (-1: pad)
-    # The prompt chunks at once: query_start_loc [P + 1] from the first chunk's first
-    # query, seq_lens [P] (cached + chunk), block_table [P, widest] int32.
+    # Triton and CPU native (builder.PromptBatchBuilder): the prompt chunks at once,
+    # query_start_loc [P + 1] from the first chunk's first query, seq_lens [P]
+    # (cached + chunk), block_table [P, widest] int32.
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_seq_lens: torch.Tensor | None = None
     prefill_block_table: torch.Tensor | None = None

@@ -5,44 +5,27 @@
 launch (GQA, window, soft-cap, pad rows of seq_len 0, split-K for few rows) and
 `paged_prefill` every prompt chunk in one launch over its cached prefix. Its builder
 adds the flat fields those kernels read (slot_mapping; the chunks' query_start_loc,
-seq_lens and block table) to the base builder's. Any head size up to
-TRITON_MAX_HEAD_SIZE (a power-of-two block, its tail masked); a larger head takes the
-PyTorch reference. Decode steps read only fixed-shape metadata, so they may be
+seq_lens and block table, builder.PromptBatchBuilder's) to the base builder's. Any
+head size up to TRITON_MAX_HEAD_SIZE (a power-of-two block, its tail masked); a
+larger head takes the PyTorch reference. Decode steps read only fixed-shape metadata, so they may be
 replayed from CUDA graphs. triton is imported when a layer is bound to the kernels,
 never by importing this module: a CPU-only install has no triton.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionImpl, is_paged_kv
-from tokenmill.attention.builder import AttentionMetadataBuilder
+from tokenmill.attention.builder import PromptBatchBuilder
 from tokenmill.attention.metadata import AttentionMetadata
 
 # ops/triton_attention.MAX_HEAD_SIZE (not imported: that module imports triton).
 TRITON_MAX_HEAD_SIZE = 512
 
 
-class TritonMetadataBuilder(AttentionMetadataBuilder):
+class TritonMetadataBuilder(PromptBatchBuilder):
     def _fill_slots(self, meta, block_ids, offsets, block_size) -> None:
         meta.slot_mapping = self._tensor(block_ids * block_size + offsets)
-
-    def step(self, table, window, req_indices, positions, seq_lens, computed, num_sched,
-             query_start_loc, num_decode_rows, num_reqs) -> AttentionMetadata:
-        meta = super().step(table, window, req_indices, positions, seq_lens, computed,
-                            num_sched, query_start_loc, num_decode_rows, num_reqs)
-        nd = num_decode_rows
-        if num_reqs > nd:
-            # Every prompt chunk at once, for the prefill kernel.
-            qsl = query_start_loc[nd:num_reqs + 1] - query_start_loc[nd]
-            lens = seq_lens[nd:num_reqs]
-            nb = -(-int(lens.max()) // table.block_size)
-            meta.prefill_query_start_loc = self._tensor(qsl.astype(np.int64))
-            meta.prefill_seq_lens = self._tensor(lens.astype(np.int32))
-            meta.prefill_block_table = self._tensor(table.block_table[nd:num_reqs, :nb].copy())
-            meta.prefill_max_query_len = int(np.diff(qsl).max())
-        return meta
 
 
 class TritonAttentionImpl(AttentionImpl):

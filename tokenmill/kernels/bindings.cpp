@@ -13,6 +13,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0, pybind11::arg("k_scale") = 1.0,
         pybind11::arg("v_scale") = 1.0);
+  m.def("paged_prefill", &paged_prefill,
+        "flash-style prefill attention of every prompt chunk over its paged K/V (causal, "
+        "window > 0: the last `window` positions, softcap > 0: capped scores)",
+        pybind11::arg("q"), pybind11::arg("kv"), pybind11::arg("block_table"),
+        pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("widen_e4m3", &widen_e4m3,
         "float8_e4m3fn codes (uint8) -> fp32 through the decode kernel's vector widening",
         pybind11::arg("codes"));

@@ -29,6 +29,12 @@ using namespace at;  // NOLINT: as torch/types.h
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
                            torch::Tensor seq_lens, double scale, int64_t window,
                            double softcap, double k_scale = 1.0, double v_scale = 1.0);
+// Flash-style prefill over the paged cache (cpu_paged_prefill.cpp): every prompt chunk
+// of a step after its cached prefix; q [Tq, Hq, D], query_start_loc [P + 1] int64,
+// seq_lens [P] int32 (prefix + chunk), block_table [P, max_nb] int32 -> [Tq, Hq, D].
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                            torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                            double scale, int64_t window, double softcap);
 // float8_e4m3fn codes [n] (uint8) widened to fp32 [n] by this level's vec_fp8.h.
 torch::Tensor widen_e4m3(torch::Tensor codes);
 // MLA's latent-space decode (cpu_mla_decode.cpp): q [nd, H, R + rope] against cache

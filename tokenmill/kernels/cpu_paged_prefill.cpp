@@ -1,0 +1,345 @@
+// Flash-style prefill attention for CPU over the paged KV cache: every prompt chunk of
+// a step (ragged: query_start_loc / seq_lens, each chunk after its cached prefix) in
+// one call, K/V read from the cache blocks through the block table (no gather copy).
+//
+// A job is (chunk, kv head, query tile): the tile's queries of all g query heads of
+// that kv head (token-major rows, so each K/V tile is read once for the g heads) walk
+// the keys they can see in tiles of kBK tokens, with an online softmax (running max
+// and sum per row, fp32). Each K tile is widened to fp32 and transposed ([D][kBK]) and
+// each V tile widened ([kBK][Dp]) once per job, so the two inner products are
+// register-tiled fp32 GEMMs (kR query rows x kNK key vectors, kR rows x kXT head-dim
+// vectors) whatever the cache's element type (fp32, bf16, fp16, float8_e4m3fn) or the
+// head size. Causal and sliding-window masks are applied per row; keys before the
+// first one a tile can see (a window's given-back blocks) and past the chunk's end are
+// never read. Written once against vec.h's Vec: every capability level runs it.
+#include "ops.h"
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+#include "vec_fp8.h"
+
+namespace {
+
+using tmvec::Vec;
+constexpr int W = Vec::W;
+constexpr int kBK = 64;                         // keys per tile
+constexpr int kR = 6;                           // query rows per register tile
+constexpr int kNK = Vec::kRegs >= 32 ? 4 : 2;   // key vectors per register tile (scores)
+constexpr int kXT = Vec::kRegs >= 32 ? 4 : 2;   // head-dim vectors per register tile (values)
+constexpr int kTileRows = 120;                  // query rows (tokens x g heads) per job, about
+constexpr int kKeyGroup = kNK * W;
+static_assert(kBK % kKeyGroup == 0, "a key tile is whole register tiles");
+
+// s[i][c) = sum_d q[i][d] * kt[d][c) for kR rows i and key columns [0, cols) (cols a
+// multiple of kKeyGroup): q broadcast a scalar at a time, kt's rows are kBK keys wide.
+inline void scores_rows(const float* q, int64_t ldq, const float* kt, int64_t d_len, int cols,
+                        float* s) {
+  for (int c0 = 0; c0 < cols; c0 += kKeyGroup) {
+    Vec acc[kR][kNK];
+    for (int i = 0; i < kR; ++i)
+      for (int x = 0; x < kNK; ++x) acc[i][x] = Vec::zero();
+    const float* k = kt + c0;
+    for (int64_t d = 0; d < d_len; ++d, k += kBK) {
+      Vec kv[kNK];
+      for (int x = 0; x < kNK; ++x) kv[x] = Vec::load(k + x * W);
+      for (int i = 0; i < kR; ++i) {
+        const Vec qi = Vec::set1(q[i * ldq + d]);
+        for (int x = 0; x < kNK; ++x) acc[i][x] = tmvec::fma(qi, kv[x], acc[i][x]);
+      }
+    }
+    for (int i = 0; i < kR; ++i)
+      for (int x = 0; x < kNK; ++x) acc[i][x].store(s + i * kBK + c0 + x * W);
+  }
+}
+
+// o[i][x0*W, (x0+XT)*W) = o * alpha[i] + sum_{t<n} p[i][t] * v[t][...] for kR rows i.
+template <int XT>
+inline void values_rows(const float* p, const float* alpha, const float* v, int64_t ldv,
+                        int64_t n, float* o, int64_t ldo, int64_t x0) {
+  Vec acc[kR][XT];
+  for (int i = 0; i < kR; ++i) {
+    const Vec a = Vec::set1(alpha[i]);
+    for (int x = 0; x < XT; ++x) acc[i][x] = Vec::load(o + i * ldo + (x0 + x) * W) * a;
+  }
+  const float* vt = v + x0 * W;
+  for (int64_t t = 0; t < n; ++t, vt += ldv) {
+    Vec vx[XT];
+    for (int x = 0; x < XT; ++x) vx[x] = Vec::load(vt + x * W);
+    for (int i = 0; i < kR; ++i) {
+      const Vec pi = Vec::set1(p[i * kBK + t]);
+      for (int x = 0; x < XT; ++x) acc[i][x] = tmvec::fma(pi, vx[x], acc[i][x]);
+    }
+  }
+  for (int i = 0; i < kR; ++i)
+    for (int x = 0; x < XT; ++x) acc[i][x].store(o + i * ldo + (x0 + x) * W);
+}
+
+inline void values_all(const float* p, const float* alpha, const float* v, int64_t ldv,
+                       int64_t n, float* o, int64_t nvec) {
+  int64_t x0 = 0;
+  for (; x0 + kXT <= nvec; x0 += kXT) values_rows<kXT>(p, alpha, v, ldv, n, o, ldv, x0);
+  if constexpr (kXT > 2) {
+    if (x0 + 2 <= nvec) {
+      values_rows<2>(p, alpha, v, ldv, n, o, ldv, x0);
+      x0 += 2;
+    }
+  }
+  if (x0 < nvec) values_rows<1>(p, alpha, v, ldv, n, o, ldv, x0);
+}
+
+// n elements of a cache row (or a query row) widened to fp32, times scale.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n, float scale) {
+  const Vec sv = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (tmvec::load_wide(src + i) * sv).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+template <typename T>
+inline void narrow_row(const float* src, float scale, T* dst, int64_t n) {
+  const Vec sv = Vec::set1(scale);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (Vec::load(src + i) * sv).store(dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * scale);
+}
+
+struct Job {
+  int64_t chunk, head, t0, t1, cost;
+};
+
+struct Shape {
+  int64_t hq, hkv, g, d, dp;     // heads, kv heads, heads per kv head, head size, padded
+  int64_t q_tok, q_head;         // q strides (elements)
+  int64_t bs, max_nb, s_block, s_kv, s_tok, s_head;  // cache geometry (elements)
+  float scale, softcap;
+  int64_t window;
+};
+
+// Per-thread scratch: the tile's queries, scores, outputs and one K / V tile.
+struct Scratch {
+  std::vector<float> q, s, o, kt, v, row, m, l, alpha;
+  explicit Scratch(const Shape& sh, int64_t rows) {
+    const int64_t mp = (rows + kR - 1) / kR * kR;
+    q.assign(mp * sh.d, 0.f);
+    s.assign(mp * kBK, 0.f);
+    o.assign(mp * sh.dp, 0.f);
+    kt.assign(sh.d * kBK, 0.f);
+    v.assign(kBK * sh.dp, 0.f);
+    row.assign(sh.dp, 0.f);
+    m.assign(mp, 0.f);
+    l.assign(mp, 0.f);
+    alpha.assign(mp, 1.f);
+  }
+};
+
+template <typename T, typename C>
+void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table,
+             int64_t q_start, int64_t seq_len, int64_t n_q, const Shape& sh, Scratch& w,
+             T* out) {
+  const int64_t g = sh.g, d = sh.d, dp = sh.dp, h = job.head;
+  const int64_t ctx = seq_len - n_q;
+  const int64_t rows = (job.t1 - job.t0) * g, mp = (rows + kR - 1) / kR * kR;
+  // Queries (scaled) as fp32 rows; padding rows stay zero.
+  for (int64_t t = job.t0; t < job.t1; ++t)
+    for (int64_t j = 0; j < g; ++j)
+      widen_row(q + (q_start + t) * sh.q_tok + (h * g + j) * sh.q_head,
+                w.q.data() + ((t - job.t0) * g + j) * d, d, sh.scale);
+  std::fill(w.q.begin() + rows * d, w.q.begin() + mp * d, 0.f);
+  std::fill(w.o.begin(), w.o.begin() + mp * dp, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + mp, -INFINITY);
+  std::fill(w.l.begin(), w.l.begin() + mp, 0.f);
+  std::fill(w.alpha.begin(), w.alpha.begin() + mp, 1.f);
+
+  // Keys the tile can see: from its first row's window start to its last row.
+  const int64_t kend = ctx + job.t1;
+  const int64_t kstart = sh.window > 0 ? std::max<int64_t>(0, ctx + job.t0 - sh.window + 1) : 0;
+  const int32_t* bt = block_table + job.chunk * sh.max_nb;
+  for (int64_t kbase = kstart; kbase < kend; kbase += kBK) {
+    const int64_t n = std::min<int64_t>(kBK, kend - kbase);
+    // K transposed into kt[d][j], V into v[j][0..d) (its padding columns stay zero).
+    for (int64_t j = 0; j < n;) {
+      const int64_t pos = kbase + j, off = pos % sh.bs;
+      const int64_t run = std::min(n - j, sh.bs - off);
+      const C* base = kv + bt[pos / sh.bs] * sh.s_block + h * sh.s_head + off * sh.s_tok;
+      for (int64_t u = 0; u < run; ++u, ++j) {
+        widen_row(base + u * sh.s_tok, w.row.data(), d, 1.f);
+        for (int64_t x = 0; x < d; ++x) w.kt[x * kBK + j] = w.row[x];
+        widen_row(base + sh.s_kv + u * sh.s_tok, w.v.data() + j * dp, d, 1.f);
+      }
+    }
+    for (int64_t i0 = 0; i0 < mp; i0 += kR) {
+      // The last real row of this register tile sees the most keys (token-major rows).
+      const int64_t last = std::min(i0 + kR, rows) - 1;
+      const int64_t hi_group = std::min<int64_t>(ctx + job.t0 + last / g + 1 - kbase, n);
+      if (hi_group <= 0) {  // no row of the group sees this tile (only under a window
+        // can a later tile matter for them: keep their state, add nothing)
+        for (int64_t i = i0; i < i0 + kR; ++i) w.alpha[i] = 1.f;
+        continue;
+      }
+      const int cols = static_cast<int>((hi_group + kKeyGroup - 1) / kKeyGroup * kKeyGroup);
+      float* s = w.s.data() + i0 * kBK;
+      scores_rows(w.q.data() + i0 * d, d, w.kt.data(), d, cols, s);
+      for (int64_t i = i0; i < i0 + kR; ++i) {
+        float* si = w.s.data() + i * kBK;
+        if (i >= rows) {  // padding rows: weights zero, state kept
+          std::fill(si, si + kBK, 0.f);
+          w.alpha[i] = 1.f;
+          continue;
+        }
+        const int64_t pos = ctx + job.t0 + i / g;
+        const int64_t hi = std::min<int64_t>(pos + 1 - kbase, n);
+        const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1 - kbase) : 0;
+        if (lo >= hi) {  // nothing of this tile is visible to the row
+          std::fill(si, si + kBK, 0.f);
+          w.alpha[i] = 1.f;
+          continue;
+        }
+        if (sh.softcap > 0.f) {  // Gemma 2/3: scores become cap * tanh(scores / cap)
+          const float inv = 1.f / sh.softcap;
+          for (int64_t t = lo; t < hi; ++t) si[t] = sh.softcap * std::tanh(si[t] * inv);
+        }
+        // Masked columns (only [0, cols) is read from here on) weigh nothing.
+        std::fill(si, si + lo, -INFINITY);
+        if (hi < cols) std::fill(si + hi, si + cols, -INFINITY);
+        Vec vmax = Vec::set1(-INFINITY);
+        for (int c = 0; c < cols; c += W) vmax = tmvec::max(vmax, Vec::load(si + c));
+        const float m_new = std::max(w.m[i], tmvec::reduce_max(vmax));
+        // The rescale of what came before: 0 on the first tile (m = -inf), 1 when the
+        // running max holds.
+        const float a = m_new == w.m[i] ? 1.f : std::exp(w.m[i] - m_new);
+        const Vec mv = Vec::set1(m_new);
+        Vec vsum = Vec::zero();
+        for (int c = 0; c < cols; c += W) {
+          const Vec e = tmvec::exp(Vec::load(si + c) - mv);
+          e.store(si + c);
+          vsum = vsum + e;
+        }
+        w.l[i] = w.l[i] * a + tmvec::reduce_add(vsum);
+        w.m[i] = m_new;
+        w.alpha[i] = a;
+      }
+      values_all(s, w.alpha.data() + i0, w.v.data(), dp, hi_group, w.o.data() + i0 * dp,
+                 dp / W);
+    }
+  }
+  for (int64_t t = job.t0; t < job.t1; ++t)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t i = (t - job.t0) * g + j;
+      narrow_row(w.o.data() + i * dp, 1.f / w.l[i],
+                 out + ((q_start + t) * sh.hq + h * g + j) * d, d);
+    }
+}
+
+template <typename T, typename C>
+void prefill(const T* q, const C* kv, const int32_t* block_table, const int64_t* qsl,
+             const int32_t* seq_lens, int64_t num_chunks, const Shape& sh, T* out) {
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / sh.g);
+  std::vector<Job> jobs;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n_q = qsl[c + 1] - qsl[c], ctx = seq_lens[c] - n_q;
+    for (int64_t t0 = 0; t0 < n_q; t0 += tile_tokens) {
+      const int64_t t1 = std::min(n_q, t0 + tile_tokens);
+      const int64_t first = sh.window > 0 ? std::max<int64_t>(0, ctx + t0 - sh.window + 1) : 0;
+      const int64_t cost = (t1 - t0) * (ctx + t1 - first);
+      for (int64_t h = 0; h < sh.hkv; ++h) jobs.push_back({c, h, t0, t1, cost});
+    }
+  }
+  // Longest first, taken by whichever thread is free: causal tiles differ in cost.
+  std::stable_sort(jobs.begin(), jobs.end(),
+                   [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), njobs);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w(sh, tile_tokens * sh.g);
+    for (int64_t k = next++; k < njobs; k = next++) {
+      const Job& job = jobs[k];
+      run_job(job, q, kv, block_table, qsl[job.chunk], seq_lens[job.chunk],
+              qsl[job.chunk + 1] - qsl[job.chunk], sh, w, out);
+    }
+  });
+}
+
+}  // namespace
+
+// q [Tq, Hq, D] (head rows contiguous); kv [num_blocks, 2, bs, Hkv, D];
+// block_table [P, max_nb] int32; query_start_loc [P + 1] int64 (chunk c's queries are
+// q rows [qsl[c], qsl[c+1])); seq_lens [P] int32 (cached prefix + chunk) -> [Tq, Hq, D].
+// Query i of chunk c sits at position seq_lens[c] - n_c + i and sees keys up to itself
+// (window > 0: only the last `window` of them); softcap > 0 caps the scaled scores.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                            torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                            double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_prefill: q must be [Tq, Hq, D] with "
+              "contiguous head rows");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1 &&
+                  kv.stride(3) == kv.size(4),
+              "paged_prefill: kv cache must be [num_blocks, 2, block_size, Hkv, D] with "
+              "contiguous heads");
+  TORCH_CHECK(kv.size(4) == q.size(2), "paged_prefill: q head size ", q.size(2),
+              " != kv cache head size ", kv.size(4));
+  const bool fp8 = kv.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kv.scalar_type() == q.scalar_type(),
+              "paged_prefill: q and kv cache dtypes differ (the cache may be float8_e4m3fn)");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt &&
+                  block_table.is_contiguous(),
+              "paged_prefill: block_table must be a contiguous [P, max_nb] int32 tensor");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous(),
+              "paged_prefill: query_start_loc must be a contiguous [P + 1] int64 tensor");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous(),
+              "paged_prefill: seq_lens must be a contiguous [P] int32 tensor");
+  const int64_t num_chunks = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_chunks + 1 && block_table.size(0) >= num_chunks,
+              "paged_prefill: query_start_loc needs P + 1 entries and block_table P rows "
+              "for the P = ", num_chunks, " seq_lens");
+  TORCH_CHECK(q.size(1) % kv.size(3) == 0,
+              "paged_prefill: query heads must be a multiple of kv heads");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t bs = kv.size(2);
+  TORCH_CHECK(num_chunks == 0 || (qsl[0] >= 0 && qsl[num_chunks] <= q.size(0)),
+              "paged_prefill: query_start_loc outside q's ", q.size(0), " rows");
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n_q = qsl[c + 1] - qsl[c];
+    TORCH_CHECK(n_q >= 0 && lens[c] >= n_q, "paged_prefill: chunk ", c, " has ", n_q,
+                " queries but seq_lens ", lens[c]);
+    TORCH_CHECK((lens[c] + bs - 1) / bs <= block_table.size(1), "paged_prefill: chunk ", c,
+                "'s seq_lens ", lens[c], " needs more blocks than block_table's ",
+                block_table.size(1));
+  }
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t d = q.size(2);
+  Shape sh{q.size(1), kv.size(3), q.size(1) / kv.size(3), d, (d + W - 1) / W * W,
+           q.stride(0), q.stride(1), bs, block_table.size(1), kv.stride(0), kv.stride(1),
+           kv.stride(2), kv.stride(3), static_cast<float>(scale), static_cast<float>(softcap),
+           window};
+  auto run = [&](auto q_tag, auto cache_tag) {
+    using T = decltype(q_tag);
+    using C = decltype(cache_tag);
+    prefill<T, C>(reinterpret_cast<const T*>(q.data_ptr()),
+                  reinterpret_cast<const C*>(kv.data_ptr()), block_table.data_ptr<int32_t>(),
+                  qsl, lens, num_chunks, sh, reinterpret_cast<T*>(out.data_ptr()));
+  };
+  auto with_cache = [&](auto q_tag) {
+    if (fp8) {
+      run(q_tag, c10::Float8_e4m3fn{});
+    } else {
+      run(q_tag, q_tag);
+    }
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: with_cache(float{}); break;
+    case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+    case at::kHalf: with_cache(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_prefill: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
