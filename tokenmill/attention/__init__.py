@@ -6,7 +6,7 @@ implementation, chosen by the platform per KV cache spec.
     backend.py     AttentionBackend (supports / make_builder / make_impl),
                    AttentionImpl (paged K/V), MLAImpl (latent rows)
     torch_ref.py   "torch": gather + SDPA, every device (the reference)
-    cpu_native.py  "cpu_native": kv_cache_write + paged_decode kernels, chunks as torch
+    cpu_native.py  "cpu_native": kv_cache_write + paged_decode + paged_prefill kernels
     triton.py      "triton": write_kv / paged_decode / paged_prefill (CUDA), its builder
                    adding the flat slot_mapping and prefill fields; triton imported lazily
     mla.py         "mla_torch" / "mla_cpu_native": the absorbed decode's latent attention

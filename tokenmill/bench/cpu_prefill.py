@@ -6,7 +6,7 @@ as the pool hands them out): `paged_prefill` reads them through the block table;
 old path (the PyTorch reference's prompt chunk) runs causal SDPA over the prompt's
 K/V, here gathered from the same blocks first (the gather timed as part of it, as a
 chunk with a cached prefix pays it; a fresh chunk in the reference skips it, so
-`sdpa_only` is printed too). Attention GFLOP/s count the causal half:
+`sdpa_only` is printed too). The three take turns, best of --iters each. GFLOP/s count the causal half:
 2 x 2 x heads x D x T^2 / 2.
 """
 from __future__ import annotations
@@ -16,13 +16,17 @@ import json
 import time
 
 
-def _time(fn, iters: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
+def _time(fns: dict, iters: int) -> dict:
+    """Best seconds per call of each fn, the fns taking turns (a busy machine's noise
+    falls on all of them alike)."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - start)
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -69,9 +73,8 @@ def run(tokens: int, hq: int, hkv: int, d: int, dtype_name: str, block_size: int
     row = {"tokens": tokens, "num_heads": hq, "num_kv_heads": hkv, "head_size": d,
            "dtype": dtype_name, "block_size": block_size, "level": ops.capability,
            "threads": torch.get_num_threads()}
-    for name, fn in (("kernel", kernel), ("sdpa_gathered", sdpa_gathered),
-                     ("sdpa_only", sdpa_only)):
-        s = _time(fn, iters)
+    fns = {"kernel": kernel, "sdpa_gathered": sdpa_gathered, "sdpa_only": sdpa_only}
+    for name, s in _time(fns, iters).items():
         row[name] = {"seconds": s, "gflops": flops / s / 1e9}
     row["speedup_vs_sdpa_gathered"] = row["sdpa_gathered"]["seconds"] / row["kernel"]["seconds"]
     return row
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16,float32",
                    help="comma-separated: bfloat16, float16, float32")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--iters", type=int, default=5, help="timed calls (the best is kept)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed calls of each, taking turns (the best is kept)")
     p.add_argument("--cpu-capability", default=None, help="kernel level (default: the best)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
