@@ -14,11 +14,10 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
-from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantizedWeight,
                                                                   quad_layout_fits)
-from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
-from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+
+from test_quant_linear_kernel import _layer, _random  # noqa: E402 (the same random weights)
 
 # (N, K, group): one group = K (per channel) with K not a multiple of 128, groups of 8,
 # 32, 128 and 192 (> 128: two activation blocks per group, the last one short), N not
@@ -34,18 +33,6 @@ def quad_ops(ops):
     if not ops.has_quant_quad:
         pytest.skip(f"no quad layout at the {ops.capability} level (avx512_vnni only)")
     return ops
-
-
-def _random(n, k, bits, group, fp16_scales=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
-    top = 1 << bits
-    scales = torch.rand(n, groups, generator=g) * 0.01 + 1e-3
-    if fp16_scales:
-        scales = scales.half().float()
-    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8), scales,
-                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
-                           bits, group).check()
 
 
 def _pack(ops, qw, quad=True):
@@ -173,21 +160,6 @@ def test_quad_refusals(ops):
         ops.linear_quant(torch.randn(1, 64), c, s, z, 40, 8, 12, torch.empty(0))
 
 
-def _layer(qw, dtype):
-    class _Canonical(QuantizedLinearMethod):
-        def __init__(self, q):
-            self.q = q
-
-        def create_weights(self, layer, in_features, out_features, bias, dtype=None):
-            self._register_bias(layer, out_features, bias, dtype)
-
-        def to_quantized(self, layer):
-            return self.q
-
-    n, k = qw.shape
-    return Linear(k, n, bias=True, dtype=dtype, method=_Canonical(qw))
-
-
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_level,
                                                                 native_bf16, monkeypatch):
@@ -202,7 +174,7 @@ def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_leve
     assert ("15-bit activations" in bf16.describe()) == bool(want)
     qw = _random(70, 128, 4, 32)
     for platform, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
-        layer = _layer(qw, dtype)
+        layer = _layer(qw, True, dtype)
         layer.set_method(platform.linear_method(layer))
         packed = layer.method.packed
         assert packed is not None
