@@ -244,7 +244,10 @@ def test_hybrid_decode_graphs_use_a_scratch_state_slot(tmp_path, eager_graphs):
     got, runner = run()
     graphs = runner.cuda_graphs
     assert graphs is not None and graphs.buffers.pad_state_slot == 4 * 1  # 4 seqs, width 1
-    assert all(t[0].shape[0] == 5 for t in runner.state_caches.values())  # 4 + scratch
+    # 4 request slots, the scratch slot, then hybrid prefix caching's snapshot slots
+    assert runner.snapshot_base == 5
+    snapshots = runner.kv_cache_config.num_state_snapshots
+    assert all(t[0].shape[0] == 5 + snapshots for t in runner.state_caches.values())
     assert graphs.graphs[4][0].replays > 0
     eager_graphs.undo()  # the PyTorch path, no Triton, no graphs
     want, runner = run()

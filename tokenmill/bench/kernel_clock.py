@@ -62,7 +62,7 @@ class KernelClock:
     # ---- instrumentation -----------------------------------------------------------
     def wrap_native(self, ops) -> None:
         """Time every kernel function of the native module `ops` (before the engine is
-        built: layers keep references such as `self.kernel = ops.linear_bf16`)."""
+        built: layers keep references to the module's kernel functions)."""
         for name in dir(ops):
             fn = getattr(ops, name)
             if not name.startswith("_") and type(fn).__name__ == "builtin_function_or_method":
