@@ -41,9 +41,38 @@ def test_bench_latency_against_hf(llama_tiny, tmp_path, capsys):
     platform = r["platform"]
     assert platform["model_dtype"] == platform["gemm_dtype"] == w["tokenmill_gemm_dtype"]
     assert platform["capability"] in platform["runnable_levels"]
+    # the decode bandwidth bound: bytes a token reads, from the HF model's own shapes
+    band = r["decode_bandwidth"]
+    layers, kv_per_position = _hf_decode_elements(llama_tiny.path)
+    counts = band["counts"]
+    assert counts["bytes_per_param"] == 4.0  # fp32 weights, read once from the packed copy
+    assert counts["layer_weight_bytes"] == 4 * layers
+    assert counts["kv_bytes_per_position"] == 4 * kv_per_position
+    assert band["mean_context"] == 8 + 5 / 2
+    assert band["bytes_per_token"] == pytest.approx(
+        counts["layer_weight_bytes"] + counts["lm_head_bytes"]
+        + counts["kv_bytes_per_position"] * band["mean_context"])
+    assert band["bandwidth"]["gbps"] == max(band["bandwidth"]["probes"].values()) > 0
+    assert band["bound_s"] == pytest.approx(band["bytes_per_token"] / band["bandwidth_gbps"] / 1e9)
+    assert band["tpot_s"] == pytest.approx(r["tokenmill"]["tpot_ms"]["median"] / 1e3)
+    assert r["bandwidth_fraction"] == band["bandwidth_fraction"] == pytest.approx(
+        band["bound_s"] / band["tpot_s"])
     text = capsys.readouterr().out
+    assert "of the bandwidth bound" in text
     assert "TTFT ms" in text and "tokenmill speedup" in text
     assert f"platform: {platform['description']}" in text
+
+
+def _hf_decode_elements(path: str) -> tuple[int, int]:
+    """(parameters of the decoder layers, norms included; K/V elements per cached
+    position) of the HF model at `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    layers = sum(p.numel() for name, p in hf.named_parameters() if ".layers." in name)
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return layers, 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim
 
 
 def test_bench_latency_bf16_and_cpu_flags(llama_tiny, tmp_path, capsys):

@@ -56,7 +56,8 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                    help="tokenmill's async scheduling (default: the engine's choice)")
     p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--skip-roofline", action="store_true",
-                   help="skip the peak GEMM measurement and the roofline ratios")
+                   help="skip the peak GEMM and read bandwidth measurements, the roofline "
+                        "ratios and the decode bandwidth_fraction")
     p.add_argument("--output-json", default=None, metavar="PATH")
     from tokenmill.engine.arg_utils import add_cpu_platform_args
     add_cpu_platform_args(p)
@@ -104,8 +105,12 @@ def tokenmill_one(engine, prompt: list[int], output_len: int) -> tuple[float, fl
     return first - start, end - start, ids
 
 
-def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len: int):
-    """-> (per-repetition TTFT s, e2e s, token ids of each repetition, engine facts)."""
+def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len: int,
+                  architecture: str | None = None):
+    """-> (per-repetition TTFT s, e2e s, token ids of each repetition, engine facts).
+    `architecture`: the unquantized checkpoint whose shapes the decode read counts start
+    from (facts["decode_read"]; measured with the machine's read bandwidth unless
+    --skip-roofline)."""
     from tokenmill import LLM
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
               async_scheduling=args.async_scheduling,
@@ -123,10 +128,29 @@ def run_tokenmill(model_path: str, prompts, warmup_prompts, args, max_model_len:
     facts = {"device": engine.model_config.device, "gemm_dtype": platform["gemm_dtype"],
              "platform": platform,
              "async_scheduling": getattr(engine.engine_core, "async_scheduling", None),
-             "weights": weight_facts(llm, args)}
+             "weights": weight_facts(llm, args), "decode_read": None}
+    if architecture is not None and not args.skip_roofline:
+        from tokenmill.bench import decode_read
+        runner = getattr(engine.engine_core, "runner", None)
+        counts = decode_read.count_engine_read(runner, architecture)
+        if counts is not None:
+            facts["decode_read"] = {"counts": counts,
+                                    "bandwidth": _read_bandwidth(engine, facts["device"])}
     del llm, engine
     gc.collect()
     return ttft, e2e, ids, facts
+
+
+def _read_bandwidth(engine, device) -> dict:
+    """Streaming read GB/s of `device`, measured now (the same run as the timings)."""
+    import torch
+    from tokenmill.bench import decode_read
+    if torch.device(device).type == "cpu":
+        return decode_read.measure_read_bandwidth(getattr(engine.platform, "ops", None))
+    from tokenmill.bench.roofline import measure_bandwidth
+    copy = measure_bandwidth(device)  # (read + write bytes of a device copy)
+    return {"gbps": copy["gbps"], "probes": {"device copy (read + write)": copy["gbps"]},
+            "bytes": copy["bytes"], "reps": copy["reps"]}
 
 
 # ---- HF generate ---------------------------------------------------------------
@@ -200,9 +224,17 @@ def run_latency_bench(args: argparse.Namespace) -> int:
     all_prompts = make_prompts(args.num_warmup + args.num_iters, args.input_len, vocab, args.seed)
     warmup, prompts = all_prompts[:args.num_warmup], all_prompts[args.num_warmup:]
 
+    base = hf_baseline_path(name, model_path)
     tm_ttft, tm_e2e, tm_ids, facts = run_tokenmill(model_path, prompts, warmup, args,
-                                                   max_model_len)
+                                                   max_model_len, architecture=base)
     tm = summarize(tm_ttft, tm_e2e, args.output_len)
+    bandwidth = None
+    if facts["decode_read"] is not None:
+        from tokenmill.bench.decode_read import bandwidth_fraction
+        read = facts["decode_read"]
+        bandwidth = {**bandwidth_fraction(read["counts"], args.input_len, args.output_len,
+                                          tm["tpot_ms"]["median"] / 1e3,
+                                          read["bandwidth"]["gbps"]), **read}
     logger.info("tokenmill: %.1f output tok/s, TTFT %.1f ms, TPOT %.2f ms (medians)",
                 tm["tok_s"]["median"], tm["ttft_ms"]["median"], tm["tpot_ms"]["median"])
     device = facts["device"]
@@ -221,7 +253,6 @@ def run_latency_bench(args: argparse.Namespace) -> int:
     if not args.skip_roofline:
         from tokenmill.bench import roofline as rl
         # (the architecture's FLOPs: a quantized bench model's bf16 base has the same)
-        base = hf_baseline_path(name, model_path)
         peaks = rl.measure_peaks(base, device, rl.PEAK_DTYPES + (args.dtype,))
         runs = {"tokenmill": ([args.input_len], [args.output_len], tm["e2e_s"]["median"])}
         if hf is not None:
@@ -234,6 +265,9 @@ def run_latency_bench(args: argparse.Namespace) -> int:
     if roof is not None:
         from tokenmill.bench.roofline import format_roofline
         print(format_roofline(roof))
+    if bandwidth is not None:
+        from tokenmill.bench.decode_read import format_bandwidth
+        print(format_bandwidth(bandwidth))
     if args.output_json:
         result = {
             "bench": "latency",
@@ -242,6 +276,8 @@ def run_latency_bench(args: argparse.Namespace) -> int:
             "ratio": ratios(tm, hf) if hf else None,
             "tokenmill": tm, "hf_generate": hf, "greedy_agreement": agreement,
             "roofline": roof,
+            "bandwidth_fraction": bandwidth["bandwidth_fraction"] if bandwidth else None,
+            "decode_bandwidth": bandwidth,
             "platform": facts["platform"],
             "weights": facts["weights"],
             "workload": {
