@@ -175,7 +175,7 @@ def test_propose_matches_naive_reference(pair):
         top2 = n.topk(2, dim=-1).values
         assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
     assert len({tuple(d) for d in drafts.tolist()}) == 3
-    # One by one (no padding) gives the same drafts as the padded batch.
+    # One by one gives the same drafts as the batch.
     for i, rid in enumerate(ids):
         assert drafter.propose(ctx, [rid], [lasts[i]], [ps[i]], K).tolist() == [drafts[i].tolist()]
     # Any k up to the trained block size - 1 (here 8 - 1); past it, refused.
@@ -202,6 +202,27 @@ def test_sliding_layers_are_causal_and_windowed(pair, types, window):
     logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
     for i in range(len(ids)):
         torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
+
+
+def test_a_draft_step_attends_in_place_and_leaves_the_context(pair):
+    """The block's K/V go into scratch rows after each request's context, in the
+    context's own buffer (no per-step copy of the context); the context rows stay as
+    appended, so a later step (and a later append) sees the same context."""
+    drafter = pair.drafter
+    ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, pair.draft_path)
+    before = {rid: ctx.kv(rid).clone() for rid in ids}
+    rows = ctx.block_rows(ids[0], K + 1)
+    assert rows.data_ptr() == ctx.kv(ids[0]).data_ptr()
+    assert rows.shape[2] == ctx.num_rows(ids[0]) + K + 1
+    first = drafter.draft_logits(ctx, ids, lasts, ps, K)
+    for rid in ids:
+        assert torch.equal(ctx.kv(rid), before[rid])
+    assert torch.equal(drafter.draft_logits(ctx, ids, lasts, ps, K), first)
+    # A request with no context yet drafts from its block alone and gets no context.
+    alone = drafter.draft_logits(ctx, ["fresh"], [lasts[0]], [0], K)
+    assert alone.shape == (1, K, pair.target_config["vocab_size"]) and ctx.end("fresh") is None
+    ctx.remove("fresh")
+    assert "fresh" not in ctx._buf
 
 
 def test_own_embedding_is_used(pair):

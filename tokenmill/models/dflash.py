@@ -118,23 +118,30 @@ class DFlashAttention(nn.Module):
         k, v = self.kv_proj(x).view(-1, 2, self.num_kv_heads, self.head_dim).unbind(1)
         return rotary.apply(self.k_norm(k), cos, sin), v
 
-    def forward(self, x, cos, sin, rotary, kv: torch.Tensor, mask: torch.Tensor | None):
-        """x [R*B, H] (R blocks of B rows); kv [2, R, C + B, Hkv, D] holds each request's
-        context in [:C] (padded where `mask` [R, 1, 1, C + B] is False; a sliding layer's
-        mask is [R, 1, B, C + B]: causal and windowed); this layer's block K/V go into
-        [C:]."""
-        r, s = kv.shape[1], kv.shape[2]
+    def forward(self, x, cos, sin, rotary, kv_rows: list[torch.Tensor], masks: list):
+        """x [R*B, H] (R blocks of B rows); kv_rows[i] [2, C_i + B, Hkv, D]: request i's
+        own context buffer (a view, never copied), its context in [:C_i]; this layer's
+        block K/V go into its last B rows. masks[i]: None (a full layer: the block sees
+        the whole context and the whole block) or [1, 1, B, C_i + B] (a sliding layer:
+        causal and windowed)."""
+        r = len(kv_rows)
         b = x.shape[0] // r
         q = rotary.apply(self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim)),
                          cos, sin)
         k, v = self.key_value(x, cos, sin, rotary)
-        kv[0, :, s - b:] = k.view(r, b, self.num_kv_heads, self.head_dim)
-        kv[1, :, s - b:] = v.view(r, b, self.num_kv_heads, self.head_dim)
-        # A full layer's block row sees the whole context and the whole block.
-        o = F.scaled_dot_product_attention(
-            q.view(r, b, self.num_heads, self.head_dim).transpose(1, 2),
-            kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=mask,
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        k = k.view(r, b, self.num_kv_heads, self.head_dim)
+        v = v.view(r, b, self.num_kv_heads, self.head_dim)
+        q = q.view(r, b, self.num_heads, self.head_dim).transpose(1, 2)
+        o = torch.empty_like(q)
+        # One attention per request over its own buffer: contexts of different lengths
+        # need no padded batch, so a step costs no copy of any context.
+        for i, (rows, mask) in enumerate(zip(kv_rows, masks)):
+            rows[0, -b:] = k[i]
+            rows[1, -b:] = v[i]
+            o[i] = F.scaled_dot_product_attention(
+                q[i:i + 1], rows[0].transpose(0, 1)[None], rows[1].transpose(0, 1)[None],
+                attn_mask=mask, scale=self.head_dim ** -0.5,
+                enable_gqa=self.num_heads != self.num_kv_heads)[0]
         return self.o_proj(o.transpose(1, 2).reshape(r * b, self.num_heads * self.head_dim))
 
 
@@ -146,9 +153,9 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
-    def forward(self, x, cos, sin, rotary, kv, mask):
+    def forward(self, x, cos, sin, rotary, kv_rows, masks):
         # x is this step's own residual stream: updated in place.
-        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, kv, mask)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, kv_rows, masks)
         return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
@@ -248,8 +255,6 @@ class DFlashDraftModel(nn.Module):
         r, b = len(req_ids), k + 1
         if r == 0:
             return torch.empty(0, c.hidden_size, device=device)
-        lens = [context.num_rows(rid) for rid in req_ids]
-        cmax = max(lens)
         ids = torch.full((r, b), c.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = last
         # Past the rotary table (the last steps of a max-length request) the drafts will
@@ -257,33 +262,29 @@ class DFlashDraftModel(nn.Module):
         block_pos = (pos[:, None] + torch.arange(b, device=device)).clamp(
             max=self.rotary.cos_cache.shape[0] - 1).flatten()
         x = self.embed(ids.flatten())
-        # Each request's context lives in its own growing buffer: one copy per request
-        # into a zero-padded batch (zeros, not empty: masked rows still meet V).
-        kv = x.new_zeros(c.num_layers, 2, r, cmax + b, c.num_kv_heads, c.head_dim)
-        for i, rid in enumerate(req_ids):
-            if lens[i]:
-                kv[:, :, i, :lens[i]] = context.kv(rid)
-        mask = None
-        cols = torch.arange(cmax + b, device=device)
-        lens_t = torch.tensor(lens, device=device)
-        valid = (cols < lens_t[:, None]) | (cols >= cmax)  # [R, C + B]: not padding
-        if min(lens) < cmax:
-            mask = valid.view(r, 1, 1, cmax + b)
-        windowed = {}
-        if any(w is not None for w in c.layer_windows):
-            # Key positions: context row j at start + j, block row i at p + i; query i
-            # at p + i. Causal, and within the window.
-            start = torch.tensor([context.start(rid) or 0 for rid in req_ids], device=device)
-            key_pos = torch.where(cols < cmax, start[:, None] + cols,
-                                  pos[:, None] + cols - cmax)  # [R, C + B]
-            q_pos = pos[:, None] + torch.arange(b, device=device)  # [R, B]
-            dist = q_pos[:, :, None] - key_pos[:, None, :]  # [R, B, C + B]
-            for w in set(c.layer_windows) - {None}:
-                windowed[w] = (valid[:, None, :] & (dist >= 0) & (dist < w))[:, None]
+        # Each request's buffer has room for the block after its context: the layers
+        # write the block's K/V there and attend over the buffer in place.
+        views = [context.block_rows(rid, b) for rid in req_ids]
+        masks = {None: [None] * r}
+        for w in set(c.layer_windows) - {None}:
+            masks[w] = [self._window_mask(context, rid, int(p), b, w)
+                        for rid, p in zip(req_ids, pos.tolist())]
         cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
-        for layer, layer_kv, w in zip(self.layers, kv, c.layer_windows):
-            x = layer(x, cos, sin, self.rotary, layer_kv, mask if w is None else windowed[w])
+        for li, (layer, w) in enumerate(zip(self.layers, c.layer_windows)):
+            x = layer(x, cos, sin, self.rotary, [view[li] for view in views], masks[w])
         return self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
+
+    def _window_mask(self, context: "DFlashContext", req_id: str, p: int, b: int,
+                     window: int) -> torch.Tensor:
+        """[1, 1, B, C + B]: block row i (position p + i) sees the keys at positions
+        within `window` of its own and not after it; context row j is at start + j."""
+        device = self.norm.weight.device
+        n = context.num_rows(req_id)
+        start = context.start(req_id) or 0
+        key_pos = torch.cat([start + torch.arange(n, device=device),
+                             p + torch.arange(b, device=device)])
+        dist = (p + torch.arange(b, device=device))[:, None] - key_pos[None, :]
+        return ((dist >= 0) & (dist < window))[None, None]
 
     @torch.inference_mode()
     def propose(self, context: "DFlashContext", req_ids: list[str], last_token_ids,
@@ -377,16 +378,32 @@ class DFlashContext:
             if rid not in self._len:
                 self._start[rid], self._len[rid] = pos_list[o], 0
             length = self._len[rid]
-            buf = self._buf.get(rid)
-            if buf is None or buf.shape[2] < length + n:
-                grown = kv.new_empty(*kv.shape[:2], max(2 * length, length + n, 16),
-                                     *kv.shape[3:])
-                if length:
-                    grown[:, :, :length] = buf[:, :, :length]
-                self._buf[rid] = buf = grown
+            buf = self._room(rid, length + n)
             buf[:, :, length:length + n] = kv[:, :, o:o + n]
             self._len[rid] = length + n
             o += n
+
+    def _room(self, req_id: str, rows: int) -> torch.Tensor:
+        """The request's buffer with at least `rows` rows (grown by doubling; the
+        context's rows kept)."""
+        buf = self._buf.get(req_id)
+        if buf is not None and buf.shape[2] >= rows:
+            return buf
+        m = self.model.config
+        length = self._len.get(req_id, 0)
+        grown = torch.empty(m.num_layers, 2, max(2 * length, rows, 16), m.num_kv_heads,
+                            m.head_dim, dtype=self.model.norm.weight.dtype,
+                            device=self.model.norm.weight.device)
+        if length:
+            grown[:, :, :length] = buf[:, :, :length]
+        self._buf[req_id] = grown
+        return grown
+
+    def block_rows(self, req_id: str, b: int) -> torch.Tensor:
+        """[L, 2, num_rows + b, Hkv, D]: the context and `b` scratch rows after it (a
+        view of the request's buffer; a draft step writes its block's K/V there, which
+        the next append overwrites)."""
+        return self._room(req_id, self.num_rows(req_id) + b)[:, :, :self.num_rows(req_id) + b]
 
     def truncate(self, req_id: str, end: int) -> None:
         """Drop the rows at positions >= end (rolled back tokens)."""
