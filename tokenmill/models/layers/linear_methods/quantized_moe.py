@@ -9,6 +9,12 @@ dropped, and `gate_up_proj` / `down_proj` stay as meta tensors of the model's dt
 (their shapes and dtype readable, their data not). `fused_experts` runs over the
 experts that received tokens, each dequantized transiently for its GEMM (as fp8's
 DequantizedExperts): no dequantized copy of all experts exists at once.
+
+On the CPU with the native kernels (`for_platform`), each expert is packed once for
+`linear_quant` instead (PackedQuantizedWeight: the quad layout where the platform asks
+for it), the canonical codes dropped: an expert's slice of up to `max_rows` rows (every
+decode step's) reads its packed codes once, the larger slices dequantize tiles of it
+for the library GEMM. Decode no longer dequantizes every touched expert every step.
 """
 from __future__ import annotations
 
@@ -36,6 +42,36 @@ class QuantizedExperts:
         return self.weights[e].dequantize(self.dtype)
 
 
+class PackedQuantizedExperts:
+    """Every expert's gate_up and down packed for the native kernels, run per expert
+    group by `fused_experts` (the `packed` argument's interface)."""
+
+    def __init__(self, ops, w13: list[QuantizedWeight], w2: list[QuantizedWeight],
+                 max_rows: int, quad_max_rows: int, compute_dtype: torch.dtype | None):
+        from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
+        quad = quad_max_rows > 0
+        self.w13 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w13]
+        self.w2 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w2]
+        # (one row limit for both: the quad one only where every expert took quad)
+        every_quad = all(p.quad for p in self.w13 + self.w2)
+        self.max_rows = quad_max_rows if quad and every_quad else max_rows
+        self.compute_dtype = compute_dtype
+
+    @property
+    def quad(self) -> bool:
+        return all(p.quad for p in self.w13 + self.w2)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.w13 + self.w2)
+
+    def grouped(self, xs: torch.Tensor, packed: list, n: int, groups, w, gemm_dtype
+                ) -> torch.Tensor:
+        out = xs.new_empty(xs.shape[0], n)
+        for e, lo, hi in groups:
+            out[lo:hi] = packed[e].linear(xs[lo:hi], None, self.max_rows, self.compute_dtype)
+        return out
+
+
 class QuantizedFusedMoEMethod(FusedMoEMethod):
     """The experts' grouped GEMMs over integer-quantized weights in `layout`'s format
     (W4A16 / W8A16: activations unquantized). `compute_dtype`: the GEMMs' dtype where
@@ -47,6 +83,9 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         self.layout, self.compute_dtype = layout, compute_dtype
         self.w13: list[QuantizedWeight] | None = None
         self.w2: list[QuantizedWeight] | None = None
+        # The platform's native kernels (for_platform): packed at conversion.
+        self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
+        self.packed: PackedQuantizedExperts | None = None
 
     def _matrices(self, hidden: int, inter: int):
         """(target, K, checkpoint matrices' rows) of each stacked projection."""
@@ -63,8 +102,15 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
                 layer.register_parameter(f"{target}_{kind}", p)
 
     def process_weights_after_loading(self, layer) -> None:
-        if self.w13 is not None:  # converted already (the loader, then the platform)
-            return
+        if self.w13 is None and self.packed is None:  # (once: the loader's call)
+            self._convert(layer)
+        if (self.packed is None and self.ops is not None and self.max_rows > 0
+                and hasattr(self.ops, "linear_quant")):
+            self.packed = PackedQuantizedExperts(self.ops, self.w13, self.w2, self.max_rows,
+                                                 self.quad_max_rows, self.compute_dtype)
+            self.w13 = self.w2 = None  # the packed codes are the only copy kept
+
+    def _convert(self, layer) -> None:
         e_count, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
         converted = {}
         for target, k, shards in self._matrices(h, i):
@@ -90,14 +136,39 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         """The same method (converted experts shared) with its GEMMs in `dtype`."""
         method = copy.copy(self)
         method.compute_dtype = dtype
+        if self.packed is not None:
+            method.packed = copy.copy(self.packed)
+            method.packed.compute_dtype = dtype
+        return method
+
+    def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
+                     quad_max_rows: int = 0) -> "QuantizedFusedMoEMethod":
+        """This method with the native CPU kernels `ops` for expert slices of up to
+        `max_rows` rows (`quad_max_rows` > 0: the quad layout with that limit) and the
+        GEMMs of the larger ones in `compute_dtype`; packed when the layer sets it."""
+        method = self.with_compute_dtype(compute_dtype)
+        method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
         return method
 
     def apply(self, layer, x, topk_weights, topk_ids):
         dtype = self.compute_dtype or x.dtype
+        if self.packed is not None:
+            return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
+                                 topk_ids, dtype, self.packed, activation=layer.activation)
         return fused_experts(x, QuantizedExperts(self.w13, dtype),
                              QuantizedExperts(self.w2, dtype), topk_weights, topk_ids,
                              dtype, activation=layer.activation)
 
+    def nbytes(self) -> int:
+        """Resident bytes of the experts' weights (packed, or the canonical codes)."""
+        if self.packed is not None:
+            return self.packed.nbytes()
+        return sum(qw.nbytes() for qw in (self.w13 or []) + (self.w2 or []))
+
     def describe(self) -> str:
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}({self.layout.describe()}{wide})"
+        native = ""
+        if self.packed is not None:
+            native = f", native up to {self.packed.max_rows} rows per expert" + (
+                " (integer dot products, 15-bit activations)" if self.packed.quad else "")
+        return f"{type(self).__name__}({self.layout.describe()}{native}{wide})"
