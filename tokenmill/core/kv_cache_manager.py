@@ -84,6 +84,9 @@ class KVCacheManager:
         self._state_restores: dict[str, int] = {}
         self._state_writes: dict[str, list[tuple[int, int]]] = {}
         self._written_now: set[int] = set()
+        # Request -> the snapshot slot an external hit's state is loaded into (the
+        # connector's KVLoad.state_slot), taken by allocate_slots.
+        self._state_loads: dict[str, int] = {}
 
     @property
     def usage(self) -> float:
@@ -203,7 +206,8 @@ class KVCacheManager:
             for group_blocks, ids in zip(blocks, new_computed_blocks):
                 self.pool.touch(ids)  # before allocating: allocation must not evict them
                 group_blocks.extend(ids)
-            if self.snapshots is not None and num_new_computed_tokens:
+            if self.snapshots is not None and num_new_computed_tokens and \
+                    not num_external_tokens:
                 self._take_restore(request, num_new_computed_tokens)
         new_ids = [[] for _ in range(self.num_groups)]
         for gid in self.block_groups:
@@ -212,6 +216,11 @@ class KVCacheManager:
             blocks[gid].extend(new_ids[gid])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+            if self.snapshots is not None and num_external_tokens:
+                # The state resumes after the external hit: from a snapshot kept here,
+                # or one the tier loads into a slot taken now (its block is cached by
+                # now: the allocation above cannot evict the key).
+                self._take_external_restore(request, num_local)
             if self.snapshots is not None:
                 self._take_snapshots(request, num_tokens - num_new_tokens, num_tokens)
         return new_ids
@@ -239,6 +248,59 @@ class KVCacheManager:
             raise RuntimeError(f"prefix hit of {request.request_id} has no state snapshot")
         self.snapshots.pin(slot)
         self._state_restores[request.request_id] = slot
+
+    def _take_external_restore(self, request: Request, num_hit: int) -> None:
+        hashes = request_block_hashes(request, self.block_size)
+        key = self._snapshot_key(hashes, num_hit // self.block_size)
+        slot = self.snapshots.get(key)
+        if slot is None:
+            slot = self.snapshots.take(key)  # pinned; filled by the step's load
+            if slot is None:  # can_load_snapshot said there was one
+                raise RuntimeError(f"no snapshot slot for the external hit of "
+                                   f"{request.request_id}")
+            self._written_now.add(slot)
+            self._state_loads[request.request_id] = slot
+        self.snapshots.pin(slot)
+        self._state_restores[request.request_id] = slot
+
+    def external_restore_ok(self, request: Request, num_hit: int) -> bool:
+        """Whether a hybrid's external hit of `num_hit` tokens can resume its state: from
+        the snapshot kept here (one this schedule call writes only for a row of more than
+        one token, as _snapshot_usable), or from one the tier loads into a slot taken
+        now (a free one, or one to evict)."""
+        hashes = request_block_hashes(request, self.block_size)
+        if self.snapshots.has(self._snapshot_key(hashes, num_hit // self.block_size)):
+            return self._snapshot_usable(request, hashes, num_hit // self.block_size)
+        return self.snapshots.can_take()
+
+    def take_state_load(self, request_id: str) -> int | None:
+        """The snapshot slot allocate_slots took for `request_id`'s external hit to load
+        its state into (None: none, its snapshot is kept here)."""
+        return self._state_loads.pop(request_id, None)
+
+    def local_snapshot_slot(self, block_hash, pin: bool = False) -> int | None:
+        """The slot of the snapshot after the block `block_hash` (first attention group),
+        or None. pin=True (an admission's lookup): only one written before this schedule
+        call (a one-token row restores before the prompt rows write), kept for it."""
+        slot = self.snapshots.slot_of.get((self.first_block_group, block_hash))
+        if slot is None or not pin:
+            return slot
+        if slot in self._written_now:
+            return None
+        self.snapshots.pin(slot)
+        return slot
+
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """The request's KV (and recurrent state) past `num_tokens` is not what its keys
+        say (computed over a failed external load): its blocks from there leave the
+        prefix cache, with their state snapshots."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        for gid in self.block_groups:
+            for b in blocks[gid][num_tokens // self.block_size:]:
+                if b != BlockPool.NULL_BLOCK:
+                    self.pool.uncache_block(b)
 
     def _take_snapshots(self, request: Request, start: int, end: int) -> None:
         """Snapshot slots for the due boundaries of the chunk [start, end) whose block
@@ -270,6 +332,7 @@ class KVCacheManager:
         ops = self._state_restores, self._state_writes
         self._state_restores, self._state_writes = {}, {}
         self._written_now = set()
+        self._state_loads = {}
         if self.snapshots is not None:
             self.snapshots.schedule_done()
         return ops
