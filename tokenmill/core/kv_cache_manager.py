@@ -87,6 +87,10 @@ class KVCacheManager:
         # Request -> the snapshot slot an external hit's state is loaded into (the
         # connector's KVLoad.state_slot), taken by allocate_slots.
         self._state_loads: dict[str, int] = {}
+        # Snapshot slots loaded by steps in flight (slot -> its key): restored by their
+        # loader only, until the step comes back (`state_loads_done`).
+        self._loading_slots: dict[int, object] = {}
+        self._loads_now: dict[int, object] = {}  # the same, of this schedule call
 
     @property
     def usage(self) -> float:
@@ -236,7 +240,7 @@ class KVCacheManager:
         if the request then computes more than one token: a one-token row runs with the
         decode rows, before the prompt rows that write snapshots in every layer."""
         slot = self.snapshots.slot_of.get(self._snapshot_key(hashes, num_blocks))
-        if slot is None:
+        if slot is None or self._slot_loading(slot):
             return False
         return (slot not in self._written_now
                 or num_blocks * self.block_size < request.num_tokens - 1)
@@ -260,8 +264,37 @@ class KVCacheManager:
                                    f"{request.request_id}")
             self._written_now.add(slot)
             self._state_loads[request.request_id] = slot
+            self._loads_now[slot] = key
         self.snapshots.pin(slot)
         self._state_restores[request.request_id] = slot
+
+    def _slot_loading(self, slot: int) -> bool:
+        """The external tier loads this snapshot slot in this call or a step in flight:
+        only its loader may restore from it (the load may fail)."""
+        return slot in self._loading_slots or slot in self._loads_now
+
+    def state_loads_done(self, loads, invalid: set[int]) -> None:
+        """The step loading snapshots into the slots of `loads` (KVLoad) came back: a load
+        whose last block is `invalid` did not bring its snapshot (or its block), so the
+        snapshot is dropped (only its loader restored from it; it starts over)."""
+        for load in loads:
+            if load.state_slot is None:
+                continue
+            key = self._loading_slots.pop(load.state_slot, None)
+            if key is not None and load.block_ids[-1] in invalid and \
+                    self.snapshots.slot_of.get(key) == load.state_slot:
+                self.snapshots.drop(key)
+
+    def drop_written_snapshots(self, request: Request, writes, num_tokens: int) -> None:
+        """A step's snapshot `writes` ((boundary, slot)) of `request` past `num_tokens`
+        were computed over a failed load: dropped (their key may name another
+        request's block, which stays cached)."""
+        hashes = request_block_hashes(request, self.block_size)
+        for boundary, slot in writes:
+            if boundary > num_tokens:
+                key = self._snapshot_key(hashes, boundary // self.block_size)
+                if self.snapshots.slot_of.get(key) == slot:
+                    self.snapshots.drop(key)
 
     def external_restore_ok(self, request: Request, num_hit: int) -> bool:
         """Whether a hybrid's external hit of `num_hit` tokens can resume its state: from
@@ -271,6 +304,7 @@ class KVCacheManager:
         hashes = request_block_hashes(request, self.block_size)
         if self.snapshots.has(self._snapshot_key(hashes, num_hit // self.block_size)):
             return self._snapshot_usable(request, hashes, num_hit // self.block_size)
+
         return self.snapshots.can_take()
 
     def take_state_load(self, request_id: str) -> int | None:
@@ -285,7 +319,7 @@ class KVCacheManager:
         slot = self.snapshots.slot_of.get((self.first_block_group, block_hash))
         if slot is None or not pin:
             return slot
-        if slot in self._written_now:
+        if slot in self._written_now or self._slot_loading(slot):
             return None
         self.snapshots.pin(slot)
         return slot
@@ -332,6 +366,8 @@ class KVCacheManager:
         ops = self._state_restores, self._state_writes
         self._state_restores, self._state_writes = {}, {}
         self._written_now = set()
+        self._loading_slots.update(self._loads_now)  # in flight now, until state_loads_done
+        self._loads_now = {}
         self._state_loads = {}
         if self.snapshots is not None:
             self.snapshots.schedule_done()
@@ -341,6 +377,7 @@ class KVCacheManager:
         """Forget every snapshot (the steps that wrote them may not have run)."""
         if self.snapshots is not None:
             self.snapshots.reset()
+        self._loading_slots, self._loads_now = {}, {}
 
     def _free_outside_window(self, blocks: list[list[int]], num_computed: int) -> None:
         """Give back each sliding group's blocks that lie entirely before the window of

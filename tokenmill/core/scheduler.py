@@ -544,6 +544,8 @@ class Scheduler:
             self.connector.loads_failed(so.kv_connector_metadata, invalid, redo)
         kvm.loads_done([b for load in so.kv_connector_metadata.loads for b in load.block_ids],
                        invalid)
+        if self._has_state:
+            kvm.state_loads_done(so.kv_connector_metadata.loads, invalid)
         for rid in waited:
             req = self.requests.get(rid)
             if req is None:
@@ -558,6 +560,7 @@ class Scheduler:
                     # Its blocks (and state snapshots) past the failure were computed
                     # over it: out of the prefix cache.
                     kvm.uncache_from(req, redo[rid])
+                    kvm.drop_written_snapshots(req, so.state_snapshots.get(rid, ()), redo[rid])
                 if (self._has_state or not kvm.window_intact(rid, redo[rid])) and \
                         req.status == RequestStatus.RUNNING:
                     # A sliding window's hit skipped blocks the recomputation would read,
