@@ -18,9 +18,10 @@ import pytest
 from conftest import scheduler_of
 from redis_server import redis_server  # noqa: F401 - the fixture
 from test_hf_parity import record_schedules, run_greedy_logprobs
-from test_hybrid_prefix_caching import (MODELS, assert_nothing_leaked, check_against_hf_and_off,
+from test_hybrid_prefix_caching import (BS, MODELS, assert_nothing_leaked, check_against_hf_and_off,
                                         hybrid_llm, hybrid_model, shared_prompts,  # noqa: F401
                                         uncached)
+from tokenmill.core.kv_cache_utils import hash_token_blocks
 from tokenmill.kv_connector.stores import HEADER, encode_entry
 
 
@@ -88,6 +89,33 @@ def test_fresh_engine_resumes_from_the_tiers_snapshots(hybrid_model, uncached, r
     # B stored nothing new: A had stored every block and snapshot B computed again,
     # except those of boundaries only B's schedule snapshotted.
     assert s["blocks_stored"] == 0
+
+
+def test_a_hit_ends_at_the_last_block_with_a_snapshot(hybrid_model, uncached, redis_server):
+    """Only the snapshots after blocks 1 and 3 of the shared prefix (tokens 16 and 32)
+    are left in Redis: B's tier hits end there, never at a block without one."""
+    tm = hybrid_model("qwen3_5")
+    prompts = shared_prompts(tm.vocab_size)
+    off = uncached("qwen3_5")
+    fill_tier(tm, redis_server, off)
+    prefix = hash_token_blocks(prompts[0], BS)
+    keep = {prefix[1], prefix[3]}
+    c = redis_server.client()
+    for k in state_keys(redis_server):
+        if bytes.fromhex(k.decode().rsplit(":", 1)[1][:-len("-state")]) not in keep:
+            c.delete(k)
+    assert len(state_keys(redis_server)) == 2
+    b = tier_llm(tm, redis_server)
+    seen = record_schedules(b)
+    check_against_hf_and_off(tm, prompts, run_greedy_logprobs(b, prompts), off)
+    loads = [ld for so in seen if so.kv_connector_metadata is not None
+             for ld in so.kv_connector_metadata.loads]
+    assert loads and all(ld.state_hash in keep and ld.state_hash == ld.block_hashes[-1]
+                         for ld in loads if ld.state_slot is not None)
+    s = ext(b)
+    assert 0 < s["snapshots_loaded"] and s["load_failures"] == 0
+    assert s["hit_blocks"] <= 4 * s["snapshots_loaded"]  # no hit past block 3
+    assert_nothing_leaked(b)
 
 
 DAMAGES = ["deleted", "corrupted", "wrong_size"]
