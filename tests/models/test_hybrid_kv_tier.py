@@ -21,6 +21,7 @@ from test_hf_parity import record_schedules, run_greedy_logprobs
 from test_hybrid_prefix_caching import (BS, MODELS, assert_nothing_leaked, check_against_hf_and_off,
                                         hybrid_llm, hybrid_model, shared_prompts,  # noqa: F401
                                         uncached)
+from tokenmill import SamplingParams
 from tokenmill.core.kv_cache_utils import hash_token_blocks
 from tokenmill.kv_connector.stores import HEADER, encode_entry
 
@@ -178,4 +179,36 @@ def test_preemption_with_the_tier(hybrid_model, uncached, redis_server, async_sc
     assert scheduler_of(b).num_preemptions > 0
     s = ext(b)
     assert s["hit_tokens"] > 0 and s["snapshots_loaded"] > 0 and s["load_failures"] == 0
+    assert_nothing_leaked(b)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_aborts_with_the_tier_leave_nothing_held(hybrid_model, uncached, redis_server,
+                                                 async_scheduling):
+    """Aborts right after admission (its tier load in the step, or in flight with async
+    scheduling) and mid-decode; the others' tokens stay the uncached run's."""
+    tm = hybrid_model("qwen3_5")
+    prompts = shared_prompts(tm.vocab_size)
+    off = uncached("qwen3_5")
+    fill_tier(tm, redis_server, off)
+    b = tier_llm(tm, redis_server, max_num_batched_tokens=24,
+                 async_scheduling=async_scheduling)
+    engine = b.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=len(off[0].token_ids), ignore_eos=True)
+    for i, p in enumerate(prompts[:5]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    engine.step()
+    engine.abort_request(["r3"])  # admitted with a tier hit in that step
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["r0"])  # decoding by now
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    engine.step()  # the runner drops the aborted requests' state on the next step
+    for i in (1, 2, 4):
+        assert done[f"r{i}"] == off[i].token_ids, i
+    assert ext(b)["snapshots_loaded"] > 0
     assert_nothing_leaked(b)

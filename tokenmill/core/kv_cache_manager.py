@@ -468,11 +468,17 @@ class KVCacheManager:
 
     def _forget_loading(self, block_ids: list[int]) -> None:
         """Blocks freed while their load is unconfirmed (the step may never come back:
-        aborted, preempted, a failed step): out of the cache, to be safe."""
+        aborted, preempted, a failed step): out of the cache, to be safe - and so are
+        the request's blocks after the first of them, computed over it in the same step
+        (with the state snapshots after them, a hybrid's)."""
+        after = False
         for b in block_ids:
             if b in self._loading or b in self._loading_now:
                 self._loading.discard(b)
                 self._loading_now.discard(b)
+                self.pool.uncache_block(b)
+                after = True
+            elif after and b != BlockPool.NULL_BLOCK:
                 self.pool.uncache_block(b)
 
     def reset_prefix_cache(self) -> int:
