@@ -1,7 +1,7 @@
 """Automatic prefix caching on a tiny fp32 model: outputs identical with the cache on
 and off (and equal to HF greedy), hits counted, blocks back to zero when idle,
 cache_salt, eviction under memory pressure, preemption, prompt logprobs, n > 1,
-hybrids without the external tier."""
+hybrids with the external tier."""
 from __future__ import annotations
 
 import logging
@@ -218,24 +218,29 @@ HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
               linear_conv_kernel_dim=4, tie_word_embeddings=False)
 
 
-def test_hybrid_models_cache_prefixes_without_the_external_tier(tmp_path, caplog):
+def test_hybrid_models_cache_prefixes_with_the_external_tier(tmp_path, caplog):
     """Hybrids: prefix caching on by default (their recurrent state is snapshotted:
-    tests/models/test_hybrid_prefix_caching.py); the external tier, whose entries do
-    not carry the snapshots, stays off with a warning saying why."""
+    tests/models/test_hybrid_prefix_caching.py); the external tier carries the
+    snapshots (tests/models/test_hybrid_kv_tier.py), so it stays off only without
+    prefix caching, with a warning saying why."""
     path = str(tmp_path / "hybrid")
     build_checkpoint(path, "qwen3_5", HYBRID)
-    llm = make_llm(path)
-    assert scheduler_of(llm).kv_cache_manager.enable_caching
     with caplog.at_level(logging.INFO, logger="tokenmill.kv_connector.setup"):
-        llm = make_llm(path, enable_prefix_caching=True, kv_connector=["cpu"])
-    assert scheduler_of(llm).kv_cache_manager.enable_caching
-    assert llm.llm_engine.engine_core.kv_connector is None
+        no_cache = make_llm(path, enable_prefix_caching=False, kv_connector=["cpu"])
+    assert no_cache.llm_engine.engine_core.kv_connector is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING
                 and r.name == "tokenmill.kv_connector.setup"]
     assert len(warnings) == 1 and "recurrent" in warnings[0].getMessage()
+    llm = make_llm(path, kv_connector=["cpu"])
+    assert scheduler_of(llm).kv_cache_manager.enable_caching
+    assert llm.llm_engine.engine_core.kv_connector.state_geometry is not None
     p = [[5, 6, 7] * 10]
     assert greedy(llm, p) == greedy(llm, p)
     assert stats(llm)["prefix_cache_hits"] > 0
     off = make_llm(path, enable_prefix_caching=False)
     assert not scheduler_of(off).kv_cache_manager.enable_caching
     assert greedy(off, p) == greedy(llm, p)
+    # The local cache forgotten: the CPU store's block and snapshot serve the prompt.
+    scheduler_of(llm).kv_cache_manager.reset_prefix_cache()
+    assert greedy(llm, p) == greedy(off, p)
+    assert llm.llm_engine.engine_core.kv_cache_stats()["external"]["snapshots_loaded"] > 0

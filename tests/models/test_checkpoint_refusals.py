@@ -321,7 +321,10 @@ def test_deepseek_v3_mtp_layers_are_unused_on_purpose(tiny_model_factory, tmp_pa
     assert out[0].outputs[0].token_ids == tm.reference(prompt)
 
 
-def test_hybrid_model_turns_the_external_kv_tier_off_with_the_reason(tmp_path, caplog):
+def test_hybrid_model_without_prefix_caching_turns_the_external_kv_tier_off(tmp_path,
+                                                                           caplog):
+    """A hybrid's tier hit resumes from a state snapshot, which only prefix caching
+    takes: without it the tier is off, with the reason."""
     import logging
 
     from conftest import runner_of
@@ -329,7 +332,7 @@ def test_hybrid_model_turns_the_external_kv_tier_off_with_the_reason(tmp_path, c
     path = str(tmp_path / "hybrid")
     build_hybrid(path, arch, overrides)
     with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector"):
-        llm = make_llm(path, kv_connector=["cpu"])
+        llm = make_llm(path, kv_connector=["cpu"], enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.kv_connector is None
     assert runner_of(llm).kv_connector is None
     assert "turned off" in caplog.text and "Gated DeltaNet" in caplog.text

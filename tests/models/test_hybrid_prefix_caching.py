@@ -206,12 +206,13 @@ def test_aborts_leave_nothing_held(hybrid_model):
     assert kvm.snapshots.num_used == 0
 
 
-def test_external_tier_is_refused_with_the_reason(hybrid_model, caplog):
-    """The external KV tier does not carry state snapshots yet: it stays off for a
-    hybrid (with a warning saying why), local prefix caching stays on."""
+def test_external_tier_needs_prefix_caching(hybrid_model, caplog):
+    """The external KV tier carries a hybrid's state snapshots (test_hybrid_kv_tier.py),
+    which only prefix caching takes: with it off the tier stays off, saying why."""
     tm = hybrid_model("qwen3_5")
+    llm = hybrid_llm(tm, kv_connector=["cpu"])
+    assert llm.llm_engine.engine_core.kv_connector.state_geometry is not None
     with caplog.at_level(logging.WARNING, logger="tokenmill.kv_connector.setup"):
-        llm = hybrid_llm(tm, kv_connector=["cpu"])
+        llm = hybrid_llm(tm, kv_connector=["cpu"], enable_prefix_caching=False)
     assert llm.llm_engine.engine_core.kv_connector is None
-    assert scheduler_of(llm).kv_cache_manager.enable_caching
     assert "external KV tier is turned off" in caplog.text and "snapshot" in caplog.text

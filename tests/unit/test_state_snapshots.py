@@ -161,3 +161,39 @@ def test_state_ops_cross_the_contract():
     back = serial.decode(serial.encode(so), SchedulerOutput)
     assert back.state_restores == {"a": 3}
     assert back.state_snapshots == {"a": [(8, 1), (16, 2)]}
+
+
+def test_can_take_only_with_a_free_or_unpinned_slot():
+    c = StateSnapshotCache(2, BS, 8)
+    assert c.can_take()
+    c.take("a")
+    c.take("b")
+    assert not c.can_take()  # both pinned within the schedule call
+    c.schedule_done()
+    assert c.can_take()  # an unpinned one can be evicted
+
+
+def test_external_hit_takes_a_slot_to_load_and_restores_from_it():
+    """An external hit (no local snapshot): allocate_slots takes a slot for the tier's
+    snapshot, the request restores from it, and while it loads nobody else may use it;
+    a failed load drops it."""
+    from tokenmill.core.sched_output import KVLoad
+
+    mgr = make_mgr()
+    req = make_req("a", list(range(1, 20)))
+    assert mgr.external_restore_ok(req, 8)
+    blocks = mgr.allocate_slots(req, 11, [[], []], 0, num_external_tokens=8)
+    assert blocks is not None
+    slot = mgr.take_state_load("a")
+    assert slot is not None
+    hashes = request_block_hashes(req, BS)
+    assert mgr.local_snapshot_slot(hashes[1]) == slot
+    assert mgr.local_snapshot_slot(hashes[1], pin=True) is None  # loading: loader only
+    restores, _ = mgr.take_state_ops()
+    assert restores == {"a": slot}
+    other = make_req("b", list(range(1, 20)))
+    assert not mgr._snapshot_usable(other, hashes, 2)  # in flight
+    ids = mgr.req_to_blocks["a"][0]
+    mgr.state_loads_done([KVLoad("a", 0, ids[:2], hashes[:2], [[0], [0]], slot,
+                                 hashes[1], [0])], {ids[1]})
+    assert not mgr.snapshots.has((0, hashes[1]))

@@ -84,6 +84,13 @@ class KVCacheManager:
         self._state_restores: dict[str, int] = {}
         self._state_writes: dict[str, list[tuple[int, int]]] = {}
         self._written_now: set[int] = set()
+        # Request -> the snapshot slot an external hit's state is loaded into (the
+        # connector's KVLoad.state_slot), taken by allocate_slots.
+        self._state_loads: dict[str, int] = {}
+        # Snapshot slots loaded by steps in flight (slot -> its key): restored by their
+        # loader only, until the step comes back (`state_loads_done`).
+        self._loading_slots: dict[int, object] = {}
+        self._loads_now: dict[int, object] = {}  # the same, of this schedule call
 
     @property
     def usage(self) -> float:
@@ -203,7 +210,8 @@ class KVCacheManager:
             for group_blocks, ids in zip(blocks, new_computed_blocks):
                 self.pool.touch(ids)  # before allocating: allocation must not evict them
                 group_blocks.extend(ids)
-            if self.snapshots is not None and num_new_computed_tokens:
+            if self.snapshots is not None and num_new_computed_tokens and \
+                    not num_external_tokens:
                 self._take_restore(request, num_new_computed_tokens)
         new_ids = [[] for _ in range(self.num_groups)]
         for gid in self.block_groups:
@@ -212,6 +220,11 @@ class KVCacheManager:
             blocks[gid].extend(new_ids[gid])
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+            if self.snapshots is not None and num_external_tokens:
+                # The state resumes after the external hit: from a snapshot kept here,
+                # or one the tier loads into a slot taken now (its block is cached by
+                # now: the allocation above cannot evict the key).
+                self._take_external_restore(request, num_local)
             if self.snapshots is not None:
                 self._take_snapshots(request, num_tokens - num_new_tokens, num_tokens)
         return new_ids
@@ -227,7 +240,7 @@ class KVCacheManager:
         if the request then computes more than one token: a one-token row runs with the
         decode rows, before the prompt rows that write snapshots in every layer."""
         slot = self.snapshots.slot_of.get(self._snapshot_key(hashes, num_blocks))
-        if slot is None:
+        if slot is None or self._slot_loading(slot):
             return False
         return (slot not in self._written_now
                 or num_blocks * self.block_size < request.num_tokens - 1)
@@ -239,6 +252,89 @@ class KVCacheManager:
             raise RuntimeError(f"prefix hit of {request.request_id} has no state snapshot")
         self.snapshots.pin(slot)
         self._state_restores[request.request_id] = slot
+
+    def _take_external_restore(self, request: Request, num_hit: int) -> None:
+        hashes = request_block_hashes(request, self.block_size)
+        key = self._snapshot_key(hashes, num_hit // self.block_size)
+        slot = self.snapshots.get(key)
+        if slot is None:
+            slot = self.snapshots.take(key)  # pinned; filled by the step's load
+            if slot is None:  # can_load_snapshot said there was one
+                raise RuntimeError(f"no snapshot slot for the external hit of "
+                                   f"{request.request_id}")
+            self._written_now.add(slot)
+            self._state_loads[request.request_id] = slot
+            self._loads_now[slot] = key
+        self.snapshots.pin(slot)
+        self._state_restores[request.request_id] = slot
+
+    def _slot_loading(self, slot: int) -> bool:
+        """The external tier loads this snapshot slot in this call or a step in flight:
+        only its loader may restore from it (the load may fail)."""
+        return slot in self._loading_slots or slot in self._loads_now
+
+    def state_loads_done(self, loads, invalid: set[int]) -> None:
+        """The step loading snapshots into the slots of `loads` (KVLoad) came back: a load
+        whose last block is `invalid` did not bring its snapshot (or its block), so the
+        snapshot is dropped (only its loader restored from it; it starts over)."""
+        for load in loads:
+            if load.state_slot is None:
+                continue
+            key = self._loading_slots.pop(load.state_slot, None)
+            if key is not None and load.block_ids[-1] in invalid and \
+                    self.snapshots.slot_of.get(key) == load.state_slot:
+                self.snapshots.drop(key)
+
+    def drop_written_snapshots(self, request: Request, writes, num_tokens: int) -> None:
+        """A step's snapshot `writes` ((boundary, slot)) of `request` past `num_tokens`
+        were computed over a failed load: dropped (their key may name another
+        request's block, which stays cached)."""
+        hashes = request_block_hashes(request, self.block_size)
+        for boundary, slot in writes:
+            if boundary > num_tokens:
+                key = self._snapshot_key(hashes, boundary // self.block_size)
+                if self.snapshots.slot_of.get(key) == slot:
+                    self.snapshots.drop(key)
+
+    def external_restore_ok(self, request: Request, num_hit: int) -> bool:
+        """Whether a hybrid's external hit of `num_hit` tokens can resume its state: from
+        the snapshot kept here (one this schedule call writes only for a row of more than
+        one token, as _snapshot_usable), or from one the tier loads into a slot taken
+        now (a free one, or one to evict)."""
+        hashes = request_block_hashes(request, self.block_size)
+        if self.snapshots.has(self._snapshot_key(hashes, num_hit // self.block_size)):
+            return self._snapshot_usable(request, hashes, num_hit // self.block_size)
+
+        return self.snapshots.can_take()
+
+    def take_state_load(self, request_id: str) -> int | None:
+        """The snapshot slot allocate_slots took for `request_id`'s external hit to load
+        its state into (None: none, its snapshot is kept here)."""
+        return self._state_loads.pop(request_id, None)
+
+    def local_snapshot_slot(self, block_hash, pin: bool = False) -> int | None:
+        """The slot of the snapshot after the block `block_hash` (first attention group),
+        or None. pin=True (an admission's lookup): only one written before this schedule
+        call (a one-token row restores before the prompt rows write), kept for it."""
+        slot = self.snapshots.slot_of.get((self.first_block_group, block_hash))
+        if slot is None or not pin:
+            return slot
+        if slot in self._written_now or self._slot_loading(slot):
+            return None
+        self.snapshots.pin(slot)
+        return slot
+
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """The request's KV (and recurrent state) past `num_tokens` is not what its keys
+        say (computed over a failed external load): its blocks from there leave the
+        prefix cache, with their state snapshots."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        for gid in self.block_groups:
+            for b in blocks[gid][num_tokens // self.block_size:]:
+                if b != BlockPool.NULL_BLOCK:
+                    self.pool.uncache_block(b)
 
     def _take_snapshots(self, request: Request, start: int, end: int) -> None:
         """Snapshot slots for the due boundaries of the chunk [start, end) whose block
@@ -270,6 +366,9 @@ class KVCacheManager:
         ops = self._state_restores, self._state_writes
         self._state_restores, self._state_writes = {}, {}
         self._written_now = set()
+        self._loading_slots.update(self._loads_now)  # in flight now, until state_loads_done
+        self._loads_now = {}
+        self._state_loads = {}
         if self.snapshots is not None:
             self.snapshots.schedule_done()
         return ops
@@ -278,6 +377,7 @@ class KVCacheManager:
         """Forget every snapshot (the steps that wrote them may not have run)."""
         if self.snapshots is not None:
             self.snapshots.reset()
+        self._loading_slots, self._loads_now = {}, {}
 
     def _free_outside_window(self, blocks: list[list[int]], num_computed: int) -> None:
         """Give back each sliding group's blocks that lie entirely before the window of
@@ -368,11 +468,17 @@ class KVCacheManager:
 
     def _forget_loading(self, block_ids: list[int]) -> None:
         """Blocks freed while their load is unconfirmed (the step may never come back:
-        aborted, preempted, a failed step): out of the cache, to be safe."""
+        aborted, preempted, a failed step): out of the cache, to be safe - and so are
+        the request's blocks after the first of them, computed over it in the same step
+        (with the state snapshots after them, a hybrid's)."""
+        after = False
         for b in block_ids:
             if b in self._loading or b in self._loading_now:
                 self._loading.discard(b)
                 self._loading_now.discard(b)
+                self.pool.uncache_block(b)
+                after = True
+            elif after and b != BlockPool.NULL_BLOCK:
                 self.pool.uncache_block(b)
 
     def reset_prefix_cache(self) -> int:

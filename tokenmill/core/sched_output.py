@@ -72,6 +72,12 @@ class KVLoad:
     # Per block: indices of the stores the lookup found it in, in search order (the
     # first is read; the next ones if it cannot be read whole).
     store_ids: list[list[int]]
+    # Hybrid models: the snapshot slot (numbered from 0) the recurrent-state snapshot
+    # after the last block is read into, its block's hash and the stores holding it
+    # (None: no snapshot to load - an attention-only model, or one kept locally).
+    state_slot: int | None = None
+    state_hash: bytes | None = None
+    state_store_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +90,10 @@ class KVStoreBlock:
     block_id: int
     block_hash: bytes  # the block's chained hash: its key in every store
     store_ids: tuple[int, ...]  # indices of the stores to write it to
+    # Hybrid models: the snapshot slot holding the recurrent state after this block, and
+    # the stores to write it to (after the block: a snapshot is never there without it).
+    state_slot: int | None = None
+    state_store_ids: tuple[int, ...] = ()
 
 
 @dataclass

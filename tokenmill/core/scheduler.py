@@ -83,6 +83,8 @@ class Scheduler:
             from tokenmill.kv_connector.connector import KVConnectorScheduler
             self.connector = KVConnectorScheduler(kv_connector, kv_cache_config.block_size,
                                                   kv_cache_config.attention_group_id)
+            if self.kv_cache_manager.snapshots is not None:  # hybrids: states ride along
+                self.connector.local_snapshot = self.kv_cache_manager.local_snapshot_slot
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -333,6 +335,9 @@ class Scheduler:
         num_ext = 0
         if self.connector is not None:
             num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)
+            if num_ext and kvm.snapshots is not None and \
+                    not kvm.external_restore_ok(req, num_hit + num_ext):
+                num_ext = 0  # no snapshot slot to resume the recurrent state from now
         return hit, num_hit, num_ext
 
     def _take_prefix(self, req: Request, num_hit: int, num_ext: int) -> None:
@@ -342,7 +347,8 @@ class Scheduler:
         if self.connector is not None:
             kvm = self.kv_cache_manager
             block_ids = kvm.get_block_ids(req.request_id)
-            self.connector.update_state_after_alloc(req, block_ids, num_hit, num_ext)
+            self.connector.update_state_after_alloc(req, block_ids, num_hit, num_ext,
+                                                    kvm.take_state_load(req.request_id))
             blocks, bs = block_ids[kvm.first_block_group], kvm.block_size
             if kvm.holds_loading(blocks[:num_hit // bs]):
                 self.connector.mark_loading(req.request_id)  # it hit blocks this step loads
@@ -538,6 +544,8 @@ class Scheduler:
             self.connector.loads_failed(so.kv_connector_metadata, invalid, redo)
         kvm.loads_done([b for load in so.kv_connector_metadata.loads for b in load.block_ids],
                        invalid)
+        if self._has_state:
+            kvm.state_loads_done(so.kv_connector_metadata.loads, invalid)
         for rid in waited:
             req = self.requests.get(rid)
             if req is None:
@@ -548,9 +556,16 @@ class Scheduler:
                 req.num_output_placeholders = 0
             if rid in redo:
                 req.spec_token_ids = []
-                if not kvm.window_intact(rid, redo[rid]) and req.status == RequestStatus.RUNNING:
-                    # A sliding window's hit skipped blocks the recomputation would read:
-                    # start over (preemption by recompute).
+                if self._has_state:
+                    # Its blocks (and state snapshots) past the failure were computed
+                    # over it: out of the prefix cache.
+                    kvm.uncache_from(req, redo[rid])
+                    kvm.drop_written_snapshots(req, so.state_snapshots.get(rid, ()), redo[rid])
+                if (self._has_state or not kvm.window_intact(rid, redo[rid])) and \
+                        req.status == RequestStatus.RUNNING:
+                    # A sliding window's hit skipped blocks the recomputation would read,
+                    # or a recurrent state cannot go back to the failed block: start
+                    # over (preemption by recompute; its next lookup misses there).
                     self.running.remove(req)
                     self._preempt(req)
                     continue

@@ -60,6 +60,10 @@ class StateSnapshotCache:
     def pin(self, slot: int) -> None:
         self._pinned.add(slot)
 
+    def can_take(self) -> bool:
+        """take() would find a slot (free, or an unpinned one to evict)."""
+        return bool(self._free) or any(s not in self._pinned for s in self.slot_of.values())
+
     def take(self, key: Hashable) -> int | None:
         """A slot for a new snapshot of `key` (pinned), evicting the least recently used
         unpinned one when none is free; None when every slot is pinned."""

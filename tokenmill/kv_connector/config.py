@@ -6,8 +6,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field, fields
 
-from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, MLAAttentionSpec,
-                                          SlidingWindowSpec, dtype_size)
+from tokenmill.core.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, MambaSpec,
+                                          MLAAttentionSpec, SlidingWindowSpec, dtype_size)
 
 DEFAULT_CPU_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 10 << 30
@@ -160,6 +160,53 @@ class KVGeometry:
         window = "" if self.sliding_window is None else f"-W{self.sliding_window}"
         return (f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_size}-{self.dtype}"
                 f"-B{self.block_size}{window}" + ("-MLA" if self.latent else ""))
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """The shape of one recurrent-state snapshot (hybrid models): every Gated DeltaNet
+    layer's state tensors for one sequence (conv state, then SSM state), in layer
+    order. What a snapshot entry must match."""
+
+    num_layers: int
+    shapes: tuple[tuple[int, ...], ...]  # one layer's tensors
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def from_kv_cache_config(cls, config: KVCacheConfig) -> "StateGeometry | None":
+        gid = config.state_group_id
+        if gid is None:
+            return None
+        group = config.groups[gid]
+        spec = group.spec
+        assert isinstance(spec, MambaSpec)
+        return cls(len(group.layer_names), tuple(tuple(s) for s in spec.shapes),
+                   tuple(spec.dtypes))
+
+    @property
+    def layer_bytes(self) -> int:
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            n = dtype_size(dtype)
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def tag(self) -> str:
+        tensors = "-".join("x".join(map(str, s)) + f"{d}" for s, d in zip(self.shapes, self.dtypes))
+        return f"S{self.num_layers}-{tensors}"
+
+
+def state_key(block_hash: bytes) -> str:
+    """The store key of the state snapshot taken after the block `block_hash` (the
+    block's own key is its hex)."""
+    return block_hash.hex() + "-state"
 
 
 def model_fingerprint(path: str, extra: str = "", sample_bytes: int = 64 << 10,

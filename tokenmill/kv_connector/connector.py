@@ -44,8 +44,8 @@ from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import request_block_hashes
 from tokenmill.core.sched_output import KVConnectorMetadata, KVLoad, KVStoreBlock
 from tokenmill.kv_connector.calls import StoreCaller
-from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, kv_namespace,
-                                           namespace_digest)
+from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, StateGeometry,
+                                           kv_namespace, namespace_digest, state_key)
 from tokenmill.kv_connector.stores import KVStore, StoreUnavailable, make_store
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ NULL_BLOCK = BlockPool.NULL_BLOCK
 
 
 STORE_COUNTERS = ("hit_blocks", "hit_tokens", "bytes_loaded", "blocks_stored", "bytes_stored",
-                  "load_failures", "store_failures")
+                  "load_failures", "store_failures", "snapshots_loaded", "snapshots_stored")
 
 
 class ConnectorStats:
@@ -89,12 +89,18 @@ class KVConnector:
     the threads that bound store calls in time."""
 
     def __init__(self, config: KVConnectorConfig, model_id: str, geometry: KVGeometry,
-                 stores: list[KVStore] | None = None):
+                 stores: list[KVStore] | None = None,
+                 state_geometry: StateGeometry | None = None):
         self.config = config
         self.model_id = model_id
         self.geometry = geometry
+        # Hybrid models: the recurrent-state snapshots ride along (their own digest, which
+        # names the state geometry: a snapshot of another shape or dtype never decodes).
+        self.state_geometry = state_geometry
         self.namespace = kv_namespace(model_id, geometry)
         self.ns_digest = namespace_digest(self.namespace)
+        self.state_ns_digest = (namespace_digest(f"{self.namespace}/{state_geometry.tag}")
+                                if state_geometry is not None else None)
         self.stores = stores if stores is not None else [
             make_store(spec, self.namespace, config) for spec in config.stores]
         names = []
@@ -159,6 +165,10 @@ class _ReqState:
     found: list[list[int]] = field(default_factory=list)
     # Its loads are in a step whose output has not come back: not scheduled meanwhile.
     loading: bool = False
+    # Hybrids: where the state snapshot after the found blocks is - the stores holding
+    # it, or this process' snapshot table (`state_local`).
+    state_stores: list[int] = field(default_factory=list)
+    state_local: bool = False
 
 
 class KVConnectorScheduler:
@@ -173,6 +183,13 @@ class KVConnectorScheduler:
         # block hash -> indices of stores whose entry failed to load: a miss for the
         # lookup until this process writes the block there again
         self._bad = _LRUSets()
+        # The same for the state snapshots after blocks (hybrid models).
+        self._known_state = _LRUSets()
+        self._bad_state = _LRUSets()
+        # Hybrids: the local snapshot table's slot for the snapshot after a block (by
+        # its hash; pin=True keeps it for the schedule call), or None. Set by the
+        # Scheduler (KVCacheManager.local_snapshot_slot).
+        self.local_snapshot = None
 
     # ---- admission --------------------------------------------------------------------
     def is_loading(self, request_id: str) -> bool:
@@ -186,15 +203,18 @@ class KVConnectorScheduler:
         for state in self._reqs.values():
             state.loading = False
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[list[list[bool]], list[list[bool]]]:
-        """Per store, which of `hashes` it holds usable entries of, and which it holds at
-        all: one existence call per store, waiting at most lookup_timeout_s; a store
-        down, busy or slower answers as a miss. An entry that failed to load is not
-        usable until this process writes it again."""
+    def _lookup(self, hashes: list[bytes], state_hashes: list[bytes] = ()
+                ) -> tuple[list[list[bool]], list[list[bool]], list[list[bool]]]:
+        """Per store, which of `hashes` it holds usable entries of, which it holds at
+        all, and which of `state_hashes` it holds a usable state snapshot after: one
+        existence call per store, waiting at most lookup_timeout_s; a store down, busy
+        or slower answers as a miss. An entry that failed to load is not usable until
+        this process writes it again."""
         conn = self.connector
-        keys = [h.hex() for h in hashes]
+        keys = [h.hex() for h in hashes] + [state_key(h) for h in state_hashes]
+        nb = len(hashes)
         timeout = conn.config.lookup_timeout_s
-        usable, held = [], []
+        usable, held, states = [], [], []
         for si, store in enumerate(conn.stores):
             try:
                 found = conn.caller("lookup", si).call(lambda s=store: s.contains_many(keys),
@@ -202,19 +222,27 @@ class KVConnectorScheduler:
             except StoreUnavailable as e:
                 logger.debug("KV connector: %s lookup: %s", conn.store_names[si], e)
                 # No answer: what it holds is unknown (not absent), and nothing is used.
-                usable.append([False] * len(keys))
-                held.append([False] * len(keys))
+                usable.append([False] * nb)
+                held.append([False] * nb)
+                states.append([False] * len(state_hashes))
                 continue
-            ok = [hit and si not in self._bad.peek(h) for h, hit in zip(hashes, found)]
-            for h, good in zip(hashes, ok):
-                known = self._known.get(h)
-                if good:
-                    known.add(si)
-                else:
-                    known.discard(si)  # (a bad entry is written again when recomputed)
+            ok = self._usable(si, hashes, found[:nb], self._known, self._bad)
             usable.append(ok)
-            held.append(list(found))
-        return usable, held
+            held.append(list(found[:nb]))
+            states.append(self._usable(si, state_hashes, found[nb:], self._known_state,
+                                       self._bad_state))
+        return usable, held, states
+
+    @staticmethod
+    def _usable(si: int, hashes, found, known_sets: _LRUSets, bad: _LRUSets) -> list[bool]:
+        ok = [hit and si not in bad.peek(h) for h, hit in zip(hashes, found)]
+        for h, good in zip(hashes, ok):
+            known = known_sets.get(h)
+            if good:
+                known.add(si)
+            else:
+                known.discard(si)  # (a bad entry is written again when recomputed)
+        return ok
 
     def get_num_new_matched_tokens(self, request, num_local_tokens: int) -> int:
         """Prompt tokens after the local hit that the tier holds (whole blocks; never the
@@ -230,12 +258,16 @@ class KVConnectorScheduler:
         num_prompt_blocks = min(request.num_prompt_tokens // bs, len(hashes))
         max_load = min(num_prompt_blocks, (request.num_tokens - 1) // bs)
         start = num_local_tokens // bs
-        if state.found_start == start and state.found:
+        hybrid = self.connector.state_geometry is not None
+        if state.found_start == start and state.found and not (
+                state.state_local and not self._local_snapshot(hashes[start + len(state.found) - 1])):
             return len(state.found) * bs  # looked up on an earlier try
         state.found_start, state.found = -1, []
+        state.state_stores, state.state_local = [], False
         if num_prompt_blocks == 0:
             return 0
-        present, held = self._lookup(hashes[:num_prompt_blocks])
+        present, held, state_present = self._lookup(
+            hashes[:num_prompt_blocks], hashes[start:max_load] if hybrid else ())
         if start >= max_load:
             return 0
         stats = self.connector.stats
@@ -254,6 +286,8 @@ class KVConnectorScheduler:
             for si, found in enumerate(held):
                 if not found[end] and any(found[end + 1:num_prompt_blocks]):
                     stats.add(self.connector.store_names[si], "load_failures")
+        if hybrid and end > start:
+            end = self._state_hit(state, hashes, state_present, start, end)
         # Blocks before load_start lie outside the window of the hit's end: not loaded
         # (no stores listed; the KV cache manager leaves them the null block).
         found = [[si for si, p in enumerate(present) if p[i]] if i >= load_start else []
@@ -261,6 +295,28 @@ class KVConnectorScheduler:
         if found:
             state.found_start, state.found = start, found
         return len(found) * bs
+
+    def _local_snapshot(self, block_hash: bytes) -> bool:
+        return self.local_snapshot is not None and \
+            self.local_snapshot(block_hash, pin=True) is not None
+
+    def _state_hit(self, state: _ReqState, hashes: list[bytes],
+                   state_present: list[list[bool]], start: int, end: int) -> int:
+        """Hybrids: a hit resumes the recurrent state from a snapshot, so it ends at the
+        last of blocks start..end - 1 after which one exists - in this process' table
+        (nothing to load) or in a store. -> its end (start: none)."""
+        for n in range(end, start, -1):
+            if self._local_snapshot(hashes[n - 1]):
+                state.state_local = True
+                return n
+            stores = [si for si, p in enumerate(state_present) if p[n - 1 - start]]
+            if stores:
+                state.state_stores = stores
+                return n
+        if end > start:
+            logger.debug("KV connector: %d blocks found but no state snapshot after any of "
+                         "them: computed", end - start)
+        return start
 
     def _sliding_hit(self, present: list[list[bool]], start: int,
                      max_load: int) -> tuple[int, int]:
@@ -279,8 +335,11 @@ class KVConnectorScheduler:
         return best, best_start
 
     def update_state_after_alloc(self, request, block_ids: list[list[int]],
-                                 num_local_tokens: int, num_external_tokens: int) -> None:
-        """The request is admitted: its external blocks are allocated; load them."""
+                                 num_local_tokens: int, num_external_tokens: int,
+                                 state_slot: int | None = None) -> None:
+        """The request is admitted: its external blocks are allocated; load them, and
+        (hybrids, `state_slot`: a snapshot slot the KV cache manager took) the state
+        snapshot after the last of them."""
         state = self._reqs.get(request.request_id)
         if state is None:
             return
@@ -292,11 +351,18 @@ class KVConnectorScheduler:
             skip = next(k for k, stores in enumerate(state.found) if stores)
             first = start + skip
             hashes = request_block_hashes(request, self.block_size)
-            self._pending_loads.append(KVLoad(
+            load = KVLoad(
                 request.request_id, first, list(block_ids[self.group_id][first:start + n]),
-                list(hashes[first:start + n]), [list(s) for s in state.found[skip:]]))
+                list(hashes[first:start + n]), [list(s) for s in state.found[skip:]])
+            if state_slot is not None:
+                # (no stores when the local snapshot vanished since the lookup: the load
+                # fails and the request starts over - never a wrong state)
+                load.state_slot, load.state_hash = state_slot, hashes[start + n - 1]
+                load.state_store_ids = list(state.state_stores)
+            self._pending_loads.append(load)
             state.loading = True
         state.found_start, state.found = -1, []
+        state.state_stores, state.state_local = [], False
 
     # ---- each step ---------------------------------------------------------------------
     def build_connector_meta(self, so, scheduler) -> KVConnectorMetadata | None:
@@ -325,10 +391,22 @@ class KVConnectorScheduler:
                     continue  # a window left it unwritten here (a hit skipped it)
                 known = self._known.get(hashes[i])
                 targets = tuple(sorted(all_stores - known))
-                if targets:
-                    meta.stores.append(KVStoreBlock(rid, blocks[i], hashes[i], targets))
+                # Hybrids: the snapshot after this block, if this process has one (the
+                # step writes it before the worker half copies it out).
+                slot = (self.local_snapshot(hashes[i]) if self.local_snapshot is not None
+                        else None)
+                state_targets = ()
+                if slot is not None:
+                    state_targets = tuple(sorted(all_stores - self._known_state.get(hashes[i])))
+                if targets or state_targets:
+                    meta.stores.append(KVStoreBlock(
+                        rid, blocks[i], hashes[i], targets,
+                        slot if state_targets else None, state_targets))
                     known.update(targets)
                     self._bad.peek(hashes[i]).difference_update(targets)  # written anew
+                    if state_targets:
+                        self._known_state.get(hashes[i]).update(state_targets)
+                        self._bad_state.peek(hashes[i]).difference_update(state_targets)
             state.stored_upto = complete
         return meta if meta else None
 
@@ -363,6 +441,11 @@ class KVConnectorScheduler:
             # Its entries could not be read whole: not used until written again (the
             # recomputed block is stored there).
             h, where = load.block_hashes[k], load.store_ids[k]
+            if load.state_slot is not None and k == len(load.block_ids) - 1:
+                # The last block or the snapshot after it failed (the runner reports
+                # blocks only): neither is used until written again.
+                self._bad_state.get(h).update(load.state_store_ids)
+                self._known_state.get(h).difference_update(load.state_store_ids)
             self._bad.get(h).update(where)
             self._known.get(h).difference_update(where)
         for rid in redo:
@@ -372,3 +455,5 @@ class KVConnectorScheduler:
         for store in meta.stores:
             if store.req_id in redo:  # not written: the stores lack them
                 self._known.get(store.block_hash).difference_update(store.store_ids)
+                self._known_state.get(store.block_hash).difference_update(
+                    store.state_store_ids)

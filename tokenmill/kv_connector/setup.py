@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 
 from tokenmill.core.kv_cache_spec import KVCacheConfig
-from tokenmill.kv_connector.config import KVConnectorConfig, KVGeometry, model_fingerprint
+from tokenmill.kv_connector.config import (KVConnectorConfig, KVGeometry, StateGeometry,
+                                           model_fingerprint)
 from tokenmill.models.layers.rotary import LONGROPE_USE_LONG
 
 logger = logging.getLogger(__name__)
 
-HYBRID_REASON = (
-    "it has recurrent-state (Gated DeltaNet) layers: a hit needs the state snapshot at "
-    "the end of the cached prefix, which the local prefix cache keeps (in memory) but "
-    "the external tier's entries do not carry yet; local prefix caching stays on")
+NO_SNAPSHOTS_REASON = (
+    "it has recurrent-state (Gated DeltaNet) layers and prefix caching is off: a hit "
+    "resumes from a state snapshot, which only prefix caching takes")
 
 MULTI_GROUP_REASON = (
     "its layers form {n} KV cache groups (full and sliding-window layers, or layers of "
@@ -46,8 +46,9 @@ def make_kv_connector(config: KVConnectorConfig | None, model_config,
     model identity."""
     if config is None:
         return None
-    if kv_cache_config.state_group_id is not None:
-        logger.warning("the external KV tier is turned off for this model: %s", HYBRID_REASON)
+    if kv_cache_config.state_group_id is not None and not kv_cache_config.num_state_snapshots:
+        logger.warning("the external KV tier is turned off for this model: %s",
+                       NO_SNAPSHOTS_REASON)
         return None
     if _num_block_groups(kv_cache_config) != 1:
         logger.warning("the external KV tier is turned off for this model: %s",
@@ -63,7 +64,9 @@ def make_kv_connector(config: KVConnectorConfig | None, model_config,
         model_id = model_fingerprint(model_config.path,
                                      f"dtype={model_config.dtype};gemm={gemm_dtype}"
                                      + ("" if longrope is None else f";longrope_long={longrope}"))
-    return KVConnector(config, model_id, geometry)
+    # Hybrids: the tier carries the recurrent-state snapshots too (None: attention only).
+    return KVConnector(config, model_id, geometry,
+                       state_geometry=StateGeometry.from_kv_cache_config(kv_cache_config))
 
 
 def kv_cache_stats(scheduler, connector=None) -> dict:

@@ -224,10 +224,16 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             return None
         reorder_decodes_first(self.input_batch, so.num_scheduled_tokens,
                               spec_tokens=so.scheduled_spec_decode_tokens)
+        # A state snapshot the tier loads is in its slot before the inputs are prepared
+        # (a one-token row copies its restored state in then); blocks alone can wait.
+        early = kv_meta is not None and self.kv_connector.loads_state(kv_meta)
+        if early:
+            self._kv_invalid_block_ids = self.kv_connector.wait_for_load()
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
         kv_failed = set()
         if kv_meta is not None:  # ... and are in their blocks before any layer reads them
-            invalid = self._kv_invalid_block_ids = self.kv_connector.wait_for_load()
+            invalid = self._kv_invalid_block_ids = (
+                self._kv_invalid_block_ids if early else self.kv_connector.wait_for_load())
             if invalid:  # a row over a block without its KV samples nothing this step
                 batch, gid = self.input_batch, self.attn_group_id
                 for r, rid in enumerate(batch.req_ids[:batch.num_reqs()]):

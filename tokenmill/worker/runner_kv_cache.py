@@ -140,6 +140,11 @@ class KVCacheMixin:
         # Decode graphs of a hybrid model: one scratch state slot for their pad rows.
         self.state_caches = allocate_state_caches(config, self.device, int(graphs))
         self.snapshot_base = snapshot_base(config, int(graphs))
+        if self.kv_connector is not None and self.state_caches:
+            # Hybrids: the tier carries state snapshots, read into / out of their slots.
+            self.kv_connector.bind_state(self.state_caches,
+                                         config.groups[config.state_group_id].layer_names,
+                                         self.snapshot_base)
         state_layers = self.state_layers()
         for name, tensors in self.state_caches.items():
             state_layers[name].state = tensors
