@@ -118,8 +118,13 @@ def test_moe_experts_take_the_block_method(ct_block):
     m, _ = ct_block("qwen3_moe_b16")
     experts = load(m.path).layers[0].mlp.experts
     assert isinstance(experts.method, Fp8BlockFusedMoEMethod)
-    # [E, 2 I / bn, ceil(H / bk)]: gate and up rows stacked, 64 / 16 = 4 column blocks
-    assert tuple(experts.gate_up_proj_scale_inv.shape) == (4, 4, 4)
+    assert experts.method.block_size == (16, 16)
+    packed = experts.method.packed
+    if packed is None:
+        # [E, 2 I / bn, ceil(H / bk)]: gate and up rows stacked, 64 / 16 = 4 column blocks
+        assert tuple(experts.gate_up_proj_scale_inv.shape) == (4, 4, 4)
+    else:  # packed for the native kernel: the block columns are its groups
+        assert len(packed.w13) == 4 and packed.w13[0].group_size == 16
 
 
 def test_block_structure_contradicting_the_scales_is_refused_by_name(ct_block, tmp_path):

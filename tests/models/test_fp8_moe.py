@@ -134,8 +134,10 @@ def test_fp8_moe_bf16_runs(moe_fp8):
 
 
 def test_fp8_moe_experts_stay_e4m3(moe_fp8):
-    """Experts resident as e4m3 + fp32 scales only (the method keeps no tensor), stacked
-    exactly as the per-expert checkpoint tensors; the router stays unquantized."""
+    """Experts resident as e4m3 + fp32 scales only, stacked exactly as the per-expert
+    checkpoint tensors, or (the CPU's native kernels) packed once per expert with no
+    stacked copy beside them, dequantizing to the same matrices; the router stays
+    unquantized."""
     m = moe_fp8("qwen3_moe_norm")
     model = load(m.path)
     src = read_tensors(m.path)
@@ -146,18 +148,32 @@ def test_fp8_moe_experts_stay_e4m3(moe_fp8):
         assert mod.gate_up_proj.dtype == torch.float8_e4m3fn
         assert mod.down_proj.dtype == torch.float8_e4m3fn
         held = {k: v.dtype for k, v in mod.state_dict().items()}
+        ck = f"model.{name}.3"
+        gate, up = (src[f"{ck}.{p}_proj.weight"] for p in ("gate", "up"))
+        s13 = torch.cat([src[f"{ck}.gate_proj.weight_scale_inv"],
+                         src[f"{ck}.up_proj.weight_scale_inv"]])
+        packed = mod.method.packed
+        if packed is not None:
+            assert held == {"gate_up_proj": torch.float8_e4m3fn,
+                            "down_proj": torch.float8_e4m3fn}, name
+            assert mod.gate_up_proj.is_meta and mod.down_proj.is_meta
+            assert len(packed.w13) == len(packed.w2) == mod.num_experts
+            assert "native up to" in mod.method.describe()
+            assert torch.equal(packed.w13[3].dequantize(),
+                               dequantize_blocks(torch.cat([gate, up]), s13, *BLOCK))
+            assert torch.equal(packed.w2[3].dequantize(),
+                               dequantize_blocks(src[f"{ck}.down_proj.weight"],
+                                                 src[f"{ck}.down_proj.weight_scale_inv"],
+                                                 *BLOCK))
+            continue
         assert held == {"gate_up_proj": torch.float8_e4m3fn,
                         "gate_up_proj_scale_inv": torch.float32,
                         "down_proj": torch.float8_e4m3fn,
                         "down_proj_scale_inv": torch.float32}, name
         assert not any(isinstance(v, torch.Tensor) for v in vars(mod.method).values())
-        ck = f"model.{name}.3"
-        gate, up = (src[f"{ck}.{p}_proj.weight"] for p in ("gate", "up"))
         assert torch.equal(mod.gate_up_proj[3].view(torch.uint8),
                            torch.cat([gate, up]).view(torch.uint8))
-        assert torch.equal(mod.gate_up_proj_scale_inv[3],
-                           torch.cat([src[f"{ck}.gate_proj.weight_scale_inv"],
-                                      src[f"{ck}.up_proj.weight_scale_inv"]]))
+        assert torch.equal(mod.gate_up_proj_scale_inv[3], s13)
         assert torch.equal(mod.down_proj_scale_inv[3], src[f"{ck}.down_proj.weight_scale_inv"])
     router = model.layers[1].mlp.gate
     assert isinstance(router, Linear) and not isinstance(router.method, Fp8BlockLinearMethod)

@@ -191,8 +191,15 @@ def test_fp8_moe_per_tensor_experts_take_the_block_method(variant):
     _, path, _ = variant("qwen3_moe_per_tensor")
     experts = load(path).layers[0].mlp.experts
     assert isinstance(experts.method, Fp8BlockFusedMoEMethod)
-    assert experts.gate_up_proj_scale_inv.shape == (4, 64, 1)
-    assert experts.down_proj_scale_inv.shape == (4, 64, 1)
+    packed = experts.method.packed
+    if packed is None:
+        assert experts.gate_up_proj_scale_inv.shape == (4, 64, 1)
+        assert experts.down_proj_scale_inv.shape == (4, 64, 1)
+    else:  # packed for the native kernel: one scale per row, one group the whole row
+        bn, bk = experts.method.block_size
+        assert bn == 1 and bk >= max(experts.hidden_size, experts.intermediate_size)
+        assert len(packed.w13) == len(packed.w2) == 4
+        assert not hasattr(experts, "gate_up_proj_scale_inv")
 
 
 # ---- refusals ------------------------------------------------------------------------------

@@ -119,7 +119,14 @@ def source(tmp_path_factory):
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_quantized_at_load_matches_hf_on_the_dequantized_weights(source, tmp_path, case,
-                                                                 method):
+                                                                 method, monkeypatch):
+    if case == "qwen3_next":
+        # The hybrid MoE amplifies fp32 summation-order noise over 20 tokens (measured:
+        # the chosen tokens within 7e-5 of HF through the packed experts' kernel and
+        # 6e-5 through dequantized experts, other top tokens up to 1.1e-4): 2e-4 here,
+        # inside the 1e-3 the issue allows quantized formats.
+        import logprob_check
+        monkeypatch.setattr(logprob_check, "TOL", 2e-4)
     src = source(case)
     ref = str(tmp_path / "dequantized")
     dequantized_checkpoint(src, ref, method)

@@ -208,8 +208,8 @@ class Platform:
         """The method a FusedMoE's experts (weights loaded) run through: the packed bf16
         kernel for expert slices of up to `linear_bf16_max_rows` rows where `linear`
         is "packed_bf16", the grouped GEMMs (widened to `gemm_dtype` where that
-        differs) for the rest. A non-default method is kept; integer-quantized experts
-        on the CPU get the native kernels (`for_platform`: packed per expert, up to
+        differs) for the rest. A non-default method is kept; quantized experts (integer
+        formats, int8 at load, fp8) on the CPU get the native kernels (`for_platform`: packed per expert, up to
         `quantized_max_rows` rows, the quad layout where the platform asks for it); a
         quantized one that can compute in another dtype (fp8's dequantized experts)
         gets the widened one."""
@@ -219,11 +219,14 @@ class Platform:
                                                             UnquantizedFusedMoEMethod)
         current = layer.method
         bind_kernels = getattr(current, "for_platform", None)
+        if getattr(current, "packed", None) is not None:
+            return current  # bound and packed already (a second prepare_model)
         if (bind_kernels is not None and self.device == "cpu" and self.quantized_max_rows > 0
                 and hasattr(self.ops, "linear_quant")):
-            # integer-quantized experts: packed for the native kernel (quantized_moe.py)
+            # quantized experts (integer formats, int8 at load, fp8): packed per expert
+            # for the native kernel (quantized_cpu.PackedQuantizedExperts)
             return bind_kernels(self.ops, self.widen_to, self.quantized_max_rows,
-                                self.quantized_quad_max_rows)
+                                quad_max_rows=self.quantized_quad_max_rows)
         widen_quantized = getattr(current, "with_compute_dtype", None)
         if (widen_quantized is not None and self.widen_to is not None
                 and current.compute_dtype is None):

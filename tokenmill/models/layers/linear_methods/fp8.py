@@ -260,14 +260,53 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         layer.down_proj = param(e, h, i, dtype=FP8_DTYPE)
         layer.down_proj_scale_inv = param(e, cdiv(h, bn), cdiv(i, bk), dtype=torch.float32)
 
+    ops = None     # the native CPU kernels (for_platform): packed when the layer sets it
+    max_rows = 0
+    packed = None  # quantized_cpu.PackedQuantizedExperts: the experts' only copy then
+
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
         method = Fp8BlockFusedMoEMethod(self.block_size, dtype)
         method.in_features = self.in_features
+        method.ops, method.max_rows = self.ops, self.max_rows
+        if self.packed is not None:
+            method.packed = self.packed.with_compute_dtype(dtype)
         return method
+
+    def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
+                     quad_max_rows: int = 0) -> "Fp8BlockFusedMoEMethod":
+        """This method with the native CPU kernels `ops` (the e4m3 kind of
+        `linear_quant`, block scales as its groups) for expert slices of up to
+        `max_rows` rows. (`quad_max_rows`: the integer kinds' layout; none here.)"""
+        method = self.with_compute_dtype(compute_dtype)
+        method.ops, method.max_rows = ops, max_rows
+        return method
+
+    def process_weights_after_loading(self, layer) -> None:
+        if (self.packed is not None or self.ops is None or self.max_rows <= 0
+                or not hasattr(self.ops, "QUANT_E4M3")):
+            return
+        from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
+        self.packed = PackedQuantizedExperts.from_e4m3(
+            self.ops, layer.gate_up_proj.detach(), layer.gate_up_proj_scale_inv.detach(),
+            layer.down_proj.detach(), layer.down_proj_scale_inv.detach(), self.block_size,
+            self.max_rows, self.compute_dtype)
+        for name in ("gate_up_proj", "down_proj"):  # the packed copy is the only one
+            setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name),
+                                                               device="meta"),
+                                              requires_grad=False))
+            delattr(layer, name + "_scale_inv")
+
+    def nbytes(self) -> int:
+        """Resident bytes of the packed experts (0 before packing: the e4m3 stacks are
+        the layer's own parameters then)."""
+        return 0 if self.packed is None else self.packed.nbytes()
 
     def apply(self, layer, x, topk_weights, topk_ids):
         dtype = self.compute_dtype or x.dtype
+        if self.packed is not None:
+            return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
+                                 topk_ids, dtype, self.packed, activation=layer.activation)
         w13 = DequantizedExperts(layer.gate_up_proj, layer.gate_up_proj_scale_inv,
                                  self.block_size, dtype)
         w2 = DequantizedExperts(layer.down_proj, layer.down_proj_scale_inv,
@@ -276,5 +315,7 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
                              activation=layer.activation)
 
     def describe(self) -> str:
+        native = "" if self.packed is None else self.packed.describe()
         return (f"{type(self).__name__}("
-                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)})")
+                f"{describe_block(self.block_size, self.in_features, self.compute_dtype)}"
+                f"{native})")

@@ -15,6 +15,9 @@ unquantized (W8A16). Quantizing is the whole format: the checkpoint is a plain o
   `down_proj_scale` [E, H, 1]; each expert that receives tokens is dequantized
   transiently for its GEMMs (as fp8's experts), `expert_weight` gives expert e's
   matrix as a `QuantizedWeight` view (no copy) for a kernel that takes that form.
+  With the platform's native CPU kernels (`for_platform`) each expert is packed once
+  for `linear_quant` instead (quantized_cpu.PackedQuantizedExperts) and the stacked
+  codes dropped.
 
 Used by models/quantize_at_load.py after the weights are loaded.
 """
@@ -25,6 +28,7 @@ from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
+from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
 from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
 from tokenmill.models.layers.linear_methods.quantized_weight import (
     QuantizedWeight, quantize_int8_per_channel)
@@ -91,6 +95,9 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
 
     def __init__(self, compute_dtype: torch.dtype | None = None):
         self.compute_dtype = compute_dtype
+        # The platform's native kernels (for_platform): packed when the layer sets it.
+        self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
+        self.packed: PackedQuantizedExperts | None = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
         raise ValueError("int8 experts are made from loaded float experts "
@@ -109,7 +116,40 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         return method
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Int8AtLoadFusedMoEMethod":
-        return Int8AtLoadFusedMoEMethod(dtype)
+        method = Int8AtLoadFusedMoEMethod(dtype)
+        method.ops, method.max_rows, method.quad_max_rows = (self.ops, self.max_rows,
+                                                             self.quad_max_rows)
+        if self.packed is not None:
+            method.packed = self.packed.with_compute_dtype(dtype)
+        return method
+
+    def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
+                     quad_max_rows: int = 0) -> "Int8AtLoadFusedMoEMethod":
+        """This method with the native CPU kernels `ops` for expert slices of up to
+        `max_rows` rows (`quad_max_rows` > 0: the quad layout with that limit)."""
+        method = self.with_compute_dtype(compute_dtype)
+        method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
+        return method
+
+    def process_weights_after_loading(self, layer) -> None:
+        if (self.packed is not None or self.ops is None or self.max_rows <= 0
+                or not hasattr(self.ops, "linear_quant")):
+            return
+        experts = range(layer.gate_up_proj.shape[0])
+        self.packed = PackedQuantizedExperts.from_quantized(
+            self.ops, [self.expert_weight(layer, "gate_up_proj", e) for e in experts],
+            [self.expert_weight(layer, "down_proj", e) for e in experts], self.max_rows,
+            self.quad_max_rows, self.compute_dtype)
+        for name in ("gate_up_proj", "down_proj"):  # the packed copy is the only one
+            setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name),
+                                                               device="meta"),
+                                              requires_grad=False))
+            delattr(layer, name + "_scale")
+
+    def nbytes(self) -> int:
+        """Resident bytes of the packed experts (0 before packing: the stacked codes are
+        the layer's own parameters then)."""
+        return 0 if self.packed is None else self.packed.nbytes()
 
     @staticmethod
     def expert_weight(layer, name: str, e: int) -> QuantizedWeight:
@@ -120,6 +160,9 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer, x, topk_weights, topk_ids):
         dtype = self.compute_dtype or x.dtype
+        if self.packed is not None:
+            return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
+                                 topk_ids, dtype, self.packed, activation=layer.activation)
         w13 = _DequantizedInt8Experts(layer.gate_up_proj, layer.gate_up_proj_scale, dtype)
         w2 = _DequantizedInt8Experts(layer.down_proj, layer.down_proj_scale, dtype)
         return fused_experts(x, w13, w2, topk_weights, topk_ids, dtype,
@@ -127,4 +170,5 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
 
     def describe(self) -> str:
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        return f"{type(self).__name__}(int8 per-channel{wide})"
+        native = "" if self.packed is None else self.packed.describe()
+        return f"{type(self).__name__}(int8 per-channel{native}{wide})"

@@ -129,3 +129,58 @@ class PackedQuantizedWeight:
         if bias is not None:
             y += bias.to(dtype)
         return y
+
+
+class PackedQuantizedExperts:
+    """Every MoE expert's gate_up and down packed for the native kernels (integer codes,
+    or e4m3 with block scales), run per expert group by `fused_experts` (its `packed`
+    argument): a group of up to `max_rows` rows (every decode step's) reads its expert's
+    packed codes once; a larger one dequantizes tiles of them for the library GEMM in
+    `compute_dtype`. The packed copies are the experts' only ones."""
+
+    def __init__(self, w13: list[PackedQuantizedWeight], w2: list[PackedQuantizedWeight],
+                 max_rows: int, compute_dtype: torch.dtype | None):
+        self.w13, self.w2 = w13, w2
+        self.max_rows, self.compute_dtype = max_rows, compute_dtype
+
+    @classmethod
+    def from_quantized(cls, ops, w13: list[QuantizedWeight], w2: list[QuantizedWeight],
+                       max_rows: int, quad_max_rows: int,
+                       compute_dtype: torch.dtype | None) -> "PackedQuantizedExperts":
+        """Integer experts; `quad_max_rows` > 0: the quad layout with that row limit
+        (kept only where every expert's shape takes it: one limit for all)."""
+        quad = quad_max_rows > 0
+        p13 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w13]
+        p2 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w2]
+        every_quad = all(p.quad for p in p13 + p2)
+        return cls(p13, p2, quad_max_rows if quad and every_quad else max_rows, compute_dtype)
+
+    @classmethod
+    def from_e4m3(cls, ops, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
+                  s2: torch.Tensor, block_size: tuple[int, int], max_rows: int,
+                  compute_dtype: torch.dtype | None) -> "PackedQuantizedExperts":
+        """Stacked e4m3 experts [E, N, K] with their block scales [E, N/bn, K/bk]."""
+        return cls([PackedQuantizedWeight.e4m3(ops, w, s, block_size) for w, s in zip(w13, s13)],
+                   [PackedQuantizedWeight.e4m3(ops, w, s, block_size) for w, s in zip(w2, s2)],
+                   max_rows, compute_dtype)
+
+    def with_compute_dtype(self, dtype: torch.dtype | None) -> "PackedQuantizedExperts":
+        return PackedQuantizedExperts(self.w13, self.w2, self.max_rows, dtype)
+
+    @property
+    def quad(self) -> bool:
+        return all(p.quad for p in self.w13 + self.w2)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.w13 + self.w2)
+
+    def describe(self) -> str:
+        return f", native up to {self.max_rows} rows per expert" + (
+            " (integer dot products, 15-bit activations)" if self.quad else "")
+
+    def grouped(self, xs: torch.Tensor, packed: list, n: int, groups, w, gemm_dtype
+                ) -> torch.Tensor:
+        out = xs.new_empty(xs.shape[0], n)
+        for e, lo, hi in groups:
+            out[lo:hi] = packed[e].linear(xs[lo:hi], None, self.max_rows, self.compute_dtype)
+        return out

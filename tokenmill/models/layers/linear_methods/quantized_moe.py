@@ -26,6 +26,7 @@ from torch import nn
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
 from tokenmill.models.layers.linear_methods.int_layout import IntLayout, make_params
+from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
 
@@ -40,36 +41,6 @@ class QuantizedExperts:
 
     def __getitem__(self, e: int) -> torch.Tensor:
         return self.weights[e].dequantize(self.dtype)
-
-
-class PackedQuantizedExperts:
-    """Every expert's gate_up and down packed for the native kernels, run per expert
-    group by `fused_experts` (the `packed` argument's interface)."""
-
-    def __init__(self, ops, w13: list[QuantizedWeight], w2: list[QuantizedWeight],
-                 max_rows: int, quad_max_rows: int, compute_dtype: torch.dtype | None):
-        from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
-        quad = quad_max_rows > 0
-        self.w13 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w13]
-        self.w2 = [PackedQuantizedWeight(ops, qw, quad=quad) for qw in w2]
-        # (one row limit for both: the quad one only where every expert took quad)
-        every_quad = all(p.quad for p in self.w13 + self.w2)
-        self.max_rows = quad_max_rows if quad and every_quad else max_rows
-        self.compute_dtype = compute_dtype
-
-    @property
-    def quad(self) -> bool:
-        return all(p.quad for p in self.w13 + self.w2)
-
-    def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.w13 + self.w2)
-
-    def grouped(self, xs: torch.Tensor, packed: list, n: int, groups, w, gemm_dtype
-                ) -> torch.Tensor:
-        out = xs.new_empty(xs.shape[0], n)
-        for e, lo, hi in groups:
-            out[lo:hi] = packed[e].linear(xs[lo:hi], None, self.max_rows, self.compute_dtype)
-        return out
 
 
 class QuantizedFusedMoEMethod(FusedMoEMethod):
@@ -106,8 +77,9 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
             self._convert(layer)
         if (self.packed is None and self.ops is not None and self.max_rows > 0
                 and hasattr(self.ops, "linear_quant")):
-            self.packed = PackedQuantizedExperts(self.ops, self.w13, self.w2, self.max_rows,
-                                                 self.quad_max_rows, self.compute_dtype)
+            self.packed = PackedQuantizedExperts.from_quantized(
+                self.ops, self.w13, self.w2, self.max_rows, self.quad_max_rows,
+                self.compute_dtype)
             self.w13 = self.w2 = None  # the packed codes are the only copy kept
 
     def _convert(self, layer) -> None:
@@ -137,8 +109,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         method = copy.copy(self)
         method.compute_dtype = dtype
         if self.packed is not None:
-            method.packed = copy.copy(self.packed)
-            method.packed.compute_dtype = dtype
+            method.packed = self.packed.with_compute_dtype(dtype)
         return method
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
@@ -167,8 +138,5 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
 
     def describe(self) -> str:
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
-        native = ""
-        if self.packed is not None:
-            native = f", native up to {self.packed.max_rows} rows per expert" + (
-                " (integer dot products, 15-bit activations)" if self.packed.quad else "")
+        native = "" if self.packed is None else self.packed.describe()
         return f"{type(self).__name__}({self.layout.describe()}{native}{wide})"
