@@ -4,13 +4,14 @@ same checkpoint (greedy tokens equal, logprobs within 1e-4, fp32), and both are
 within logprob_check's tolerance of HF transformers on the dequantized weights.
 
 Formats: --quantization int8 / fp8 at load (a row-parallel layer's per-row scale is
-taken over the whole row: the ranks' codes are the unsplit model's), an fp8
-checkpoint with [16, 16] block scales (the scale grid cut with the weight), GPTQ
+taken over the whole row: the ranks' codes are the unsplit model's), fp8 checkpoints
+with [16, 16] block scales (the scale grid cut with the weight; quant_method fp8 and
+compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ
 4-bit group 32 symmetric and asymmetric, GPTQ desc_act (column-parallel layers with
 act order over the whole input; row-parallel ones with groups that stay within a
 rank's columns, g_idx renumbered), AWQ 4-bit group 32, compressed-tensors W4A16
-asymmetric (weight_shape rewritten per rank) and a Qwen3-MoE with GPTQ experts and
-with int8 experts made at load.
+asymmetric (weight_shape rewritten per rank) and a Qwen3-MoE with GPTQ experts, fp8
+experts (block and per-channel scales) and int8 / fp8 experts made at load.
 
 Refused by name (before anything runs): an fp8 block or a GPTQ group that a rank's
 columns would cut in two, and act order whose groups straddle the ranks.
@@ -25,10 +26,18 @@ import types
 import pytest
 import torch
 
-from conftest import NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts
+from conftest import (NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
+                      runner_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.config import ModelConfig
+from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear_methods.fp8 import (Fp8BlockFusedMoEMethod,
+                                                        Fp8BlockLinearMethod)
+from tokenmill.models.layers.linear_methods.int8_at_load import Int8AtLoadFusedMoEMethod
+from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
+from tokenmill.models.layers.linear_methods.quantized_moe import QuantizedFusedMoEMethod
+from tokenmill.models.layers.moe import FusedMoE
 from tokenmill.models.loader import load_model
 from tokenmill.models.quant_formats import (write_awq_checkpoint,
                                             write_compressed_tensors_checkpoint,
@@ -38,6 +47,8 @@ from tokenmill.platforms import create_platform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_fp8_checkpoint import fp8_variant, hf_dequantized  # noqa: E402
+from test_fp8_moe import hf_dequantized_moe  # noqa: E402
+from test_fp8_scales import PER_CHANNEL, PER_TENSOR, scales_variant  # noqa: E402
 from test_quantize_at_load import dequantized_checkpoint  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
@@ -49,6 +60,8 @@ QWEN3 = ("qwen3", dict(head_dim=32, tie_word_embeddings=False))
 QWEN3_MOE = ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                norm_topk_prob=True, mlp_only_layers=[0],
                                tie_word_embeddings=False))
+QUANTIZED_METHODS = (QuantizedLinearMethod, Fp8BlockLinearMethod, QuantizedFusedMoEMethod,
+                     Fp8BlockFusedMoEMethod, Int8AtLoadFusedMoEMethod)
 # Chunked prefill: the 33-token prompt takes three steps.
 ENGINE = dict(max_num_batched_tokens=16)
 
@@ -74,7 +87,15 @@ def _write_int(writer, **kw):
 
 def _write_fp8_block(src, dst, ref):
     deq = fp8_variant(src, dst, (16, 16))
-    return hf_dequantized(src, deq)
+    return (hf_dequantized_moe if ".experts." in " ".join(deq) else hf_dequantized)(src, deq)
+
+
+def _write_fp8_scales(scale_shape, static=False):
+    def write(src, dst, ref):
+        deq = scales_variant(src, dst, scale_shape, static)
+        return (hf_dequantized_moe if ".experts." in " ".join(deq) else hf_dequantized)(
+            src, deq)
+    return write
 
 
 def _at_load(method):
@@ -90,6 +111,10 @@ CASES = {
     "int8_at_load": (QWEN3, _at_load("int8"), "int8"),
     "fp8_at_load": (QWEN3, _at_load("fp8"), "fp8"),
     "fp8_block16": (QWEN3, _write_fp8_block, None),
+    "fp8_per_tensor_static": (QWEN3, _write_fp8_scales(PER_TENSOR, static=True), None),
+    # compressed-tensors' FP8_BLOCK: the block scales under the name weight_scale.
+    "ct_fp8_block16": (QWEN3, _write_int(quant_writer.write_compressed_tensors_fp8_block_checkpoint,
+                                         block=(16, 16)), None),
     "gptq_4bit_g32_sym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4, group_size=32,
                                             sym=True), None),
     "gptq_4bit_g32_asym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4, group_size=32,
@@ -103,6 +128,9 @@ CASES = {
     "qwen3_moe_gptq_4bit_g32": (QWEN3_MOE, _write_int(write_gptq_checkpoint, bits=4,
                                                       group_size=32, sym=True), None),
     "qwen3_moe_int8_at_load": (QWEN3_MOE, _at_load("int8"), "int8"),
+    "qwen3_moe_fp8_at_load": (QWEN3_MOE, _at_load("fp8"), "fp8"),
+    "qwen3_moe_fp8_block16": (QWEN3_MOE, _write_fp8_block, None),
+    "qwen3_moe_fp8_per_channel": (QWEN3_MOE, _write_fp8_scales(PER_CHANNEL), None),
 }
 
 
@@ -135,21 +163,31 @@ def quantized(tmp_path_factory):
     return get
 
 
+def _quantized_layers(model) -> int:
+    """How many of rank 0's Linears and expert blocks run a quantized method."""
+    return sum(isinstance(getattr(m, "method", None), QUANTIZED_METHODS)
+               for m in model.modules() if isinstance(m, (Linear, FusedMoE)))
+
+
 def _run(case: Case, tp: int):
     llm = make_llm(case.path, tensor_parallel_size=tp, quantization=case.quantization,
                    **ENGINE)
     try:
+        model = runner_of(llm).runner.model if tp > 1 else runner_of(llm).model
+        assert _quantized_layers(model) > 0
+        columns = model.layers[0].self_attn.o_proj.in_features  # (a rank's share)
         outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts], GREEDY_LOGPROBS,
                             use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return [o.outputs[0] for o in outs]
+    return [o.outputs[0] for o in outs], columns
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_equals_tp1_and_hf_dequantized(quantized, name):
     case = quantized(name)
-    one, two = _run(case, 1), _run(case, 2)
+    (one, columns_1), (two, columns_2) = _run(case, 1), _run(case, 2)
+    assert columns_2 * 2 == columns_1  # o_proj split
     want = hf_greedy_batch(case.hf, case.prompts, NUM_NEW)
     for i, (p, a, b, w) in enumerate(zip(case.prompts, one, two, want)):
         where = f"{name}: prompt {i}"
