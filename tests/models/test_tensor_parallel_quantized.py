@@ -10,11 +10,13 @@ compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ
 4-bit group 32 symmetric and asymmetric, GPTQ desc_act (column-parallel layers with
 act order over the whole input; row-parallel ones with groups that stay within a
 rank's columns, g_idx renumbered), AWQ 4-bit group 32, compressed-tensors W4A16
-asymmetric (weight_shape rewritten per rank) and a Qwen3-MoE with GPTQ experts, fp8
-experts (block and per-channel scales) and int8 / fp8 experts made at load.
+asymmetric (weight_shape rewritten per rank), a Qwen3-MoE with GPTQ experts, fp8
+experts (block and per-channel scales) and int8 / fp8 experts made at load, and a
+hybrid Qwen3.5-MoE (Gated DeltaNet, shared expert) in GPTQ groups of 8.
 
-Refused by name (before anything runs): an fp8 block or a GPTQ group that a rank's
-columns would cut in two, and act order whose groups straddle the ranks.
+Refused by name (before anything runs): an fp8 block, a GPTQ group or an AWQ word
+that a rank's share would cut in two; at load, act order whose groups straddle the
+ranks.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_fp8_checkpoint import fp8_variant, hf_dequantized  # noqa: E402
 from test_fp8_moe import hf_dequantized_moe  # noqa: E402
 from test_fp8_scales import PER_CHANNEL, PER_TENSOR, scales_variant  # noqa: E402
+from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
 from test_quantize_at_load import dequantized_checkpoint  # noqa: E402
 
 GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
@@ -131,6 +134,11 @@ CASES = {
     "qwen3_moe_fp8_at_load": (QWEN3_MOE, _at_load("fp8"), "fp8"),
     "qwen3_moe_fp8_block16": (QWEN3_MOE, _write_fp8_block, None),
     "qwen3_moe_fp8_per_channel": (QWEN3_MOE, _write_fp8_scales(PER_CHANNEL), None),
+    # Hybrid (Gated DeltaNet split by key heads, gated attention, MoE with a shared
+    # expert): groups of 8, as the experts' 16 columns a rank (I = 32) allow.
+    "qwen3_5_moe_gptq_4bit_g8": ((*HYBRID_SPECS["qwen3_5_moe"], build_hybrid),
+                                 _write_int(write_gptq_checkpoint, bits=4, group_size=8,
+                                            sym=False), None),
 }
 
 
@@ -148,9 +156,9 @@ def quantized(tmp_path_factory):
 
     def get(name: str) -> Case:
         if name not in cache:
-            (arch, overrides), write, method = CASES[name]
+            (arch, overrides, *build), write, method = CASES[name]
             src = str(tmp_path_factory.mktemp(name + "_src"))
-            build_checkpoint(src, arch, overrides)
+            (build[0] if build else build_checkpoint)(src, arch, overrides)
             ref = str(tmp_path_factory.mktemp(name + "_ref"))
             dst = src if method is not None else str(tmp_path_factory.mktemp(name))
             with pytest.MonkeyPatch.context() as mp:
@@ -175,7 +183,8 @@ def _run(case: Case, tp: int):
     try:
         model = runner_of(llm).runner.model if tp > 1 else runner_of(llm).model
         assert _quantized_layers(model) > 0
-        columns = model.layers[0].self_attn.o_proj.in_features  # (a rank's share)
+        columns = next(m for n, m in model.named_modules()
+                       if n.endswith("o_proj")).in_features  # (a rank's share)
         outs = llm.generate([{"prompt_token_ids": p} for p in case.prompts], GREEDY_LOGPROBS,
                             use_tqdm=False)
     finally:
@@ -244,3 +253,21 @@ def test_act_order_across_ranks_is_refused(qwen3_src, tmp_path):
                                          r"g_idx puts columns 0\.\.63 \(rank 0\) in groups "
                                          r"0\.\.3, beyond the rank's own 0\.\.1"):
         _load_rank0(str(tmp_path))
+
+
+def test_awq_word_cut_by_the_split_is_refused():
+    """A column split whose rows per rank end inside AWQ's 8-column words."""
+    from tokenmill.models.layers.linear_methods.awq import AwqLayout
+    from tokenmill.models.layers.linear_methods.int_layout import int_tp_rules
+    from tokenmill.models.tensor_parallel import RankSlices
+    rules = RankSlices(0, 2, 2).column(20)  # 40 rows, 20 a rank
+    with pytest.raises(ValueError, match=r"awq 4-bit, group 32 qweight \(output rows\): 8 per "
+                                         r"word: a rank's 20 of 40 is not a multiple of 8"):
+        int_tp_rules(AwqLayout(32), rules, {"weight": ("qweight", "qzeros", "scales")})
+    # 16 a rank: whole words, and the scales' columns cut as the rows are.
+    rules = int_tp_rules(AwqLayout(32), RankSlices(1, 2, 2).column(16),
+                         {"weight": ("qweight", "qzeros", "scales")})
+    qweight = torch.arange(64 * 4, dtype=torch.int32).reshape(64, 4)
+    assert torch.equal(rules[("qweight", None)].take(qweight), qweight[:, 2:])
+    scales = torch.randn(2, 32)
+    assert torch.equal(rules[("scales", None)].take(scales), scales[:, 16:])
