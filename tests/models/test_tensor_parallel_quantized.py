@@ -6,13 +6,14 @@ within logprob_check's tolerance of HF transformers on the dequantized weights.
 Formats: --quantization int8 / fp8 at load (a row-parallel layer's per-row scale is
 taken over the whole row: the ranks' codes are the unsplit model's), fp8 checkpoints
 with [16, 16] block scales (the scale grid cut with the weight; quant_method fp8 and
-compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ
-4-bit group 32 symmetric and asymmetric, GPTQ desc_act (column-parallel layers with
-act order over the whole input; row-parallel ones with groups that stay within a
-rank's columns, g_idx renumbered), AWQ 4-bit group 32, compressed-tensors W4A16
-asymmetric (weight_shape rewritten per rank), a Qwen3-MoE with GPTQ experts, fp8
-experts (block and per-channel scales) and int8 / fp8 experts made at load, and a
-hybrid Qwen3.5-MoE (Gated DeltaNet, shared expert) in GPTQ groups of 8.
+compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ 4-bit group 32
+symmetric and asymmetric, GPTQ desc_act (column-parallel layers with act order over
+the whole input; row-parallel ones with groups that stay within a rank's columns,
+g_idx renumbered), GPTQ 8-bit with one group per row, AWQ 4-bit group 32,
+compressed-tensors W4A16 asymmetric (weight_shape rewritten per rank); MoE: a
+Qwen3-MoE with GPTQ experts, fp8 experts (block and per-channel scales) and int8 /
+fp8 experts made at load, a DeepSeek-V3 with fp8 MLPs and experts (shared ones
+too), and a hybrid Qwen3.5-MoE (Gated DeltaNet, shared expert) in GPTQ groups of 8.
 
 Refused by name (before anything runs): an fp8 block, a GPTQ group or an AWQ word
 that a rank's share would cut in two; at load, act order whose groups straddle the
@@ -28,7 +29,7 @@ import types
 import pytest
 import torch
 
-from conftest import (NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
+from conftest import (MODEL_SPECS, NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
                       runner_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
@@ -49,7 +50,7 @@ from tokenmill.platforms import create_platform
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_fp8_checkpoint import fp8_variant, hf_dequantized  # noqa: E402
-from test_fp8_moe import hf_dequantized_moe  # noqa: E402
+from test_fp8_moe import hf_dequantized_moe, mlp_only_fp8_variant  # noqa: E402
 from test_fp8_scales import PER_CHANNEL, PER_TENSOR, scales_variant  # noqa: E402
 from test_hybrid_parity import HYBRID_SPECS, build_hybrid  # noqa: E402
 from test_quantize_at_load import dequantized_checkpoint  # noqa: E402
@@ -93,6 +94,10 @@ def _write_fp8_block(src, dst, ref):
     return (hf_dequantized_moe if ".experts." in " ".join(deq) else hf_dequantized)(src, deq)
 
 
+def _write_fp8_mlp_only(src, dst, ref):
+    return hf_dequantized_moe(src, mlp_only_fp8_variant(src, dst))
+
+
 def _write_fp8_scales(scale_shape, static=False):
     def write(src, dst, ref):
         deq = scales_variant(src, dst, scale_shape, static)
@@ -125,6 +130,9 @@ CASES = {
     "gptq_4bit_g32_desc_act": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
                                                  group_size=32, sym=False, desc_act=True),
                                None),
+    # 8-bit, one group per row: the scales and zero points stay whole on a row split.
+    "gptq_8bit_gall": (QWEN3, _write_int(write_gptq_checkpoint, bits=8, group_size=-1,
+                                         sym=True), None),
     "awq_g32": (QWEN3, _write_int(write_awq_checkpoint, group_size=32), None),
     "ct_w4a16_g32_asym": (QWEN3, _write_int(write_compressed_tensors_checkpoint, bits=4,
                                             group_size=32, symmetric=False), None),
@@ -134,6 +142,9 @@ CASES = {
     "qwen3_moe_fp8_at_load": (QWEN3_MOE, _at_load("fp8"), "fp8"),
     "qwen3_moe_fp8_block16": (QWEN3_MOE, _write_fp8_block, None),
     "qwen3_moe_fp8_per_channel": (QWEN3_MOE, _write_fp8_scales(PER_CHANNEL), None),
+    # DeepSeek-V3 (MLA attention plain: its interleaved rope rows refuse fp8): dense
+    # MLP, routed and shared experts in [16, 16] fp8 blocks.
+    "deepseek_v3_mlp_fp8_block16": (MODEL_SPECS["deepseek_v3"], _write_fp8_mlp_only, None),
     # Hybrid (Gated DeltaNet split by key heads, gated attention, MoE with a shared
     # expert): groups of 8, as the experts' 16 columns a rank (I = 32) allow.
     "qwen3_5_moe_gptq_4bit_g8": ((*HYBRID_SPECS["qwen3_5_moe"], build_hybrid),
