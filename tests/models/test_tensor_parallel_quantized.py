@@ -29,8 +29,8 @@ import types
 import pytest
 import torch
 
-from conftest import (MODEL_SPECS, NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm, make_prompts,
-                      runner_of)
+from conftest import (MODEL_SPECS, NUM_NEW, build_checkpoint, hf_greedy_batch, make_llm,
+                      make_prompts, runner_of)
 from logprob_check import K, check_completion
 from tokenmill import SamplingParams
 from tokenmill.config import ModelConfig
@@ -259,7 +259,9 @@ def test_gptq_group_cut_by_the_split_is_refused(qwen3_src, tmp_path):
 def test_act_order_across_ranks_is_refused(qwen3_src, tmp_path):
     # The writer's own act order shuffles o_proj's columns over all of K.
     write_gptq_checkpoint(qwen3_src, str(tmp_path), bits=4, group_size=32, desc_act=True)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: gptq 4-bit, group 32 g_idx "
+    with pytest.raises(ValueError, match=r"parameter layers\.0\.(self_attn\.o_proj|"
+                                         r"mlp\.down_proj)\.g_idx: "
+                                         r"tensor_parallel_size: gptq 4-bit, group 32 g_idx "
                                          r"\(input columns\), group 32: act-order \(desc_act\) "
                                          r"g_idx puts columns 0\.\.63 \(rank 0\) in groups "
                                          r"0\.\.3, beyond the rank's own 0\.\.1"):

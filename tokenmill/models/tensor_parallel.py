@@ -186,7 +186,9 @@ class GroupIndexSplit:
                              f"columns {i * step}..{(i + 1) * step - 1} (rank {i}) in groups "
                              f"{int(g.min())}..{int(g.max())}, beyond the rank's own "
                              f"{first}..{first + count - 1}: groups scattered across ranks "
-                             f"are not supported with a row-parallel split")
+                             f"are not supported with a row-parallel split (run it with "
+                             f"{TP_FIELD} 1, or use a checkpoint quantized without act "
+                             f"order or with static groups)")
         return local.to(g.dtype)
 
 
@@ -327,7 +329,12 @@ class ShardPlan:
 
     def take(self, name: str, shard: int | None, tensor) -> torch.Tensor:
         rule = self.rules.get((name, shard))
-        return materialize(tensor) if rule is None else rule.take(tensor)
+        if rule is None:
+            return materialize(tensor)
+        try:
+            return rule.take(tensor)
+        except ValueError as e:  # (a quantized tensor's data refusing the split)
+            raise ValueError(f"parameter {name}: {e}") from None
 
 
 # ---- the collectives in the forward ---------------------------------------------------
