@@ -9,7 +9,8 @@ with [16, 16] block scales (the scale grid cut with the weight; quant_method fp8
 compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ 4-bit group 32
 symmetric and asymmetric, GPTQ desc_act (column-parallel layers with act order over
 the whole input; row-parallel ones with groups that stay within a rank's columns,
-g_idx renumbered), GPTQ 8-bit with one group per row, AWQ 4-bit group 32,
+g_idx renumbered), GPTQ 8-bit with one group per row, GPTQ v2 with one KV head
+(replicated) and a tied head, AWQ 4-bit group 32,
 compressed-tensors W4A16 asymmetric (weight_shape rewritten per rank); MoE: a
 Qwen3-MoE with GPTQ experts, fp8 experts (block and per-channel scales) and int8 /
 fp8 experts made at load, a DeepSeek-V3 with fp8 MLPs and experts (shared ones
@@ -130,6 +131,11 @@ CASES = {
     "gptq_4bit_g32_desc_act": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
                                                  group_size=32, sym=False, desc_act=True),
                                None),
+    # One KV head for two ranks (k / v rows replicated), head tied to the embedding.
+    "gptq_4bit_g32_mqa_tied": (("qwen3", dict(head_dim=32, num_key_value_heads=1,
+                                              tie_word_embeddings=True)),
+                               _write_int(write_gptq_checkpoint, bits=4, group_size=32,
+                                          sym=False, checkpoint_format="gptq_v2"), None),
     # 8-bit, one group per row: the scales and zero points stay whole on a row split.
     "gptq_8bit_gall": (QWEN3, _write_int(write_gptq_checkpoint, bits=8, group_size=-1,
                                          sym=True), None),
