@@ -8,8 +8,8 @@ unquantized checkpoint with those Linear weights replaced by the dequantized one
 (w8.float() * scale per block), fp32: greedy tokens equal and logprobs within 1e-4.
 
 Every variant not implemented (e5m2, an unknown activation scheme, a packed shard that
-is not whole block rows, tensor parallelism) and a missing scale are refused with an
-error naming what. FP8 MoE experts: test_fp8_moe.py; per-tensor / per-channel scales
+is not whole block rows) and a missing scale are refused with an error naming what.
+Tensor parallelism: test_tensor_parallel_quantized.py. FP8 MoE experts: test_fp8_moe.py; per-tensor / per-channel scales
 and static activation scales: test_fp8_scales.py.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import types
 import warnings
 
 import pytest
@@ -403,16 +402,6 @@ def test_fp8_packed_layer_half_quantized_is_refused(qwen3_src, tmp_path):
     write_variant(path, str(tmp_path / "half"), tensors)
     with pytest.raises(ValueError, match=r"gate_up_proj packs .*up_proj\.weight \(F32\) not"):
         load(str(tmp_path / "half"))
-
-
-def test_fp8_with_tensor_parallelism_is_refused(qwen3_src, tmp_path):
-    path = _with_config(qwen3_src, str(tmp_path / "fp8"))
-    cfg = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-    group = types.SimpleNamespace(size=2, rank=0)
-    with pytest.raises(ValueError, match=r"fp8 checkpoints with tensor parallelism "
-                                         r"\(tensor_parallel_size 2\) are not implemented"):
-        load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device,
-                   create_platform(cfg.device, cfg.dtype), tp_group=group)
 
 
 def test_drafters_refuse_fp8():

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import types
 import warnings
 
 import pytest
@@ -21,10 +20,8 @@ from test_moe_parity import MOE_SPECS  # noqa: E402
 
 from tokenmill.config import ModelConfig  # noqa: E402
 from tokenmill.models.layers.linear import Linear  # noqa: E402
-from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.quant_formats import (write_compressed_tensors_checkpoint,  # noqa: E402
                                             write_gptq_checkpoint)
-from tokenmill.platforms import create_platform  # noqa: E402
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
         "sym": True, "checkpoint_format": "gptq"}
@@ -238,15 +235,6 @@ def test_quantized_mla_projections_with_interleaved_rope_are_refused(tmp_path):
                                          r"integer-quantized MLA projections with "
                                          r"interleaved rope rows are not implemented"):
         load(path)
-
-
-def test_int_quant_with_tensor_parallelism_is_refused(gptq):
-    cfg = ModelConfig.from_pretrained(gptq, dtype="float32", device="cpu")
-    group = types.SimpleNamespace(size=2, rank=0)
-    with pytest.raises(ValueError, match=r"gptq checkpoints with tensor parallelism "
-                                         r"\(tensor_parallel_size 2\) are not implemented"):
-        load_model(cfg.path, cfg.hf_config, cfg.dtype, cfg.device,
-                   create_platform(cfg.device, cfg.dtype), tp_group=group)
 
 
 def test_int_config_over_plain_weights_loads_them_plain(src, tmp_path, caplog):

@@ -319,9 +319,6 @@ def test_bad_quantization_value_is_refused():
     from tokenmill.engine.engine_args import EngineArgs
     with pytest.raises(ValueError, match=r"quantization must be a method name or None"):
         EngineArgs.from_kwargs("m", quantization=8).validate()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size > 1 does not support "
-                                         r"quantization"):
-        EngineArgs.from_kwargs("m", quantization="int8", tensor_parallel_size=2).validate()
 
 
 def test_cli_flag_reaches_the_engine_arguments():

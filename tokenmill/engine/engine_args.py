@@ -145,9 +145,6 @@ class EngineArgs:
             if self.speculative_config is not None:
                 raise ValueError("tensor_parallel_size > 1 does not support speculative "
                                  "decoding (speculative_config) yet")
-            if self.quantization is not None:
-                raise ValueError("tensor_parallel_size > 1 does not support quantization "
-                                 "at load yet")
         if self.quantization is not None and (not isinstance(self.quantization, str)
                                               or not self.quantization):
             raise ValueError(f"quantization must be a method name or None, "

@@ -78,7 +78,8 @@ def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict):
     from tokenmill.models.loader import load_model
     from tokenmill.worker.model_runner import ModelRunner
     model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
-                       model_config.device, platform, tp_group=group)
+                       model_config.device, platform, tp_group=group,
+                       quantization=model_config.quantization)
     return ModelRunner(model, dtype=model_config.dtype, device=model_config.device,
                        platform=platform, **runner_kwargs)
 

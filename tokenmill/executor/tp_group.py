@@ -33,6 +33,14 @@ class TPGroup:
         self._pg.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of `x` over the ranks, in place (a row-parallel layer's
+        per-row absmax at load: each rank holds a share of the row)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._pg.allreduce([x], opts).wait()
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's `x` side by side along the last dim, in rank order."""
         x = x.contiguous()

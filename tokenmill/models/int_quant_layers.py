@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.linear_methods.awq import AwqLayout, AwqLinearMethod
 from tokenmill.models.layers.linear_methods.compressed_tensors import (
     CompressedTensorsLayout, CompressedTensorsLinearMethod)
@@ -128,7 +128,24 @@ class Placement:
                              f"its config")
 
 
-def _apply_linears(model: nn.Module, pl: Placement, dtype) -> int:
+def _rank_shards(module: Linear, shards: list[int], tp_size: int, where: str) -> tuple:
+    """The rows of each checkpoint matrix of `module` on this tensor-parallel rank
+    (`shards`: the checkpoint's, whole): its heads of q / k / v, its share of each
+    packed segment or of the whole; a row-parallel or replicated layer keeps its rows."""
+    if tp_size == 1 or module.tp in ("replicated", "row"):
+        return tuple(shards)
+    if len(shards) == 1:
+        return (module.out_features,)
+    if isinstance(module.tp, QKVParallel):
+        spec = module.tp
+        return tuple(n for n in (spec.q_rows, spec.k_rows, spec.v_rows) if n)
+    if module.output_sizes and len(module.output_sizes) == len(shards):
+        return tuple(s if isinstance(s, int) else sum(s) for s in module.output_sizes)
+    raise ValueError(f"{where}: cannot tell the rows per rank of its checkpoint matrices "
+                     f"{shards} (tensor_parallel_size {tp_size})")
+
+
+def _apply_linears(model: nn.Module, pl: Placement, dtype, tp_size: int = 1) -> int:
     sources, uses = packed_sources(model), parameter_uses(model)
     count = 0
     for mname, module in list(model.named_modules()):
@@ -155,14 +172,17 @@ def _apply_linears(model: nn.Module, pl: Placement, dtype) -> int:
         pl.ignored(quantized)
         layout, method_cls = pl.layout(quantized, layer)
         shards = []
+        # The checkpoint holds the whole matrices: a row-parallel rank's K is a share.
+        k_full = module.in_features * (tp_size if module.tp == "row" else 1)
         for i, p in enumerate(quantized):
-            n = pl.check(layout, p, module.in_features)
+            n = pl.check(layout, p, k_full)
             if len(quantized) > 1 and i < len(quantized) - 1 and not layout.whole_words(n):
                 raise ValueError(f"{pl.where}: {layer} packs {', '.join(shard_modules)}; "
                                  f"{p} has {n} rows, which end inside a packed int32 word: "
                                  f"its tensors cannot be concatenated with the next shard's "
                                  f"(not supported)")
             shards.append(n)
+        shards = _rank_shards(module, shards, tp_size, f"{pl.where}: {layer}")
         if sum(shards) != module.out_features:
             raise ValueError(f"{pl.where}: {layer} has {module.out_features} rows; its "
                              f"checkpoint matrices {', '.join(quantized)} have {shards}")
@@ -171,7 +191,7 @@ def _apply_linears(model: nn.Module, pl: Placement, dtype) -> int:
     return count
 
 
-def _apply_experts(model: nn.Module, pl: Placement, dtype) -> int:
+def _apply_experts(model: nn.Module, pl: Placement, dtype, tp_size: int = 1) -> int:
     sources = getattr(model, "expert_modules", {})
     count = 0
     for mname, module in list(model.named_modules()):
@@ -191,9 +211,10 @@ def _apply_experts(model: nn.Module, pl: Placement, dtype) -> int:
         pl.ignored(quantized)
         layout, _ = pl.layout(quantized, layer)
         h, i = module.hidden_size, module.intermediate_size
+        i_full = i * tp_size  # (a tensor-parallel rank's experts hold a share of I)
         for (e, src), p in zip(mats, quantized):
             target = sources[src][0]
-            k, n = (i, h) if target == "down_proj" else (h, i)
+            k, n = (i_full, h) if target == "down_proj" else (h, i_full)
             pl.check(layout, p, k, n)
         if not layout.whole_words(i):
             raise ValueError(f"{pl.where}: {layer}: expert intermediate size {i} ends inside "
@@ -204,13 +225,16 @@ def _apply_experts(model: nn.Module, pl: Placement, dtype) -> int:
     return count
 
 
-def apply_int_quant(model: nn.Module, cfg, header: dict, dtype, where: str) -> int:
+def apply_int_quant(model: nn.Module, cfg, header: dict, dtype, where: str,
+                    tp_size: int = 1) -> int:
     """Give every Linear and FusedMoE of `model` stored quantized in `cfg`'s format its
     method (parameters created in `dtype` / the current default device); returns how
     many layers. Raises ValueError naming any of the format's tensors the model
-    cannot place."""
+    cannot place. `tp_size` > 1: `model` is one tensor-parallel rank's (its layers
+    hold their share; the checkpoint's tensors are checked whole)."""
     pl = Placement(cfg, header, where)
-    count = _apply_linears(model, pl, dtype) + _apply_experts(model, pl, dtype)
+    count = (_apply_linears(model, pl, dtype, tp_size)
+             + _apply_experts(model, pl, dtype, tp_size))
     for name in header:
         kind = name.rpartition(".")[2]
         if name in pl.claimed or kind not in pl.kinds:

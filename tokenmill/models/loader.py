@@ -252,7 +252,9 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     `tp_group` (tokenmill.executor.tp_group.TPGroup): build and load this rank's shard
     of the model (models/tensor_parallel.py). `quantization` (--quantization): an
     unquantized checkpoint's weights are quantized to it after loading
-    (models/quantize_at_load.py); a quantized checkpoint's own method is accepted."""
+    (models/quantize_at_load.py); a quantized checkpoint's own method is accepted.
+    Every format shards with tensor parallelism (its tensors cut with the weights, or
+    a split that would cut a block, packed word or group refused by name)."""
     where = f"checkpoint {model_dir}"
     check_quantization(hf_config, where)
     at_load = resolve_quantization(quantization, hf_config, where)
@@ -260,18 +262,6 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     intq = int_quant_config(hf_config, where)
     cls = resolve_model_class(hf_config)
     tp = tp_group is not None and tp_group.size > 1
-    if tp and at_load is not None:
-        raise ValueError(f"{where}: quantization {at_load!r} at load with tensor parallelism "
-                         f"(tensor_parallel_size {tp_group.size}) is not implemented yet")
-    if tp and fp8 is not None:
-        raise ValueError(f"{where}: fp8 checkpoints with tensor parallelism "
-                         f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
-                         f"the block scales would have to be sharded with the weights")
-    if tp and intq is not None:
-        raise ValueError(f"{where}: {intq.method} checkpoints with tensor parallelism "
-                         f"(tensor_parallel_size {tp_group.size}) are not implemented yet: "
-                         f"the packed words, scales and zero points would have to be "
-                         f"sharded with the weights")
     if tp:
         from tokenmill.models import tensor_parallel
         tensor_parallel.check_divisible(hf_config, tp_group.size, cls)
@@ -296,7 +286,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                     logger.warning("%s: quantization_config says fp8 but no layer's weights "
                                    "are e4m3: loading it as an unquantized checkpoint", where)
             if intq is not None:
-                n = apply_int_quant(model, intq, checkpoint_header(model_dir), dtype, where)
+                n = apply_int_quant(model, intq, checkpoint_header(model_dir), dtype, where,
+                                    tp_group.size if tp else 1)
                 logger.info("%s: %d layers (Linear, MoE experts) load %s weights "
                             "(activations stay %s)", where, n, intq.method, dtype)
                 if n == 0:
@@ -307,9 +298,13 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         torch.set_default_dtype(torch_default)
     kv_scales = KVScales()
     if tp:
+        # Quantized layers cut their scales, packed words and groups with the weights
+        # (their methods' `tp_rules`), or refuse a split that would cut one in two.
         plan = tensor_parallel.ShardPlan(model, hf_config, tp_group.rank, tp_group.size)
-        load_weights(model, model_dir, iter_checkpoint_lazy(model_dir),
-                     shard_plan=plan, kv_scales=kv_scales)
+        tensors = iter_checkpoint_lazy(model_dir)
+        if fp8 is not None:
+            tensors = fp8_checkpoint_tensors(tensors, header, fp8)
+        load_weights(model, model_dir, tensors, shard_plan=plan, kv_scales=kv_scales)
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
     else:
         load_weights(model, model_dir, None if fp8 is None else
@@ -320,7 +315,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     if intq is not None:
         finish_int_quant(model)
     if at_load is not None:
-        quantize_model(model, at_load, where)
+        quantize_model(model, at_load, where, tp_group if tp else None)
     platform.prepare_model(model)
     # Rotary tables stay fp32 (computed as HF computes them); everything else in dtype.
     return model.eval().requires_grad_(False)

@@ -95,23 +95,34 @@ def _skipped_linears(model: nn.Module) -> set[int]:
     return skip
 
 
-def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_amax(w: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """[..., N, 1] fp32 max |w| of each row of w [..., N, K]; with `tp_group`, over the
+    whole row that the ranks' shares make up (a row-parallel layer)."""
+    amax = w.detach().abs().amax(dim=-1, keepdim=True).float()
+    return amax if tp_group is None else tp_group.all_reduce_max(amax)
+
+
+def fp8_per_channel(w: torch.Tensor,
+                    amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 scale [N, 1]): scale = max|w[n]| /
-    448 (a zero row: 1), w8 = w / scale, rounded to nearest."""
+    448 (a zero row: 1), w8 = w / scale, rounded to nearest. `amax` [N, 1]: the whole
+    rows' max |w| where w is a share of each row (row_amax)."""
     wf = w.detach().float()
-    amax = wf.abs().amax(dim=-1, keepdim=True)
+    if amax is None:
+        amax = wf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # (w itself untouched)
     return q, scale
 
 
-def _quantize_linear_fp8(layer: Linear) -> None:
+def _quantize_linear_fp8(layer: Linear, amax: torch.Tensor | None = None) -> None:
     w, bias = layer.weight.detach(), layer.bias
-    q, scale = fp8_per_channel(w)
+    q, scale = fp8_per_channel(w, amax)
     del w
     # The fp8 method registers its e4m3 weight and scales (and a zero bias: the
     # loaded one is put back).
-    layer.use_method(Fp8BlockLinearMethod(per_channel_block(layer.in_features)),
+    layer.use_method(Fp8BlockLinearMethod(per_channel_block(layer.in_features),
+                                          per_channel=True),
                      layer.weight.dtype)
     layer.bias = bias
     with torch.no_grad():
@@ -119,15 +130,16 @@ def _quantize_linear_fp8(layer: Linear) -> None:
         layer.weight_scale_inv.copy_(scale)
 
 
-def _quantize_experts_fp8(layer: FusedMoE) -> None:
+def _quantize_experts_fp8(layer: FusedMoE, amax: dict[str, torch.Tensor]) -> None:
     loaded = {name: getattr(layer, name).detach() for name in ("gate_up_proj", "down_proj")}
     layer.use_method(Fp8BlockFusedMoEMethod(per_channel_block(layer.hidden_size,
-                                                              layer.intermediate_size)),
+                                                              layer.intermediate_size),
+                                            per_channel=True),
                      loaded["gate_up_proj"].dtype)
     with torch.no_grad():
         for name, w in loaded.items():
             for e in range(w.shape[0]):  # one expert at a time: a small fp32 transient
-                q, scale = fp8_per_channel(w[e])
+                q, scale = fp8_per_channel(w[e], amax[name][e] if name in amax else None)
                 getattr(layer, name)[e].copy_(q)
                 getattr(layer, name + "_scale_inv")[e].copy_(scale)
 
@@ -161,10 +173,19 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def quantize_model(model: nn.Module, method: str, where: str) -> tuple[int, int]:
+def quantize_model(model: nn.Module, method: str, where: str,
+                   tp_group=None) -> tuple[int, int]:
     """Quantize `model`'s loaded weights with `method` ("int8" / "fp8"); returns
     (Linear layers, MoE expert blocks) quantized. One INFO line with the counts and
-    the resident weight bytes before and after."""
+    the resident weight bytes before and after.
+
+    `tp_group` (tensor parallelism): `model` is this rank's shard. Per-channel scales
+    are per output row, so a rank holding whole rows (column-parallel) quantizes them
+    as the unsplit model would; a row-parallel layer (and the experts' down_proj)
+    holds a share of each row, so its rows' max |w| is taken over the ranks first
+    (one all-reduce per such layer, in the same module order on every rank): every
+    rank's codes and scales are those of the unsplit model's on its columns."""
+    tp = tp_group is not None and tp_group.size > 1
     if method not in AT_LOAD:
         raise ValueError(f"quantization {method!r} is not one applied at load ({AT_LOAD})")
     before = resident_weight_bytes(model)
@@ -172,16 +193,20 @@ def quantize_model(model: nn.Module, method: str, where: str) -> tuple[int, int]
     linears = experts = 0
     for module in list(model.modules()):
         if isinstance(module, Linear) and id(module) not in skip:
+            amax = (row_amax(module.weight, tp_group) if tp and module.tp == "row"
+                    else None)
             if method == "int8":
-                module.set_method(Int8AtLoadLinearMethod(module.weight.dtype))
+                module.set_method(Int8AtLoadLinearMethod(module.weight.dtype, amax))
             else:
-                _quantize_linear_fp8(module)
+                _quantize_linear_fp8(module, amax)
             linears += 1
         elif isinstance(module, FusedMoE):
+            # The experts' down_proj splits its input (intermediate) dim over the ranks.
+            amax = {"down_proj": row_amax(module.down_proj, tp_group)} if tp else {}
             if method == "int8":
-                Int8AtLoadFusedMoEMethod.quantize_fused_moe(module)
+                Int8AtLoadFusedMoEMethod.quantize_fused_moe(module, amax)
             else:
-                _quantize_experts_fp8(module)
+                _quantize_experts_fp8(module, amax)
             experts += 1
     after = resident_weight_bytes(model)
     logger.info("%s: quantized at load to %s per-channel (activations unquantized): %d Linear "

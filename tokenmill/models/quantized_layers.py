@@ -166,7 +166,8 @@ def _apply_fp8_experts(model: nn.Module, cfg: Fp8Config, header: dict, dtype, wh
                              f"ignored_layers): the checkpoint contradicts its config")
         for w in fp8:
             claimed.update((w, _check_scale(header, w, cfg, where)))
-        module.use_method(Fp8BlockFusedMoEMethod(block), dtype)
+        module.use_method(Fp8BlockFusedMoEMethod(block, per_channel=cfg.block_size is None),
+                          dtype)
         count += 1
     return count
 
@@ -229,7 +230,8 @@ def apply_fp8(model: nn.Module, cfg: Fp8Config, header: dict, dtype, where: str)
                                  f"{bn}: its block scales cannot be concatenated with the "
                                  f"next shard's (not supported)")
             claimed.update((w, _check_scale(header, w, cfg, where)))
-        module.use_method(Fp8BlockLinearMethod(block), dtype)
+        module.use_method(Fp8BlockLinearMethod(block, per_channel=cfg.block_size is None),
+                         dtype)
         count += 1
     count += _apply_fp8_experts(model, cfg, header, dtype, where, claimed)
     unused = [n for n in header if n.endswith(INPUT_SCALE_SUFFIX)]

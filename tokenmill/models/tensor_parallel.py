@@ -133,6 +133,82 @@ class Split:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
+    def local_len(self) -> int:
+        """This rank's length along `dim` (its pieces of every segment)."""
+        return sum(full // n for full, n, _ in self.segments)
+
+    def full_len(self) -> int:
+        return sum(full for full, _, _ in self.segments)
+
+    def regrid(self, dim: int, unit: int, what: str) -> "Split":
+        """The same pieces of a tensor whose `dim` counts the split dim in units of
+        `unit` (a scale per block of `unit` rows, a word of `unit` codes, a group of
+        `unit` columns): every rank's piece must start and end on a unit, else a
+        ValueError naming `what` (a quantized layer's shard would cut a block, word or
+        group in two)."""
+        segments = []
+        for full, n, i in self.segments:
+            step = full // n
+            if step % unit:
+                raise ValueError(f"{TP_FIELD}: {what}: a rank's {step} of {full} is not a "
+                                 f"multiple of {unit}, so the split would cut one in two "
+                                 f"(not supported)")
+            segments.append((full // unit, n, i))
+        return Split(dim, tuple(segments))
+
+    def group_index(self, group_size: int, what: str) -> "GroupIndexSplit":
+        """An act-order g_idx cut as this (row-parallel) split cuts its columns."""
+        return GroupIndexSplit(self, group_size, what)
+
+    def local_shape(self, index: int) -> "LocalShape":
+        """A stored (N, K) shape whose entry `index` this split shortens."""
+        return LocalShape(index, self.full_len(), self.local_len())
+
+
+@dataclass(frozen=True)
+class GroupIndexSplit:
+    """An act-order `g_idx` (the group of each input column) of a row-parallel layer:
+    this rank's columns, their groups renumbered from the rank's first. Exact only when
+    the rank's columns hold whole groups of their own: a group with columns on two
+    ranks is refused naming `what` (each rank's canonical form needs complete groups)."""
+    split: Split            # along dim 0, one segment
+    group_size: int
+    what: str
+
+    def take(self, tensor) -> torch.Tensor:
+        g = self.split.take(tensor)
+        (full, n, i), = self.split.segments
+        step = full // n
+        first, count = i * step // self.group_size, step // self.group_size
+        local = g.to(torch.int64) - first
+        if g.numel() and (int(local.min()) < 0 or int(local.max()) >= count):
+            raise ValueError(f"{TP_FIELD}: {self.what}: act-order (desc_act) g_idx puts "
+                             f"columns {i * step}..{(i + 1) * step - 1} (rank {i}) in groups "
+                             f"{int(g.min())}..{int(g.max())}, beyond the rank's own "
+                             f"{first}..{first + count - 1}: groups scattered across ranks "
+                             f"are not supported with a row-parallel split (run it with "
+                             f"{TP_FIELD} 1, or use a checkpoint quantized without act "
+                             f"order or with static groups)")
+        return local.to(g.dtype)
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """compressed-tensors' `weight_shape` (N, K) of this rank's shard: entry `index`
+    (0: rows, 1: columns) becomes the rank's length of the split dim."""
+    index: int
+    full: int
+    local: int
+
+    def take(self, tensor) -> torch.Tensor:
+        t = materialize(tensor).clone()
+        if int(t[self.index]) != self.full:
+            raise ValueError(f"weight_shape {t.tolist()}: entry {self.index} should be "
+                             f"{self.full}")
+        t[self.index] = self.local
+        return t
+
+
 @dataclass(frozen=True)
 class VocabSplit:
     """Rows [rank * shard, (rank + 1) * shard) of a vocabulary of `vocab`, zero-padded."""
@@ -240,7 +316,11 @@ class ShardPlan:
             if plan is None or _replicated(mod_name):
                 continue
             p = mod_name + "." if mod_name else ""
-            for (name, shard), rule in plan(tp).items():
+            try:
+                rules = plan(tp)
+            except ValueError as e:  # a quantized layer's shards: name the layer
+                raise ValueError(f"layer {mod_name}: {e}") from None
+            for (name, shard), rule in rules.items():
                 self.rules[(p + name, shard)] = rule
         vocab = hf_config["vocab_size"]
         shard = cdiv(vocab, size)
@@ -249,7 +329,12 @@ class ShardPlan:
 
     def take(self, name: str, shard: int | None, tensor) -> torch.Tensor:
         rule = self.rules.get((name, shard))
-        return materialize(tensor) if rule is None else rule.take(tensor)
+        if rule is None:
+            return materialize(tensor)
+        try:
+            return rule.take(tensor)
+        except ValueError as e:  # (a quantized tensor's data refusing the split)
+            raise ValueError(f"parameter {name}: {e}") from None
 
 
 # ---- the collectives in the forward ---------------------------------------------------

@@ -87,14 +87,18 @@ class Linear(nn.Module):
         return self.tp == "row"
 
     def tp_plan(self, tp) -> dict:
-        """(parameter name, checkpoint shard) -> this rank's slice, from the role."""
+        """(parameter name, checkpoint shard) -> this rank's slice, from the role; a
+        quantized method maps the weight's slices onto its own tensors (`tp_rules`)."""
         if self.tp == "column":
-            return tp.column(self.out_features, self.output_sizes)
-        if self.tp == "row":
-            return tp.row(self.in_features)
-        if isinstance(self.tp, QKVParallel):
-            return tp.qkv(self.tp)
-        return {}
+            rules = tp.column(self.out_features, self.output_sizes)
+        elif self.tp == "row":
+            rules = tp.row(self.in_features)
+        elif isinstance(self.tp, QKVParallel):
+            rules = tp.qkv(self.tp)
+        else:
+            return {}
+        own = getattr(self.method, "tp_rules", None)
+        return rules if own is None else own(rules)
 
     def extra_repr(self) -> str:
         role = "" if self.tp == "replicated" else f", tp={self.tp}"

@@ -121,10 +121,13 @@ class FusedMoE(nn.Module):
         """Each expert's gate and up rows and its down columns: per-expert checkpoint
         tensors ([I, H] / [H, I], shards 0 and 1 of gate_up) and stacked ones."""
         inter = self.intermediate_size * tp.size
-        return {("gate_up_proj", 0): tp.split(0, inter), ("gate_up_proj", 1): tp.split(0, inter),
-                ("down_proj", 0): tp.split(1, inter),
-                ("gate_up_proj", None): tp.split(1, inter, inter),
-                ("down_proj", None): tp.split(2, inter)}
+        rules = {("gate_up_proj", 0): tp.split(0, inter), ("gate_up_proj", 1): tp.split(0, inter),
+                 ("down_proj", 0): tp.split(1, inter),
+                 ("gate_up_proj", None): tp.split(1, inter, inter),
+                 ("down_proj", None): tp.split(2, inter)}
+        # A quantized method maps the per-expert slices onto its own tensors.
+        own = getattr(self.method, "tp_rules", None)
+        return rules if own is None else own(rules)
 
 
 class SparseMoeBlock(nn.Module):

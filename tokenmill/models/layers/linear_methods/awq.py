@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.models.layers.linear_methods.int_layout import (SCALE_DTYPES, IntLayout,
+from tokenmill.models.layers.linear_methods.int_layout import (GROUP, SCALE_DTYPES, IntLayout,
                                                                IntLinearMethod, TensorSpec)
 from tokenmill.models.layers.linear_methods.int_packing import (awq_deinterleave,
                                                                 unpack_int32)
@@ -41,6 +41,13 @@ class AwqLayout(IntLayout):
 
     def out_features(self, shapes) -> int:
         return shapes["qweight"][-1] * 8
+
+    def tp_dims(self, kind: str) -> tuple:
+        return {"qweight": ((1, 8), (0, 1)), "qzeros": ((1, 8), (0, GROUP)),
+                "scales": ((1, 1), (0, GROUP))}[kind]
+
+    def tp_group_size(self) -> int | None:
+        return None if self.group_size == -1 else self.group_size
 
     def whole_words(self, n: int) -> bool:
         return n % 8 == 0

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.models.layers.linear_methods.int_layout import (INDEX_DTYPES, SCALE_DTYPES,
-                                                               IntLayout, IntLinearMethod,
-                                                               TensorSpec, split_shards)
+from tokenmill.models.layers.linear_methods.int_layout import (G_IDX, GROUP, INDEX_DTYPES,
+                                                               SCALE_DTYPES, SHAPE, IntLayout,
+                                                               IntLinearMethod, TensorSpec,
+                                                               split_shards)
 from tokenmill.models.layers.linear_methods.int_packing import (act_order_perm, packed_len,
-                                                                unpack_int32)
+                                                                per_word, unpack_int32)
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
 
@@ -55,6 +56,16 @@ class CompressedTensorsLayout(IntLayout):
 
     def out_features(self, shapes) -> int:
         return shapes["weight_packed"][0]
+
+    def tp_dims(self, kind: str) -> tuple:
+        per = per_word(self.bits)
+        return {"weight_packed": ((0, 1), (1, per)), "weight_scale": ((0, 1), (1, GROUP)),
+                "weight_zero_point": ((0, per), (1, GROUP)),
+                "weight_shape": ((0, SHAPE), (0, SHAPE)),
+                "weight_g_idx": (None, (0, G_IDX))}[kind]
+
+    def tp_group_size(self) -> int | None:
+        return self.group_size
 
     def whole_words(self, n: int) -> bool:
         return self.symmetric or n * self.bits % 32 == 0

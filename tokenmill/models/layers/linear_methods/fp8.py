@@ -87,6 +87,27 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     return w.mul_(scale).to(dtype)
 
 
+def block_scale_rules(rules: dict, scales: dict[str, str], block_size: tuple[int, int],
+                      per_channel: bool) -> dict:
+    """A tensor-parallel plan (parameter, shard) -> slice of the weights, with the slices
+    of their block scales (`scales`: weight parameter -> its scales') added: a split of
+    rows (dim 0) or input columns (dim 1) takes the same blocks' scales, and must fall
+    on a block boundary (refused naming weight_block_size otherwise). Per-channel
+    scales (one per row) are cut with the rows and kept whole for a split of the
+    columns."""
+    out = dict(rules)
+    for (name, shard), rule in rules.items():
+        if name not in scales or (shard is None and name != "weight"):
+            continue  # (experts stored stacked: refused for fp8 before this)
+        if not hasattr(rule, "regrid") or (rule.dim == 1 and per_channel):
+            continue
+        unit = block_size[rule.dim]
+        what = (f"fp8 weight_block_size {list(block_size)}: "
+                f"{'output rows' if rule.dim == 0 else 'input columns'} in blocks of {unit}")
+        out[(scales[name], shard)] = rule.regrid(rule.dim, unit, what)
+    return out
+
+
 class Fp8BlockLinearMethod(LinearMethod):
     """y = x W^T + b over block-scaled e4m3 weights (module docstring). `compute_dtype`:
     the GEMMs' dtype (the platform's widened one where bf16 GEMMs are emulated); None:
@@ -97,12 +118,21 @@ class Fp8BlockLinearMethod(LinearMethod):
     packed: PackedQuantizedWeight | None = None  # with the native kernels: the only copy
 
     def __init__(self, block_size: tuple[int, int],
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, per_channel: bool = False):
         bn, bk = block_size
         self.block_size = (int(bn), int(bk))
         self.compute_dtype = compute_dtype
+        # One scale per output row (per-channel / per-tensor checkpoints, fp8 at load):
+        # a tensor-parallel split of the input columns leaves every rank the row's scale.
+        self.per_channel = per_channel
 
     in_features: int | None = None  # K (known once create_weights ran)
+
+    def tp_rules(self, rules: dict) -> dict:
+        """Tensor parallelism (models/tensor_parallel.py): the block scales cut with the
+        weight (`block_scale_rules`)."""
+        return block_scale_rules(rules, {"weight": "weight_scale_inv"}, self.block_size,
+                                 self.per_channel)
 
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
         bn, bk = self.block_size
@@ -237,10 +267,17 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
     in_features: int | None = None  # max(H, I) once create_weights ran
 
     def __init__(self, block_size: tuple[int, int],
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, per_channel: bool = False):
         bn, bk = block_size
         self.block_size = (int(bn), int(bk))
         self.compute_dtype = compute_dtype
+        self.per_channel = per_channel  # one scale per row (as Fp8BlockLinearMethod's)
+
+    def tp_rules(self, rules: dict) -> dict:
+        """Each expert's block scales cut with its gate / up rows and down columns."""
+        return block_scale_rules(rules, {t: t + "_scale_inv"
+                                         for t in ("gate_up_proj", "down_proj")},
+                                 self.block_size, self.per_channel)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
         bn, bk = self.block_size
@@ -266,7 +303,7 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
-        method = Fp8BlockFusedMoEMethod(self.block_size, dtype)
+        method = Fp8BlockFusedMoEMethod(self.block_size, dtype, self.per_channel)
         method.in_features = self.in_features
         method.ops, method.max_rows = self.ops, self.max_rows
         if self.packed is not None:

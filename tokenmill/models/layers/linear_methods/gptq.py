@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.models.layers.linear_methods.int_layout import (INDEX_DTYPES, SCALE_DTYPES,
-                                                               IntLayout, IntLinearMethod,
-                                                               TensorSpec, split_shards)
+from tokenmill.models.layers.linear_methods.int_layout import (G_IDX, GROUP, INDEX_DTYPES,
+                                                               SCALE_DTYPES, IntLayout,
+                                                               IntLinearMethod, TensorSpec,
+                                                               split_shards)
 from tokenmill.models.layers.linear_methods.int_packing import (act_order_perm,
                                                                 gptq_zero_points, packed_len,
-                                                                unpack_int32)
+                                                                per_word, unpack_int32)
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
 
@@ -48,6 +49,14 @@ class GptqLayout(IntLayout):
 
     def out_features(self, shapes) -> int:
         return shapes["qweight"][-1]
+
+    def tp_dims(self, kind: str) -> tuple:
+        per = per_word(self.bits)
+        return {"qweight": ((1, 1), (0, per)), "qzeros": ((1, per), (0, GROUP)),
+                "scales": ((1, 1), (0, GROUP)), "g_idx": (None, (0, G_IDX))}[kind]
+
+    def tp_group_size(self) -> int | None:
+        return None if self.group_size == -1 else self.group_size
 
     def whole_words(self, n: int) -> bool:
         return n * self.bits % 32 == 0

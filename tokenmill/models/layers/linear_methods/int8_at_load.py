@@ -41,8 +41,12 @@ class Int8AtLoadLinearMethod(QuantizedLinearMethod):
     weight. `dtype`: the model's (the bias's, dense_weight's)."""
     CHECKPOINT_TENSORS = ("weight",)
 
-    def __init__(self, dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype | None = None,
+                 row_amax: torch.Tensor | None = None):
         self.dtype = dtype or torch.get_default_dtype()
+        # [N, 1] max |w| of each whole row, where this layer holds a share of the row
+        # (row-parallel): quantized against it, as the unsplit layer would be.
+        self.row_amax = row_amax
 
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
         # The checkpoint's plain float weight, quantized after loading.
@@ -51,20 +55,24 @@ class Int8AtLoadLinearMethod(QuantizedLinearMethod):
                                     requires_grad=False)
 
     def to_quantized(self, layer) -> QuantizedWeight:
-        return quantize_int8_per_channel(layer.weight.detach())
+        qw = quantize_int8_per_channel(layer.weight.detach(), self.row_amax)
+        self.row_amax = None
+        return qw
 
     def describe(self) -> str:
         return f"{type(self).__name__}(int8 per-channel{self.describe_kernel()})"
 
 
-def quantize_experts_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_experts_int8(w: torch.Tensor, amax: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked experts w [E, N, K] -> (uint8 codes [E, N, K], fp32 scales [E, N, 1]),
     each expert's rows as `quantize_int8_per_channel` quantizes a matrix; one expert
-    at a time, so the fp32 transient is one expert's."""
+    at a time, so the fp32 transient is one expert's. `amax` [E, N, 1]: the whole
+    rows' max |w| (a tensor-parallel rank holding a share of each row)."""
     codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
     scales = torch.empty(*w.shape[:2], 1, dtype=torch.float32, device=w.device)
     for e in range(w.shape[0]):
-        qw = quantize_int8_per_channel(w[e])
+        qw = quantize_int8_per_channel(w[e], None if amax is None else amax[e])
         codes[e], scales[e] = qw.codes, qw.scales
     return codes, scales
 
@@ -104,12 +112,15 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
                          "(quantize_fused_moe), not loaded from a checkpoint")
 
     @staticmethod
-    def quantize_fused_moe(layer) -> "Int8AtLoadFusedMoEMethod":
+    def quantize_fused_moe(layer, row_amax=None) -> "Int8AtLoadFusedMoEMethod":
         """Replace `layer`'s loaded float experts by their int8 codes and scales (the
-        float stacks dropped) and run through this method from now on."""
+        float stacks dropped) and run through this method from now on. `row_amax`:
+        name -> [E, N, 1] whole rows' max |w| for a stack holding a share of each row
+        (tensor parallelism's down_proj)."""
         method = Int8AtLoadFusedMoEMethod()
         for name in ("gate_up_proj", "down_proj"):
-            codes, scales = quantize_experts_int8(getattr(layer, name).detach())
+            codes, scales = quantize_experts_int8(getattr(layer, name).detach(),
+                                                  (row_amax or {}).get(name))
             setattr(layer, name, nn.Parameter(codes, requires_grad=False))
             setattr(layer, name + "_scale", nn.Parameter(scales, requires_grad=False))
         layer.method = method

@@ -68,6 +68,58 @@ class IntLayout:
     def describe(self) -> str:
         return self.name
 
+    # ---- tensor parallelism --------------------------------------------------------
+    # Which dim of each tensor kind follows the weight's output rows and input
+    # columns, and in what unit (one entry per codes word, block of rows, group):
+    # kind -> ((dim, unit) or None, (dim, unit) or None); unit GROUP: the group size
+    # (a kind with one group per row then stays whole), G_IDX: act-order's g_idx
+    # (cut and renumbered), SHAPE: compressed-tensors' stored (N, K).
+    def tp_dims(self, kind: str) -> tuple:
+        raise NotImplementedError
+
+    def tp_group_size(self) -> int | None:
+        """The group size, None for one group per row (-1, strategy "channel")."""
+        raise NotImplementedError
+
+
+GROUP, G_IDX, SHAPE = "group", "g_idx", "shape"
+
+
+def int_tp_rules(layout: IntLayout, rules: dict, kinds: dict[str, tuple[str, ...]]) -> dict:
+    """A tensor-parallel plan (parameter, shard) -> slice of a weight [N, K], turned
+    into the slices of the format's tensors that store it (`kinds`: the weight's
+    parameter name -> the tensor parameters it is stored as, in the order of
+    layout.KINDS). A split that would cut a packed word or a group is refused by name
+    (Split.regrid); an act-order g_idx whose groups straddle two ranks at load."""
+    out = {key: rule for key, rule in rules.items() if key[0] not in kinds}
+    group = layout.tp_group_size()
+    for (name, shard), rule in rules.items():
+        if name not in kinds or not hasattr(rule, "regrid"):
+            continue
+        side = "output rows" if rule.dim == 0 else "input columns"
+        for param in kinds[name]:
+            kind = max((k for k in layout.KINDS if param == k or param.endswith("_" + k)),
+                       key=len)
+            dim_unit = layout.tp_dims(kind)[rule.dim]
+            if dim_unit is None:
+                continue  # every rank the whole (g_idx of a column split)
+            dim, unit = dim_unit
+            what = f"{layout.describe()} {param} ({side})"
+            if unit == SHAPE:
+                out[(param, shard)] = rule.local_shape(rule.dim)
+            elif unit == G_IDX:
+                cut = rule.regrid(dim, 1, what)  # (the same columns, along g_idx's dim)
+                out[(param, shard)] = (cut if group is None else
+                                       cut.group_index(group, f"{what}, group {group}"))
+            elif unit == GROUP:
+                if group is not None:  # (one group per row: its scale stays whole)
+                    out[(param, shard)] = rule.regrid(dim, group, f"{what}: groups of "
+                                                                  f"{group} columns")
+            else:
+                out[(param, shard)] = rule.regrid(dim, unit, f"{what}: {unit} per word"
+                                                  if unit > 1 else what)
+    return out
+
 
 def packed_specs(layout: IntLayout, k: int, shards: tuple[int, ...]) -> dict[str, TensorSpec]:
     """Specs of a packed layer's parameters: its shards' concatenated along shard_dim."""
@@ -121,6 +173,10 @@ class IntLinearMethod(QuantizedLinearMethod):
         self.CHECKPOINT_TENSORS = tuple(params)
         for kind, p in params.items():
             layer.register_parameter(kind, p)
+
+    def tp_rules(self, rules: dict) -> dict:
+        """Tensor parallelism: the weight's slices as its stored tensors' (int_tp_rules)."""
+        return int_tp_rules(self.layout, rules, {"weight": self.CHECKPOINT_TENSORS})
 
     def to_quantized(self, layer) -> QuantizedWeight:
         t = {kind: getattr(layer, kind).detach() for kind in self.CHECKPOINT_TENSORS}

@@ -25,7 +25,8 @@ from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
-from tokenmill.models.layers.linear_methods.int_layout import IntLayout, make_params
+from tokenmill.models.layers.linear_methods.int_layout import (IntLayout, int_tp_rules,
+                                                               make_params)
 from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
@@ -71,6 +72,14 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
             self.kinds[target] = tuple(params)
             for kind, p in params.items():
                 layer.register_parameter(f"{target}_{kind}", p)
+
+    def tp_rules(self, rules: dict) -> dict:
+        """Tensor parallelism: each expert's gate / up rows and down columns as its
+        stored tensors' slices (int_tp_rules); the stacked forms are not loaded."""
+        per_expert = {key: rule for key, rule in rules.items() if key[1] is not None}
+        return int_tp_rules(self.layout, per_expert,
+                            {t: tuple(f"{t}_{kind}" for kind in self.kinds[t])
+                             for t in self.TARGETS})
 
     def process_weights_after_loading(self, layer) -> None:
         if self.w13 is None and self.packed is None:  # (once: the loader's call)

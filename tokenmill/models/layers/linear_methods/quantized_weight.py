@@ -129,11 +129,15 @@ def reference_linear(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> QuantizedWeight:
+def quantize_int8_per_channel(w: torch.Tensor,
+                              amax: torch.Tensor | None = None) -> QuantizedWeight:
     """Symmetric per-channel int8 of w [N, K] (vLLM's on-the-fly int8 weights): scale =
-    max|w[n]| / 127, code = round(w / scale) + 128, zero 128 (a zero row: scale 1)."""
+    max|w[n]| / 127, code = round(w / scale) + 128, zero 128 (a zero row: scale 1).
+    `amax` [N, 1]: the rows' max |w| when w holds only part of each row (a row-parallel
+    rank's share: the whole row's, so every rank quantizes as one would)."""
     wf = w.detach().float()
-    amax = wf.abs().amax(dim=1, keepdim=True)
+    if amax is None:
+        amax = wf.abs().amax(dim=1, keepdim=True)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.clamp(torch.round(wf / scales), -127, 127).to(torch.int16) + 128
     n = w.shape[0]
