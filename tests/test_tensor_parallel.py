@@ -195,9 +195,52 @@ def test_unsupported_with_tp(tp_model):
     path = tp_model("qwen3")
     with pytest.raises(ValueError, match="tensor_parallel_size.*kv_connector"):
         make_llm(path, tensor_parallel_size=2, kv_connector="cpu")
-    with pytest.raises(ValueError, match="tensor_parallel_size.*speculative"):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 supports speculative "
+                                         "decoding with speculative_config.method 'ngram' "
+                                         "only, not 'mtp'"):
         make_llm(path, tensor_parallel_size=2,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+                 speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_next"])
+def test_tp2_ngram_speculation_equals_tp1(tp_model, name, monkeypatch):
+    """n-gram drafts under tensor parallelism: rank 0 proposes and verifies, the other
+    rank runs the drafts and takes the accepted tokens (a hybrid: the state slot of the
+    last accepted one) from rank 0. The lookup answers with the plain run's tokens,
+    one of the first three corrupted (test_spec_oracle's "partial" oracle: drafts
+    accepted and rejected in every verification pattern), with chunked prefill and
+    preemption in the mix: greedy output equals the plain TP=1 run."""
+    from test_spec_oracle import Oracle
+    from tokenmill.platforms.cpu import CpuPlatform
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    path = tp_model(name)
+    prompts = make_prompts(PROMPT_LENGTHS, 384)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    ref = run(make_llm(path, **ENGINE))
+    oracle = Oracle({tuple(p): p + r for p, r in zip(prompts, ref)}, "partial", 384)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = make_llm(path, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    ngram = runner_of(llm).runner.drafter.ngram
+
+    def lookup(index, row, length, cap):
+        seq = oracle.seq_of_row(row, length)
+        return oracle.drafts(seq, length, cap) if seq is not None else []
+    ngram._lookup = lookup
+    try:
+        assert run(llm) == ref
+        assert not oracle.errors, oracle.errors[:3]
+        stats = scheduler_of(llm).spec_stats
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # some rejected too
+        assert scheduler_of(llm).num_preemptions > 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_tp1_runs_the_runner_itself(tp_model):

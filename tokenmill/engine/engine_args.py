@@ -142,9 +142,11 @@ class EngineArgs:
             if self.kv_connector is not None:
                 raise ValueError("tensor_parallel_size > 1 does not support the external KV "
                                  "tier (kv_connector) yet")
-            if self.speculative_config is not None:
-                raise ValueError("tensor_parallel_size > 1 does not support speculative "
-                                 "decoding (speculative_config) yet")
+            if self.speculative_config is not None and self.speculative_config.method != "ngram":
+                raise ValueError(f"tensor_parallel_size > 1 supports speculative decoding "
+                                 f"with speculative_config.method 'ngram' only, not "
+                                 f"{self.speculative_config.method!r} (its draft model "
+                                 f"would share the target's sharded embedding and lm_head)")
         if self.quantization is not None and (not isinstance(self.quantization, str)
                                               or not self.quantization):
             raise ValueError(f"quantization must be a method name or None, "

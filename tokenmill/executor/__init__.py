@@ -20,9 +20,14 @@ def make_executor(model_config, platform, runner_kwargs: dict, tensor_parallel_s
         return ModelRunner(model, dtype=model_config.dtype, device=model_config.device,
                            platform=platform, speculative_config=speculative_config,
                            draft_model=draft_model, **runner_kwargs)
-    if model is not None or speculative_config is not None:
+    if model is not None:
         raise ValueError("tensor_parallel_size > 1: every rank loads its own shard (no "
-                         "prebuilt model), and speculative decoding is not supported")
+                         "prebuilt model)")
+    if draft_model is not None or (speculative_config is not None
+                                   and speculative_config.method != "ngram"):
+        raise ValueError("tensor_parallel_size > 1: speculative decoding with the 'ngram' "
+                         "method only (a draft model would share the target's sharded "
+                         "embedding and lm_head)")
     from tokenmill.executor.multiproc_tp import MultiprocTPExecutor
     from tokenmill.models.registry import resolve_model_class
     from tokenmill.models.tensor_parallel import check_divisible
@@ -31,4 +36,5 @@ def make_executor(model_config, platform, runner_kwargs: dict, tensor_parallel_s
     if model_config.device.type != "cpu":
         raise ValueError(f"tensor_parallel_size > 1 runs on CPU (gloo) only for now, not on "
                          f"{model_config.device}")
-    return MultiprocTPExecutor(model_config, platform, tensor_parallel_size, runner_kwargs)
+    return MultiprocTPExecutor(model_config, platform, tensor_parallel_size, runner_kwargs,
+                               speculative_config=speculative_config)

@@ -74,24 +74,33 @@ BODY_TYPES = {EXECUTE: SchedulerOutput, SAMPLED: SampledTokens, REMOVE: RemoveRe
               INIT_KV: InitKVCache}
 
 
-def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict):
+def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict,
+                  speculative_config=None):
+    """This rank's runner over its shard. `speculative_config` (n-gram only, every
+    rank: a hybrid's state slots come in groups of 1 + k on each): rank 0 proposes and
+    verifies; the other ranks run the drafts the scheduler sends as scheduled tokens
+    and take the accepted ones (and, hybrids, the state slot of the last one) from rank
+    0's SampledTokens."""
     from tokenmill.models.loader import load_model
     from tokenmill.worker.model_runner import ModelRunner
     model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
                        model_config.device, platform, tp_group=group,
                        quantization=model_config.quantization)
     return ModelRunner(model, dtype=model_config.dtype, device=model_config.device,
-                       platform=platform, **runner_kwargs)
+                       platform=platform, speculative_config=speculative_config,
+                       **runner_kwargs)
 
 
 def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
-                runner_kwargs: dict, threads: int, timeout_s: float) -> None:
+                runner_kwargs: dict, threads: int, timeout_s: float,
+                speculative_config=None) -> None:
     """A rank > 0: build its shard, then follow rank 0's calls until told to quit or
     its pipe closes (the engine is gone)."""
     torch.set_num_threads(threads)
     try:
         group = TPGroup(rank, size, port, timeout_s)
-        runner = _build_runner(model_config, platform.in_this_process(), group, runner_kwargs)
+        runner = _build_runner(model_config, platform.in_this_process(), group, runner_kwargs,
+                               speculative_config)
         decode = {op: serial.decoder(t) for op, t in BODY_TYPES.items()}
         conn.send_bytes(READY)
         with torch.inference_mode():
@@ -182,7 +191,7 @@ class MultiprocTPExecutor:
     kv_connector = None  # the external KV tier is refused with tensor parallelism
 
     def __init__(self, model_config, platform, size: int, runner_kwargs: dict,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, speculative_config=None):
         self.size = size
         self.ranks_per_host = size  # every rank is a process here: the KV budget is shared
         self._dead: str | None = None
@@ -199,7 +208,7 @@ class MultiprocTPExecutor:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"tokenmill-tp-rank{rank}", daemon=True,
                                args=(rank, size, port, child, model_config, bare,
-                                     runner_kwargs, threads, timeout_s))
+                                     runner_kwargs, threads, timeout_s, speculative_config))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -207,7 +216,8 @@ class MultiprocTPExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
         try:
             self.group = self._start_group(port, timeout_s)
-            self.runner = _build_runner(model_config, platform, self.group, runner_kwargs)
+            self.runner = _build_runner(model_config, platform, self.group, runner_kwargs,
+                                        speculative_config)
             self._wait_ready()
         except BaseException:
             self._finalizer()

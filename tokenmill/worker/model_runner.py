@@ -177,11 +177,18 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
 
     def apply_sampled_tokens(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         """A rank that does not sample (tensor parallelism, tokenmill/executor): the
-        tokens rank 0 sampled for the step this rank ran (the ModelRunnerOutput's rows),
-        written into the batch as sample_tokens() writes its own: the next step's
-        input ids read them."""
+        tokens rank 0 sampled for the step this rank ran (the ModelRunnerOutput's rows;
+        a verified row's accepted drafts and its next token), written into the batch as
+        sample_tokens() writes its own: the next step's input ids read them."""
         self._pending = None
         self._prompt_logprobs_ready = {}
+        if self.state_slots is not None and self._spec_write_slots:
+            # A verified row goes on from the state after its last accepted token, as
+            # rank 0's verification moved it (runner_spec.py).
+            for rid, toks in zip(req_ids, sampled):
+                write = self._spec_write_slots.get(rid)
+                if write is not None and len(write) > 1 and toks:
+                    self.state_slots.accept(rid, write[len(toks) - 1])
         counts = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
         total = int(counts.sum())
         if not total:
