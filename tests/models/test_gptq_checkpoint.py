@@ -44,6 +44,8 @@ CASES = {
     "qwen3_8bit_g32_descact_asym_v2": (QWEN3, dict(bits=8, group_size=32, sym=False,
                                                    desc_act=True,
                                                    checkpoint_format="gptq_v2")),
+    # GPTQ's lm_head true: the (untied) lm_head quantized too, group 32, asymmetric.
+    "qwen3_4bit_g32_lmhead": (QWEN3, dict(bits=4, group_size=32, sym=False, lm_head=True)),
     "qwen3_moe_4bit_g32_descact_sym": (MOE_SPECS["qwen3_moe_norm"],
                                        dict(bits=4, group_size=32, sym=True, desc_act=True)),
     # Hybrid (Gated DeltaNet + attention, MoE): the *_proj Linears and experts GPTQ.
@@ -169,6 +171,39 @@ def test_gptq_layers_hold_the_canonical_form(gptq_model):
         assert "native up to" in method.describe()
         assert method.nbytes() == sum(p.nbytes() for p in forms + method.packed.w2)
     assert not any(n.startswith("gate_up_proj_") for n, _ in experts.named_parameters())
+
+
+def test_gptq_quantized_lm_head(gptq_model, tmp_path):
+    """lm_head true: the lm_head takes the GPTQ method (its dense weight the dequantized
+    one exactly; no int8 greedy screen over it), parity with HF on the twin is the
+    parametrized test's; tied to the embedding, or under tensor parallelism: refused
+    by name."""
+    import json
+
+    from conftest import build_checkpoint
+    m = gptq_model("qwen3_4bit_g32_lmhead")
+    cfg = json.load(open(os.path.join(m.path, "config.json")))
+    assert cfg["quantization_config"]["lm_head"] is True
+    llm = make_llm(m.path)
+    model = runner_of(llm).model
+    assert isinstance(model.lm_head.method, GptqLinearMethod)
+    assert torch.equal(model.lm_head.dense_weight(), m.deq["lm_head.weight"])
+    assert runner_of(llm).greedy_head is None
+    llm.llm_engine.engine_core.shutdown()
+    with pytest.raises(ValueError, match=r"quantized lm_head with tensor parallelism"):
+        make_llm(m.path, tensor_parallel_size=2)
+    # A tied model's lm_head is the embedding: a quantized copy of it is refused.
+    src, dst = str(tmp_path / "src"), str(tmp_path / "tied")
+    build_checkpoint(src, *LLAMA_TIED)
+    write_gptq_checkpoint(src, dst, bits=4, group_size=32, lm_head=True)
+    from safetensors.torch import load_file, save_file
+    t = load_file(os.path.join(dst, "model.safetensors"))
+    for kind in ("qweight", "qzeros", "scales", "g_idx"):
+        t[f"lm_head.{kind}"] = t[f"model.layers.0.mlp.down_proj.{kind}"].clone()
+    save_file(t, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lm_head\.qweight is quantized: a quantized "
+                                         r"weight tied to the embedding"):
+        load(dst)
 
 
 def test_gptq_writer_keeps_the_source_sharding(tmp_path):

@@ -60,7 +60,6 @@ def _config(path: str) -> dict:
     ({**GPTQ, "checkpoint_format": "marlin"}, r"gptq checkpoint_format 'marlin' is not "
                                               r"implemented"),
     ({**GPTQ, "group_size": 0}, r"gptq group_size must be positive or -1"),
-    ({**GPTQ, "lm_head": True}, r"gptq lm_head true \(a quantized lm_head\)"),
     ({**GPTQ, "dynamic": {"-:.*down": {}}}, r"gptq dynamic .* is not implemented"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False},
      r"awq zero_point false is not implemented"),
@@ -120,7 +119,9 @@ def _mutated(gptq: str, dst: str, change) -> str:
     return write_variant(gptq, dst, tensors)
 
 
-def test_quantized_lm_head_and_embedding_are_refused(src, gptq, tmp_path):
+def test_quantized_lm_head_loads_and_embedding_is_refused(src, gptq, tmp_path):
+    """A GPTQ lm_head (untied) takes the GPTQ method (test_gptq_checkpoint.py checks
+    its parity); a quantized embedding has no layer to place it."""
     from tokenmill.models.layers.linear_methods.int_packing import pack_int32
 
     def head(t):
@@ -129,9 +130,9 @@ def test_quantized_lm_head_and_embedding_are_refused(src, gptq, tmp_path):
                                           4, 0)
         t["lm_head.qzeros"] = torch.zeros(2, w.shape[0] // 8, dtype=torch.int32)
         t["lm_head.scales"] = torch.ones(2, w.shape[0], dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"tensor lm_head\.qweight is quantized: a quantized "
-                                         r"lm_head .* is not implemented"):
-        load(_mutated(gptq, str(tmp_path / "head"), head))
+    from tokenmill.models.layers.linear_methods.gptq import GptqLinearMethod
+    model = load(_mutated(gptq, str(tmp_path / "head"), head))
+    assert isinstance(model.lm_head.method, GptqLinearMethod)
 
     def embed(t):
         t["model.embed_tokens.qweight"] = torch.zeros(8, 384, dtype=torch.int32)

@@ -15,8 +15,11 @@ are quantized takes `QuantizedFusedMoEMethod`: every expert and projection, else
 error naming the tensor.
 
 A vision-language checkpoint's language-model tensors ("model.language_model.*") are
-found under the names its text model gives them. Refused by name: a quantized lm_head
-or a weight tied to the embedding, a layer the config's ignore list names but whose
+found under the names its text model gives them. A quantized lm_head (GPTQ's
+`lm_head: true`) takes its format's method like any layer (the int8 greedy screen,
+which needs a float lm_head, is then not built: the quantized kernel reads fewer
+bytes). Refused by name: a quantized weight tied to the embedding, a quantized
+lm_head with tensor parallelism, a layer the config's ignore list names but whose
 weights are quantized, a missing or mis-shaped tensor, a packed layer half quantized,
 and any tensor of the format no layer takes (experts stored stacked, layers a model
 renames or transforms on the way in).
@@ -165,10 +168,17 @@ def _apply_linears(model: nn.Module, pl: Placement, dtype, tp_size: int = 1) -> 
             raise ValueError(f"{pl.where}: {layer} packs {', '.join(shard_modules)}: "
                              f"{quantized[0]}.{pl.marker} is quantized but {plain[0]} is "
                              f"not; a packed layer loads quantized only when every shard is")
-        if uses.get(id(getattr(module, "weight", None)), 0) > 1 or leaf == "lm_head":
+        if uses.get(id(getattr(module, "weight", None)), 0) > 1:
             raise ValueError(f"{pl.where}: tensor {quantized[0]}.{pl.marker} is quantized: a "
-                             f"quantized lm_head or a weight tied to the embedding is not "
-                             f"implemented")
+                             f"quantized weight tied to the embedding is not implemented")
+        if leaf == "lm_head" and (tp_size > 1 or mname != "lm_head"):
+            # (TP splits the lm_head by vocabulary; a quantized one would need its
+            # packed tensors cut the same way)
+            raise ValueError(f"{pl.where}: tensor {quantized[0]}.{pl.marker} is quantized: a "
+                             f"quantized lm_head " + ("with tensor parallelism (tensor_"
+                                                      f"parallel_size {tp_size})" if tp_size > 1
+                                                      else f"at {mname}") +
+                             " is not implemented")
         pl.ignored(quantized)
         layout, method_cls = pl.layout(quantized, layer)
         shards = []

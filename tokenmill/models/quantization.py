@@ -361,9 +361,8 @@ def parse_gptq_config(qc: dict, where: str) -> GptqConfig:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where}: gptq checkpoint_format {fmt!r} is not implemented "
                          f"(tokenmill loads 'gptq' and 'gptq_v2')")
-    if qc.get("lm_head"):
-        raise ValueError(f"{where}: gptq lm_head true (a quantized lm_head) is not "
-                         f"implemented")
+    # lm_head true: the lm_head's tensors are quantized like a layer's (int_quant_layers
+    # takes it where the checkpoint has them; tied to the embedding: refused there).
     if qc.get("dynamic"):
         raise ValueError(f"{where}: gptq dynamic (per-module bits / group overrides) is "
                          f"not implemented")

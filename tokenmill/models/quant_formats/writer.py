@@ -4,8 +4,8 @@ tensors' FP8 block strategy too: encode.quantize_fp8_block), and optionally
 write the dequantized fp32 checkpoint that HF transformers runs as the reference.
 
 Quantized: every 2-D `*_proj.weight` of the decoder layers (attention and MLP
-projections, MoE experts per expert; not the router, the embeddings or the lm_head),
-except the modules named in `keep`. The files keep the source's sharding (one output
+projections, MoE experts per expert; not the router or the embeddings), and the
+lm_head only where asked (GPTQ's `lm_head: true`), except the modules named in `keep`. The files keep the source's sharding (one output
 file per source file, the index rewritten); config.json gets the format's
 quantization_config.
 """
@@ -29,7 +29,9 @@ from tokenmill.models.quant_formats.rtn import quantize_rtn
 INDEX = "model.safetensors.index.json"
 
 
-def quantizable(name: str, t: torch.Tensor) -> bool:
+def quantizable(name: str, t: torch.Tensor, lm_head: bool = False) -> bool:
+    if lm_head and name == "lm_head.weight":
+        return t.dim() == 2
     return t.dim() == 2 and name.endswith("_proj.weight") and ".layers." in name
 
 
@@ -60,12 +62,13 @@ def _write_config(src: str, dst: str, qc: dict | None) -> None:
 
 def write_quantized(src_dir: str, dst_dir: str, encode, qc: dict,
                     reference_dir: str | None = None, keep: tuple[str, ...] = (),
-                    return_dequantized: bool = True) -> dict[str, torch.Tensor]:
+                    return_dequantized: bool = True,
+                    lm_head: bool = False) -> dict[str, torch.Tensor]:
     """`src_dir` rewritten into `dst_dir` with every quantizable weight replaced by
     encode(name, w) -> (tensors by kind, its QuantizedWeight); `reference_dir`: also
     the same checkpoint with those weights dequantized (fp32). Returns the dequantized
     weights by checkpoint name (empty unless `return_dequantized`: a large model's
-    would not fit in memory)."""
+    would not fit in memory). `lm_head`: quantize the (untied) lm_head too."""
     _copy_side_files(src_dir, dst_dir)
     _write_config(src_dir, dst_dir, qc)
     if reference_dir is not None:
@@ -79,7 +82,7 @@ def write_quantized(src_dir: str, dst_dir: str, encode, qc: dict,
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                if not quantizable(name, t) or any(name.startswith(m + ".") for m in keep):
+                if not quantizable(name, t, lm_head) or any(name.startswith(m + ".") for m in keep):
                     out[name] = t
                     if reference_dir is not None:
                         ref[name] = t
@@ -111,9 +114,11 @@ def write_gptq_checkpoint(src_dir: str, dst_dir: str, bits: int = 4, group_size:
                           sym: bool = True, desc_act: bool = False,
                           checkpoint_format: str = "gptq", reference_dir: str | None = None,
                           keep: tuple[str, ...] = (), seed: int = 0,
-                          return_dequantized: bool = True) -> dict[str, torch.Tensor]:
+                          return_dequantized: bool = True,
+                          lm_head: bool = False) -> dict[str, torch.Tensor]:
     """GPTQ (AutoGPTQ "gptq" v1 zeros, or GPTQModel "gptq_v2"): qweight / qzeros /
-    scales (fp16) / g_idx; desc_act shuffles each matrix's columns into act-order."""
+    scales (fp16) / g_idx; desc_act shuffles each matrix's columns into act-order;
+    `lm_head`: the lm_head quantized too (config `lm_head: true`)."""
     v1 = checkpoint_format == "gptq"
 
     def encode(name, w):
@@ -125,9 +130,9 @@ def write_gptq_checkpoint(src_dir: str, dst_dir: str, bits: int = 4, group_size:
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
           "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
           "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-          "lm_head": False}
+          "lm_head": lm_head}
     return write_quantized(src_dir, dst_dir, encode, qc, reference_dir, keep,
-                           return_dequantized)
+                           return_dequantized, lm_head)
 
 
 def write_awq_checkpoint(src_dir: str, dst_dir: str, group_size: int = 128,
