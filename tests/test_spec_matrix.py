@@ -261,9 +261,13 @@ def test_mixed_batch_equals_the_plain_engine(targets, spec_configs, kind, method
     extra = CHUNKED if config == "chunked" else {}
     llm = make_llm(path, speculative_config=spec_configs(kind, method), **extra)
     oracle = install_partial_oracle(llm, method, want, VOCAB) if drafts == "oracle" else None
+    from test_spec_oracle import record_verifications
+    seen = record_verifications(llm)
     prompts, params = batch()
     got = llm.generate(prompts, params, use_tqdm=False)
     assert_same(got, want)
+    if oracle is not None:  # every request verified drafts: grammar and sampled rows too
+        assert {p for p, _, d in seen if d} == {tuple(o.prompt_token_ids) for o in want}
     json.loads(want[-1].outputs[0].text)  # the grammar finished its object
     stats = scheduler_of(llm).spec_stats
     assert stats.num_draft_tokens > 0
@@ -294,25 +298,30 @@ def _shared_prefix_prompts() -> list[list[int]]:
             for n in (2, 5, 11)] + [prefix[:17]]
 
 
+@pytest.mark.parametrize("config", ["plain", "chunked"])
 @pytest.mark.parametrize("drafts", ["random", "oracle"])
 @pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "mtp"])
-def test_hybrid_prefix_caching_with_speculation(targets, spec_configs, method, drafts):
+def test_hybrid_prefix_caching_with_speculation(targets, spec_configs, method, drafts,
+                                                config):
     """A batch sharing a prefix, twice on one engine with prefix caching (recurrent
     state restored from snapshots at block boundaries, then verify steps over 1 + k
-    state slots): the uncached plain engine's tokens both times, hits > 0, nothing
-    held."""
+    state slots), also in 16-token chunks with a pool that preempts: the uncached plain
+    engine's tokens both times, hits > 0, nothing held."""
+    extra = dict(CHUNKED, block_size=8) if config == "chunked" else {"block_size": 8}
     path = targets("hybrid")
     prompts = [{"prompt_token_ids": p} for p in _shared_prefix_prompts()]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = make_llm(path, enable_prefix_caching=False).generate(prompts, params,
                                                                 use_tqdm=False)
     llm = make_llm(path, speculative_config=spec_configs("hybrid", method),
-                   enable_prefix_caching=True, block_size=8, state_snapshot_interval=8)
+                   enable_prefix_caching=True, state_snapshot_interval=8, **extra)
     oracle = install_partial_oracle(llm, method, want, VOCAB) if drafts == "oracle" else None
     for _ in range(2):
         got = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.llm_engine.engine_core.kv_cache_stats()["prefix_cache_hits"] > 0
+    if config == "chunked":
+        assert scheduler_of(llm).num_preemptions > 0
     stats = scheduler_of(llm).spec_stats
     assert stats.num_draft_tokens > 0
     if oracle is not None:
