@@ -20,8 +20,9 @@ What the other suites covered before this file (method x target x feature):
 Gaps this file fills, each run compared with the plain engine (no speculation) under
 the same engine arguments, fp32, tokens equal and logprobs within 1e-4:
 
-  - every method on a dense (Qwen3), a MoE (Qwen3-MoE) and a hybrid (Qwen3.5 with
-    an MTP head) target; mtp where the target has a head, refused by name elsewhere;
+  - every method on a dense (Qwen3), a MoE (Qwen3-MoE) and two hybrid targets
+    (Qwen3.5, Qwen3-Next: Gated DeltaNet + sparse MoE), the hybrids with an MTP head;
+    mtp where the target has a head, refused by name elsewhere;
   - in one batch: top-5 logprobs + prompt logprobs, a JSON-schema grammar (xgrammar),
     sampled n=3 / seeded n=2 with top_k=1 (the rejection sampler's random path where
     the result is still exact: every sample the greedy tokens; greedy n > 1 is
@@ -82,8 +83,8 @@ def _copy_tokenizer(src: str, dst: str) -> None:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory, demo_path):
     """kind -> checkpoint folder (with the demo tokenizer), built on first use:
-    dense Qwen3, Qwen3-MoE (layer 0 dense, 1-2 sparse) and a Qwen3.5 hybrid with a
-    random MTP head."""
+    dense Qwen3, Qwen3-MoE (layer 0 dense, 1-2 sparse), and the Qwen3.5 hybrid and the
+    Qwen3-Next hybrid MoE, each with a random MTP head."""
     from test_hybrid_parity import HYBRID_SPECS, build_hybrid
     from test_moe_parity import MOE_SPECS
 
@@ -100,9 +101,9 @@ def targets(tmp_path_factory, demo_path):
         elif kind == "moe":
             arch, overrides = MOE_SPECS["qwen3_moe_norm"]
             build_checkpoint(path, arch, dict(overrides, vocab_size=VOCAB))
-        else:
-            arch, overrides = HYBRID_SPECS["qwen3_5"]
-            base = str(tmp_path_factory.mktemp("hybrid_base"))
+        else:  # "hybrid": Qwen3.5; "hybrid_moe": Qwen3-Next (sparse MoE in every layer)
+            arch, overrides = HYBRID_SPECS["qwen3_5" if kind == "hybrid" else "qwen3_next"]
+            base = str(tmp_path_factory.mktemp(f"{kind}_base"))
             build_hybrid(base, arch, dict(overrides, vocab_size=VOCAB, mtp_num_hidden_layers=1))
             path = os.path.join(path, "ckpt")
             write_folder(path, base, json.load(open(os.path.join(base, "config.json"))),
@@ -244,7 +245,8 @@ def install_partial_oracle(llm, method: str, plain, vocab: int):
 
 TARGET_METHODS = [("dense", m) for m in ("ngram", "eagle3", "dflash")] + \
     [("moe", m) for m in ("ngram", "eagle3", "dflash")] + \
-    [("hybrid", m) for m in ("ngram", "eagle3", "dflash", "mtp")]
+    [("hybrid", m) for m in ("ngram", "eagle3", "dflash", "mtp")] + \
+    [("hybrid_moe", m) for m in ("ngram", "eagle3", "dflash", "mtp")]
 
 
 @pytest.mark.parametrize("config", ["plain", "chunked"])
@@ -298,22 +300,28 @@ def _shared_prefix_prompts() -> list[list[int]]:
             for n in (2, 5, 11)] + [prefix[:17]]
 
 
+_UNCACHED: dict[str, list] = {}
+
+
 @pytest.mark.parametrize("config", ["plain", "chunked"])
-@pytest.mark.parametrize("drafts", ["random", "oracle"])
+@pytest.mark.parametrize("kind,drafts", [("hybrid", "random"), ("hybrid", "oracle"),
+                                         ("hybrid_moe", "oracle")])
 @pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash", "mtp"])
-def test_hybrid_prefix_caching_with_speculation(targets, spec_configs, method, drafts,
+def test_hybrid_prefix_caching_with_speculation(targets, spec_configs, method, kind, drafts,
                                                 config):
     """A batch sharing a prefix, twice on one engine with prefix caching (recurrent
     state restored from snapshots at block boundaries, then verify steps over 1 + k
     state slots), also in 16-token chunks with a pool that preempts: the uncached plain
     engine's tokens both times, hits > 0, nothing held."""
     extra = dict(CHUNKED, block_size=8) if config == "chunked" else {"block_size": 8}
-    path = targets("hybrid")
+    path = targets(kind)
     prompts = [{"prompt_token_ids": p} for p in _shared_prefix_prompts()]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = make_llm(path, enable_prefix_caching=False).generate(prompts, params,
-                                                                use_tqdm=False)
-    llm = make_llm(path, speculative_config=spec_configs("hybrid", method),
+    if path not in _UNCACHED:
+        _UNCACHED[path] = make_llm(path, enable_prefix_caching=False).generate(
+            prompts, params, use_tqdm=False)
+    want = _UNCACHED[path]
+    llm = make_llm(path, speculative_config=spec_configs(kind, method),
                    enable_prefix_caching=True, state_snapshot_interval=8, **extra)
     oracle = install_partial_oracle(llm, method, want, VOCAB) if drafts == "oracle" else None
     for _ in range(2):
