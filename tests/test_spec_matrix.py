@@ -34,6 +34,10 @@ the same engine arguments, fp32, tokens equal and logprobs within 1e-4:
     restored under verify steps);
   - oracle full / partial / zero acceptance for n-gram, EAGLE-3 and DFlash on the
     hybrid target (test_spec_oracle.py had MTP only there).
+
+Known gap (xfail, strict): a DFlash request whose prompt hits the prefix cache drafts
+from a context that starts at the hit (its context K/V lives per request, outside the
+paged cache), so its drafts differ from an uncached run's; the output stays exact.
 """
 from __future__ import annotations
 
@@ -237,7 +241,7 @@ def install_partial_oracle(llm, method: str, plain, vocab: int):
             for o in plain}
     oracle = Oracle(seqs, "partial", vocab)
     # n > 1: the samples after the first hit the prompt's cached blocks, and a DFlash
-    # context then starts at the hit (see the report of issue 33's matrix).
+    # context then starts at the hit (the xfail test at the end of this file).
     oracle.prefix_hits = True
     install_oracle(llm, method, oracle, K)
     return oracle
@@ -367,3 +371,33 @@ def test_oracle_acceptance_on_the_hybrid_target(hybrid_setups, method, pattern):
     s = check_run(llm, setup, oracle, seen, got)
     assert s == dict(s, **expected_stats(want, oracle, setup.k))
     assert_idle(llm)
+
+
+# ---- known gap: a DFlash context after a prefix-cache hit -------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="DFlash keeps its context K/V per request, outside the "
+                   "paged cache: after a prefix-cache hit the context starts at the hit, so "
+                   "the drafts (not the output) differ from an uncached run")
+def test_dflash_drafts_after_a_prefix_hit_equal_the_uncached_drafts(targets, spec_configs):
+    """The same prompt twice: the second run's drafts with prefix caching (its cached
+    blocks' rows never reach the drafter) against those without."""
+    path = targets("dense")
+    spec = dict(spec_configs("dense", "dflash"), adaptive=False)
+    prompt = [{"prompt_token_ids": _token_prompts(9)[3] * 2}]  # 58 tokens: 7 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for cache in (False, True):
+        llm = make_llm(path, speculative_config=spec, enable_prefix_caching=cache, block_size=8)
+        llm.generate(prompt, params, use_tqdm=False)
+        drafter = runner_of(llm).drafter
+        seen, inner = [], drafter.propose_with_model
+
+        def propose_with_model(*args, _inner=inner, _seen=seen, **kw):
+            out = _inner(*args, **kw)
+            _seen.append([list(d) for d in out])
+            return out
+        drafter.propose_with_model = propose_with_model
+        out = llm.generate(prompt, params, use_tqdm=False)
+        runs.append((out[0].outputs[0].token_ids, seen))
+    assert runs[0][0] == runs[1][0]  # the output is exact either way
+    assert runs[0][1] == runs[1][1]
