@@ -86,6 +86,7 @@ class Oracle:
         self.errors: list[str] = []
         self.calls = 0  # draft rows the oracle answered
         self.waited: list[bool] = []  # per drafter pass: did some decode row wait
+        self.prefix_hits = False  # may a DFlash context start after a prefix-cache hit
 
     def seq(self, prompt) -> list[int]:
         return self.seqs[tuple(int(t) for t in prompt)]
@@ -95,11 +96,17 @@ class Oracle:
         of another); None (and an error) where the row left the plain run."""
         for prompt, seq in self.seqs.items():
             if tuple(row[:len(prompt)].tolist()) == prompt:
-                if row[:length].tolist() != seq[:length]:
+                if row[:min(length, len(seq))].tolist() != seq[:length]:
                     self.errors.append(f"row of {prompt[:3]}... left the plain run")
                 return seq
         self.errors.append(f"no prompt starts row {row[:8].tolist()}")
         return None
+
+    def token(self, seq: list[int], i: int) -> int | None:
+        """The plain run's token i; None past its end (a request that stopped on a stop
+        token inside this step's accepted drafts is drafted for once more before the
+        scheduler finishes it: its tokens past the plain run are not checked)."""
+        return seq[i] if i < len(seq) else None
 
     def draft(self, seq: list[int], n: int, j: int) -> int:
         """Draft j of a request with n tokens: the plain run's token at n + j, or, where
@@ -146,8 +153,8 @@ class OracleEagleModel:
             seq = oracle.seq(self.runner.requests[rid].prompt_token_ids)
             n = int(batch.num_tokens_no_spec[r])
             j = p + 2 - n
-            want_in = seq[n - 1] if j == 0 else oracle.draft(seq, n, j - 1)
-            if not 0 <= j < self.k or t_in != want_in:
+            want_in = oracle.token(seq, n - 1) if j == 0 else oracle.draft(seq, n, j - 1)
+            if not 0 <= j < self.k or (n <= len(seq) and t_in != want_in):
                 oracle.errors.append(f"{rid}: draft step at position {p} with {n} tokens "
                                      f"took token {t_in}, expected {want_in}")
             tokens.append(oracle.draft(seq, n, j))
@@ -182,9 +189,13 @@ class OracleDFlashModel:
         for rid, t, p in zip(req_ids, np.asarray(last_token_ids).tolist(),
                              np.asarray(positions).tolist()):
             seq = oracle.seq(self.runner.requests[rid].prompt_token_ids)
-            if t != seq[p] or context.num_rows(rid) != p or context.end(rid) != p:
+            # The context ends at the block; it starts at 0 unless the prompt hit the
+            # prefix cache (the rows of cached blocks are not the drafter's).
+            if (p < len(seq) and t != seq[p]) or context.end(rid) != p \
+                    or (context.start(rid) != 0 and not oracle.prefix_hits):
                 oracle.errors.append(f"{rid}: block at {p} from token {t} (expected "
-                                     f"{seq[p]}), context of {context.num_rows(rid)} rows")
+                                     f"{oracle.token(seq, p)}), context of "
+                                     f"{context.num_rows(rid)} rows")
             out.append(oracle.drafts(seq, p + 1, k))
             oracle.calls += k
         return torch.tensor(out, dtype=torch.long)

@@ -219,3 +219,31 @@ def test_runner_maps_compact_rows_to_batch_rows():
     assert ModelRunner._grammar_bitmask_rows(fake) is None
     fake._grammar = GrammarOutput({}, np.zeros((0, 4), dtype=np.int32))
     assert ModelRunner._grammar_bitmask_rows(fake) is None
+
+
+def test_drafts_past_the_grammars_stop_token(manager):
+    """A drafter may propose tokens after the stop token that completes the grammar
+    (an oracle's drafts past the end, an n-gram's continuation): the rows up to the
+    stop token are the grammar's, the rows after it stay all-allowed (the request ends
+    at the stop token, they are never read) instead of xgrammar failing on a
+    terminated matcher; the matcher is back where it was."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = manager.new_request("r", StructuredOutputsParams(json=schema))
+    while not r.ready():
+        manager.wait_for_grammars(1.0)
+    tok = manager.tokenizer
+    for piece in ('{"a":', "7"):
+        for t in tok.encode(piece, add_special_tokens=False):
+            assert not r.advance(t)
+    close = tok.encode("}", add_special_tokens=False)
+    assert len(close) == 1
+    drafts = [close[0], tok.eos_token_id, 5, 6]
+    rows, bm = manager.grammar_bitmask({"r": _Req(r)}, {"r": 1 + len(drafts)}, {"r": drafts})
+    assert rows == {"r": 0} and bm.shape[0] == 1 + len(drafts)
+    allowed = unpack_bitmask(torch.from_numpy(bm), 4096)
+    assert allowed[0, close[0]] and not allowed[0, 5]  # after "7": a digit or "}"
+    assert allowed[1, tok.eos_token_id] and not allowed[1, close[0]]  # complete: the stop
+    assert allowed[2:].all()  # after the stop token: never read
+    assert not r.is_terminated()  # rolled back: "}" and the stop token still to come
+    assert not r.advance(close[0]) and r.advance(tok.eos_token_id)

@@ -136,8 +136,9 @@ def load_mtp_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: t
         hf_config = json.load(f)
     text = flatten_text_config(hf_config)
     if not isinstance(target, Qwen3NextForCausalLM):
-        raise ValueError(f"method 'mtp' needs a Qwen3-Next / Qwen3.5 or DeepSeek-V3 target; "
-                         f"checkpoint {path} is {text.get('architectures')}")
+        raise ValueError(f"speculative_config.method 'mtp' needs a Qwen3-Next / Qwen3.5 or "
+                         f"DeepSeek-V3 target; checkpoint {path} is "
+                         f"{text.get('architectures')}")
     if not text.get("mtp_num_hidden_layers"):
         raise ValueError(f"checkpoint {path} has no MTP head: its config sets no "
                          f"mtp_num_hidden_layers")

@@ -59,6 +59,11 @@ def fill_gated_rows(matcher, gate: ReasoningEndTracker | None, bitmask: np.ndarr
     gate = copy.copy(gate) if gate is not None else None
     accepted = 0
     for j in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            # A draft was the grammar's stop token: a verified request ends there, so the
+            # rows after it are never read (left all-allowed); xgrammar refuses to fill
+            # a terminated matcher's mask.
+            break
         if gate is None or gate.ended:
             matcher.fill_next_token_bitmask(bitmask, row + j)
         elif gate.undecided:
@@ -71,7 +76,7 @@ def fill_gated_rows(matcher, gate: ReasoningEndTracker | None, bitmask: np.ndarr
         tok = drafts[j]
         if gate is not None and not gate.ended and not gate.feed([tok]):
             continue  # a thinking token: the grammar does not see it
-        if matcher.is_terminated() or not matcher.accept_token(tok):
+        if not matcher.accept_token(tok):
             break  # the rows after a broken draft stay all-allowed: never read
         accepted += 1
     if accepted:
