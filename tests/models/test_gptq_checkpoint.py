@@ -200,7 +200,7 @@ def test_gptq_bf16_quad_layout_is_as_close_as_the_widening_kernel(gptq_model, mo
     llm, quad = first_logprobs(dtype="bfloat16")
     layer = runner_of(llm).model.layers[0].mlp.down_proj
     assert layer.method.packed.quad, layer.method.describe()
-    monkeypatch.setattr(cpu_platform, "DEFAULT_QUAD_QUANTIZED_ROWS", 0)
+    monkeypatch.setattr(cpu_platform, "QUAD_LEVELS", frozenset())  # the widening kernel
     llm, plain = first_logprobs(dtype="bfloat16")
     layer = runner_of(llm).model.layers[0].mlp.down_proj
     assert not layer.method.packed.quad
