@@ -233,7 +233,7 @@ def test_gptq_writer_keeps_the_source_sharding(tmp_path):
 @pytest.mark.parametrize("case", ["qwen3_8bit_g32_descact_asym_v2", "qwen3_4bit_g32_sym_v1"])
 def test_gptq_bf16_quad_layout_is_as_close_as_the_widening_kernel(gptq_model, monkeypatch,
                                                                   case):
-    """bf16 models at the avx512_vnni level multiply 4- / 8-bit weights with integer dot
+    """bf16 models at the levels with the quad layout (avx2 and above) multiply 4- / 8-bit weights with integer dot
     products on activations rounded to 15 bits (the quad layout): the first token's
     logprobs stay as close to the fp32 run (HF-exact, above) as the bf16 run on the
     widening kernel's, i.e. the rounding adds nothing beyond bf16's own."""
@@ -241,7 +241,7 @@ def test_gptq_bf16_quad_layout_is_as_close_as_the_widening_kernel(gptq_model, mo
     from tokenmill.platforms import cpu as cpu_platform
     ops = cpu_ops()
     if ops is None or not ops.has_quant_quad:
-        pytest.skip("the quad layout needs the avx512_vnni kernel level")
+        pytest.skip("the quad layout needs the avx2 kernel level or above")
     m = gptq_model(case)
     prompts = [{"prompt_token_ids": p} for p in m.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
@@ -259,7 +259,7 @@ def test_gptq_bf16_quad_layout_is_as_close_as_the_widening_kernel(gptq_model, mo
     llm, quad = first_logprobs(dtype="bfloat16")
     layer = runner_of(llm).model.layers[0].mlp.down_proj
     assert layer.method.packed.quad, layer.method.describe()
-    monkeypatch.setattr(cpu_platform, "DEFAULT_QUAD_QUANTIZED_ROWS", 0)
+    monkeypatch.setattr(cpu_platform, "QUAD_LEVELS", frozenset())  # the widening kernel
     llm, plain = first_logprobs(dtype="bfloat16")
     layer = runner_of(llm).model.layers[0].mlp.down_proj
     assert not layer.method.packed.quad

@@ -1,6 +1,7 @@
 """The quad layout of the native quantized kernels (tokenmill/kernels/cpu_quant_linear.cpp,
-avx512_vnni level): 4- and 8-bit codes multiplied with integer dot products (vpdpbusd)
-on activations rounded to 15 bits per block of at most 128 k within a group.
+the avx2, avx512 and avx512_vnni levels): 4- and 8-bit codes multiplied with integer dot
+products (vpdpbusd at avx512_vnni, vpmaddwd on zero-extended codes below it) on
+activations rounded to 15 bits per block of at most 128 k within a group.
 
 Checked against an independent float64 model of that rounding (written here from the
 rule, not read from the kernel): per row and block, scale = amax / 16383, xq =
@@ -8,6 +9,8 @@ round-half-even(x * (16383 / amax)) in fp32; the kernel's output must equal
 (xq * scale) @ W'^T to fp32 rounding, and stay within the rounding's own bound of the
 unrounded product. Also: the layout round-trips through dequantize_quant, NaN / inf
 stay in their row, the refusals, and the platform asking for it for bf16 models only.
+Every level with the layout computes the same integer sums and closes them with the same
+fp32 operations: their outputs must equal the avx512_vnni level's bit for bit.
 """
 import pytest
 import torch
@@ -24,14 +27,14 @@ from test_quant_linear_kernel import _layer, _random  # noqa: E402 (the same ran
 # a multiple of 32, a lone column
 SHAPES = [(45, 264, 264), (33, 128, 32), (1, 64, 64), (70, 512, 128), (64, 40, 8),
           (96, 576, 192), (40, 1536, 1536)]
-ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64]  # every tail of the 4- and 2-row micro-kernels
 ACT_BLOCK, ACT_MAX = 128, 16383.0
 
 
 @pytest.fixture
 def quad_ops(ops):
     if not ops.has_quant_quad:
-        pytest.skip(f"no quad layout at the {ops.capability} level (avx512_vnni only)")
+        pytest.skip(f"no quad layout at the {ops.capability} level (avx2 and above)")
     return ops
 
 
@@ -107,6 +110,32 @@ def test_quad_kernel_is_the_product_of_the_rounded_activations(quad_ops, bits, n
         assert bool(((y.double() - true).abs() <= bound + 1e-30).all()), rows
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quad_kernel_multiplies_many_rows_exactly(quad_ops, bits, dtype):
+    """From 65 rows the quad kernel dequantizes each block and multiplies it in fp32, as
+    the widening kernel does: the exact product, no rounding of the activations (the
+    outliers below would move the rounded product outside this bound)."""
+    n, k, group = 70, 576, 192
+    qw = _random(n, k, bits, group, seed=5)
+    packed = _pack(quad_ops, qw)
+    w = qw.dequantize_rows(0, n).double()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    g = torch.Generator().manual_seed(7)
+    for rows in (65, 80):
+        x = torch.randn(rows, k, generator=g)
+        x[:, :8] *= 1000
+        x = x.to(dtype)
+        y = quad_ops.linear_quant(x, *packed, n, bits, group, bias)
+        want = x.double() @ w.T + bias.double()
+        mag = x.double().abs() @ w.abs().T + bias.double().abs()
+        out_rounding = 2.0 ** -8 * want.abs() if dtype == torch.bfloat16 else 0.0
+        assert bool(((y.double() - want).abs() <= 1e-5 * mag + out_rounding + 1e-30).all())
+        if dtype == torch.float32:  # (bf16 outputs' own rounding would hide it)
+            rounded = _rounded_x(x, group)[0] @ w.T + bias.double()
+            assert not bool(((rounded - want).abs() <= 1e-5 * mag).all())
+
+
 def test_quad_kernel_catches_a_wrong_code_or_zero_point(quad_ops):
     """The comparison above can fail: one code or zero point changed in the packed
     layout moves its column's output out of the bound."""
@@ -142,7 +171,7 @@ def test_non_finite_activations_stay_in_their_row(quad_ops):
 def test_quad_refusals(ops):
     qw = _random(40, 64, 8, 32)
     if not ops.has_quant_quad:
-        with pytest.raises(RuntimeError, match="quad layout needs the avx512_vnni"):
+        with pytest.raises(RuntimeError, match="quad layout needs the avx2 kernel level"):
             _pack(ops, qw)
         return
     for k, group in ((60, 60), (64, 12)):  # K not a multiple of 8; groups of 12
@@ -164,12 +193,16 @@ def test_quad_refusals(ops):
 def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_level,
                                                                 native_bf16, monkeypatch):
     from tokenmill.platforms import cpu
-    from tokenmill.platforms.cpu import DEFAULT_QUAD_QUANTIZED_ROWS, CpuPlatform
+    from tokenmill.platforms.cpu import DEFAULT_QUAD_QUANTIZED_ROWS, QUAD_LEVELS, CpuPlatform
     monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: native_bf16)
     bf16 = CpuPlatform.create("cpu", torch.bfloat16)
     f32 = CpuPlatform.create("cpu", torch.float32)
     assert f32.quantized_quad_max_rows == 0  # fp32 models stay exact
-    want = DEFAULT_QUAD_QUANTIZED_ROWS if ops.has_quant_quad else 0
+    # tiles in fp32 (bf16 emulated, or a level below avx512): as many rows as the
+    # widening kernel takes; native bf16 tiles: the quad limit
+    rows = (DEFAULT_QUAD_QUANTIZED_ROWS if bf16.gemm_dtype == "bfloat16"
+            else max(DEFAULT_QUAD_QUANTIZED_ROWS, bf16.quantized_max_rows))
+    want = rows if ops.has_quant_quad and kernel_level in QUAD_LEVELS else 0
     assert bf16.quantized_quad_max_rows == want
     assert ("15-bit activations" in bf16.describe()) == bool(want)
     qw = _random(70, 128, 4, 32)
@@ -178,9 +211,9 @@ def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_leve
         layer.set_method(platform.linear_method(layer))
         packed = layer.method.packed
         assert packed is not None
-        assert packed.quad == (dtype == torch.bfloat16 and ops.has_quant_quad)
+        assert packed.quad == (dtype == torch.bfloat16 and bool(want))
         if packed.quad:
-            assert layer.method.max_rows == DEFAULT_QUAD_QUANTIZED_ROWS
+            assert layer.method.max_rows == want
             assert "15-bit activations" in layer.method.describe()
         assert torch.equal(layer.dense_weight().float(), qw.dequantize().to(dtype).float())
 
@@ -203,4 +236,52 @@ def test_levels_without_the_layout_report_it(kernel_level):
     module = kernels.cpu_ops(kernel_level)
     if module is None:
         pytest.skip("no native kernels")
-    assert module.has_quant_quad == (kernel_level == "avx512_vnni")
+    assert module.has_quant_quad == (kernel_level != "default")
+
+
+def _quad_modules():
+    """{level: module} for every level this CPU runs that has the quad layout."""
+    out = {}
+    for level in kernels.runnable_levels():
+        module = kernels.cpu_ops(level)
+        if module is not None and module.has_quant_quad:
+            out[level] = module
+    return out
+
+
+def _same_bits(a, b):
+    """Equal values, NaN where the other is NaN, and the same signs of zero."""
+    nan = a.isnan()
+    return (torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+            and torch.equal(a[~nan].signbit(), b[~nan].signbit()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_level_with_the_quad_layout_equals_avx512_vnni_bit_for_bit(bits, n, k, group,
+                                                                        dtype):
+    """vpmaddwd (avx2, avx512) and vpdpbusd (avx512_vnni) make the same exact integer
+    sums and the same fp32 closing: the same bits, NaN / inf rows included."""
+    modules = _quad_modules()
+    if "avx512_vnni" not in modules or len(modules) < 2:
+        pytest.skip("needs a CPU running avx512_vnni and another level with the quad "
+                    f"layout (this one runs {', '.join(kernels.runnable_levels())})")
+    qw = _random(n, k, bits, group, seed=3 * n + k, fp16_scales=bits == 4)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(n)
+    packed = {level: _pack(module, qw) for level, module in modules.items()}
+    for level in modules:  # one layout: the packed bytes are the same at every level
+        assert all(torch.equal(a, b) for a, b in zip(packed[level], packed["avx512_vnni"]))
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+        x[:, 1] *= 300  # an outlier per row
+        if rows >= 3:
+            x[rows - 1] = 0.0
+            x[1, k // 2] = float("nan") if rows % 2 else float("inf")
+        x = x.to(dtype)
+        want = modules["avx512_vnni"].linear_quant(x, *packed["avx512_vnni"], n, bits, group,
+                                                   bias)
+        for level, module in modules.items():
+            y = module.linear_quant(x, *packed[level], n, bits, group, bias)
+            assert _same_bits(y, want), (level, rows)

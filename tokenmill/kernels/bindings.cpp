@@ -47,12 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("group_size"),
         pybind11::arg("r0"), pybind11::arg("r1"), pybind11::arg("bf16") = false);
   m.attr("QUANT_E4M3") = kQuantE4m3;  // the `bits` of e4m3 weights in the three above
-#if defined(TM_VEC_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // pack_quant_weight(quad=True): integer dot products on 15-bit activations
-  m.attr("has_quant_quad") = true;
-#else
-  m.attr("has_quant_quad") = false;
-#endif
+  m.attr("has_quant_quad") = has_quant_quad();
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

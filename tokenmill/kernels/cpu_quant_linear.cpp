@@ -1,7 +1,8 @@
 // y = x @ W'^T + b for integer-quantized weights (W8A16 / W4A16: GPTQ, AWQ,
 // compressed-tensors, int8 made at load) and float8_e4m3fn ones (FP8 checkpoints,
-// fp8 made at load), fp32 math; at the avx512_vnni level 4- / 8-bit codes may instead
-// be packed in the quad layout (below) and multiplied as integers on 15-bit activations.
+// fp8 made at load), fp32 math; at the avx2, avx512 and avx512_vnni levels 4- / 8-bit
+// codes may instead be packed in the quad layout (below) and multiplied as integers on
+// 15-bit activations.
 //
 // W' is the canonical form of models/layers/linear_methods/quantized_weight.py:
 // W'[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k / group_size, codes
@@ -261,21 +262,42 @@ void dequantize_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols) {
   }
 }
 
-// ---- The quad layout: integer dot products on 15-bit activations (AVX512-VNNI) ----
+// rows of x against a block dequantized to fp32 [K, 32] (+ bias), exactly.
+inline void dequantized_rows(const float* x, const float* wblock, int64_t K, const float* bias,
+                             float* y, int64_t ldy, int64_t rows, int64_t ncols) {
+  for (int64_t m0 = 0; m0 < rows; m0 += MC) {
+    const int64_t mr = std::min(MC, rows - m0);
+    linear_f32_block(x + m0 * K, K, wblock, y + m0 * ldy, ldy, mr, ncols);
+  }
+  if (bias == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] += bias[n];
+}
+
+// ---- The quad layout: integer dot products on 15-bit activations ----
 //
 // Why: at one row the widening kernels above spend three vector ops per 16 weights
 // (widen, convert, FMA), and where the weights sit in the last-level cache (a small
-// model) that, not memory, sets the speed. `vpdpbusd` multiplies 4 unsigned bytes by 4
-// signed bytes and adds the sum to an int32 lane: 64 weights of one row in one op with
-// no widening at all. The codes are the unsigned bytes as they are; the activations
-// become integers: per row and block of up to kActBlock k (within a group), x is
-// scaled so max |x| maps to 16383 and rounded (xq = rne(x * 16383 / amax)), and each
-// xq (15 bits with its sign) is split into two signed bytes, xq = hi * 128 + lo with
-// lo in [0, 127]: two `vpdpbusd` per 64 weights, and the sums are exact integers
-// (|sum| < 2^31 for a block of 128). The only error is the rounding of x, at most
-// amax / 32766 per element: below a bf16 activation's own rounding unless an element
-// is 128x smaller than its block's largest, which is why only bf16 models take this
-// layout (quantized_cpu.py); fp32 models keep the exact widening kernels.
+// model) that, not memory, sets the speed. Integer dot products multiply the codes as
+// they are against activations made integers: per row and block of up to kActBlock k
+// (within a group), x is scaled so max |x| maps to 16383 and rounded (xq = rne(x *
+// 16383 / amax)). Every level computes the same exact integer sums sum_k code * xq
+// (|sum| < 2^31 for a block of 128: 128 * 255 * 16383 < 2^29) and closes them with the
+// same fp32 operations, so the levels' results are bit-identical:
+// - avx512_vnni: `vpdpbusd` multiplies 4 unsigned bytes by 4 signed bytes and adds the
+//   sum to an int32 lane; xq (15 bits with its sign) is split into two signed bytes,
+//   xq = hi * 128 + lo with lo in [0, 127]: two `vpdpbusd` per 64 weights of a row, no
+//   widening at all;
+// - avx512 and avx2 (no VNNI): the code bytes are zero-extended to int16 (one
+//   vpmovzxbw per 32 or 16 weights, shared by the rows) and `vpmaddwd` multiplies them
+//   by xq as int16, adding k pairs into int32 lanes (at most 2 * 255 * 16383 each, no
+//   saturation; `vpmaddubsw` would saturate on 8-bit codes): each column keeps two
+//   partial sums (k 4q, 4q+1 and 4q+2, 4q+3), added when the activation block closes.
+//   Per row and 32 weights two integer ops against the widening kernel's four.
+// The only error is the rounding of x, at most amax / 32766 per element: below a bf16
+// activation's own rounding unless an element is 128x smaller than its block's largest,
+// which is why only bf16 models take this layout (quantized_cpu.py); fp32 models keep
+// the exact widening kernels.
 //
 // Layout (pack_quant_weight(quad=true)), per block of 32 columns, K a multiple of 8:
 // - 8-bit: [K/4, 128] bytes: line q holds, for each column c, its codes at k = 4q..4q+3
@@ -284,8 +306,12 @@ void dequantize_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols) {
 //   in the low nibble and 8o + 4 + j in the high one (masking gives the quad 8o..8o+3,
 //   a shift and a mask the quad 8o+4..8o+7).
 // Groups must be a multiple of 8 (or the whole K) so that no line spans two.
-#if defined(TM_VEC_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(TM_VEC_AVX512) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_QUANT_QUAD 1
+#define TM_QUANT_QUAD_VNNI 1
+#elif (defined(TM_VEC_AVX512) && defined(__AVX512BW__)) || defined(TM_VEC_AVX2)
+#define TM_QUANT_QUAD 1
+#define TM_QUANT_QUAD_MADD 1
 #endif
 
 constexpr int64_t kQuadLine = 128;  // bytes per line of a 32-column block
@@ -299,29 +325,45 @@ inline int64_t act_blocks_per_group(int64_t group, int64_t K) {
   return (std::min(group, K) + kActBlock - 1) / kActBlock;
 }
 
-// Rows of x as 15-bit integers split into two signed bytes per k, 4 k a dword.
+// Rows of x as 15-bit integers: split into two signed bytes per k, 4 k a dword (VNNI),
+// or int16 per k (vpmaddwd).
 struct QuadX {
-  std::vector<int32_t> hi, lo;  // [M, K/4]
+  std::vector<int32_t> hi, lo;  // [M, K/4] (VNNI)
+  std::vector<int16_t> x16;     // [M, K] (vpmaddwd)
   std::vector<float> scale;     // [M, G * bpg]: amax / 16383 per activation block
   std::vector<float> gsum;      // [M, G]: sum over the group of xq * scale (zero points)
-  int64_t nq = 0, bpg = 0, G = 0;
+  int64_t K = 0, nq = 0, bpg = 0, G = 0;
 };
 
 #if defined(TM_QUANT_QUAD)
+// One activation block's scale from its largest |x| and whether any x is NaN / inf:
+// a NaN or infinite x makes the scale NaN, so the outputs it touches are NaN, as the
+// fp32 product's would be. -> (1 / step, step).
+inline std::pair<float, float> act_scale(float amax, bool finite) {
+  finite = finite && std::isfinite(amax);
+  const float inv = finite && amax > 0.f ? kActMax / amax : 0.f;
+  const float scale = finite ? amax / kActMax : std::numeric_limits<float>::quiet_NaN();
+  return {inv, scale};
+}
+
+#if defined(TM_VEC_AVX512)
 // x [M, K] fp32 -> QuadX. K and the block bounds are multiples of 8.
 QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
   QuadX q;
+  q.K = K;
   q.nq = K / 4;
   q.bpg = act_blocks_per_group(group, K);
   q.G = G;
+#if defined(TM_QUANT_QUAD_VNNI)
   q.hi.resize(M * q.nq);
   q.lo.resize(M * q.nq);
+#else
+  q.x16.resize(M * K);
+#endif
   q.scale.assign(M * G * q.bpg, 0.f);
   q.gsum.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
-    auto* hi = reinterpret_cast<int8_t*>(q.hi.data() + m * q.nq);
-    auto* lo = reinterpret_cast<int8_t*>(q.lo.data() + m * q.nq);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t gk1 = std::min(K, (g + 1) * group);
       float gsum = 0.f;
@@ -335,12 +377,9 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
           vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
           vbad = _mm512_add_ps(vbad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN: inf / NaN
         }
-        const float amax = _mm512_reduce_max_ps(vmax);
-        // A NaN or infinite x makes the block's scale NaN: the outputs it touches are
-        // NaN, as the fp32 product's would be (max_ps may drop a NaN: vbad keeps it).
-        const bool finite = std::isfinite(amax) && _mm512_reduce_add_ps(vbad) == 0.f;
-        const float inv = finite && amax > 0.f ? kActMax / amax : 0.f;
-        const float scale = finite ? amax / kActMax : std::numeric_limits<float>::quiet_NaN();
+        // (max_ps may drop a NaN: vbad keeps it)
+        const auto [inv, scale] = act_scale(_mm512_reduce_max_ps(vmax),
+                                            _mm512_reduce_add_ps(vbad) == 0.f);
         const __m512 vinv = _mm512_set1_ps(inv);
         __m512i vsum = _mm512_setzero_si512();
         for (int64_t k = k0; k < k1; k += 16) {
@@ -348,9 +387,15 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
           const __m512i xq = _mm512_cvtps_epi32(  // round to nearest even, as torch.round
               _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv));
           vsum = _mm512_add_epi32(vsum, xq);
+#if defined(TM_QUANT_QUAD_VNNI)
+          auto* hi = reinterpret_cast<int8_t*>(q.hi.data() + m * q.nq);
+          auto* lo = reinterpret_cast<int8_t*>(q.lo.data() + m * q.nq);
           _mm_mask_storeu_epi8(hi + k, mk, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xq, 7)));
           _mm_mask_storeu_epi8(lo + k, mk, _mm512_cvtepi32_epi8(
               _mm512_and_si512(xq, _mm512_set1_epi32(127))));
+#else
+          _mm256_mask_storeu_epi16(q.x16.data() + m * K + k, mk, _mm512_cvtepi32_epi16(xq));
+#endif
         }
         q.scale[(m * G + g) * q.bpg + j] = scale;
         gsum += static_cast<float>(_mm512_reduce_add_epi32(vsum)) * scale;
@@ -360,7 +405,92 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
   }
   return q;
 }
+#else  // AVX2: the same values, 8 k at a time (blocks are multiples of 8)
+QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
+  QuadX q;
+  q.K = K;
+  q.nq = K / 4;
+  q.bpg = act_blocks_per_group(group, K);
+  q.G = G;
+  q.x16.resize(M * K);
+  q.scale.assign(M * G * q.bpg, 0.f);
+  q.gsum.assign(M * G, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t gk1 = std::min(K, (g + 1) * group);
+      float gsum = 0.f;
+      for (int64_t j = 0; j < q.bpg; ++j) {
+        const int64_t k0 = g * group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
+        if (k0 >= k1) break;
+        __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 8) {
+          const __m256 v = _mm256_loadu_ps(xr + k);
+          vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+          vbad = _mm256_add_ps(vbad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
+        const auto [inv, scale] = act_scale(tmvec::reduce_max(Vec(vmax)),
+                                            tmvec::reduce_add(Vec(vbad)) == 0.f);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i vsum = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 8) {
+          const __m256i xq = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv));
+          vsum = _mm256_add_epi32(vsum, xq);
+          // 8 dwords -> 8 words (pack within lanes, then lanes 0 and 2; |xq| <= 16383)
+          const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(xq, xq), 0x08);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.x16.data() + m * K + k),
+                           _mm256_castsi256_si128(w));
+        }
+        alignas(32) int32_t lanes8[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes8), vsum);
+        int32_t isum = 0;
+        for (int i = 0; i < 8; ++i) isum += lanes8[i];
+        q.scale[(m * G + g) * q.bpg + j] = scale;
+        gsum += static_cast<float>(isum) * scale;
+      }
+      q.gsum[m * G + g] = gsum;
+    }
+  }
+  return q;
+}
+#endif
 
+// Close activation block j of group g for `R` rows: out[r] += acc[r] * (s * x's scale),
+// the integer sums acc [R, 32] as fp32 (exact below 2^24, else rounded as cvtdq2ps).
+template <int R>
+TM_INLINE void close_act_block(const QuadX& xq, int64_t m0, int64_t g, int64_t j,
+                               const Vec* s, const int32_t* acc, float* out) {
+  for (int r = 0; r < R; ++r) {
+    const Vec sa = Vec::set1(xq.scale[((m0 + r) * xq.G + g) * xq.bpg + j]);
+    for (int c = 0; c < C; ++c) {
+      float* o = out + r * NB + c * Vec::W;
+      const int32_t* a = acc + r * NB + c * Vec::W;
+#if defined(TM_VEC_AVX512)
+      const Vec af(_mm512_cvtepi32_ps(_mm512_load_si512(a)));
+#else
+      const Vec af(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(a))));
+#endif
+      tmvec::fma(af, s[c] * sa, Vec::load(o)).store(o);
+    }
+  }
+}
+
+// The zero points: out -= scale * zero * (the group's sum of x as quantized); one
+// rounding, as fnmadd (the negated sum is exact).
+template <int R, typename S>
+TM_INLINE void close_zero_points(const QuadX& xq, int64_t m0, const QBlock<S>& b, int64_t g,
+                                 const Vec* s, float* out) {
+  for (int c = 0; c < C; ++c) {
+    const Vec sz = s[c] * tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * NB + c * Vec::W;
+      tmvec::fma(sz, Vec::set1(-xq.gsum[(m0 + r) * xq.G + g]), Vec::load(o)).store(o);
+    }
+  }
+}
+
+#if defined(TM_QUANT_QUAD_VNNI)
 // The two 16-column halves of line `l` as unsigned-byte quads: 8-bit, one quad per
 // half (w[0][c]); 4-bit, the low nibbles' quad (w[0][c]) and the high ones' (w[1][c]).
 template <int BITS>
@@ -383,10 +513,11 @@ void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bi
                 float* y, int64_t ldy, int64_t ncols) {
   constexpr int64_t kq = kQuadK<BITS>;
   alignas(64) float out[R * NB] = {};
+  alignas(64) int32_t acc[R * NB];
   for (int64_t g = 0; g < b.G; ++g) {
     const int64_t gk1 = std::min(b.K, (g + 1) * b.group);
-    __m512 s[2];
-    for (int c = 0; c < 2; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * 16).v;
+    Vec s[C];
+    for (int c = 0; c < C; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
     for (int64_t j = 0; j < xq.bpg; ++j) {
       const int64_t k0 = g * b.group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
       if (k0 >= k1) break;
@@ -412,26 +543,13 @@ void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bi
           }
         }
       }
-      // Close the activation block: out += (hi * 128 + lo) * x's scale * the group's.
-      for (int r = 0; r < R; ++r) {
-        const __m512 sa = _mm512_set1_ps(xq.scale[((m0 + r) * xq.G + g) * xq.bpg + j]);
-        for (int c = 0; c < 2; ++c) {
-          const __m512i acc = _mm512_add_epi32(_mm512_slli_epi32(ah[r][c], 7), al[r][c]);
-          float* o = out + r * NB + c * 16;
-          _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s[c], sa),
-                                             _mm512_load_ps(o)));
-        }
-      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c)  // hi * 128 + lo: the sums of code * xq
+          _mm512_store_si512(acc + r * NB + c * 16,
+                             _mm512_add_epi32(_mm512_slli_epi32(ah[r][c], 7), al[r][c]));
+      close_act_block<R>(xq, m0, g, j, s, acc, out);
     }
-    // The zero points: out -= scale * zero * (the group's sum of x as quantized).
-    for (int c = 0; c < 2; ++c) {
-      const __m512 sz = _mm512_mul_ps(s[c], tmvec::load_u8(b.zeros + g * NB + c * 16).v);
-      for (int r = 0; r < R; ++r) {
-        float* o = out + r * NB + c * 16;
-        _mm512_store_ps(o, _mm512_fnmadd_ps(sz, _mm512_set1_ps(xq.gsum[(m0 + r) * xq.G + g]),
-                                            _mm512_load_ps(o)));
-      }
-    }
+    close_zero_points<R>(xq, m0, b, g, s, out);
   }
   store_rows<R>(out, bias, y, ldy, ncols);
 }
@@ -446,27 +564,155 @@ void quad_tail(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bia
     return quad_tail<BITS, S, R - 1>(xq, m0, b, bias, y, ldy, rows, ncols);
   }
 }
+#else  // vpmaddwd on zero-extended codes
 
+#if defined(TM_VEC_AVX512)
+using IVec = __m512i;
+constexpr int kIvCols = 8;  // columns per int16 vector: 32 code bytes = 8 columns x 4 k
+TM_INLINE IVec widen_codes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+TM_INLINE IVec bcast_quad(const int16_t* x) {  // x[0..3] in every 64-bit lane
+  int64_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return _mm512_set1_epi64(v);
+}
+TM_INLINE IVec madd_acc(IVec acc, IVec w, IVec x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+}
+TM_INLINE IVec low_nibbles(IVec w) { return _mm512_and_si512(w, _mm512_set1_epi16(0xf)); }
+TM_INLINE IVec high_nibbles(IVec w) { return _mm512_srli_epi16(w, 4); }
+// a: columns 0..7, b: columns 8..15, two partial sums each (adjacent lanes) -> 16 sums
+TM_INLINE void store_pair_sums(IVec a, IVec b, int32_t* out) {
+  a = _mm512_add_epi32(a, _mm512_srli_epi64(a, 32));  // lane 2i: column i's sum
+  b = _mm512_add_epi32(b, _mm512_srli_epi64(b, 32));
+  const IVec even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                      28, 30);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi32(a, even, b));
+}
+#else  // AVX2
+using IVec = __m256i;
+constexpr int kIvCols = 4;  // 16 code bytes = 4 columns x 4 k
+TM_INLINE IVec widen_codes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+TM_INLINE IVec bcast_quad(const int16_t* x) {
+  int64_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+TM_INLINE IVec madd_acc(IVec acc, IVec w, IVec x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+}
+TM_INLINE IVec low_nibbles(IVec w) { return _mm256_and_si256(w, _mm256_set1_epi16(0xf)); }
+TM_INLINE IVec high_nibbles(IVec w) { return _mm256_srli_epi16(w, 4); }
+// a: columns 0..3, b: columns 4..7 -> 8 sums (hadd gives 0 1 4 5 | 2 3 6 7)
+TM_INLINE void store_pair_sums(IVec a, IVec b, int32_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xd8));
+}
+#endif
+
+// R rows (from row m0 of xq) against one block, into y (stride ldy), CP columns at a
+// time (a slab: R x CP / kIvCols int32 accumulators must stay in registers; the
+// slabs after the first read the activation block's lines from L1).
+template <int R, int CP, int BITS, typename S>
+void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias,
+                float* y, int64_t ldy, int64_t ncols) {
+  static_assert(NB % CP == 0 && CP % (2 * kIvCols) == 0);
+  constexpr int64_t kq = kQuadK<BITS>;
+  constexpr int NV = CP / kIvCols;
+  alignas(64) float out[R * NB] = {};
+  alignas(64) int32_t acc32[R * NB];
+  const int16_t* x16 = xq.x16.data() + m0 * xq.K;
+  for (int64_t g = 0; g < b.G; ++g) {
+    const int64_t gk1 = std::min(b.K, (g + 1) * b.group);
+    Vec s[C];
+    for (int c = 0; c < C; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
+    for (int64_t j = 0; j < xq.bpg; ++j) {
+      const int64_t k0 = g * b.group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
+      if (k0 >= k1) break;
+      for (int c0 = 0; c0 < NB; c0 += CP) {
+        IVec acc[R][NV];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < NV; ++v) acc[r][v] = IVec{};
+        for (int64_t k = k0; k < k1; k += kq) {
+          const uint8_t* line = b.codes + (k / kq) * kQuadLine;
+          if (c0 == 0) {  // the first slab streams the weights: keep 8 KB ahead
+            tmvec::prefetch(line + 8192);
+            tmvec::prefetch(line + 8192 + 64);
+          }
+          line += c0 * 4;
+          IVec xa[R], xb[R];
+          for (int r = 0; r < R; ++r) {
+            xa[r] = bcast_quad(x16 + r * xq.K + k);
+            if constexpr (BITS == 4) xb[r] = bcast_quad(x16 + r * xq.K + k + 4);
+          }
+          for (int v = 0; v < NV; ++v) {
+            const IVec w = widen_codes(line + v * kIvCols * 4);
+            if constexpr (BITS == 8) {
+              for (int r = 0; r < R; ++r) acc[r][v] = madd_acc(acc[r][v], w, xa[r]);
+            } else {
+              const IVec wl = low_nibbles(w), wh = high_nibbles(w);
+              for (int r = 0; r < R; ++r)
+                acc[r][v] = madd_acc(madd_acc(acc[r][v], wl, xa[r]), wh, xb[r]);
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < NV; v += 2)
+            store_pair_sums(acc[r][v], acc[r][v + 1], acc32 + r * NB + c0 + v * kIvCols);
+      }
+      close_act_block<R>(xq, m0, g, j, s, acc32, out);
+    }
+    close_zero_points<R>(xq, m0, b, g, s, out);
+  }
+  store_rows<R>(out, bias, y, ldy, ncols);
+}
+#endif  // TM_QUANT_QUAD_VNNI
+
+// Inputs of this many rows and more skip the integer dot products: the block is
+// dequantized once into fp32 and multiplied exactly, as the widening kernel does from
+// DEQUANT_MIN_ROWS (the platform keeps up to 64 rows in the quad kernel at avx512_vnni,
+// where it was measured ahead of dequantized tiles; where the tiles' GEMM runs in fp32,
+// up to 256 rows reach this kernel, as they reach the widening one).
+constexpr int64_t QUAD_DEQUANT_MIN_ROWS = 65;
+
+// All `rows` rows of xq against one block into y (stride ldy).
 template <int BITS, typename S>
 void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, float* y,
                      int64_t ldy, int64_t rows, int64_t ncols) {
+#if defined(TM_QUANT_QUAD_VNNI)
   int64_t m = 0;
   for (; m + QUAD_MR <= rows; m += QUAD_MR)
     quad_micro<QUAD_MR, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
-  if (m < rows)
-    quad_tail<BITS, S, QUAD_MR>(xq, m, b, bias, y + m * ldy, ldy, rows - m, ncols);
+  if (m < rows) quad_tail<BITS, S, QUAD_MR>(xq, m, b, bias, y + m * ldy, ldy, rows - m, ncols);
+#elif defined(TM_VEC_AVX512)
+  // 32 zmm: 4 rows x 4 accumulators of the whole block, their x's and the codes
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) quad_micro<4, 32, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+  for (; m + 2 <= rows; m += 2) quad_micro<2, 32, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+  if (m < rows) quad_micro<1, 32, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+#else
+  // 16 ymm: one row's 8 accumulators of the block, or 2 rows' of a 16-column slab
+  int64_t m = 0;
+  for (; m + 2 <= rows; m += 2) quad_micro<2, 16, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+  if (m < rows) quad_micro<1, 32, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
+#endif
 }
 
-// The quad layout's codes of line l widened to fp32: kq vectors per 16-column half c,
-// out[i] = the codes at k = l * kq + i (dequantize_quad_block).
-template <int BITS>
-TM_INLINE void quad_codes(const uint8_t* line, int c, Vec* out) {
-  __m512i w[2][2];
-  quad_line<BITS>(line, w);
-  for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h)
-    for (int i = 0; i < 4; ++i)
-      out[h * 4 + i] = Vec(_mm512_cvtepi32_ps(_mm512_and_si512(
-          _mm512_srli_epi32(w[h][c], 8 * i), _mm512_set1_epi32(0xff))));
+// W dwords of the quad layout from p (W columns of one line), byte / nibble `shift / 4`
+// of each, widened to fp32: the codes of W columns at one k (dequantize_quad_block).
+TM_INLINE Vec quad_code_lanes(const uint8_t* p, int shift, int mask) {
+#if defined(TM_VEC_AVX512)
+  const __m512i d = _mm512_loadu_si512(p);
+  return Vec(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(d, _mm_cvtsi32_si128(shift)),
+                                                 _mm512_set1_epi32(mask))));
+#else
+  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(d, _mm_cvtsi32_si128(shift)),
+                                                 _mm256_set1_epi32(mask))));
+#endif
 }
 
 template <int BITS, typename S, typename T>
@@ -474,28 +720,42 @@ void dequantize_quad_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols
   constexpr int64_t kq = kQuadK<BITS>;
   for (int64_t g = 0; g < b.G; ++g) {
     const int64_t k1 = std::min(b.K, (g + 1) * b.group);
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < C; ++c) {
       const int n = lanes(ncols, c);
       if (n == 0) continue;
-      const Vec s = load_scale<BITS>(b.scales + g * NB + c * 16);
-      const Vec z = tmvec::load_u8(b.zeros + g * NB + c * 16);
+      const Vec s = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
+      const Vec z = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
       for (int64_t k = g * b.group; k < k1; k += kq) {
-        Vec w[kq];
-        quad_codes<BITS>(b.codes + (k / kq) * kQuadLine, c, w);
-        for (int i = 0; i < kq; ++i) store_lanes((w[i] - z) * s, out + (k + i) * ld + c * 16, n);
+        const uint8_t* p = b.codes + (k / kq) * kQuadLine + c * Vec::W * 4;
+        for (int i = 0; i < kq; ++i) {  // 4-bit: k 8o + i < 4 low nibbles, else high ones
+          const int shift = BITS == 8 ? 8 * i : 8 * (i % 4) + 4 * (i / 4);
+          const Vec w = quad_code_lanes(p, shift, BITS == 8 ? 0xff : 0xf);
+          store_lanes((w - z) * s, out + (k + i) * ld + c * Vec::W, n);
+        }
       }
     }
   }
 }
 #endif  // TM_QUANT_QUAD
 
-// All `rows` rows of x against one block into y (stride ldy).
+// All `rows` rows of x against one block into y (stride ldy). `quad`: the block is in
+// the quad layout (only dequantized here: rows >= QUAD_DEQUANT_MIN_ROWS).
 template <int BITS, typename S>
 void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float* bias,
                 float* y, int64_t ldy, int64_t rows, int64_t ncols,
-                std::vector<float>& scratch) {
+                std::vector<float>& scratch, bool quad) {
   const int64_t K = b.K;
   const int64_t ldxs = kHasZeros<BITS> ? b.G : 0;  // e4m3: xs is empty
+  if (quad) {
+#if defined(TM_QUANT_QUAD)
+    if constexpr (BITS != kQuantE4m3) {
+      scratch.resize(K * NB);
+      dequantize_quad_block<BITS>(b, scratch.data(), NB, NB);
+      return dequantized_rows(x, scratch.data(), K, bias, y, ldy, rows, ncols);
+    }
+#endif
+    TORCH_CHECK(false, "linear_quant: no quad layout here");
+  }
   if (rows == 1) return micro_row<BITS>(x, xs, b, bias, y, ncols);
   if (rows < DEQUANT_MIN_ROWS) {
     int64_t m = 0;
@@ -508,13 +768,7 @@ void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float
   }
   scratch.resize(K * NB);
   dequantize_block<BITS>(b, scratch.data(), NB, NB);
-  for (int64_t m0 = 0; m0 < rows; m0 += MC) {
-    const int64_t mr = std::min(MC, rows - m0);
-    linear_f32_block(x + m0 * K, K, scratch.data(), y + m0 * ldy, ldy, mr, ncols);
-  }
-  if (bias == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t n = 0; n < ncols; ++n) y[r * ldy + n] += bias[n];
+  dequantized_rows(x, scratch.data(), K, bias, y, ldy, rows, ncols);
 }
 
 // Calls f(bits tag, scale type tag) for the packed weight's kind and scale dtype.
@@ -561,7 +815,7 @@ Packed check_packed(const char* op, const torch::Tensor& codes, const torch::Ten
                   (codes.size(2) == (bits == 4 ? NB / 2 : NB) || (quad && bits != kQuantE4m3)),
               op, ": codes must come from pack_quant_weight with the same bits");
 #if !defined(TM_QUANT_QUAD)
-  TORCH_CHECK(!quad, op, ": codes in the quad layout need the avx512_vnni kernel level "
+  TORCH_CHECK(!quad, op, ": codes in the quad layout need the avx2 kernel level or above "
               "(this module is ", TOKENMILL_CPU_LEVEL_NAME, ")");
 #endif
   const int64_t nb = codes.size(0), K = codes.size(1) * (quad ? (bits == 4 ? 8 : 4) : 1);
@@ -596,13 +850,21 @@ torch::Tensor blocks_of(const torch::Tensor& t) {
 
 }  // namespace
 
+bool has_quant_quad() {
+#if defined(TM_QUANT_QUAD)
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(
     torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t bits,
     int64_t group_size, bool quad) {
   TORCH_CHECK(known_kind(bits), "pack_quant_weight: bits must be 4, 8 or ", kQuantE4m3,
               " (e4m3), got ", bits);
 #if !defined(TM_QUANT_QUAD)
-  TORCH_CHECK(!quad, "pack_quant_weight: the quad layout needs the avx512_vnni kernel level "
+  TORCH_CHECK(!quad, "pack_quant_weight: the quad layout needs the avx2 kernel level or above "
               "(this module is ", TOKENMILL_CPU_LEVEL_NAME, ")");
 #endif
   const bool e4m3 = bits == kQuantE4m3;
@@ -687,7 +949,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     bp = bias_hold.data_ptr<float>();
   }
 #if defined(TM_QUANT_QUAD)
-  if (p.quad) {
+  if (p.quad && M < QUAD_DEQUANT_MIN_ROWS) {
     torch::Tensor out = torch::empty({M, N}, x.options());
     if (M == 0) return out;
     const QuadX xq = quantize_x(xp, M, K, group_size, G);
@@ -720,7 +982,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 #endif
   // Per row and group, the sum of x (closes each group's sums of x * code; e4m3 has
   // no zero point to close with).
-  const int64_t xs_rows = M < DEQUANT_MIN_ROWS && bits != kQuantE4m3 ? M : 0;
+  const int64_t xs_rows = M < DEQUANT_MIN_ROWS && bits != kQuantE4m3 && !p.quad ? M : 0;
   std::vector<float> xs(xs_rows * G);
   for (int64_t m = 0; m < xs_rows; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -742,9 +1004,10 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
         const QBlock<S> qb = p.block<S>(blk, BITS);
         const float* bias_b = bp != nullptr ? bp + n0 : nullptr;
         if (yp != nullptr) {
-          block_rows<BITS>(xp, xs.data(), qb, bias_b, yp + n0, N, M, ncols, scratch);
+          block_rows<BITS>(xp, xs.data(), qb, bias_b, yp + n0, N, M, ncols, scratch, p.quad);
         } else {
-          block_rows<BITS>(xp, xs.data(), qb, bias_b, tile.data(), NB, M, ncols, scratch);
+          block_rows<BITS>(xp, xs.data(), qb, bias_b, tile.data(), NB, M, ncols, scratch,
+                           p.quad);
           auto* ob = out.data_ptr<c10::BFloat16>() + n0;
           for (int64_t r = 0; r < M; ++r)
             for (int64_t n = 0; n < ncols; ++n) ob[r * N + n] = c10::BFloat16(tile[r * NB + n]);

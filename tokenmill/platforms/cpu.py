@@ -90,10 +90,16 @@ DEFAULT_QUANTIZED_ROWS = 256
 # 48 rows 1.52 / 1.21; 4096 x 4096 at 16 rows 9.7 / 15.4, 32 rows 16.1 / 24.0, 48 rows
 # 25.8 / 26.4; int4 g128 the same within noise (`python -m tokenmill.bench.quant_rows`).
 DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = 32
-# bf16 models at a level with the quad layout (avx512_vnni: integer dot products on
-# 15-bit activations, cpu_quant_linear.cpp) keep 4- / 8-bit inputs of up to this many
-# rows in the kernel: it widens nothing, so it stays ahead of the tiles longer.
+# bf16 models at a level with the quad layout (integer dot products on 15-bit
+# activations, cpu_quant_linear.cpp) keep 4- / 8-bit inputs of up to this many rows in
+# the kernel: it widens nothing, so it stays ahead of the tiles longer (where the tiles'
+# GEMM runs in fp32, up to quantized_max_rows: from 65 rows the kernel dequantizes each
+# block and multiplies it exactly, as the widening kernel does).
 DEFAULT_QUAD_QUANTIZED_ROWS = 64
+# The levels whose quad kernel was measured faster than the widening kernel at 1-16 rows
+# (docs/benchmarks.md; vpdpbusd at avx512_vnni, vpmaddwd at avx512 and avx2): the
+# platform asks for the layout there only.
+QUAD_LEVELS = frozenset({"avx2", "avx512", "avx512_vnni"})
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.
@@ -263,9 +269,12 @@ class CpuPlatform(Platform):
         quantized_rows = (0 if not quantized else DEFAULT_QUANTIZED_ROWS
                           if gemm == torch.float32 else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
         # bf16 activations only: the 15-bit rounding is below a bf16's own, not an fp32's
-        quad_rows = (DEFAULT_QUAD_QUANTIZED_ROWS
-                     if quantized and model_dtype == torch.bfloat16
-                     and getattr(ops, "has_quant_quad", False) else 0)
+        # (tiles in fp32: as many rows as the widening kernel takes, see above)
+        quad_rows = (DEFAULT_QUAD_QUANTIZED_ROWS if gemm == model_dtype
+                     else max(DEFAULT_QUAD_QUANTIZED_ROWS, quantized_rows))
+        quad_rows = (quad_rows if quantized and model_dtype == torch.bfloat16
+                     and getattr(ops, "has_quant_quad", False)
+                     and getattr(ops, "capability", None) in QUAD_LEVELS else 0)
         native = "native" if ops is not None else "torch"
         return cls(
             device=str(device), arch=_host.machine(), runnable_levels=runnable,
