@@ -203,4 +203,4 @@ def test_levels_without_the_layout_report_it(kernel_level):
     module = kernels.cpu_ops(kernel_level)
     if module is None:
         pytest.skip("no native kernels")
-    assert module.has_quant_quad == (kernel_level == "avx512_vnni")
+    assert module.has_quant_quad == (kernel_level in ("avx512_vnni", "avx512_bf16"))
