@@ -309,7 +309,8 @@ def test_same_screen_at_every_level(ops):
     assert screened(ops, x, w)[0].tolist() == screened(base, x, w)[0].tolist()
 
 
-SCREEN_ISA = {"default": "sse2", "avx2": "avx2", "avx512": "avx512", "avx512_vnni": "avx512"}
+SCREEN_ISA = {"default": "sse2", "avx2": "avx2", "avx512": "avx512", "avx512_vnni": "avx512",
+              "avx512_bf16": "avx512"}
 
 
 @pytest.mark.parametrize("level", kernels.all_levels())

@@ -39,14 +39,44 @@ def test_levels_are_ordered_and_the_best_runnable_is_chosen(fresh):
 @x86_only
 def test_x86_levels_and_their_flags():
     levels = kernels.LEVELS
-    assert list(levels) == ["default", "avx2", "avx512", "avx512_vnni"]
+    assert list(levels) == ["default", "avx2", "avx512", "avx512_vnni", "avx512_bf16"]
     assert levels["default"].flags == ()
     assert {"-mavx2", "-mfma", "-mf16c"} <= set(levels["avx2"].flags)
     assert not any(f.startswith("-mavx512") for f in levels["avx2"].flags)
     assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"} <= set(levels["avx512"].flags)
     assert "-mavx512vnni" not in levels["avx512"].flags
     assert "-mavx512vnni" in levels["avx512_vnni"].flags
-    assert not any("bf16" in f for lv in levels.values() for f in lv.flags)
+    assert not any("bf16" in f for name, lv in levels.items() for f in lv.flags
+                   if name != "avx512_bf16")
+    # avx512_bf16 is avx512_vnni and more: the same sources, every flag of the level below
+    assert set(levels["avx512_bf16"].flags) == set(levels["avx512_vnni"].flags) | {"-mavx512bf16"}
+    assert levels["avx512_bf16"].cpu_flags == levels["avx512_vnni"].cpu_flags | {"avx512_bf16"}
+
+
+@x86_only
+def test_avx512_bf16_is_chosen_where_the_cpu_has_it_and_refused_where_not(fresh):
+    vnni_cpu = AVX2_CPU | kernels.LEVELS["avx512_vnni"].cpu_flags
+    fresh.setattr(kernels, "_cpu_flags", lambda: vnni_cpu | {"avx512_bf16"})
+    assert kernels.runnable_levels()[-2:] == ["avx512_vnni", "avx512_bf16"]
+    assert kernels.cpu_capability() == "avx512_bf16"
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "avx512_vnni")  # forced below the best
+    assert kernels.cpu_capability() == "avx512_vnni"
+    kernels._forget_choice()
+    fresh.delenv("TOKENMILL_CPU_CAPABILITY")
+    fresh.setattr(kernels, "_cpu_flags", lambda: vnni_cpu)  # VNNI without BF16 (Ice Lake)
+    assert kernels.runnable_levels()[-1] == "avx512_vnni"
+    assert kernels.cpu_capability() == "avx512_vnni"
+    with pytest.raises(RuntimeError, match=r"cannot run the avx512_bf16 kernels \(missing "
+                                           r"avx512_bf16\); it runs default, .*avx512_vnni$"):
+        kernels.cpu_ops("avx512_bf16")
+    from tokenmill.platforms.cpu import check_cpu_args  # the engine's --cpu-capability
+    with pytest.raises(ValueError, match=r"cpu_capability='avx512_bf16'.*missing avx512_bf16"):
+        check_cpu_args(cpu_capability="avx512_bf16")
+    kernels._forget_choice()
+    fresh.setenv("TOKENMILL_CPU_CAPABILITY", "avx512_bf16")
+    with pytest.raises(RuntimeError, match="TOKENMILL_CPU_CAPABILITY='avx512_bf16': this CPU"):
+        kernels.cpu_capability()
 
 
 @x86_only

@@ -131,6 +131,69 @@ def test_prefill_half_precision(ops, dtype, tol, d):
     _check(got, _reference(q, cache, table, qsl, seq_lens, d ** -0.5, 9), tol)
 
 
+def _check_bf16_bound(got, q, cache, table, qsl, seq_lens, scale, window=None, softcap=None):
+    """bf16 q and cache: the output within the bf16 path's bound of the float64 reference.
+    Q.K^T sums exact products in fp32; the weights P are rounded to bf16 for P.V (at
+    most 2^-8 relative each), so |o - ref| <= 2^-8 * sum_j p_j |v_j| (the weights'
+    rounding) + 2^-8 |ref| (the output's rounding) + fp32 sums (1e-4 of the first)."""
+    ref = _reference(q, cache, table, qsl, seq_lens, scale, window, softcap)
+    abs_cache = cache.abs()  # sum_j p_j |v_j|: the same attention over |V|
+    abs_cache[:, 0] = cache[:, 0]
+    weighted = _reference(q, abs_cache, table, qsl, seq_lens, scale, window, softcap)
+    assert not torch.isnan(got).any()
+    err = (got.to(torch.float64) - ref).abs()
+    bound = 2.0 ** -8 * (weighted * 1.0001 + ref.abs()) + 1e-4 * weighted + 1e-6
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the bf16 path's bound"
+    return ref
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 80, 21])
+@pytest.mark.parametrize("hq,hkv", [(8, 4), (8, 1), (4, 4), (12, 2)])
+def test_prefill_bf16_within_the_bf16_bound(ops, kernel_level, d, hq, hkv):
+    """bf16 q over a bf16 cache: at a level with AVX512-BF16 both products on vdpbf16ps
+    (an odd head size pads its last pair), elsewhere widened to fp32; the bound holds
+    for both."""
+    assert ops.has_bf16_dot == (kernel_level == "avx512_bf16")
+    chunks = CHUNKS + [(90, 70)]
+    q, cache, table, qsl, seq_lens = _make(chunks, hq, hkv, d, bs=16, dtype=torch.bfloat16,
+                                           seed=d + 7 * hq)
+    got = ops.paged_prefill(q, cache, table, qsl, seq_lens, d ** -0.5)
+    assert got.dtype == torch.bfloat16
+    _check_bf16_bound(got, q, cache, table, qsl, seq_lens, d ** -0.5)
+
+
+@pytest.mark.parametrize("bs", [16, 5, 1, 128])
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 5.0),
+                                            (40, 30.0), (200, None)])
+def test_prefill_bf16_windows_caps_block_sizes(ops, bs, window, softcap):
+    chunks = CHUNKS + [(90, 70), (3, 64), (0, 65)]  # odd key counts in a tile
+    q, cache, table, qsl, seq_lens = _make(chunks, 6, 2, 128, bs=bs, dtype=torch.bfloat16,
+                                           seed=bs + 1, window=window)
+    got = ops.paged_prefill(q, cache, table, qsl, seq_lens, 128 ** -0.5, window or 0,
+                            softcap or 0.0)
+    _check_bf16_bound(got, q, cache, table, qsl, seq_lens, 128 ** -0.5, window, softcap)
+
+
+def test_prefill_bf16_pairs_differ_from_the_widened_path(ops):
+    """The avx512_bf16 level takes its own products (rounded weights): its output is not
+    the widened level's bit for bit, yet both sit within the bound (above)."""
+    if not ops.has_bf16_dot:
+        pytest.skip(f"no vdpbf16ps path at the {ops.capability} level")
+    from tokenmill import kernels
+    if "avx512_vnni" not in kernels.runnable_levels():
+        pytest.skip("this CPU has no avx512_vnni level to compare with")
+    widened = kernels.cpu_ops("avx512_vnni")
+    q, cache, table, qsl, seq_lens = _make(CHUNKS, 8, 2, 128, bs=16, dtype=torch.bfloat16)
+    got = ops.paged_prefill(q, cache, table, qsl, seq_lens, 128 ** -0.5)
+    base = widened.paged_prefill(q, cache, table, qsl, seq_lens, 128 ** -0.5)
+    assert not torch.equal(got, base)
+    # fp32 queries over an fp32 cache keep the exact fp32 path at every level.
+    q32, cache32 = q.float(), cache.float()
+    assert torch.equal(ops.paged_prefill(q32, cache32, table, qsl, seq_lens, 0.1),
+                       widened.paged_prefill(q32, cache32, table, qsl, seq_lens, 0.1))
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_prefill_over_fp8_cache(ops, dtype, tol):
     q, cache, table, qsl, seq_lens = _make(CHUNKS, 8, 4, 64, bs=16, dtype=dtype,

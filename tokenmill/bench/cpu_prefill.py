@@ -7,7 +7,8 @@ old path (the PyTorch reference's prompt chunk) runs causal SDPA over the prompt
 K/V, here gathered from the same blocks first (the gather timed as part of it, as a
 chunk with a cached prefix pays it; a fresh chunk in the reference skips it, so
 `sdpa_only` is printed too). The three take turns, best of --iters each. GFLOP/s count the causal half:
-2 x 2 x heads x D x T^2 / 2.
+2 x 2 x heads x D x T^2 / 2. --baseline-level adds the kernel of another capability level
+to the turns (e.g. avx512_vnni's widened fp32 products against avx512_bf16's vdpbf16ps).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _time(fns: dict, iters: int) -> dict:
 
 
 def run(tokens: int, hq: int, hkv: int, d: int, dtype_name: str, block_size: int,
-        iters: int, level: str | None = None) -> dict:
+        iters: int, level: str | None = None, baseline_level: str | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -74,9 +75,16 @@ def run(tokens: int, hq: int, hkv: int, d: int, dtype_name: str, block_size: int
            "dtype": dtype_name, "block_size": block_size, "level": ops.capability,
            "threads": torch.get_num_threads()}
     fns = {"kernel": kernel, "sdpa_gathered": sdpa_gathered, "sdpa_only": sdpa_only}
+    if baseline_level:
+        base = kernels.cpu_ops(baseline_level)
+        row["baseline_level"] = base.capability
+        fns["kernel_baseline"] = lambda: base.paged_prefill(q, cache, table, qsl, lens, scale)
     for name, s in _time(fns, iters).items():
         row[name] = {"seconds": s, "gflops": flops / s / 1e9}
     row["speedup_vs_sdpa_gathered"] = row["sdpa_gathered"]["seconds"] / row["kernel"]["seconds"]
+    if baseline_level:
+        row["speedup_vs_baseline"] = (row["kernel_baseline"]["seconds"]
+                                      / row["kernel"]["seconds"])
     return row
 
 
@@ -92,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10,
                    help="timed calls of each, taking turns (the best is kept)")
     p.add_argument("--cpu-capability", default=None, help="kernel level (default: the best)")
+    p.add_argument("--baseline-level", default=None,
+                   help="also time the kernel of this level (taking turns with the others)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     if args.num_heads % args.num_kv_heads:
@@ -100,13 +110,16 @@ def main(argv=None) -> int:
     rows = []
     for dt in args.dtype.split(","):
         row = run(args.tokens, args.num_heads, args.num_kv_heads, args.head_size, dt,
-                  args.block_size, args.iters, args.cpu_capability)
+                  args.block_size, args.iters, args.cpu_capability, args.baseline_level)
         rows.append(row)
         print(f"{dt:8s} T={args.tokens} heads {args.num_heads}/{args.num_kv_heads} "
               f"D={args.head_size} [{row['level']}, {row['threads']} threads]: "
               + ", ".join(f"{k} {1e3 * row[k]['seconds']:.1f} ms ({row[k]['gflops']:.0f} GFLOP/s)"
-                          for k in ("kernel", "sdpa_gathered", "sdpa_only"))
-              + f"; kernel {row['speedup_vs_sdpa_gathered']:.2f}x sdpa_gathered", flush=True)
+                          for k in ("kernel", "kernel_baseline", "sdpa_gathered", "sdpa_only")
+                          if k in row)
+              + f"; kernel {row['speedup_vs_sdpa_gathered']:.2f}x sdpa_gathered"
+              + (f", {row['speedup_vs_baseline']:.2f}x the {row['baseline_level']} kernel"
+                 if "speedup_vs_baseline" in row else ""), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=2)

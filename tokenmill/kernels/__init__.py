@@ -3,8 +3,8 @@ builder: at install time (setup.py), or at run time when no valid prebuilt modul
 
 The same sources are built with each level's explicit flags (never -march=native:
 a build runs on every CPU of its level, whichever machine compiled it). On x86-64
-the levels are `default` (the baseline ISA), `avx2`, `avx512` and `avx512_vnni`
-(levels.LEVELS has their flags); elsewhere (aarch64) there is `default` only.
+the levels are `default` (the baseline ISA), `avx2`, `avx512`, `avx512_vnni` and
+`avx512_bf16` (levels.LEVELS has their flags); elsewhere (aarch64) there is `default` only.
 
 Installing tokenmill (`make install`, `pip install --no-build-isolation .`, `pip wheel`)
 compiles every level of the build machine's architecture into `tokenmill.kernels._C_<level>`
@@ -25,7 +25,8 @@ None and callers use their plain PyTorch path.
 What a module can do at its level: `ops.capability` (its level),
 `ops.vector_lanes`, `ops.has_fast_linear_bf16` and `ops.has_greedy_lm_head` (True at
 every level but a plain-array build, which has no SIMD type in kernels/vec.h; the CPU
-platform reads them).
+platform reads them), `ops.has_bf16_dot` (avx512_bf16: paged_prefill's products over
+a bf16 cache on vdpbf16ps).
 """
 from __future__ import annotations
 

@@ -75,6 +75,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The capability level this module was built for, and what it can do well.
   m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
   m.attr("vector_lanes") = tmvec::Vec::W;  // fp32 lanes of the kernels' vectors
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+  // paged_prefill over a bf16 cache: both products on vdpbf16ps (cpu_paged_prefill.cpp)
+  m.attr("has_bf16_dot") = true;
+#else
+  m.attr("has_bf16_dot") = false;
+#endif
 #if defined(TM_VEC_GENERIC)
   // Plain arrays: slower than the library GEMM; greedy_lm_head is exact there too,
   // but its int8 screen is plain C++ (on x86-64 the default level is SSE2, not this).

@@ -12,12 +12,25 @@
 // head size. Causal and sliding-window masks are applied per row; keys before the
 // first one a tile can see (a window's given-back blocks) and past the chunk's end are
 // never read. Written once against vec.h's Vec: every capability level runs it.
+//
+// At a level with AVX512-BF16 (avx512_bf16), bf16 queries over a bf16 cache take both
+// products on vdpbf16ps instead (fp32 sums of bf16 pair products): the K tile is laid
+// out [D/2][kBK] in pairs of adjacent head-dim elements, the V tile [kBK/2][Dp] in
+// pairs of adjacent keys. Q.K^T: the products of two bf16 are exact in fp32 and summed
+// in fp32, as the widened path does (the scale is applied to the sums, not to q). P.V:
+// the softmax weights are rounded to bf16 (RNE, 8 significant bits: relative error
+// <= 2^-8 each; the running sum l keeps the fp32 weights), so an output moves by at most
+// 2^-8 * sum_j p_j |v_j| / l (<= 2^-8 max |v|) beyond the widened path's error, as
+// flash attention on GPUs rounds P for its P.V product.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -121,36 +134,156 @@ struct Shape {
   int64_t window;
 };
 
-// Per-thread scratch: the tile's queries, scores, outputs and one K / V tile.
+// Per-thread scratch: the tile's queries, scores, outputs and one K / V tile (fp32
+// widened, or bf16 pairs: `pairs`).
 struct Scratch {
   std::vector<float> q, s, o, kt, v, row, m, l, alpha;
-  explicit Scratch(const Shape& sh, int64_t rows) {
+  // bf16 pairs as 32-bit words: queries [mp][D/2], K [D/2][kBK], V [kBK/2][Dp], and
+  // the rounded weights [mp][kBK/2] (D/2 rounded up: an odd D's last pair is (x, 0)).
+  std::vector<uint32_t> q2, k2, v2, p2;
+  Scratch(const Shape& sh, int64_t rows, bool pairs) {
     const int64_t mp = (rows + kR - 1) / kR * kR;
-    q.assign(mp * sh.d, 0.f);
     s.assign(mp * kBK, 0.f);
     o.assign(mp * sh.dp, 0.f);
-    kt.assign(sh.d * kBK, 0.f);
-    v.assign(kBK * sh.dp, 0.f);
-    row.assign(sh.dp, 0.f);
     m.assign(mp, 0.f);
     l.assign(mp, 0.f);
     alpha.assign(mp, 1.f);
+    if (pairs) {
+      const int64_t dh = (sh.d + 1) / 2;
+      q2.assign(mp * dh, 0u);
+      k2.assign(dh * kBK, 0u);
+      v2.assign(kBK / 2 * sh.dp, 0u);
+      p2.assign(mp * kBK / 2, 0u);
+    } else {
+      q.assign(mp * sh.d, 0.f);
+      kt.assign(sh.d * kBK, 0.f);
+      v.assign(kBK * sh.dp, 0.f);
+      row.assign(sh.dp, 0.f);
+    }
   }
 };
 
-template <typename T, typename C>
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+
+inline uint16_t bf16_bits(const c10::BFloat16& x) { return x.x; }
+
+// One query (or key) row of d bf16 as d/2 pair words (an odd d's last word is (x, 0)).
+inline void pair_row(const c10::BFloat16* src, int64_t d, uint32_t* dst) {
+  const int64_t whole = d / 2;
+  std::memcpy(dst, src, whole * sizeof(uint32_t));
+  if (d & 1) dst[whole] = bf16_bits(src[d - 1]);
+}
+
+// Two value rows a, b (adjacent keys) interleaved: dst[x] = (a[x], b[x]) for x < d; b
+// null: (a[x], 0). Columns [d, Dp) are never written (they stay zero).
+inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t d,
+                            uint32_t* dst) {
+  for (int64_t x = 0; x < d; x += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, d - x));
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a + x));
+    const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b + x))
+                         : _mm512_setzero_si512();
+    _mm512_mask_storeu_epi32(dst + x, mask, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// s[i][c) = scale * sum_p q2[i][p] . k2[p][c) for kR rows i and key columns [0, cols).
+inline void scores_rows_bf16(const uint32_t* q2, int64_t dh, const uint32_t* k2, int cols,
+                             float scale, float* s) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int c0 = 0; c0 < cols; c0 += 64) {
+    __m512 acc[kR][4];
+    for (int i = 0; i < kR; ++i)
+      for (int x = 0; x < 4; ++x) acc[i][x] = _mm512_setzero_ps();
+    const uint32_t* k = k2 + c0;
+    for (int64_t p = 0; p < dh; ++p, k += kBK) {
+      __m512bh kv[4];
+      for (int x = 0; x < 4; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(k + x * 16);
+      for (int i = 0; i < kR; ++i) {
+        const __m512bh qi = (__m512bh)_mm512_set1_epi32(static_cast<int>(q2[i * dh + p]));
+        for (int x = 0; x < 4; ++x) acc[i][x] = _mm512_dpbf16_ps(acc[i][x], qi, kv[x]);
+      }
+    }
+    for (int i = 0; i < kR; ++i)
+      for (int x = 0; x < 4; ++x)
+        _mm512_storeu_ps(s + i * kBK + c0 + x * 16, _mm512_mul_ps(acc[i][x], sv));
+  }
+}
+
+// o[i][x0*16, (x0+XT)*16) = o * alpha[i] + sum_{u<npairs} p2[i][u] . v2[u][...].
+template <int XT>
+inline void values_rows_bf16(const uint32_t* p2, const float* alpha, const uint32_t* v2,
+                             int64_t dp, int64_t npairs, float* o, int64_t x0) {
+  __m512 acc[kR][XT];
+  for (int i = 0; i < kR; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    for (int x = 0; x < XT; ++x)
+      acc[i][x] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dp + (x0 + x) * 16), a);
+  }
+  const uint32_t* vt = v2 + x0 * 16;
+  for (int64_t u = 0; u < npairs; ++u, vt += dp) {
+    __m512bh vx[XT];
+    for (int x = 0; x < XT; ++x) vx[x] = (__m512bh)_mm512_loadu_si512(vt + x * 16);
+    for (int i = 0; i < kR; ++i) {
+      const __m512bh pi = (__m512bh)_mm512_set1_epi32(static_cast<int>(p2[i * (kBK / 2) + u]));
+      for (int x = 0; x < XT; ++x) acc[i][x] = _mm512_dpbf16_ps(acc[i][x], pi, vx[x]);
+    }
+  }
+  for (int i = 0; i < kR; ++i)
+    for (int x = 0; x < XT; ++x) _mm512_storeu_ps(o + i * dp + (x0 + x) * 16, acc[i][x]);
+}
+
+inline void values_all_bf16(const uint32_t* p2, const float* alpha, const uint32_t* v2,
+                            int64_t dp, int64_t npairs, float* o) {
+  const int64_t nvec = dp / 16;
+  int64_t x0 = 0;
+  for (; x0 + 4 <= nvec; x0 += 4) values_rows_bf16<4>(p2, alpha, v2, dp, npairs, o, x0);
+  if (x0 + 2 <= nvec) {
+    values_rows_bf16<2>(p2, alpha, v2, dp, npairs, o, x0);
+    x0 += 2;
+  }
+  if (x0 < nvec) values_rows_bf16<1>(p2, alpha, v2, dp, npairs, o, x0);
+}
+
+// A row's weights [0, cols) (cols a multiple of 32) rounded to bf16 (RNE) in key pairs.
+inline void round_weights(const float* si, int cols, uint32_t* dst) {
+  for (int c = 0; c < cols; c += 32) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(si + c + 16), _mm512_loadu_ps(si + c));
+    _mm512_storeu_si512(dst + c / 2, (__m512i)b);
+  }
+}
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// kPairs: both products on vdpbf16ps (T = C = bf16 at a level with AVX512-BF16).
+template <bool kPairs, typename T, typename C>
 void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table,
              int64_t q_start, int64_t seq_len, int64_t n_q, const Shape& sh, Scratch& w,
              T* out) {
-  const int64_t g = sh.g, d = sh.d, dp = sh.dp, h = job.head;
+  const int64_t g = sh.g, d = sh.d, dp = sh.dp, h = job.head, dh = (d + 1) / 2;
   const int64_t ctx = seq_len - n_q;
   const int64_t rows = (job.t1 - job.t0) * g, mp = (rows + kR - 1) / kR * kR;
-  // Queries (scaled) as fp32 rows; padding rows stay zero.
+  // Queries as fp32 rows (scaled) or bf16 pairs (unscaled); padding rows stay zero.
   for (int64_t t = job.t0; t < job.t1; ++t)
-    for (int64_t j = 0; j < g; ++j)
-      widen_row(q + (q_start + t) * sh.q_tok + (h * g + j) * sh.q_head,
-                w.q.data() + ((t - job.t0) * g + j) * d, d, sh.scale);
-  std::fill(w.q.begin() + rows * d, w.q.begin() + mp * d, 0.f);
+    for (int64_t j = 0; j < g; ++j) {
+      const T* src = q + (q_start + t) * sh.q_tok + (h * g + j) * sh.q_head;
+      const int64_t i = (t - job.t0) * g + j;
+      if constexpr (kPairs) {
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+        pair_row(src, d, w.q2.data() + i * dh);
+#endif
+      } else {
+        widen_row(src, w.q.data() + i * d, d, sh.scale);
+      }
+    }
+  if constexpr (kPairs) {
+    std::fill(w.q2.begin() + rows * dh, w.q2.begin() + mp * dh, 0u);
+  } else {
+    std::fill(w.q.begin() + rows * d, w.q.begin() + mp * d, 0.f);
+  }
   std::fill(w.o.begin(), w.o.begin() + mp * dp, 0.f);
   std::fill(w.m.begin(), w.m.begin() + mp, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + mp, 0.f);
@@ -162,15 +295,39 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
   const int32_t* bt = block_table + job.chunk * sh.max_nb;
   for (int64_t kbase = kstart; kbase < kend; kbase += kBK) {
     const int64_t n = std::min<int64_t>(kBK, kend - kbase);
-    // K transposed into kt[d][j], V into v[j][0..d) (its padding columns stay zero).
-    for (int64_t j = 0; j < n;) {
-      const int64_t pos = kbase + j, off = pos % sh.bs;
-      const int64_t run = std::min(n - j, sh.bs - off);
-      const C* base = kv + bt[pos / sh.bs] * sh.s_block + h * sh.s_head + off * sh.s_tok;
-      for (int64_t u = 0; u < run; ++u, ++j) {
-        widen_row(base + u * sh.s_tok, w.row.data(), d, 1.f);
-        for (int64_t x = 0; x < d; ++x) w.kt[x * kBK + j] = w.row[x];
-        widen_row(base + sh.s_kv + u * sh.s_tok, w.v.data() + j * dp, d, 1.f);
+    if constexpr (kPairs) {
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+      // K as pair words transposed into k2[p][j]; V rows j, j + 1 interleaved into
+      // v2[j / 2] (an odd n's last pair is (v, 0): its weight pair is (p, 0) too).
+      auto row_of = [&](int64_t j) {
+        const int64_t pos = kbase + j;
+        return kv + bt[pos / sh.bs] * sh.s_block + h * sh.s_head + (pos % sh.bs) * sh.s_tok;
+      };
+      uint32_t* k2 = w.k2.data();
+      for (int64_t j = 0; j < n; ++j) {
+        const C* r = row_of(j);
+        for (int64_t p = 0; p < d / 2; ++p) {
+          uint32_t word;
+          std::memcpy(&word, r + 2 * p, sizeof word);
+          k2[p * kBK + j] = word;
+        }
+        if (d & 1) k2[(dh - 1) * kBK + j] = bf16_bits(r[d - 1]);
+      }
+      for (int64_t j = 0; j < n; j += 2)
+        interleave_rows(row_of(j) + sh.s_kv, j + 1 < n ? row_of(j + 1) + sh.s_kv : nullptr, d,
+                        w.v2.data() + j / 2 * dp);
+#endif
+    } else {
+      // K transposed into kt[d][j], V into v[j][0..d) (its padding columns stay zero).
+      for (int64_t j = 0; j < n;) {
+        const int64_t pos = kbase + j, off = pos % sh.bs;
+        const int64_t run = std::min(n - j, sh.bs - off);
+        const C* base = kv + bt[pos / sh.bs] * sh.s_block + h * sh.s_head + off * sh.s_tok;
+        for (int64_t u = 0; u < run; ++u, ++j) {
+          widen_row(base + u * sh.s_tok, w.row.data(), d, 1.f);
+          for (int64_t x = 0; x < d; ++x) w.kt[x * kBK + j] = w.row[x];
+          widen_row(base + sh.s_kv + u * sh.s_tok, w.v.data() + j * dp, d, 1.f);
+        }
       }
     }
     for (int64_t i0 = 0; i0 < mp; i0 += kR) {
@@ -184,7 +341,13 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
       }
       const int cols = static_cast<int>((hi_group + kKeyGroup - 1) / kKeyGroup * kKeyGroup);
       float* s = w.s.data() + i0 * kBK;
-      scores_rows(w.q.data() + i0 * d, d, w.kt.data(), d, cols, s);
+      if constexpr (kPairs) {
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+        scores_rows_bf16(w.q2.data() + i0 * dh, dh, w.k2.data(), cols, sh.scale, s);
+#endif
+      } else {
+        scores_rows(w.q.data() + i0 * d, d, w.kt.data(), d, cols, s);
+      }
       for (int64_t i = i0; i < i0 + kR; ++i) {
         float* si = w.s.data() + i * kBK;
         if (i >= rows) {  // padding rows: weights zero, state kept
@@ -224,8 +387,17 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
         w.m[i] = m_new;
         w.alpha[i] = a;
       }
-      values_all(s, w.alpha.data() + i0, w.v.data(), dp, hi_group, w.o.data() + i0 * dp,
-                 dp / W);
+      if constexpr (kPairs) {
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+        for (int64_t i = i0; i < i0 + kR; ++i)
+          round_weights(w.s.data() + i * kBK, cols, w.p2.data() + i * (kBK / 2));
+        values_all_bf16(w.p2.data() + i0 * (kBK / 2), w.alpha.data() + i0, w.v2.data(), dp,
+                        (hi_group + 1) / 2, w.o.data() + i0 * dp);
+#endif
+      } else {
+        values_all(s, w.alpha.data() + i0, w.v.data(), dp, hi_group, w.o.data() + i0 * dp,
+                   dp / W);
+      }
     }
   }
   for (int64_t t = job.t0; t < job.t1; ++t)
@@ -256,12 +428,15 @@ void prefill(const T* q, const C* kv, const int32_t* block_table, const int64_t*
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), njobs);
+  // bf16 queries over a bf16 cache: vdpbf16ps where the level has it.
+  constexpr bool pairs = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                         std::is_same_v<C, c10::BFloat16>;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(sh, tile_tokens * sh.g);
+    Scratch w(sh, tile_tokens * sh.g, pairs);
     for (int64_t k = next++; k < njobs; k = next++) {
       const Job& job = jobs[k];
-      run_job(job, q, kv, block_table, qsl[job.chunk], seq_lens[job.chunk],
-              qsl[job.chunk + 1] - qsl[job.chunk], sh, w, out);
+      run_job<pairs>(job, q, kv, block_table, qsl[job.chunk], seq_lens[job.chunk],
+                     qsl[job.chunk + 1] - qsl[job.chunk], sh, w, out);
     }
   });
 }

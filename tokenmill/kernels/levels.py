@@ -43,7 +43,11 @@ def _x86_levels() -> tuple[Level, ...]:
             Level("avx2", avx2, avx2_cpu),
             Level("avx512", avx512, avx512_cpu),
             # int8 x int16 dot products in one instruction (the greedy lm_head's screen)
-            Level("avx512_vnni", avx512 + ("-mavx512vnni",), avx512_cpu | {"avx512_vnni"}))
+            Level("avx512_vnni", avx512 + ("-mavx512vnni",), avx512_cpu | {"avx512_vnni"}),
+            # bf16 pair dot products into fp32 (vdpbf16ps: the prefill attention kernel's
+            # products over a bf16 cache); everything of avx512_vnni too
+            Level("avx512_bf16", avx512 + ("-mavx512vnni", "-mavx512bf16"),
+                  avx512_cpu | {"avx512_vnni", "avx512_bf16"}))
 
 
 def _is_x86() -> bool:

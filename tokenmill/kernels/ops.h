@@ -55,7 +55,7 @@ void linear_f32_block(const float* x, int64_t K, const float* wblock, float* y, 
 // Integer-quantized weights (cpu_quant_linear.cpp): codes uint8 [N, K], scales fp32 [N, G],
 // zeros uint8 [N, G] -> (codes [N/32, K, 32 or 16] uint8, scales [N/32, G, 32] fp32 or
 // fp16, zeros [N/32, G, 32] uint8), the layout linear_quant / dequantize_quant read;
-// `quad` (4 / 8 bits, where has_quant_quad(): the avx2, avx512 and avx512_vnni levels):
+// `quad` (4 / 8 bits, where has_quant_quad(): the avx2, avx512, avx512_vnni and avx512_bf16 levels):
 // codes [N/32, K/4 or K/8, 128], the layout of the integer dot products on 15-bit
 // activations (cpu_quant_linear.cpp).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pack_quant_weight(

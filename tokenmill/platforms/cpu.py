@@ -97,9 +97,9 @@ DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = 32
 # block and multiplies it exactly, as the widening kernel does).
 DEFAULT_QUAD_QUANTIZED_ROWS = 64
 # The levels whose quad kernel was measured faster than the widening kernel at 1-16 rows
-# (docs/benchmarks.md; vpdpbusd at avx512_vnni, vpmaddwd at avx512 and avx2): the
-# platform asks for the layout there only.
-QUAD_LEVELS = frozenset({"avx2", "avx512", "avx512_vnni"})
+# (docs/benchmarks.md; vpdpbusd at avx512_vnni and avx512_bf16, a superset of it;
+# vpmaddwd at avx512 and avx2): the platform asks for the layout there only.
+QUAD_LEVELS = frozenset({"avx2", "avx512", "avx512_vnni", "avx512_bf16"})
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.

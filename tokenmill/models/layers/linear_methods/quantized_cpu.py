@@ -13,7 +13,7 @@ reference's W') and multiply them with the library GEMM in the compute dtype, ne
 the whole matrix at once.
 
 `quad`: 4- and 8-bit codes in the kernels' quad layout, where the module has it (the
-avx2, avx512 and avx512_vnni levels) and the shape allows it (K a multiple of 8, groups
+avx2, avx512, avx512_vnni and avx512_bf16 levels) and the shape allows it (K a multiple of 8, groups
 a multiple of 8 or the whole row): `linear_quant` then multiplies with integer dot
 products (vpdpbusd, or vpmaddwd below avx512_vnni: the same integer sums) on activations rounded to 15 bits per block of 128 (error at most max|x_block| / 32766
 per element, below a bf16 activation's own rounding for all but the block's smallest
