@@ -49,9 +49,14 @@ def test_bandwidth_fraction_arithmetic():
     assert decode_read.bandwidth_fraction(counts, 1, 1, 0.0, 1.0)["bandwidth_fraction"] is None
 
 
-def test_read_bandwidth_probes_take_the_best():
-    from tokenmill import kernels
-    ops = kernels.cpu_ops() if kernels.runnable_levels() else None
-    bw = decode_read.measure_read_bandwidth(ops, nbytes=8 << 20, reps=2)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_read_bandwidth_probes_take_the_best(dtype):
+    import torch
+
+    from tokenmill.platforms import create_platform
+    platform = create_platform("cpu", getattr(torch, dtype))
+    bw = decode_read.measure_read_bandwidth(platform, nbytes=8 << 20, reps=2)
     assert bw["gbps"] == max(bw["probes"].values()) > 0
-    assert ("packed bf16 GEMV" in bw["probes"]) == (ops is not None)
+    assert len(bw["probes"]) == 2 and any(k.startswith("one-row ") for k in bw["probes"])
+    assert decode_read.measure_read_bandwidth(None, nbytes=1 << 20, reps=1)["probes"].keys() \
+        == {"torch amax fp32"}

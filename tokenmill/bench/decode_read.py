@@ -114,22 +114,36 @@ def _torch_read_gbps(nbytes: int, reps: int) -> float:
     return nbytes / _best_seconds(lambda: x.amax(), reps) / 1e9
 
 
-def measure_read_bandwidth(ops=None, nbytes: int = READ_PROBE_BYTES, reps: int = 7) -> dict:
+def _platform_linear_gbps(platform, nbytes: int, reps: int) -> tuple[str, float]:
+    """One row through a Linear of about `nbytes` weights in the platform's model dtype,
+    with the method the platform gives it (its decode path: the packed kernel where it
+    packs): (the method's name, bytes that row reads / second)."""
+    from tokenmill.models.layers.linear import Linear
+    dtype = getattr(torch, platform.model_dtype)
+    k = 4096
+    n = nbytes // (dtype.itemsize * k) // 32 * 32
+    layer = Linear(k, n, bias=False, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    layer.set_method(platform.linear_method(layer))
+    row = torch.ones(1, k, dtype=dtype)
+    read = linear_read_bytes(layer)
+    with torch.inference_mode():
+        seconds = _best_seconds(lambda: layer(row), reps)
+    return type(layer.method).__name__, read / seconds / 1e9
+
+
+def measure_read_bandwidth(platform=None, nbytes: int = READ_PROBE_BYTES,
+                           reps: int = 7) -> dict:
     """The machine's streaming read bandwidth (CPU), GB/s: the best of a few read-only
     probes over `nbytes` (far beyond the caches), each the best of `reps` runs:
-    torch's max over fp32 and, with the native kernels `ops`, a one-row packed bf16
-    GEMV (the decode kernel's own access pattern). Taking the best probe makes the
-    bound the strictest one this run can show."""
+    torch's max over fp32 and, with the engine's CPU `platform`, a one-row linear
+    through the method it picks (the decode kernel's own access pattern). Taking the
+    best probe makes the bound the strictest one this run can show."""
     probes = {"torch amax fp32": _torch_read_gbps(nbytes, reps)}
-    if ops is not None and hasattr(ops, "pack_bf16_weight"):
-        k = 4096
-        n = nbytes // (2 * k) // 32 * 32
-        packed = ops.pack_bf16_weight(torch.ones(n, k, dtype=torch.bfloat16))
-        row = torch.ones(1, k, dtype=torch.bfloat16)
-        none = torch.empty(0)
-        probes["packed bf16 GEMV"] = n * k * 2 / _best_seconds(
-            lambda: ops.linear_bf16(row, packed, n, none), reps) / 1e9
-        del packed
+    if platform is not None and platform.device == "cpu":
+        name, gbps = _platform_linear_gbps(platform, nbytes, reps)
+        probes[f"one-row {name}"] = gbps
     return {"gbps": max(probes.values()), "probes": probes, "bytes": nbytes, "reps": reps}
 
 

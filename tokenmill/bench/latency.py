@@ -146,7 +146,7 @@ def _read_bandwidth(engine, device) -> dict:
     import torch
     from tokenmill.bench import decode_read
     if torch.device(device).type == "cpu":
-        return decode_read.measure_read_bandwidth(getattr(engine.platform, "ops", None))
+        return decode_read.measure_read_bandwidth(engine.platform)
     from tokenmill.bench.roofline import measure_bandwidth
     copy = measure_bandwidth(device)  # (read + write bytes of a device copy)
     return {"gbps": copy["gbps"], "probes": {"device copy (read + write)": copy["gbps"]},
