@@ -323,16 +323,13 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         if (self.packed is not None or self.ops is None or self.max_rows <= 0
                 or not hasattr(self.ops, "QUANT_E4M3")):
             return
-        from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
+        from tokenmill.models.layers.linear_methods.quantized_cpu import (
+            PackedQuantizedExperts, drop_stacked_experts)
         self.packed = PackedQuantizedExperts.from_e4m3(
             self.ops, layer.gate_up_proj.detach(), layer.gate_up_proj_scale_inv.detach(),
             layer.down_proj.detach(), layer.down_proj_scale_inv.detach(), self.block_size,
             self.max_rows, self.compute_dtype)
-        for name in ("gate_up_proj", "down_proj"):  # the packed copy is the only one
-            setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name),
-                                                               device="meta"),
-                                              requires_grad=False))
-            delattr(layer, name + "_scale_inv")
+        drop_stacked_experts(layer, "_scale_inv")
 
     def nbytes(self) -> int:
         """Resident bytes of the packed experts (0 before packing: the e4m3 stacks are

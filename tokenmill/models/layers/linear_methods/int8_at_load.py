@@ -28,7 +28,8 @@ from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
-from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
+from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantizedExperts,
+                                                                   drop_stacked_experts)
 from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
 from tokenmill.models.layers.linear_methods.quantized_weight import (
     QuantizedWeight, quantize_int8_per_channel)
@@ -151,11 +152,7 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
             self.ops, [self.expert_weight(layer, "gate_up_proj", e) for e in experts],
             [self.expert_weight(layer, "down_proj", e) for e in experts], self.max_rows,
             self.quad_max_rows, self.compute_dtype)
-        for name in ("gate_up_proj", "down_proj"):  # the packed copy is the only one
-            setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name),
-                                                               device="meta"),
-                                              requires_grad=False))
-            delattr(layer, name + "_scale")
+        drop_stacked_experts(layer, "_scale")
 
     def nbytes(self) -> int:
         """Resident bytes of the packed experts (0 before packing: the stacked codes are

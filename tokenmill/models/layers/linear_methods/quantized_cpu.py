@@ -22,6 +22,7 @@ elements): the platform asks for it for bf16 models only, fp32 ones stay exact.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tokenmill.models.layers.linear_methods.quantized_weight import (ROW_TILE_ELEMENTS,
                                                                      QuantizedWeight)
@@ -184,3 +185,13 @@ class PackedQuantizedExperts:
         for e, lo, hi in groups:
             out[lo:hi] = packed[e].linear(xs[lo:hi], None, self.max_rows, self.compute_dtype)
         return out
+
+
+def drop_stacked_experts(layer, scale_suffix: str) -> None:
+    """Once the experts are packed, the packed copy is the only one: the layer's stacked
+    `gate_up_proj` / `down_proj` become meta tensors (shapes and dtype still readable)
+    and their scale tensors (`<name><scale_suffix>`) go."""
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name), device="meta"),
+                                          requires_grad=False))
+        delattr(layer, name + scale_suffix)
