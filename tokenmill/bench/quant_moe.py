@@ -17,11 +17,8 @@ import torch
 
 
 def _experts(n: int, k: int, bits: int, group: int, count: int, gen: torch.Generator):
-    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
-    return [QuantizedWeight(torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen),
-                            torch.rand(n, k // group, generator=gen) * 0.01,
-                            torch.full((n, k // group), 2 ** (bits - 1), dtype=torch.uint8),
-                            bits, group) for _ in range(count)]
+    from tokenmill.bench.quant_rows import random_quantized_weight
+    return [random_quantized_weight(n, k, bits, group, gen) for _ in range(count)]
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch
 
     from tokenmill import kernels
-    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    from tokenmill.bench.quant_rows import random_quantized_weight
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,12 +59,7 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.lower().split("x"))
             g = group or k
-            groups = -(-k // g)
-            qw = QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8,
-                                               generator=gen),
-                                 torch.rand(n, groups, generator=gen) * 0.01,
-                                 torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
-                                 bits, g)
+            qw = random_quantized_weight(n, k, bits, g, gen)
             packs = {lv: [m.pack_quant_weight(qw.codes, qw.scales, qw.zeros, bits, g, quad)
                           for quad in (False, True)] for lv, m in mods.items()}
             for rows in args.rows:

@@ -17,6 +17,20 @@ import argparse
 import sys
 
 
+
+def random_quantized_weight(n: int, k: int, bits: int, group: int, gen):
+    """Random `bits`-bit codes [n, k] in groups of `group` columns, small scales, the
+    midpoint as zero (`gen`: a torch.Generator): a weight for the kernels' timings
+    (the values do not matter)."""
+    import torch
+
+    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    groups = -(-k // group)
+    return QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen),
+                           torch.rand(n, groups, generator=gen) * 0.01,
+                           torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
+                           bits, group)
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -45,7 +59,6 @@ def main(argv=None) -> int:
     from tokenmill.kernels import cpu_ops
     from tokenmill.models.layers.linear import Linear
     from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
-    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
     from tokenmill.platforms.cpu import CpuPlatform
 
     ops = cpu_ops()
@@ -68,13 +81,7 @@ def main(argv=None) -> int:
         bits = 4 if fmt.startswith("int4") else 8
         group = int(fmt.split("-g")[1]) if "-g" in fmt else None
         for n, k in args.shapes:
-            g = group or k
-            groups = -(-k // g)
-            qw = QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8,
-                                               generator=gen),
-                                 torch.rand(n, groups, generator=gen) * 0.01,
-                                 torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
-                                 bits, g)
+            qw = random_quantized_weight(n, k, bits, group or k, gen)
             packed = PackedQuantizedWeight(ops, qw)
             # The quad layout (integer dot products on 15-bit activations) where this
             # CPU's kernels have it: the bf16 models' kernel there.
