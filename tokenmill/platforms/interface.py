@@ -209,10 +209,10 @@ class Platform:
         kernel for expert slices of up to `linear_bf16_max_rows` rows where `linear`
         is "packed_bf16", the grouped GEMMs (widened to `gemm_dtype` where that
         differs) for the rest. A non-default method is kept; quantized experts (integer
-        formats, int8 at load, fp8) on the CPU get the native kernels (`for_platform`: packed per expert, up to
-        `quantized_max_rows` rows, the quad layout where the platform asks for it); a
-        quantized one that can compute in another dtype (fp8's dequantized experts)
-        gets the widened one."""
+        formats, int8 at load, fp8) on the CPU get the native kernels (`for_platform`:
+        packed per expert, up to `quantized_max_rows` rows, the quad layout where the
+        platform asks for it); a quantized one that can compute in another dtype (fp8's
+        dequantized experts) without them gets the widened one."""
         import torch
 
         from tokenmill.models.layers.linear_methods import (PackedBf16FusedMoEMethod,
