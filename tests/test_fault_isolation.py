@@ -169,6 +169,53 @@ def test_nan_logits_fail_only_that_request(llm, monkeypatch):
     assert_clean(llm)
 
 
+def test_nan_hidden_fails_its_request_on_the_greedy_head(llm, monkeypatch):
+    """All-greedy steps of a few rows take the int8-screened lm_head, which returns a
+    token even for a NaN row: the runner must still see the row and fail its request
+    (it skips its own check only when the screen proves every row finite)."""
+    runner = llm.llm_engine.engine_core.runner
+    if runner.greedy_head is None:
+        pytest.skip("no greedy lm_head on this platform")
+    refs = {name: solo(llm, name) for name in ("a", "b")}
+    seen = {t for name in refs for t in refs[name] + PROMPTS[name]}
+    poison = next(t for t in range(300, 400) if t not in seen)
+    model = runner.model
+    forward = model.forward
+    head_calls = []
+    head = runner.greedy_head
+    call = head.__call__
+
+    def counted(x):
+        head_calls.append(x.shape[0])
+        return call(x)
+
+    def nan_forward(input_ids, positions, meta):
+        hidden = forward(input_ids, positions, meta)
+        return hidden.masked_fill((input_ids == poison).unsqueeze(1), float("nan"))
+
+    monkeypatch.setattr(model, "forward", nan_forward)
+    monkeypatch.setattr(runner, "greedy_head", type("Counted", (), {
+        "__call__": lambda self, x: counted(x),
+        "rows_surely_finite": lambda self: head.rows_surely_finite(),
+        "lm_head": head.lm_head})())
+    engine = llm.llm_engine
+    for name in ("a", "b"):
+        engine.add_request(name, {"prompt_token_ids": PROMPTS[name]}, params_of(name))
+    engine.add_request("victim", {"prompt_token_ids": PROMPTS["victim"] + [poison]},
+                       params_of("victim"))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert head_calls and max(head_calls) == 3  # the poisoned step went through the screen
+    assert finals["victim"].outputs[0].finish_reason == "error"
+    assert finals["victim"].outputs[0].token_ids == []
+    for name, ref in refs.items():
+        assert finals[name].outputs[0].token_ids == ref, name
+    assert_clean(llm)
+
+
 def test_a_fault_under_async_scheduling():
     llm = make_llm(async_scheduling=True)
     refs = {name: solo(llm, name) for name in ("a", "b", "c")}

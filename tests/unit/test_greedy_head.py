@@ -20,7 +20,8 @@ from tokenmill.kernels.testing import (IS_X86, aarch64_tools, build_and_run, hos
                                        kernel_level, ops)  # noqa: F401 (fixtures)
 from tokenmill.models.layers.greedy_head import GreedyHead, pack_int8_screen
 from tokenmill.models.layers.linear import Linear
-from tokenmill.models.layers.linear_methods import PackedBf16LinearMethod, UnquantizedLinearMethod
+from tokenmill.models.layers.linear_methods import (PackedBf16LinearMethod, PackedF32LinearMethod,
+                                                UnquantizedLinearMethod)
 
 NO_BIAS = torch.empty(0)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,6 +170,29 @@ def test_greedy_head_for_a_linear_layer(ops):
     plain = Linear(48, 70, bias=False)  # fp32 weights, not packed
     assert GreedyHead.build(plain, ops) is None
     assert GreedyHead.build(lin, None) is None  # no kernels (the PyTorch path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_surely_finite_only_when_every_row_is(ops, dtype):
+    """The runner skips its own NaN check of the hidden rows when the screen shows them
+    finite: a row with an inf or a NaN must never pass as finite (the kernel recomputes
+    every block then), and an all-blocks call is "unknown", never "finite"."""
+    torch.manual_seed(6)
+    lin = Linear(64, 700, bias=False).to(dtype)
+    packed = (PackedBf16LinearMethod if dtype == torch.bfloat16 else PackedF32LinearMethod)
+    lin.set_method(packed(ops, 128, UnquantizedLinearMethod(torch.float32)))
+    head = GreedyHead.build(lin, ops)
+    x = torch.randn(4, 64).to(dtype)
+    head(x)
+    assert head.rows_surely_finite()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[2, 17] = bad
+        head(y)
+        assert not head.rows_surely_finite()
+        assert head.blocks_recomputed == head.num_blocks == 22
+    head(torch.zeros(1, 64, dtype=dtype))  # every logit ties: all blocks, "unknown"
+    assert not head.rows_surely_finite()
 
 
 # ---- an fp32 lm_head: packed for linear_f32, screened in int8 -------------------------

@@ -278,9 +278,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         else:
             sample_hidden = hidden[self._to_device(logits_indices)]
         if self._greedy_head_applies(so, sample_hidden.shape[0]):
+            ids = self.greedy_head(sample_hidden)
             # No logits to look at: a non-finite hidden row is what makes NaN logits.
-            self._pending_nonfinite_hidden = nonfinite_rows(sample_hidden)
-            self._pending = (None, discard, self.greedy_head(sample_hidden))
+            # The screen shows when there is none (None: no row to fail), else a check.
+            self._pending_nonfinite_hidden = (
+                None if self.greedy_head.rows_surely_finite() else nonfinite_rows(sample_hidden))
+            self._pending = (None, discard, ids)
         else:
             self._pending = (self.model.compute_logits(sample_hidden), discard, None)
         self._compute_prompt_logprobs(hidden, so)

@@ -190,7 +190,9 @@ class SamplingMixin:
         """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
-            nan_rows = self._to_host(self._pending_nonfinite_hidden)
+            nonfinite = self._pending_nonfinite_hidden
+            nan_rows = (np.zeros(sampled.shape[0], dtype=bool) if nonfinite is None
+                        else self._to_host(nonfinite))
             vocab = self.greedy_head.lm_head.out_features
             sampled_np = self._to_host(sampled if sampled.dtype == torch.int64
                                        else sampled.to(torch.int64))

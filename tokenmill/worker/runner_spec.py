@@ -37,7 +37,9 @@ class DraftVerifyMixin:
         md = None
         if sampled is not None:  # the greedy lm_head: argmax of every verified row
             target = sampled.to("cpu", dtype=torch.int64).numpy()
-            nan_t = self._pending_nonfinite_hidden.to("cpu").numpy()
+            nonfinite = self._pending_nonfinite_hidden
+            nan_t = (np.zeros(sampled.shape[0], dtype=bool) if nonfinite is None
+                     else nonfinite.to("cpu").numpy())
             vocab = self.greedy_head.lm_head.out_features
         else:
             nan_t = torch.isnan(logits.amax(dim=1)).to("cpu").numpy()

@@ -74,6 +74,7 @@ class GreedyHead:
         weight = lm_head.dense_weight().to(self.dtype)
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
+        self.num_blocks = -(-lm_head.out_features // 32)
 
     @classmethod
     def build(cls, lm_head, ops) -> GreedyHead | None:
@@ -98,3 +99,9 @@ class GreedyHead:
             x, self.packed, self.q, self.scale, self.coef, self.l1,
             self.lm_head.out_features)
         return ids
+
+    def rows_surely_finite(self) -> bool:
+        """After a call: True when every row of its x was finite. The kernel recomputes
+        every 32-column block when a row holds an inf or a NaN, so fewer blocks prove
+        that none did (all blocks recomputed: unknown, the caller checks the rows)."""
+        return self.blocks_recomputed < self.num_blocks
