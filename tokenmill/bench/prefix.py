@@ -15,7 +15,9 @@ with unrelated tokens):
 
 Per run: mean / p50 time to first token (from the moment the requests are
 added), wall time, request and output-token throughput. Ratios: TTFT off / on
-(the goal is >= 3x), throughput on / off, and TTFT of the cold engine
+(the goal is >= 3x), throughput on / off, the median TTFT of single requests sent
+after the batch (the shared prefix and a new suffix: computed when caching is off,
+cached when on; the goal is >= 5x), and TTFT of the cold engine
 recomputing (3) / served from Redis (4). Redis: --redis-url, else a
 redis-server started for the run on a free port (skipped when not installed).
 """
@@ -48,6 +50,9 @@ def add_prefix_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-len", type=positive_int, default=64,
                    help="tokens of each request's own part (default 64)")
     p.add_argument("--output-len", type=positive_int, default=16)
+    p.add_argument("--single-requests", type=int, default=3,
+                   help="after the batch, requests sent one at a time with the cached prefix "
+                        "and a new suffix: their median TTFT, off vs on (default 3; 0: none)")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +98,8 @@ def _drive(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
             "output_tok_per_s": n_out / wall, "tokens": [tokens[r] for r in ids]}
 
 
-def _run(name: str, model_path: str, args, prompts, warm, max_model_len: int, **kw) -> dict:
+def _run(name: str, model_path: str, args, prompts, warm, max_model_len: int,
+         singles=(), **kw) -> dict:
     logger.info("run: %s", name)
     engine = _engine(model_path, args, max_model_len, **kw)
     try:
@@ -101,6 +107,11 @@ def _run(name: str, model_path: str, args, prompts, warm, max_model_len: int, **
         core = engine.engine_core
         before = core.kv_cache_stats()
         res = _drive(engine, prompts, args.output_len, "bench")
+        # Then one request at a time, each the shared prefix and a suffix never seen:
+        # with caching on its prefix is cached by the batch above, off it is computed.
+        single = [_drive(engine, [p], 1, f"single-{i}")["mean_ttft_s"]
+                  for i, p in enumerate(singles)]
+        res["single_ttft_s"] = sorted(single)[len(single) // 2] if single else None
         after = core.kv_cache_stats()
         res["prefix_cache_hit_tokens"] = after["prefix_cache_hits"] - before["prefix_cache_hits"]
         ext_a, ext_b = after["external"], before["external"]
@@ -134,11 +145,14 @@ def run_prefix_bench(args) -> int:
     prompts = [prefix + rng.integers(1, vocab, size=args.suffix_len).tolist()
                for _ in range(args.num_requests)]
     warm = rng.integers(1, vocab, size=48).tolist()
+    singles = [prefix + rng.integers(1, vocab, size=args.suffix_len).tolist()
+               for _ in range(args.single_requests)]
     bs = args.block_size
     max_model_len = -(-(args.prefix_len + args.suffix_len + args.output_len) // bs) * bs + bs
     runs = [_run("prefix caching off", model_path, args, prompts, warm, max_model_len,
-                 enable_prefix_caching=False),
-            _run("prefix caching on", model_path, args, prompts, warm, max_model_len)]
+                 singles, enable_prefix_caching=False),
+            _run("prefix caching on", model_path, args, prompts, warm, max_model_len,
+                 singles)]
     redis_note = None
     if not args.no_redis:
         server = None
@@ -190,6 +204,12 @@ def _report(args, model_path: str, runs: list[dict], redis_note: str | None) -> 
     print(f"\nmean TTFT, caching off / on:        {ratios['ttft_off_over_on']:.2f}x "
           f"(goal >= 3x: {'met' if ratios['ttft_off_over_on'] >= 3 else 'NOT met'})")
     print(f"throughput, caching on / off:       {ratios['throughput_on_over_off']:.2f}x")
+    if off["single_ttft_s"] and on["single_ttft_s"]:
+        ratios["single_ttft_cold_over_cached"] = off["single_ttft_s"] / on["single_ttft_s"]
+        print(f"one request alone, TTFT with its {args.prefix_len}-token prefix computed / "
+              f"cached: {off['single_ttft_s'] * 1e3:.1f} / {on['single_ttft_s'] * 1e3:.1f} ms "
+              f"= {ratios['single_ttft_cold_over_cached']:.2f}x (median of "
+              f"{args.single_requests}; goal >= 5x)")
     if len(runs) == 4 and not runs[2]["external_tier"]:
         print("runs 3 and 4: the external KV tier is off for this model (see the log), "
               "so both are cold engines with local prefix caching")
