@@ -132,6 +132,33 @@ def test_shared_prefix_batch_twice(hybrid_model, uncached, name):
     assert_nothing_leaked(llm)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_a_third_request_resumes_where_two_prompts_part(hybrid_model, name):
+    """Three prompts share a 40-token prefix (5 blocks, not on the 16-token interval),
+    sent one after another. The second resumes at 32 (the interval snapshot) and
+    snapshots where its cached blocks end, 40, so the third resumes at 40; every output
+    equals the uncached engine's and HF's (fp32, 1e-4)."""
+    tm = hybrid_model(name)
+    rng = random.Random(11)
+    prefix = [rng.randrange(1, tm.vocab_size) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(1, tm.vocab_size) for _ in range(n)]
+               for n in (10, 15, 12)]  # (none ends its last block at 40)
+    off = run_greedy_logprobs(hybrid_llm(tm, enable_prefix_caching=False), prompts)
+    llm = hybrid_llm(tm)
+    seen = record_schedules(llm)
+    comps, hits = [], []
+    for p in prompts:
+        before = stats(llm)["prefix_cache_hits"]
+        comps += run_greedy_logprobs(llm, [p])
+        hits.append(stats(llm)["prefix_cache_hits"] - before)
+    assert hits == [0, 32, 40]
+    # the second request wrote the snapshot at 40 (besides the ones due anyway)
+    writes = [b for so in seen for w in so.state_snapshots.values() for b, _ in w]
+    assert writes.count(40) == 1
+    check_against_hf_and_off(tm, prompts, comps, off)
+    assert_nothing_leaked(llm)
+
+
 # ---- (b) ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [5, 13])

@@ -47,6 +47,12 @@ def test_due_boundaries():
     assert s.due_boundaries(0, 17, 17) == [8, 16]  # 16 is the last one before token 16
     assert s.due_boundaries(0, 16, 17) == [8, 16]
     assert s.due_boundaries(8, 9, 30) == []  # a decode-sized chunk inside a block
+    # Where the cached blocks end past the resumed snapshot (a shared prefix's end):
+    assert s.due_boundaries(8, 30, 30, match_end=12) == [12, 16, 24, 28]
+    assert s.due_boundaries(8, 30, 30, match_end=16) == [16, 24, 28]  # (due anyway)
+    assert s.due_boundaries(12, 30, 30, match_end=12) == [16, 24, 28]  # not in (12, 30]
+    assert s.due_boundaries(0, 18, 18, match_end=20) == [8, 16]  # never past the last
+    assert s.due_boundaries(0, 18, 30, match_end=14) == [8, 16]  # not a block boundary
     with pytest.raises(ValueError, match="multiple of the block size"):
         StateSnapshotCache(4, block_size=4, interval=6)
     with pytest.raises(ValueError, match="num_state_snapshots"):

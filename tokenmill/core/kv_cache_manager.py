@@ -91,6 +91,11 @@ class KVCacheManager:
         # loader only, until the step comes back (`state_loads_done`).
         self._loading_slots: dict[int, object] = {}
         self._loads_now: dict[int, object] = {}  # the same, of this schedule call
+        # Request -> where its cached blocks end, past the snapshot its hit resumes
+        # from: the point where its prompt leaves one cached before (a shared system
+        # prompt's end). It snapshots there, so the next request sharing that prefix
+        # resumes from it instead of recomputing the same blocks.
+        self._match_end: dict[str, int] = {}
 
     @property
     def usage(self) -> float:
@@ -147,10 +152,16 @@ class KVCacheManager:
                 if i + 1 - run > spec.first_needed_block((i + 1) * self.block_size):
                     valid[i + 1] = False
             ids[gid] = [BlockPool.NULL_BLOCK if b is None else b for b in found]
+        matched = max(n for n in range(num + 1) if valid[n])
         # A hybrid resumes only where its recurrent state was snapshotted.
         num = max(n for n in range(num + 1)
                   if valid[n] and (n == 0 or self.snapshots is None
                                    or self._snapshot_usable(request, hashes, n)))
+        if self.snapshots is not None:
+            if matched > num:
+                self._match_end[request.request_id] = matched * self.block_size
+            else:
+                self._match_end.pop(request.request_id, None)
         hits = [[] for _ in range(self.num_groups)]
         for gid in self.block_groups:
             group = ids[gid][:num]
@@ -339,7 +350,8 @@ class KVCacheManager:
     def _take_snapshots(self, request: Request, start: int, end: int) -> None:
         """Snapshot slots for the due boundaries of the chunk [start, end) whose block
         is cached and has none yet (an identical prefix computed twice keeps one)."""
-        due = self.snapshots.due_boundaries(start, end, request.num_tokens)
+        due = self.snapshots.due_boundaries(start, end, request.num_tokens,
+                                            self._match_end.get(request.request_id))
         if not due:
             return
         hashes = request_block_hashes(request, self.block_size)
@@ -507,6 +519,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.num_cached_blocks.pop(request.request_id, None)
+        self._match_end.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             for group_blocks in blocks:

@@ -12,7 +12,9 @@ every group, and one snapshot (every recurrent layer's whole state) weighs as mu
 as tens of KV blocks, so giving each block one would either waste most of the
 memory or force huge blocks. Here a small pool of snapshot slots is shared by the
 few boundaries that get one (every `interval` tokens, every block-aligned chunk
-end, the last block boundary before a prompt's last token), and the block pool
+end, the last block boundary before a prompt's last token, and where a prompt's
+cached blocks end past the snapshot it resumed from: there it parts from an earlier
+prompt, so a third one sharing that prefix resumes there), and the block pool
 drops a key's snapshot when it evicts or uncaches that key (`drop`).
 
 Slots here are numbers 0..num_snapshots-1; the runner keeps them after its live
@@ -94,12 +96,14 @@ class StateSnapshotCache:
     def schedule_done(self) -> None:
         self._pinned.clear()
 
-    def due_boundaries(self, start: int, end: int, num_tokens: int) -> list[int]:
+    def due_boundaries(self, start: int, end: int, num_tokens: int,
+                       match_end: int | None = None) -> list[int]:
         """Block boundaries in (start, end] whose state a chunk computing tokens
         [start, end) of a sequence of `num_tokens` known tokens snapshots: every
-        `interval`-th one, the chunk's end when it is one, and the last one before the
-        last token (a lookup leaves that token to compute: the longest possible hit).
-        Never past that last one."""
+        `interval`-th one, the chunk's end when it is one, the last one before the
+        last token (a lookup leaves that token to compute: the longest possible hit),
+        and `match_end`, where the sequence's cached blocks end past the snapshot it
+        resumed from (where it parts from a cached prompt). Never past that last one."""
         bs = self.block_size
         last = (num_tokens - 1) // bs * bs
         end = min(end, last)
@@ -107,7 +111,7 @@ class StateSnapshotCache:
             return []
         first = (start // self.interval + 1) * self.interval
         due = list(range(first, end + 1, self.interval))
-        for b in (end, last):
-            if b % bs == 0 and start < b <= end and b not in due:
+        for b in (end, last, match_end):
+            if b is not None and b % bs == 0 and start < b <= end and b not in due:
                 due.append(b)
         return sorted(due)
