@@ -110,8 +110,11 @@ def test_bench_latency_too_long(llama_tiny, capsys):
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_bench_latency_quantization(llama_tiny, tmp_path, capsys, method):
-    """--quantization reaches the engine and is recorded with the resident weight bytes,
-    below the fp32 checkpoint's."""
+    """--quantization reaches the engine and is recorded with the resident weight bytes
+    (the int8 greedy screen and oneDNN's prepacked copies included), below those of the
+    unquantized model, and against the checkpoint's bytes. (Not below the fp32
+    checkpoint itself: on this tiny model the unquantized lm_head's packed, prepacked
+    and screen copies outweigh what the layers save.)"""
     import os
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS, "--num-warmup", "0",
@@ -120,8 +123,17 @@ def test_bench_latency_quantization(llama_tiny, tmp_path, capsys, method):
     r = json.loads(out.read_text())
     assert r["workload"]["quantization"] == r["weights"]["quantization"] == method
     stored = os.path.getsize(os.path.join(llama_tiny.path, "model.safetensors"))
-    assert 0 < r["weights"]["resident_weight_bytes"] < stored
-    assert f"weights: {method} (--quantization)" in capsys.readouterr().out
+    w = r["weights"]
+    plain = tmp_path / "plain.json"
+    assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS, "--num-warmup", "0",
+                 "--skip-hf", "--skip-roofline", "--output-json", str(plain)]) == 0
+    unquantized = json.loads(plain.read_text())["weights"]
+    assert 0 < w["resident_weight_bytes"] < unquantized["resident_weight_bytes"]
+    assert w["checkpoint_bytes"] == unquantized["checkpoint_bytes"] == stored
+    assert w["resident_over_checkpoint"] == w["resident_weight_bytes"] / stored
+    text = capsys.readouterr().out
+    assert f"weights: {method} (--quantization)" in text
+    assert f"x the checkpoint's {stored / 2**20:.1f} MiB)" in text
     assert main(["bench", "latency", "--model", llama_tiny.path, *ARGS,
                  "--quantization", "int4"]) == 2
     assert "quantization 'int4' is not a method" in capsys.readouterr().err

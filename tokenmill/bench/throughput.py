@@ -372,27 +372,51 @@ def format_platform(platform: dict) -> str:
     return f"platform: {platform['description']}"
 
 
+def checkpoint_bytes(path: str) -> int | None:
+    """Bytes of the checkpoint's weight files (*.safetensors, else *.bin), None if none."""
+    for ext in (".safetensors", ".bin"):
+        files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(ext)]
+        if files:
+            return sum(os.path.getsize(f) for f in files)
+    return None
+
+
 def weight_facts(llm, args) -> dict:
-    """--quantization and the resident weight bytes of the engine's model (None where
-    the model lives in other processes: data parallel, an engine process)."""
+    """--quantization, and what the engine keeps of the weights (None where the model
+    lives in other processes: data parallel, an engine process): the model's resident
+    bytes plus the greedy lm_head's int8 screen, against the checkpoint's bytes."""
     from tokenmill.models.quantization import quantization_method
     from tokenmill.models.quantize_at_load import resident_weight_bytes
-    model = getattr(getattr(llm.llm_engine.engine_core, "runner", None), "model", None)
+    runner = getattr(llm.llm_engine.engine_core, "runner", None)
+    model = getattr(runner, "model", None)
     at_load = getattr(args, "quantization", None)
     stored = quantization_method(llm.llm_engine.model_config.hf_config)
+    resident = None
+    if model is not None:
+        resident = resident_weight_bytes(model)
+        head = getattr(runner, "greedy_head", None)
+        if head is not None:  # a copy of the lm_head in int8, beside the model's
+            resident += sum(t.nbytes for t in (head.q, head.scale, head.coef, head.l1))
+    ckpt = checkpoint_bytes(llm.llm_engine.model_config.path)
     return {"quantization": at_load or (stored[1] if stored else None),
             "quantized_at_load": bool(at_load),
-            "resident_weight_bytes": None if model is None else resident_weight_bytes(model)}
+            "resident_weight_bytes": resident, "checkpoint_bytes": ckpt,
+            "resident_over_checkpoint": (resident / ckpt if resident is not None and ckpt
+                                         else None)}
 
 
 def format_weights(facts: dict) -> str:
     """The text output's line on the weights: as stored (quantized or not), or
-    quantized at load."""
+    quantized at load; resident bytes against the checkpoint's."""
     how = "--quantization" if facts.get("quantized_at_load") else "the checkpoint's"
     kind = (f"{facts['quantization']} ({how})" if facts["quantization"]
             else "as stored")
     size = facts["resident_weight_bytes"]
-    return f"weights: {kind}" + ("" if size is None else f", {size / 2**20:.1f} MiB resident")
+    text = f"weights: {kind}" + ("" if size is None else f", {size / 2**20:.1f} MiB resident")
+    if facts.get("resident_over_checkpoint") is not None:
+        text += (f" ({facts['resident_over_checkpoint']:.2f}x the checkpoint's "
+                 f"{facts['checkpoint_bytes'] / 2**20:.1f} MiB)")
+    return text
 
 
 def run_timed(llm, workload: Workload, warmup: Workload, structured: dict):

@@ -147,13 +147,15 @@ def _quantize_experts_fp8(layer: FusedMoE, amax: dict[str, torch.Tensor]) -> Non
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (each tensor once, meta tensors not
     counted) plus what the GEMM layers' methods keep beside them: their tensors (packed
-    copies) and their weight objects with an `nbytes()` (the integer formats'
-    canonical or kernel-packed form), a fallback method's too."""
+    copies, oneDNN-prepacked ones at their element count: oneDNN may pad a little) and
+    their weight objects with an `nbytes()` (the integer formats' canonical or
+    kernel-packed form), a fallback method's too."""
     seen, total = set(), 0
 
     def add(t) -> int:
-        if id(t) in seen or t.device.type == "meta" or t.layout != torch.strided:
-            return 0  # (an mkldnn-prepacked copy has no element count to read)
+        if id(t) in seen or t.device.type == "meta" or t.layout not in (torch.strided,
+                                                                         torch._mkldnn):
+            return 0
         seen.add(id(t))
         return t.numel() * t.element_size()
 
