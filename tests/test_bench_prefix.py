@@ -8,13 +8,17 @@ import json
 from tokenmill.entrypoints.cli import main
 
 
-def test_bench_prefix_reports_batch_and_single_request_ratios(llama_tiny, tmp_path, capsys):
+def run_bench(model, tmp_path, requests: int, prefix: int, singles: int) -> dict:
     out = tmp_path / "prefix.json"
-    assert main(["bench", "prefix", "--model", llama_tiny.path, "--dtype", "float32",
-                 "--num-requests", "3", "--prefix-len", "64", "--suffix-len", "8",
-                 "--output-len", "2", "--single-requests", "2", "--no-redis",
-                 "--output-json", str(out)]) == 0
-    r = json.loads(out.read_text())
+    assert main(["bench", "prefix", "--model", model.path, "--dtype", "float32",
+                 "--num-requests", str(requests), "--prefix-len", str(prefix),
+                 "--suffix-len", "8", "--output-len", "2", "--single-requests", str(singles),
+                 "--no-redis", "--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_prefix_reports_batch_and_single_request_ratios(llama_tiny, tmp_path, capsys):
+    r = run_bench(llama_tiny, tmp_path, requests=3, prefix=64, singles=2)
     off, on = r["runs"]
     assert (off["name"], on["name"]) == ("prefix caching off", "prefix caching on")
     assert off["prefix_cache_hit_tokens"] == 0
@@ -29,11 +33,6 @@ def test_bench_prefix_reports_batch_and_single_request_ratios(llama_tiny, tmp_pa
 
 
 def test_bench_prefix_without_single_requests(llama_tiny, tmp_path):
-    out = tmp_path / "prefix.json"
-    assert main(["bench", "prefix", "--model", llama_tiny.path, "--dtype", "float32",
-                 "--num-requests", "2", "--prefix-len", "32", "--suffix-len", "4",
-                 "--output-len", "2", "--single-requests", "0", "--no-redis",
-                 "--output-json", str(out)]) == 0
-    r = json.loads(out.read_text())
+    r = run_bench(llama_tiny, tmp_path, requests=2, prefix=32, singles=0)
     assert all(run["single_ttft_s"] is None for run in r["runs"])
     assert "single_ttft_cold_over_cached" not in r["ratios"]
