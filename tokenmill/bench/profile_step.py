@@ -221,6 +221,8 @@ class _CachedHead:
     def __init__(self, head, clock):
         self.lm_head = head.lm_head
         self._call = clock.cached(head.__call__)
+        # (what the real step's call said: host-only steps replay real ones)
+        self.rows_surely_finite = head.rows_surely_finite
 
     def __call__(self, x):
         return self._call(x)
