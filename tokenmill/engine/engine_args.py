@@ -229,8 +229,7 @@ class EngineSetup:
                                            args.enable_chunked_prefill,
                                            args.enable_prefix_caching,
                                            spec.num_speculative_tokens if spec else 0,
-                                           spec.num_speculative_tokens
-                                           if spec and spec.method != "ngram" else 0)
+                                           spec.num_lookahead_tokens if spec else 0)
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget

@@ -26,7 +26,8 @@ class KVCacheMixin:
         layers = {f"layers.{i}.attn": layer
                   for i, layer in enumerate(self.model.attention_layers())}
         if self.draft_model is not None and hasattr(self.draft_model, "attention_layers"):
-            # an EAGLE-style drafter's layers: extra layers of the same KV cache group
+            # a drafter's layers (EAGLE-style, DFlash): extra layers of the same KV cache
+            # group where their spec is the target's
             layers.update({f"draft.{i}.attn": layer
                            for i, layer in enumerate(self.draft_model.attention_layers())})
         return layers
@@ -65,6 +66,8 @@ class KVCacheMixin:
                                  "(DeepSeek-V2 / V3 models): use kv_cache_dtype auto")
             return MLAAttentionSpec(block_size, layer.kv_lora_rank, layer.rope_dim, kv_dtype)
         window = getattr(layer, "sliding_window", None)
+        if window is not None and getattr(layer, "cache_all_positions", False):
+            window = None  # (a DFlash sliding layer: its block reads through the window)
         if window is not None and window < self.max_model_len:
             return SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
                                      kv_dtype, window)

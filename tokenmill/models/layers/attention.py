@@ -27,6 +27,9 @@ class PagedAttention(nn.Module):
         K/V passed in are that layer's of this step); it gets no cache of its own."""
         super().__init__()
         self.kv_sharing_target = kv_sharing_target
+        # A drafter's windowed layer whose cache keeps every position (full-attention
+        # spec, the target's group): the window masks its reads only.
+        self.cache_all_positions = False
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.sliding_window = sliding_window
