@@ -64,14 +64,12 @@ class DFlashProposer:
         # then its kept rows of this step.
         all_req = np.concatenate([e_req, req[rows]])
         all_pos = np.concatenate([e_pos, positions[rows]]).astype(np.int64)
-        gid = runner.draft_group_id
-        table = batch.block_tables[gid]
-        builder = runner.attn_builders[gid]
         if all_req.size:
             step_hidden = aux[torch.from_numpy(rows).to(self.device)]
             src = step_hidden if e_hidden is None else torch.cat([e_hidden, step_hidden])
-            self.model.write_context(src, torch.from_numpy(all_pos).to(self.device),
-                                     builder.write_only(table, all_req, all_pos))
+            meta = _by_draft_group(runner, lambda builder, table: {
+                None: builder.write_only(table, all_req, all_pos)})[None]
+            self.model.write_context(src, torch.from_numpy(all_pos).to(self.device), meta)
             end = np.full(n, -1, dtype=np.int64)
             np.maximum.at(end, all_req, all_pos + 1)
             for r in np.nonzero(end >= 0)[0].tolist():
@@ -97,12 +95,27 @@ class DFlashProposer:
 
     def _block_metas(self, runner, rows: np.ndarray, positions: np.ndarray, k: int):
         """The blocks' metadata (batch rows `rows`, first positions `positions`), built by
-        the builder of the draft layers' KV cache group."""
-        gid = runner.draft_group_id
-        return self.model.block_metas(runner.attn_builders[gid],
-                                      runner.input_batch.block_tables[gid], rows, positions, k)
+        the builders of the draft layers' KV cache groups."""
+        return _by_draft_group(runner, lambda builder, table: self.model.block_metas(
+            builder, table, rows, positions, k))
 
     def remove(self, req_id: str) -> None:
         """The context lives in the paged cache; only the bookkeeping and waiting rows."""
         self.context_end.pop(req_id, None)
         self.deferred.remove(req_id)
+
+
+def _by_draft_group(runner, build) -> dict:
+    """build(builder, block table) -> {key: metadata} for each KV cache group the draft
+    layers are in, each by its group's builder and block table; -> {key: metadata}
+    that each layer reads its own group's from (AttentionMetadata.by_group). One group
+    unless the draft layers' spec differs from the target's (their own groups, cut to
+    the smallest group's size: tensor parallelism, where rank 0's drafter is whole)."""
+    gids = runner.draft_group_ids or [runner.draft_group_id]
+    per = {gid: build(runner.attn_builders[gid], runner.input_batch.block_tables[gid])
+           for gid in gids}
+    out = per[gids[0]]
+    if len(gids) > 1:
+        for key, meta in out.items():
+            meta.by_group = {gid: per[gid][key] for gid in gids}
+    return out

@@ -52,3 +52,32 @@ def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platf
                              f"{model.config.max_position_embeddings}")
         return model
     raise ValueError(f"speculative_config.method {spec.method!r} has no draft model loader")
+
+
+# Draft methods that run under tensor parallelism: their drafter is small, so it runs
+# whole on rank 0 (reading the target's hidden states, complete on every rank after
+# the row-parallel all-reduces) with the target's embedding / lm_head gathered whole.
+# MTP is not among them: its head is built from the target's (sharded) layer classes.
+TP_DRAFT_METHODS = ("eagle3", "dflash")
+
+
+class RankZeroTarget:
+    """The target as a draft model on rank 0 sees it under tensor parallelism: its own
+    attributes, but the embedding and lm_head whole (gathered at load: the target's own
+    are vocabulary shards whose forward is a collective the other ranks would not join)."""
+
+    def __init__(self, target, embed_tokens, lm_head):
+        self.__dict__.update(_target=target, embed_tokens=embed_tokens, lm_head=lm_head)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_target"], name)
+
+
+def load_rank_zero_draft_model(spec: SpeculativeConfig, model_config, target, platform):
+    """Rank 0's draft model under tensor parallelism (`target`: rank 0's shard, loaded
+    with whole_vocab_io)."""
+    if spec.method not in TP_DRAFT_METHODS:
+        raise ValueError(f"speculative_config.method {spec.method!r} does not run under "
+                         f"tensor parallelism")
+    return load_draft_model(spec, model_config, RankZeroTarget(target, *target.whole_vocab_io),
+                            platform)

@@ -78,6 +78,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.attn_group_id = 0
         self.attn_group_ids: list[int] = [0]
         self.draft_group_id = 0
+        self.draft_group_ids: list[int] = []
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         # Hybrid models under speculation: per verifying request, the slot holding its

@@ -114,10 +114,13 @@ class KVCacheMixin:
         self.attn_group_ids = config.attention_group_ids
         # An EAGLE-style drafter's layers: in the target's group, or their own (beside
         # a sliding-window target) whose block table its K/V steps use.
-        self.draft_group_id = next(
-            (gid for gid in self.attn_group_ids
-             if any(n.startswith("draft.") for n in config.groups[gid].layer_names)),
-            self.attn_group_id)
+        # A drafter of several layers whose spec is not the target's may span groups
+        # (groups are cut to the smallest's size): all of them, in order.
+        self.draft_group_ids = [gid for gid in self.attn_group_ids
+                                if any(n.startswith("draft.")
+                                       for n in config.groups[gid].layer_names)]
+        self.draft_group_id = (self.draft_group_ids[0] if self.draft_group_ids
+                               else self.attn_group_id)
         multi = len(self.attn_group_ids) > 1
         group_of = {}
         self.attn_backends, self.attn_builders = {}, {}
