@@ -195,9 +195,10 @@ def test_unsupported_with_tp(tp_model):
     path = tp_model("qwen3")
     with pytest.raises(ValueError, match="tensor_parallel_size.*kv_connector"):
         make_llm(path, tensor_parallel_size=2, kv_connector="cpu")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 supports speculative "
-                                         "decoding with speculative_config.method 'ngram', "
-                                         "'eagle3', 'dflash' only, not 'mtp'"):
+    # MTP runs under tensor parallelism on Qwen3-Next / Qwen3.5 heads only.
+    with pytest.raises(ValueError, match="speculative_config.method 'mtp' with "
+                                         "tensor_parallel_size > 1 needs a Qwen3-Next / "
+                                         "Qwen3.5 target .*not Qwen3ForCausalLM"):
         make_llm(path, tensor_parallel_size=2,
                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
@@ -244,17 +245,30 @@ def test_tp2_ngram_speculation_equals_tp1(tp_model, name, monkeypatch):
 
 
 def _draft_spec(path: str, method: str, root) -> dict:
-    """A random-weight eagle3 / dflash draft for the target at `path` (unsharded)."""
+    """A random-weight eagle3 / dflash draft for the target at `path` (unsharded); mtp:
+    the target's own head (_with_mtp_head)."""
     import json
     from tokenmill.spec_decode import random_drafters as rd
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "mtp":
+        return spec
     config = json.load(open(os.path.join(path, "config.json")))
     draft = str(root / f"{method}_{os.path.basename(path)}")
     if method == "eagle3":
         rd.build_eagle3_checkpoint(draft, config)
     else:
         rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=4)
-    return {"method": method, "num_speculative_tokens": 3, "model": draft,
-            "adaptive": False}
+    return dict(spec, model=draft)
+
+
+def _with_mtp_head(path: str, root) -> str:
+    """The checkpoint at `path` with a random MTP head (mtp.*) beside its weights."""
+    import json
+    from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
+    config = dict(json.load(open(os.path.join(path, "config.json"))), mtp_num_hidden_layers=1)
+    out = str(root / "with_mtp")
+    write_folder(out, path, config, mtp_tensors(path, seed=7))
+    return out
 
 
 def _record_drafts(runner) -> dict[tuple, list[int]]:
@@ -284,8 +298,9 @@ class _Rank0:
 
 
 @pytest.mark.parametrize("drafts", ["model", "oracle"])
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("name,method", [("qwen3", "eagle3"), ("qwen3", "dflash"),
+                                         ("qwen3_next", "eagle3"), ("qwen3_next", "dflash"),
+                                         ("qwen3_next", "mtp")])
 def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method, drafts,
                                                 monkeypatch):
     """A draft model under tensor parallelism runs whole on rank 0 (the target's hidden
@@ -298,12 +313,12 @@ def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method
     from test_spec_oracle import Oracle, install_oracle
     from tokenmill.platforms.cpu import CpuPlatform
     monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
-    path = tp_model(name)
+    path = tp_model(name) if method != "mtp" else _with_mtp_head(tp_model(name), tmp_path)
     # Rank 0's draft layers (unsharded) form KV cache groups of their own, and the
     # target's attention layers are cut to groups of as many: a token takes a block id
     # in each group (3 groups, but 2 for DFlash's two layers beside Qwen3's two), so a
     # pool just over one max_model_len sequence's blocks, which preempts.
-    groups = 2 if (name, method) == ("qwen3", "dflash") else 3
+    groups = {("qwen3", "dflash"): 2, ("qwen3_next", "mtp"): 2}.get((name, method), 3)
     engine = dict(ENGINE, num_kv_blocks=groups * 16 + 4)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(PROMPT_LENGTHS, 384)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)

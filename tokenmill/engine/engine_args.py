@@ -148,8 +148,7 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size > 1 supports speculative decoding "
                                  f"with speculative_config.method 'ngram', "
                                  f"{', '.join(repr(m) for m in TP_DRAFT_METHODS)} only, not "
-                                 f"{method!r} (its head is built from the target's sharded "
-                                 f"layers)")
+                                 f"{method!r}")
         if self.quantization is not None and (not isinstance(self.quantization, str)
                                               or not self.quantization):
             raise ValueError(f"quantization must be a method name or None, "
