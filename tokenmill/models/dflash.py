@@ -15,10 +15,12 @@ only (the target's hidden state there), so the block hash covers it.
 One draft step is one forward over a block [last token, mask x k] at positions
 p .. p + k: the block's K/V go into the request's slots p .. p + k (past its
 context; the next context write overwrites them) and its queries attend to the
-context and to each other in both directions: each block row is a decode query
-whose sequence ends at p + k (no causal mask inside the block). A sliding layer's
-rows are causal decode queries at their own positions with the window. The k
-drafts are the argmax of the block's rows 1 .. k: k drafts cost one forward.
+context and to each other in both directions: in a full layer the block's k + 1
+rows attend as one decode query with (k + 1) x the heads whose sequence ends at
+p + k (no causal mask inside the block; the context read once per request, no
+copy). A sliding layer's rows are causal decode queries at their own positions
+with the window. The k drafts are the argmax of the block's rows 1 .. k: k drafts
+cost one forward.
 
 The context grows only by accepted tokens: a verified step writes the rows of the
 tokens the target kept (the last token and the accepted drafts), never those of
@@ -132,14 +134,27 @@ class DFlashAttention(nn.Module):
         k, v = self.kv_proj(x).view(-1, 2, self.num_kv_heads, self.head_dim).unbind(1)
         return rotary.apply(self.k_norm(k), cos, sin), v
 
-    def forward(self, x, cos, sin, rotary, meta: AttentionMetadata):
-        """x [R*B, H] (R blocks of B rows, one decode query each in `meta`): the block's
-        K/V are written at the rows' slots, then every row attends over its request's
-        cache up to its sequence length (the whole block for a full layer)."""
+    def forward(self, x, cos, sin, rotary, meta):
+        """x [R*B, H] (R blocks of B rows). A full layer (`meta`: the pair (write, read)
+        of block_metas): the block's K/V are written at its rows' slots, then the B rows
+        attend as one decode query of B x the heads over the request's cache to the
+        block's end (the rotary is applied already: a row's keys and its place in the
+        block are all the attention needs), reading the context once. A sliding layer
+        (`meta`: one decode query per row): each row writes and attends to its own
+        position, windowed."""
         q = rotary.apply(self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim)),
                          cos, sin)
         k, v = self.key_value(x, cos, sin, rotary)
-        return self.o_proj(self.attn(q, k, v, meta))
+        if not isinstance(meta, tuple):
+            return self.o_proj(self.attn(q, k, v, meta))
+        write, read = meta
+        self.attn.write_kv(k, v, write)
+        r, d, hkv = read.num_decodes, self.head_dim, self.num_kv_heads
+        b, g = q.shape[0] // r, self.num_heads // hkv
+        # [R, B, Hkv, G, D] -> [R, Hkv, B, G, D]: kv head h's queries side by side.
+        wide = q.view(r, b, hkv, g, d).transpose(1, 2).reshape(r, hkv * b * g, d)
+        o = self.attn.read_decodes(wide, read).view(r, hkv, b, g, d).transpose(1, 2)
+        return self.o_proj(o.reshape(r * b, self.num_heads * d))
 
 
 class DFlashLayer(nn.Module):
@@ -241,8 +256,7 @@ class DFlashDraftModel(nn.Module):
         return self.lm_head is None
 
     @torch.inference_mode()
-    def draft_logits(self, last_token_ids, positions, k: int,
-                     metas: dict[int | None, AttentionMetadata]) -> torch.Tensor:
+    def draft_logits(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """Logits [R, k, V] of the block rows 1..k of each request; its block is
         [last_token_ids[r], mask x k] at positions[r] .. positions[r] + k, where
         last_token_ids[r] is the token the last step emitted and positions[r] its
@@ -252,8 +266,7 @@ class DFlashDraftModel(nn.Module):
         return logits.view(len(positions), k, logits.shape[-1])
 
     @torch.inference_mode()
-    def draft_hidden(self, last_token_ids, positions, k: int,
-                     metas: dict[int | None, AttentionMetadata]) -> torch.Tensor:
+    def draft_hidden(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """The normed hidden states [R * k, H] that draft_logits projects (request-major)."""
         c = self.config
         if not 1 <= k < c.block_size:
@@ -273,27 +286,30 @@ class DFlashDraftModel(nn.Module):
             max=self.rotary.cos_cache.shape[0] - 1).flatten()
         x = self.embed(ids.flatten())
         cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
+        full = (metas["write"], metas["read"]) if None in c.layer_windows else None
         for layer, w in zip(self.layers, c.layer_windows):
-            x = layer(x, cos, sin, self.rotary, metas[w])
+            x = layer(x, cos, sin, self.rotary, full if w is None else metas[w])
         return self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
 
     def block_metas(self, builder, table, rows: np.ndarray, positions: np.ndarray, k: int
-                    ) -> dict[int | None, AttentionMetadata]:
+                    ) -> dict:
         """The metadata of the blocks of batch rows `rows` at `positions` (their last
-        tokens'), by layer window: each of a block's k + 1 rows is a decode query of its
-        own, its K/V written at its position; a full layer's rows see the request's
-        cache up to the block's end (both directions inside the block), a sliding
-        layer's up to their own position (the layer's window masks the rest)."""
+        tokens'). Full layers: "write" (the block's k + 1 rows' K/V at p..p+k) and
+        "read" (one decode query per block, its sequence ending at p + k: both
+        directions inside the block). Each sliding layer's window w: one decode query
+        per block row at its own position (the window masks the rest)."""
         b = k + 1
         q_rows = np.repeat(rows, b)
         q_pos = (positions[:, None] + np.arange(b)).reshape(-1).astype(np.int64)
-        ends = np.repeat(positions + b, b)
-        return {w: builder.decodes(table, q_rows, q_pos, ends if w is None else q_pos + 1)
-                for w in set(self.config.layer_windows)}
+        out = {w: builder.decodes(table, q_rows, q_pos)
+               for w in set(self.config.layer_windows) - {None}}
+        if None in self.config.layer_windows:
+            out["write"] = builder.write_only(table, q_rows, q_pos)
+            out["read"] = builder.decodes(table, rows, (positions + k).astype(np.int64))
+        return out
 
     @torch.inference_mode()
-    def propose(self, last_token_ids, positions, k: int,
-                metas: dict[int | None, AttentionMetadata]) -> torch.Tensor:
+    def propose(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """Greedy drafts [R, k] (target vocabulary ids) for a batch of requests."""
         draft = self.draft_logits(last_token_ids, positions, k, metas).argmax(-1)
         if self.draft_vocab_size == self.config.vocab_size:

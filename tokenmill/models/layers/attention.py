@@ -47,6 +47,16 @@ class PagedAttention(nn.Module):
         """k/v [T, Hkv, D] into the paged cache at the step's slots."""
         self.impl.write_kv(k, v, self.kv_cache, meta.for_group(self.kv_group))
 
+    def read_decodes(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode queries only, over what the cache holds (nothing written): q [N, H, D]
+        with H any multiple of the KV heads (the grouped query heads of kv head h are
+        h * H / Hkv ...) -> [N, H, D]. A DFlash block's rows all read the same keys, so
+        they attend as one query of (k + 1) x the heads: the context is read once."""
+        meta = meta.for_group(self.kv_group)
+        if meta.prefills or meta.num_decodes != q.shape[0]:
+            raise ValueError("read_decodes takes a decode-only metadata, one row per query")
+        return self.impl.forward(q, None, None, self.kv_cache, meta)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
