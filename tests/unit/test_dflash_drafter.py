@@ -69,13 +69,14 @@ class PagedContext:
 
     BLOCK, PER_REQ = 4, 16
 
-    def __init__(self, drafter, num_reqs: int = 4):
+    def __init__(self, drafter, num_reqs: int = 4, backend=None):
+        """`backend`: the platform's (None) or another attention backend."""
         self.drafter = drafter
         layers = drafter.attention_layers()
         dtype = drafter.norm.weight.dtype
         spec = FullAttentionSpec(self.BLOCK, layers[0].num_kv_heads, layers[0].head_size,
                                  str(dtype).removeprefix("torch."), None)
-        backend = create_platform(CPU, dtype).attention_backend(spec)
+        backend = backend or create_platform(CPU, dtype).attention_backend(spec)
         self.builder = backend.make_builder(CPU)
         num_blocks = 1 + num_reqs * self.PER_REQ  # block 0: the null block
         for layer in layers:
@@ -204,10 +205,10 @@ def requests(pair, seed=5):
     return [("a", prompts[0], 0), ("b", prompts[1], 0), ("c", prompts[2], 3)]
 
 
-def batch_and_reference(pair, drafter, draft_path):
+def batch_and_reference(pair, drafter, draft_path, backend=None):
     """The requests' contexts written in one batch -> (context, ids, last tokens, block
     positions, the naive logits of each request's block)."""
-    ctx, reqs = PagedContext(drafter), requests(pair)
+    ctx, reqs = PagedContext(drafter, backend=backend), requests(pair)
     hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
     for rid, tokens, start in reqs:
         h = pair.target_hidden(tokens)
@@ -247,6 +248,24 @@ def test_propose_matches_naive_reference(pair):
     assert ctx.propose(ids, lasts, ps, 2).shape == (3, 2)
     with pytest.raises(ValueError, match="blocks of 8"):
         ctx.propose(ids, lasts, ps, 8)
+
+
+@pytest.mark.parametrize("types", [["full_attention"] * 2,
+                                   ["sliding_attention", "full_attention"]])
+def test_the_pytorch_attention_backend_drafts_the_same(pair, types):
+    """The PyTorch reference backend (any device) through the same paged path: a full
+    layer's block as one wide decode query, a sliding layer's rows as their own."""
+    from tokenmill.attention.torch_ref import TorchAttentionBackend
+    path = pair.draft(f"torch_{types[0]}", pair.root, seed=4,
+                      config_overrides=dict(layer_types=types, sliding_window=5))
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
+    ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, path,
+                                                     TorchAttentionBackend())
+    assert type(drafter.attention_layers()[0].impl).__name__ == "TorchAttentionImpl"
+    logits = ctx.logits(ids, lasts, ps, K)
+    for i in range(len(ids)):
+        torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("types,window", [
