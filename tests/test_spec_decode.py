@@ -493,7 +493,7 @@ def test_dflash_greedy_equals_no_speculation(tiny_model_factory, tmp_path):
         assert generate(llm, prompts, greedy(24)) == want
         assert spec_stats(llm).num_draft_tokens > 0
         assert_no_leaks(llm)
-        assert not runner_of(llm).drafter.model_proposer.context._len  # every context removed
+        assert not runner_of(llm).drafter.model_proposer.context_end  # every request forgotten
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         make_llm(tm.path, speculative_config=dict(spec, num_speculative_tokens=5))
 

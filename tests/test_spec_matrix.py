@@ -35,9 +35,9 @@ the same engine arguments, fp32, tokens equal and logprobs within 1e-4:
   - oracle full / partial / zero acceptance for n-gram, EAGLE-3 and DFlash on the
     hybrid target (test_spec_oracle.py had MTP only there).
 
-Known gap (xfail, strict): a DFlash request whose prompt hits the prefix cache drafts
-from a context that starts at the hit (its context K/V lives per request, outside the
-paged cache), so its drafts differ from an uncached run's; the output stays exact.
+  - DFlash drafts after a prefix-cache hit: the cached prefix's draft context comes
+    with the hit blocks (the draft layers' K/V live in the paged cache), so the drafts
+    equal a cold run's, proposal by proposal.
 """
 from __future__ import annotations
 
@@ -240,9 +240,6 @@ def install_partial_oracle(llm, method: str, plain, vocab: int):
     seqs = {tuple(o.prompt_token_ids): list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
             for o in plain}
     oracle = Oracle(seqs, "partial", vocab)
-    # n > 1: the samples after the first hit the prompt's cached blocks, and a DFlash
-    # context then starts at the hit (the xfail test at the end of this file).
-    oracle.prefix_hits = True
     install_oracle(llm, method, oracle, K)
     return oracle
 
@@ -373,31 +370,102 @@ def test_oracle_acceptance_on_the_hybrid_target(hybrid_setups, method, pattern):
     assert_idle(llm)
 
 
-# ---- known gap: a DFlash context after a prefix-cache hit -------------------------------------
+# ---- DFlash drafts after a prefix-cache hit ----------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="DFlash keeps its context K/V per request, outside the "
-                   "paged cache: after a prefix-cache hit the context starts at the hit, so "
-                   "the drafts (not the output) differ from an uncached run")
-def test_dflash_drafts_after_a_prefix_hit_equal_the_uncached_drafts(targets, spec_configs):
+def _record_drafts(llm) -> dict[tuple, list[int]]:
+    """Every model proposal of the run: (prompt, position of the block's first token)
+    -> drafts. A request drafting twice from one position (recomputed after
+    preemption) must draft the same."""
+    runner = runner_of(llm)
+    drafter = runner.drafter
+    seen, inner = {}, drafter.propose_with_model
+
+    def propose_with_model(*args, **kw):
+        out = inner(*args, **kw)
+        batch = runner.input_batch
+        for r, d in enumerate(out):
+            if d:
+                rid = batch.req_ids[r]
+                key = (tuple(runner.requests[rid].prompt_token_ids),
+                       int(batch.num_tokens_no_spec[r]) - 1)
+                assert seen.setdefault(key, list(d)) == list(d), key
+        return out
+    drafter.propose_with_model = propose_with_model
+    return seen
+
+
+@pytest.mark.parametrize("config", ["plain", "chunked"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_dflash_drafts_after_a_prefix_hit_equal_the_uncached_drafts(targets, spec_configs,
+                                                                    kind, config):
     """The same prompt twice: the second run's drafts with prefix caching (its cached
-    blocks' rows never reach the drafter) against those without."""
-    path = targets("dense")
-    spec = dict(spec_configs("dense", "dflash"), adaptive=False)
-    prompt = [{"prompt_token_ids": _token_prompts(9)[3] * 2}]  # 58 tokens: 7 full blocks
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    blocks' rows never reach the drafter: their draft context comes from the paged
+    cache's hit blocks) equal to those of a run without, request by request and
+    position by position (and, unchunked, the drafts verified and accepted); with the hit blocks' draft K/V wiped they differ (the
+    check sees a missing context). Chunked: 16-token chunks and a pool small enough
+    that a second, longer request preempts (the drafts of both compared)."""
+    path = targets(kind)
+    spec = dict(spec_configs(kind, "dflash"), adaptive=False)
+    long = _token_prompts(9)[3] * 2  # 58 tokens: 7 full blocks of 8
+    prompts = [{"prompt_token_ids": long}]
+    extra = {"block_size": 8}
+    if config == "chunked":
+        prompts.append({"prompt_token_ids": _token_prompts(4)[1] * 3})  # 63 tokens
+        extra = dict(CHUNKED, block_size=8, num_kv_blocks=18)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = []
-    for cache in (False, True):
-        llm = make_llm(path, speculative_config=spec, enable_prefix_caching=cache, block_size=8)
-        llm.generate(prompt, params, use_tqdm=False)
-        drafter = runner_of(llm).drafter
-        seen, inner = [], drafter.propose_with_model
+    for cache, wipe in ((False, False), (True, False), (True, True)):
+        llm = make_llm(path, speculative_config=spec, enable_prefix_caching=cache,
+                       state_snapshot_interval=8, **extra)
+        first = llm.generate(prompts, params, use_tqdm=False)
+        if wipe:  # the hit blocks' draft context lost: the check must see it
+            for name, kv in runner_of(llm).kv_caches.items():
+                if name.startswith("draft."):
+                    kv.zero_()
+        seen = _record_drafts(llm)
+        sched = scheduler_of(llm)
+        before = (sched.spec_stats.num_draft_tokens, sched.spec_stats.num_accepted_tokens,
+                  llm.llm_engine.engine_core.kv_cache_stats()["prefix_cache_hits"])
+        out = llm.generate(prompts, params, use_tqdm=False)
+        stats = (sched.spec_stats.num_draft_tokens - before[0],
+                 sched.spec_stats.num_accepted_tokens - before[1])
+        hits = llm.llm_engine.engine_core.kv_cache_stats()["prefix_cache_hits"] - before[2]
+        runs.append(([o.outputs[0].token_ids for o in out], seen, stats, hits,
+                     sched.num_preemptions))
+        assert [o.outputs[0].token_ids for o in first] == runs[-1][0]
+        assert_idle(llm)
+    (cold_out, cold, cold_stats, _, _), (hit_out, warm, warm_stats, hits, preempted), \
+        (wiped_out, wiped, _, wiped_hits, _) = runs
+    assert hit_out == cold_out == wiped_out  # the output is exact either way
+    assert hits > 0 and wiped_hits > 0
+    assert len(cold) >= len(prompts) * 5
+    assert warm == cold
+    assert wiped != cold  # (drafts that read no context differ)
+    if config == "chunked":  # (the budget cuts a step's drafts where the runs' chunks differ)
+        assert preempted > 0
+    else:
+        assert warm_stats == cold_stats  # the same verifications, the same acceptance
 
-        def propose_with_model(*args, _inner=inner, _seen=seen, **kw):
-            out = _inner(*args, **kw)
-            _seen.append([list(d) for d in out])
-            return out
-        drafter.propose_with_model = propose_with_model
-        out = llm.generate(prompt, params, use_tqdm=False)
-        runs.append((out[0].outputs[0].token_ids, seen))
-    assert runs[0][0] == runs[1][0]  # the output is exact either way
-    assert runs[0][1] == runs[1][1]
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_dflash_drafts_after_an_external_tier_load(targets, spec_configs, tmp_path, kind):
+    """A fresh engine whose prompt's blocks come from the external tier (disk; no local
+    prefix cache): the draft layers' K/V travel in the same pages as the target's, so
+    its drafts equal a cold run's, position by position."""
+    path = targets(kind)
+    spec = dict(spec_configs(kind, "dflash"), adaptive=False)
+    prompts = [{"prompt_token_ids": _token_prompts(9)[3] * 2}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(speculative_config=spec, block_size=8, state_snapshot_interval=8)
+    cold_llm = make_llm(path, enable_prefix_caching=False, **kw)
+    cold = _record_drafts(cold_llm)
+    want = cold_llm.generate(prompts, params, use_tqdm=False)
+    store = [f"disk:{tmp_path / 'kv'}"]
+    make_llm(path, kv_connector=store, **kw).generate(prompts, params, use_tqdm=False)
+    reader = make_llm(path, kv_connector=store, **kw)
+    got = _record_drafts(reader)
+    out = reader.generate(prompts, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    external = reader.llm_engine.engine_core.kv_cache_stats()["external"]
+    assert external["hit_blocks"] > 0 and external["load_failures"] == 0
+    assert len(cold) >= 5 and got == cold

@@ -86,7 +86,6 @@ class Oracle:
         self.errors: list[str] = []
         self.calls = 0  # draft rows the oracle answered
         self.waited: list[bool] = []  # per drafter pass: did some decode row wait
-        self.prefix_hits = False  # may a DFlash context start after a prefix-cache hit
 
     def seq(self, prompt) -> list[int]:
         return self.seqs[tuple(int(t) for t in prompt)]
@@ -168,34 +167,34 @@ class OracleEagleModel:
 
 class OracleDFlashModel:
     """A DFlash drafter whose block's guesses are the oracle's: the real propose runs
-    (its block over the request's context), its [R, k] drafts are replaced. Checks that
-    the block starts at the request's last token and that the context covers every
-    position before it."""
+    (its block over the request's context in the paged cache), its [R, k] drafts are
+    replaced. The batch row of each block comes from the proposer's _block_metas
+    (wrapped by install_oracle). Checks that the block starts at the request's last
+    token and that its context was written up to the block."""
 
     shares_target_lm_head = False
 
     def __init__(self, model, runner, oracle: Oracle):
         self.model, self.runner, self.oracle = model, runner, oracle
+        self.rows: list[int] = []
 
     def __getattr__(self, name):
         return getattr(self.__dict__["model"], name)
 
-    def propose(self, context, req_ids, last_token_ids, positions, k):
-        real = self.model.propose(context, req_ids, last_token_ids, positions, k)
+    def propose(self, last_token_ids, positions, k, metas):
+        real = self.model.propose(last_token_ids, positions, k, metas)
         oracle = self.oracle
-        if tuple(real.shape) != (len(req_ids), k):
+        if tuple(real.shape) != (len(positions), k) or len(self.rows) != len(positions):
             oracle.errors.append(f"DFlash drafts of shape {tuple(real.shape)}")
+        ends = self.runner.drafter.model_proposer.context_end
         out = []
-        for rid, t, p in zip(req_ids, np.asarray(last_token_ids).tolist(),
-                             np.asarray(positions).tolist()):
+        for r, t, p in zip(self.rows, np.asarray(last_token_ids).tolist(),
+                           np.asarray(positions).tolist()):
+            rid = self.runner.input_batch.req_ids[r]
             seq = oracle.seq(self.runner.requests[rid].prompt_token_ids)
-            # The context ends at the block; it starts at 0 unless the prompt hit the
-            # prefix cache (the rows of cached blocks are not the drafter's).
-            if (p < len(seq) and t != seq[p]) or context.end(rid) != p \
-                    or (context.start(rid) != 0 and not oracle.prefix_hits):
+            if (p < len(seq) and t != seq[p]) or ends.get(rid) != p:
                 oracle.errors.append(f"{rid}: block at {p} from token {t} (expected "
-                                     f"{oracle.token(seq, p)}), context of "
-                                     f"{context.num_rows(rid)} rows")
+                                     f"{oracle.token(seq, p)}), context to {ends.get(rid)}")
             out.append(oracle.drafts(seq, p + 1, k))
             oracle.calls += k
         return torch.tensor(out, dtype=torch.long)
@@ -232,7 +231,14 @@ def install_oracle(llm, method: str, oracle: Oracle, k: int) -> None:
         return out
     deferred.wait_all, deferred.step = wait_all_seen, step_seen
     if method == "dflash":
-        proposer.model = OracleDFlashModel(proposer.model, runner, oracle)
+        wrapped_d = OracleDFlashModel(proposer.model, runner, oracle)
+        inner_metas = proposer._block_metas
+
+        def block_metas(runner_, rows, positions, k_):
+            wrapped_d.rows = [int(r) for r in rows]
+            return inner_metas(runner_, rows, positions, k_)
+        proposer._block_metas = block_metas
+        proposer.model = wrapped_d
         return
     wrapped = OracleEagleModel(proposer.model, runner, oracle, k)
     inner_meta = proposer._decode_meta
@@ -390,7 +396,7 @@ def check_run(llm, setup: Setup, oracle: Oracle, seen, got):
         slots = runner.state_slots
         assert not slots.slot_of and slots.num_free == slots.num_slots
     if setup.spec["method"] == "dflash":
-        assert not runner.drafter.model_proposer.context._len
+        assert not runner.drafter.model_proposer.context_end
     if setup.spec["method"] in ("eagle3", "mtp", "dflash"):
         assert not runner.drafter.model_proposer.deferred._slot
     return s

@@ -195,9 +195,10 @@ def test_unsupported_with_tp(tp_model):
     path = tp_model("qwen3")
     with pytest.raises(ValueError, match="tensor_parallel_size.*kv_connector"):
         make_llm(path, tensor_parallel_size=2, kv_connector="cpu")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 supports speculative "
-                                         "decoding with speculative_config.method 'ngram' "
-                                         "only, not 'mtp'"):
+    # MTP runs under tensor parallelism on Qwen3-Next / Qwen3.5 heads only.
+    with pytest.raises(ValueError, match="speculative_config.method 'mtp' with "
+                                         "tensor_parallel_size > 1 needs a Qwen3-Next / "
+                                         "Qwen3.5 target .*not Qwen3ForCausalLM"):
         make_llm(path, tensor_parallel_size=2,
                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
@@ -241,6 +242,129 @@ def test_tp2_ngram_speculation_equals_tp1(tp_model, name, monkeypatch):
         assert scheduler_of(llm).num_preemptions > 0
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def _draft_spec(path: str, method: str, root) -> dict:
+    """A random-weight eagle3 / dflash draft for the target at `path` (unsharded); mtp:
+    the target's own head (_with_mtp_head)."""
+    import json
+    from tokenmill.spec_decode import random_drafters as rd
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "mtp":
+        return spec
+    config = json.load(open(os.path.join(path, "config.json")))
+    draft = str(root / f"{method}_{os.path.basename(path)}")
+    if method == "eagle3":
+        rd.build_eagle3_checkpoint(draft, config)
+    else:
+        rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=4)
+    return dict(spec, model=draft)
+
+
+def _with_mtp_head(path: str, root) -> str:
+    """The checkpoint at `path` with a random MTP head (mtp.*) beside its weights."""
+    import json
+    from tokenmill.spec_decode.random_drafters import mtp_tensors, write_folder
+    config = dict(json.load(open(os.path.join(path, "config.json"))), mtp_num_hidden_layers=1)
+    out = str(root / "with_mtp")
+    write_folder(out, path, config, mtp_tensors(path, seed=7))
+    return out
+
+
+def _record_drafts(runner) -> dict[tuple, list[int]]:
+    """The drafter's proposals: (prompt, position of the request's last token) -> drafts."""
+    drafter = runner.drafter
+    seen, inner = {}, drafter.propose_with_model
+
+    def propose_with_model(*args, **kw):
+        out = inner(*args, **kw)
+        batch = runner.input_batch
+        for r, d in enumerate(out):
+            if d:
+                rid = batch.req_ids[r]
+                seen[(tuple(runner.requests[rid].prompt_token_ids),
+                      int(batch.num_tokens_no_spec[r]) - 1)] = list(d)
+        return out
+    drafter.propose_with_model = propose_with_model
+    return seen
+
+
+class _Rank0:
+    """An LLM stand-in whose runner is rank 0's (test_spec_oracle.install_oracle)."""
+
+    def __init__(self, llm):
+        self.llm_engine = type("E", (), {})()
+        self.llm_engine.engine_core = type("C", (), {"runner": runner_of(llm).runner})()
+
+
+@pytest.mark.parametrize("drafts", ["model", "oracle"])
+@pytest.mark.parametrize("name,method", [("qwen3", "eagle3"), ("qwen3", "dflash"),
+                                         ("qwen3_next", "eagle3"), ("qwen3_next", "dflash"),
+                                         ("qwen3_next", "mtp")])
+def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method, drafts,
+                                                monkeypatch):
+    """A draft model under tensor parallelism runs whole on rank 0 (the target's hidden
+    states complete there after the all-reduces, its embedding / lm_head gathered whole
+    at load); the other rank runs the drafts as scheduled tokens. Greedy fp32 tokens
+    equal the plain TP=1 engine's, logprobs within 1e-4, with chunked prefill and
+    preemption: with the drafter's own drafts (equal to TP=1's with the same drafter at
+    every position both proposed from) and with oracle drafts accepted part-way
+    (test_spec_oracle's "partial")."""
+    from test_spec_oracle import Oracle, install_oracle
+    from tokenmill.platforms.cpu import CpuPlatform
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    path = tp_model(name) if method != "mtp" else _with_mtp_head(tp_model(name), tmp_path)
+    # Rank 0's draft layers (unsharded) form KV cache groups of their own, and the
+    # target's attention layers are cut to groups of as many: a token takes a block id
+    # in each group (3 groups, but 2 for DFlash's two layers beside Qwen3's two), so a
+    # pool just over one max_model_len sequence's blocks, which preempts.
+    groups = {("qwen3", "dflash"): 2, ("qwen3_next", "mtp"): 2}.get((name, method), 3)
+    engine = dict(ENGINE, num_kv_blocks=groups * 16 + 4)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(PROMPT_LENGTHS, 384)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(llm):
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    ref = run(make_llm(path, **engine))
+    spec = _draft_spec(path, method, tmp_path)
+    tp1 = make_llm(path, speculative_config=spec, **engine)
+    tp1_drafts = _record_drafts(runner_of(tp1))
+    tp1_out = run(tp1)
+    llm = make_llm(path, tensor_parallel_size=2, speculative_config=spec, **engine)
+    procs = _workers(llm)
+    oracle = None
+    try:
+        rank0 = runner_of(llm).runner
+        assert rank0.draft_model is not None
+        assert type(rank0.drafter.model_proposer).__name__ in ("EagleProposer",
+                                                               "DFlashProposer")
+        if drafts == "oracle":
+            seqs = {tuple(o.prompt_token_ids): list(o.prompt_token_ids)
+                    + list(o.outputs[0].token_ids) for o in ref}
+            oracle = Oracle(seqs, "partial", 384)
+            install_oracle(_Rank0(llm), method, oracle, 3)
+        tp2_drafts = _record_drafts(rank0)
+        got = run(llm)
+        for g, w, t in zip(got, ref, tp1_out):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids == t.outputs[0].token_ids
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert list(a) == list(b)
+                for tok in a:
+                    assert abs(a[tok].logprob - b[tok].logprob) <= 1e-4
+        stats = scheduler_of(llm).spec_stats
+        assert stats.num_draft_tokens > 0
+        assert scheduler_of(llm).num_preemptions > 0
+        if oracle is not None:
+            assert not oracle.errors, oracle.errors[:3]
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        else:  # the drafter read whole hidden states and the whole embedding / lm_head
+            common = tp1_drafts.keys() & tp2_drafts.keys()
+            assert len(common) >= 20
+            assert {k: tp2_drafts[k] for k in common} == {k: tp1_drafts[k] for k in common}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
 
 
 def test_tp1_runs_the_runner_itself(tp_model):

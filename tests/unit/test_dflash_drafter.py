@@ -5,6 +5,10 @@ lm_head directly and runs the block position by position, head by head, in fp64:
 context rows fc -> hidden_norm -> k/v projection -> k-norm -> rotary at the row's
 position; block rows embedded [last token, mask x k] at p..p+k, each query attending
 to every context row and every block row (no causal mask); drafts from rows 1..k.
+
+The drafter keeps its context in a paged KV cache (the runner's, in the engine):
+`PagedContext` below gives its layers one, with a block table row per request, and
+writes and reads it through the CPU platform's attention backend and builder.
 """
 from __future__ import annotations
 
@@ -17,9 +21,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import numpy as np
+
 from conftest import build_checkpoint, make_prompts
+from tokenmill.core.kv_cache_spec import FullAttentionSpec
 from tokenmill.spec_decode.random_drafters import build_dflash_checkpoint
-from tokenmill.models.dflash import DFlashContext, load_dflash_drafter
+from tokenmill.models.dflash import load_dflash_drafter
+from tokenmill.worker.block_table import BlockTable
 from tokenmill.models.loader import load_model
 from tokenmill.platforms import create_platform
 
@@ -52,6 +60,63 @@ class Pair:
     @torch.inference_mode()
     def next_token(self, tokens):
         return int(self.hf(torch.tensor([tokens])).logits[0, -1].argmax())
+
+
+class PagedContext:
+    """The draft layers' paged KV cache as the runner keeps it: caches bound to the
+    drafter's layers, one block table row per request (blocks of 4, none shared),
+    the context written and the blocks drafted through the platform's builder."""
+
+    BLOCK, PER_REQ = 4, 16
+
+    def __init__(self, drafter, num_reqs: int = 4, backend=None):
+        """`backend`: the platform's (None) or another attention backend."""
+        self.drafter = drafter
+        layers = drafter.attention_layers()
+        dtype = drafter.norm.weight.dtype
+        spec = FullAttentionSpec(self.BLOCK, layers[0].num_kv_heads, layers[0].head_size,
+                                 str(dtype).removeprefix("torch."), None)
+        backend = backend or create_platform(CPU, dtype).attention_backend(spec)
+        self.builder = backend.make_builder(CPU)
+        num_blocks = 1 + num_reqs * self.PER_REQ  # block 0: the null block
+        for layer in layers:
+            layer.kv_cache = torch.zeros(spec.cache_shape(num_blocks), dtype=dtype)
+            layer.kv_group, layer.impl = None, backend.make_impl(layer)
+        self.table = BlockTable(num_reqs, self.PER_REQ, self.BLOCK)
+        for r in range(num_reqs):
+            self.table.add_row(list(range(1 + r * self.PER_REQ, 1 + (r + 1) * self.PER_REQ)), r)
+        self.rows: dict[str, int] = {}
+
+    def row(self, req_id: str) -> int:
+        return self.rows.setdefault(req_id, len(self.rows))
+
+    def append_batch(self, req_ids, counts, positions, hidden) -> None:
+        rows = np.repeat([self.row(r) for r in req_ids], counts)
+        pos = np.asarray(positions, dtype=np.int64)
+        self.drafter.write_context(hidden, torch.from_numpy(pos),
+                                   self.builder.write_only(self.table, rows, pos))
+
+    def append(self, req_id, positions, hidden) -> None:
+        self.append_batch([req_id], [len(positions)], positions, hidden)
+
+    def kv(self, req_id: str, n: int) -> torch.Tensor:
+        """Every layer's K/V at positions 0..n-1 of the request [L, 2, n, Hkv, D]."""
+        blocks = self.table.block_table[self.row(req_id)]
+        pos = np.arange(n)
+        return torch.stack([layer.kv_cache[blocks[pos // self.BLOCK], :, pos % self.BLOCK]
+                            .transpose(0, 1) for layer in self.drafter.attention_layers()])
+
+    def metas(self, req_ids, positions, k):
+        return self.drafter.block_metas(self.builder, self.table,
+                                        np.array([self.row(r) for r in req_ids]),
+                                        np.asarray(positions, dtype=np.int64), k)
+
+    def logits(self, req_ids, lasts, positions, k, drafter=None):
+        return (drafter or self.drafter).draft_logits(lasts, positions, k,
+                                                      self.metas(req_ids, positions, k))
+
+    def propose(self, req_ids, lasts, positions, k):
+        return self.drafter.propose(lasts, positions, k, self.metas(req_ids, positions, k))
 
 
 @pytest.fixture(scope="module")
@@ -134,40 +199,41 @@ def naive_block_logits(draft_path, embed, lm_head, ctx_hidden, ctx_pos, last, p,
 
 
 def requests(pair, seed=5):
-    """(req_id, tokens, first context position): different lengths, one context that
-    starts after position 0 (as after a prefix-cache hit)."""
+    """(req_id, tokens, first context position written here): different lengths; "c"
+    has its first 3 rows written apart (as a prefix-cache hit's blocks hold them)."""
     prompts = make_prompts([6, 11, 9], pair.target_config["vocab_size"], seed=seed)
     return [("a", prompts[0], 0), ("b", prompts[1], 0), ("c", prompts[2], 3)]
 
 
-def batch_and_reference(pair, drafter, draft_path):
-    """The requests' contexts appended in one batch -> (context, ids, last tokens, block
+def batch_and_reference(pair, drafter, draft_path, backend=None):
+    """The requests' contexts written in one batch -> (context, ids, last tokens, block
     positions, the naive logits of each request's block)."""
-    ctx, reqs = DFlashContext(drafter), requests(pair)
+    ctx, reqs = PagedContext(drafter, backend=backend), requests(pair)
     hidden, positions, counts, lasts, ps, naive = [], [], [], [], [], []
     for rid, tokens, start in reqs:
-        h = pair.target_hidden(tokens)[start:]
-        hidden.append(h)
+        h = pair.target_hidden(tokens)
+        if start:  # the rows before `start`: written by another step (a hit's blocks)
+            ctx.append(rid, list(range(start)), h[:start])
+        hidden.append(h[start:])
         positions += list(range(start, len(tokens)))
         counts.append(len(tokens) - start)
         lasts.append(pair.next_token(tokens))
         ps.append(len(tokens))
         naive.append(naive_block_logits(
             draft_path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
-            h, list(range(start, len(tokens))), lasts[-1], ps[-1], K))
+            h, list(range(len(tokens))), lasts[-1], ps[-1], K))
     ctx.append_batch([r[0] for r in reqs], counts, positions, torch.cat(hidden))
-    assert [ctx.num_rows(r[0]) for r in reqs] == counts
     return ctx, [r[0] for r in reqs], lasts, ps, naive
 
 
 def test_propose_matches_naive_reference(pair):
     drafter = pair.drafter
     ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, pair.draft_path)
-    logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
+    logits = ctx.logits(ids, lasts, ps, K)
     assert logits.shape == (3, K, pair.target_config["vocab_size"])
     for i in range(3):
         torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
-    drafts = drafter.propose(ctx, ids, lasts, ps, K)
+    drafts = ctx.propose(ids, lasts, ps, K)
     assert drafts.tolist() == [n.argmax(-1).tolist() for n in naive]
     # Not by luck: every row's top logit leads the next by far more than the tolerance,
     # and the requests get different drafts.
@@ -177,11 +243,29 @@ def test_propose_matches_naive_reference(pair):
     assert len({tuple(d) for d in drafts.tolist()}) == 3
     # One by one gives the same drafts as the batch.
     for i, rid in enumerate(ids):
-        assert drafter.propose(ctx, [rid], [lasts[i]], [ps[i]], K).tolist() == [drafts[i].tolist()]
+        assert ctx.propose([rid], [lasts[i]], [ps[i]], K).tolist() == [drafts[i].tolist()]
     # Any k up to the trained block size - 1 (here 8 - 1); past it, refused.
-    assert drafter.propose(ctx, ids, lasts, ps, 2).shape == (3, 2)
+    assert ctx.propose(ids, lasts, ps, 2).shape == (3, 2)
     with pytest.raises(ValueError, match="blocks of 8"):
-        drafter.propose(ctx, ids, lasts, ps, 8)
+        ctx.propose(ids, lasts, ps, 8)
+
+
+@pytest.mark.parametrize("types", [["full_attention"] * 2,
+                                   ["sliding_attention", "full_attention"]])
+def test_the_pytorch_attention_backend_drafts_the_same(pair, types):
+    """The PyTorch reference backend (any device) through the same paged path: a full
+    layer's block as one wide decode query, a sliding layer's rows as their own."""
+    from tokenmill.attention.torch_ref import TorchAttentionBackend
+    path = pair.draft(f"torch_{types[0]}", pair.root, seed=4,
+                      config_overrides=dict(layer_types=types, sliding_window=5))
+    drafter = load_dflash_drafter(path, pair.target, torch.float32, CPU,
+                                  create_platform(CPU, torch.float32))
+    ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, path,
+                                                     TorchAttentionBackend())
+    assert type(drafter.attention_layers()[0].impl).__name__ == "TorchAttentionImpl"
+    logits = ctx.logits(ids, lasts, ps, K)
+    for i in range(len(ids)):
+        torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("types,window", [
@@ -199,30 +283,25 @@ def test_sliding_layers_are_causal_and_windowed(pair, types, window):
     assert drafter.config.layer_windows == [window if t == "sliding_attention" else None
                                             for t in types]
     ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, path)
-    logits = drafter.draft_logits(ctx, ids, lasts, ps, K)
+    logits = ctx.logits(ids, lasts, ps, K)
     for i in range(len(ids)):
         torch.testing.assert_close(logits[i].double(), naive[i], atol=2e-4, rtol=1e-4)
 
 
-def test_a_draft_step_attends_in_place_and_leaves_the_context(pair):
-    """The block's K/V go into scratch rows after each request's context, in the
-    context's own buffer (no per-step copy of the context); the context rows stay as
-    appended, so a later step (and a later append) sees the same context."""
+def test_a_draft_step_writes_past_the_context_and_leaves_it(pair):
+    """The block's K/V go into the request's slots p..p+k, past its context: the
+    context rows stay as written, so a later step sees the same context; a request
+    with no context yet drafts from its block alone."""
     drafter = pair.drafter
     ctx, ids, lasts, ps, naive = batch_and_reference(pair, drafter, pair.draft_path)
-    before = {rid: ctx.kv(rid).clone() for rid in ids}
-    rows = ctx.block_rows(ids[0], K + 1)
-    assert rows.data_ptr() == ctx.kv(ids[0]).data_ptr()
-    assert rows.shape[2] == ctx.num_rows(ids[0]) + K + 1
-    first = drafter.draft_logits(ctx, ids, lasts, ps, K)
-    for rid in ids:
-        assert torch.equal(ctx.kv(rid), before[rid])
-    assert torch.equal(drafter.draft_logits(ctx, ids, lasts, ps, K), first)
-    # A request with no context yet drafts from its block alone and gets no context.
-    alone = drafter.draft_logits(ctx, ["fresh"], [lasts[0]], [0], K)
-    assert alone.shape == (1, K, pair.target_config["vocab_size"]) and ctx.end("fresh") is None
-    ctx.remove("fresh")
-    assert "fresh" not in ctx._buf
+    before = {rid: ctx.kv(rid, p) for rid, p in zip(ids, ps)}
+    first = ctx.logits(ids, lasts, ps, K)
+    for rid, p in zip(ids, ps):
+        assert torch.equal(ctx.kv(rid, p), before[rid])
+        assert ctx.kv(rid, p + K + 1)[:, :, p:].abs().sum() > 0  # the block's rows
+    assert torch.equal(ctx.logits(ids, lasts, ps, K), first)
+    alone = ctx.logits(["fresh"], [lasts[0]], [0], K)
+    assert alone.shape == (1, K, pair.target_config["vocab_size"])
 
 
 def test_own_embedding_is_used(pair):
@@ -231,14 +310,14 @@ def test_own_embedding_is_used(pair):
                                   create_platform(CPU, torch.float32))
     assert drafter.embed_tokens is not None and drafter.lm_head is None
     tokens = requests(pair)[1][1]
-    ctx = DFlashContext(drafter)
+    ctx = PagedContext(drafter)
     h = pair.target_hidden(tokens)
     ctx.append("r", list(range(len(tokens))), h)
     last = pair.next_token(tokens)
     own = load_file(os.path.join(path, "model.safetensors"))["embed_tokens.weight"]
     naive = naive_block_logits(path, own, pair.hf.lm_head.weight, h,
                                list(range(len(tokens))), last, len(tokens), K)
-    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    logits = ctx.logits(["r"], [last], [len(tokens)], K)[0]
     torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
 
 
@@ -264,17 +343,17 @@ def test_reduced_draft_vocabulary_maps_drafts_to_target_ids(pair):
                                   create_platform(CPU, torch.float32))
     assert drafter.lm_head is not None and not drafter.shares_target_lm_head
     tokens = requests(pair)[0][1]
-    ctx = DFlashContext(drafter)
+    ctx = PagedContext(drafter)
     h = pair.target_hidden(tokens)
     ctx.append("r", list(range(len(tokens))), h)
     last = pair.next_token(tokens)
     own_head = load_file(os.path.join(path, "model.safetensors"))["lm_head.weight"]
     naive = naive_block_logits(path, pair.hf.model.embed_tokens.weight, own_head, h,
                                list(range(len(tokens))), last, len(tokens), K)
-    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    logits = ctx.logits(["r"], [last], [len(tokens)], K)[0]
     assert logits.shape == (K, 96)
     torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
-    drafts = drafter.propose(ctx, ["r"], [last], [len(tokens)], K)[0]
+    drafts = ctx.propose(["r"], [last], [len(tokens)], K)[0]
     assert drafts.tolist() == targets[naive.argmax(-1)].tolist()  # target ids, not draft ids
     assert drafter.t2d.sum() == 96 and drafter.t2d[targets].all()
 
@@ -308,7 +387,7 @@ def test_a_dedicated_mask_embedding_stands_in_for_the_mask_rows(pair, form):
                                   create_platform(CPU, torch.float32))
     assert torch.equal(drafter.mask_embedding, mask)
     tokens = requests(pair)[1][1]
-    ctx = DFlashContext(drafter)
+    ctx = PagedContext(drafter)
     hidden = pair.target_hidden(tokens)
     ctx.append("r", list(range(len(tokens))), hidden)
     last = pair.next_token(tokens)
@@ -317,7 +396,7 @@ def test_a_dedicated_mask_embedding_stands_in_for_the_mask_rows(pair, form):
     embed[mask_id] = mask
     naive = naive_block_logits(path, embed, pair.hf.lm_head.weight, hidden,
                                list(range(len(tokens))), last, len(tokens), K)
-    logits = drafter.draft_logits(ctx, ["r"], [last], [len(tokens)], K)[0]
+    logits = ctx.logits(["r"], [last], [len(tokens)], K)[0]
     torch.testing.assert_close(logits.double(), naive, atol=2e-4, rtol=1e-4)
     # Not the plain row's logits: the substitution matters here.
     plain = naive_block_logits(path, pair.hf.model.embed_tokens.weight, pair.hf.lm_head.weight,
@@ -329,57 +408,27 @@ def test_a_dedicated_mask_embedding_stands_in_for_the_mask_rows(pair, form):
                             create_platform(CPU, torch.float32))
 
 
-def test_context_grows_only_by_appended_positions(pair):
+def test_context_written_in_pieces_equals_written_at_once(pair):
+    """Prompt chunks and verified steps write the context piece by piece: the same cache
+    rows and drafts as one write; rows of rejected drafts written by mistake past the
+    block's first position are overwritten by the block and leave no trace."""
     drafter = pair.drafter
     tokens = requests(pair)[1][1]  # 11 tokens
     n = len(tokens)
     h = pair.target_hidden(tokens)
     last = pair.next_token(tokens)
-    whole = DFlashContext(drafter)
-    whole.append("r", list(range(n)), h)
-    pieces = DFlashContext(drafter)
-    for a, b in ((0, 4), (4, 5), (5, 11)):  # prompt chunks, then verified steps
-        pieces.append("r", list(range(a, b)), h[a:b])
-    assert pieces.num_rows("r") == n and pieces.end("r") == n
-    torch.testing.assert_close(pieces.kv("r"), whole.kv("r"), atol=1e-5, rtol=1e-5)
-    want = drafter.propose(whole, ["r"], [last], [n], K)
-    assert drafter.propose(pieces, ["r"], [last], [n], K).tolist() == want.tolist()
-
-    # Rows of rejected drafts, appended by mistake and rolled back, leave no trace.
-    pieces.append("r", [n, n + 1, n + 2], torch.randn(3, h.shape[1]))
-    assert pieces.num_rows("r") == n + 3
-    pieces.truncate("r", n)
-    assert pieces.num_rows("r") == n and pieces.end("r") == n
-    assert drafter.propose(pieces, ["r"], [last], [n], K).tolist() == want.tolist()
-
-    # Appends must continue the context: a gap or an overlap is a lost sync.
-    with pytest.raises(ValueError, match="next position 11"):
-        pieces.append("r", [n + 1], h[:1])
-    with pytest.raises(ValueError, match="next position 11"):
-        pieces.append("r", [n - 1], h[:1])
-    # A refused batch changes nothing, not even for its valid requests.
-    with pytest.raises(ValueError, match="'r'"):
-        pieces.append_batch(["s", "r"], [1, 1], [0, 3], h[:2])
-    assert pieces.num_rows("s") == 0 and pieces.num_rows("r") == n
-
-    # Growing past the buffer's capacity keeps the rows already there.
-    long = DFlashContext(drafter)
-    tokens2 = make_prompts([40], pair.target_config["vocab_size"], seed=9)[0]
-    h2 = pair.target_hidden(tokens2)
-    for a in range(0, 40, 7):
-        long.append("x", list(range(a, min(a + 7, 40))), h2[a:a + 7])
-    once = DFlashContext(drafter)
-    once.append("x", list(range(40)), h2)
-    torch.testing.assert_close(long.kv("x"), once.kv("x"), atol=1e-5, rtol=1e-5)
-
-    pieces.remove("r")
-    assert pieces.num_rows("r") == 0 and pieces.end("r") is None
-    # Rolled back to nothing, a context starts afresh (here after a prefix-cache hit).
-    long.truncate("x", 0)
-    assert long.end("x") is None
-    long.append("x", [5, 6], h2[5:7])
-    assert long.end("x") == 7
-    torch.testing.assert_close(long.kv("x"), once.kv("x")[:, :, 5:7], atol=1e-5, rtol=1e-5)
+    ctx = PagedContext(drafter)
+    ctx.append("whole", list(range(n)), h)
+    for a, b in ((0, 4), (4, 5), (5, 11)):
+        ctx.append("pieces", list(range(a, b)), h[a:b])
+    torch.testing.assert_close(ctx.kv("pieces", n), ctx.kv("whole", n), atol=1e-5, rtol=1e-5)
+    want = ctx.propose(["whole"], [last], [n], K)
+    assert ctx.propose(["pieces"], [last], [n], K).tolist() == want.tolist()
+    ctx.append("pieces", [n, n + 1, n + 2], torch.randn(3, h.shape[1]))
+    assert ctx.propose(["pieces"], [last], [n], K).tolist() == want.tolist()
+    # Both requests in one batch: the same drafts as alone.
+    both = ctx.propose(["whole", "pieces"], [last, last], [n, n], K)
+    assert both.tolist() == [want[0].tolist()] * 2
 
 
 def test_loader_errors_name_the_problem(pair):
@@ -412,20 +461,20 @@ def test_loader_errors_name_the_problem(pair):
 
 def test_bf16_follows_fp32(pair):
     """In bf16 the platform packs the draft's Linear layers (the target's are its own):
-    the context keeps bf16 K/V and the logits stay near the fp32 ones."""
+    the paged context keeps bf16 K/V and the logits stay near the fp32 ones."""
     platform = create_platform(CPU, torch.bfloat16)
     target = load_model(pair.target_path, pair.target_config, torch.bfloat16, CPU, platform)
     drafter = load_dflash_drafter(pair.draft_path, target, torch.bfloat16, CPU, platform)
     reqs = requests(pair)
     logits = {}
     for model in (pair.drafter, drafter):
-        ctx = DFlashContext(model)
+        ctx = PagedContext(model)
         for rid, tokens, start in reqs:
             h = pair.target_hidden(tokens)[start:].to(model.norm.weight.dtype)
             ctx.append(rid, list(range(start, len(tokens))), h)
-        assert ctx.kv("a").dtype == model.norm.weight.dtype
-        logits[model] = model.draft_logits(ctx, [r[0] for r in reqs],
-                                           [pair.next_token(r[1]) for r in reqs],
-                                           [len(r[1]) for r in reqs], K)
+        assert ctx.kv("a", 1).dtype == model.norm.weight.dtype
+        logits[model] = ctx.logits([r[0] for r in reqs],
+                                   [pair.next_token(r[1]) for r in reqs],
+                                   [len(r[1]) for r in reqs], K)
     torch.testing.assert_close(logits[drafter].float(), logits[pair.drafter],
                                atol=0.25, rtol=0.05)

@@ -58,7 +58,7 @@ class TorchAttentionImpl(AttentionImpl):
         scores = self._softcap(torch.matmul(qg, keys).float() * self.scale)
         scores = scores + meta.decode_mask(cache.shape[2], self.sliding_window)
         probs = scores.softmax(dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(nd, self.num_heads, d)
+        return torch.matmul(probs, values).reshape(nd, -1, d)  # (q's heads: Hkv * G)
 
     def _softcap(self, scores: torch.Tensor) -> torch.Tensor:
         if self.logit_softcap is None:

@@ -142,11 +142,13 @@ class EngineArgs:
             if self.kv_connector is not None:
                 raise ValueError("tensor_parallel_size > 1 does not support the external KV "
                                  "tier (kv_connector) yet")
-            if self.speculative_config is not None and self.speculative_config.method != "ngram":
+            from tokenmill.spec_decode.loading import TP_DRAFT_METHODS
+            method = self.speculative_config and self.speculative_config.method
+            if method not in (None, "ngram") + TP_DRAFT_METHODS:
                 raise ValueError(f"tensor_parallel_size > 1 supports speculative decoding "
-                                 f"with speculative_config.method 'ngram' only, not "
-                                 f"{self.speculative_config.method!r} (its draft model "
-                                 f"would share the target's sharded embedding and lm_head)")
+                                 f"with speculative_config.method 'ngram', "
+                                 f"{', '.join(repr(m) for m in TP_DRAFT_METHODS)} only, not "
+                                 f"{method!r}")
         if self.quantization is not None and (not isinstance(self.quantization, str)
                                               or not self.quantization):
             raise ValueError(f"quantization must be a method name or None, "
@@ -229,8 +231,7 @@ class EngineSetup:
                                            args.enable_chunked_prefill,
                                            args.enable_prefix_caching,
                                            spec.num_speculative_tokens if spec else 0,
-                                           spec.num_speculative_tokens
-                                           if spec and spec.method != "ngram" else 0)
+                                           spec.num_lookahead_tokens if spec else 0)
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget

@@ -23,11 +23,15 @@ def make_executor(model_config, platform, runner_kwargs: dict, tensor_parallel_s
     if model is not None:
         raise ValueError("tensor_parallel_size > 1: every rank loads its own shard (no "
                          "prebuilt model)")
-    if draft_model is not None or (speculative_config is not None
-                                   and speculative_config.method != "ngram"):
-        raise ValueError("tensor_parallel_size > 1: speculative decoding with the 'ngram' "
-                         "method only (a draft model would share the target's sharded "
-                         "embedding and lm_head)")
+    from tokenmill.spec_decode.loading import TP_DRAFT_METHODS
+    if draft_model is not None:
+        raise ValueError("tensor_parallel_size > 1: rank 0 loads the draft model itself "
+                         "(no prebuilt draft model)")
+    if speculative_config is not None and \
+            speculative_config.method not in ("ngram",) + TP_DRAFT_METHODS:
+        raise ValueError(f"tensor_parallel_size > 1: speculative decoding with "
+                         f"{', '.join(repr(m) for m in ('ngram',) + TP_DRAFT_METHODS)} "
+                         f"only, not {speculative_config.method!r}")
     from tokenmill.executor.multiproc_tp import MultiprocTPExecutor
     from tokenmill.models.registry import resolve_model_class
     from tokenmill.models.tensor_parallel import check_divisible

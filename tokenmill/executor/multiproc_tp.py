@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from tokenmill.core import serial
-from tokenmill.core.kv_cache_spec import KVCacheConfig, KVCacheGroup
+from tokenmill.core.kv_cache_spec import KVCacheConfig, KVCacheGroup, MambaSpec
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.errors import EngineDeadError
 from tokenmill.executor.tp_group import TPGroup, free_port
@@ -76,19 +76,27 @@ BODY_TYPES = {EXECUTE: SchedulerOutput, SAMPLED: SampledTokens, REMOVE: RemoveRe
 
 def _build_runner(model_config, platform, group: TPGroup, runner_kwargs: dict,
                   speculative_config=None):
-    """This rank's runner over its shard. `speculative_config` (n-gram only, every
-    rank: a hybrid's state slots come in groups of 1 + k on each): rank 0 proposes and
-    verifies; the other ranks run the drafts the scheduler sends as scheduled tokens
-    and take the accepted ones (and, hybrids, the state slot of the last one) from rank
-    0's SampledTokens."""
+    """This rank's runner over its shard. `speculative_config` (every rank: a hybrid's
+    state slots come in groups of 1 + k on each): rank 0 proposes and verifies; the
+    other ranks run the drafts the scheduler sends as scheduled tokens and take the
+    accepted ones (and, hybrids, the state slot of the last one) from rank 0's
+    SampledTokens. A draft model (eagle3, dflash) is loaded whole on rank 0 only, with
+    the target's embedding and lm_head gathered whole there (every rank joins the
+    gather); its K/V pages exist on rank 0 only."""
     from tokenmill.models.loader import load_model
+    from tokenmill.spec_decode.loading import load_rank_zero_draft_model
     from tokenmill.worker.model_runner import ModelRunner
+    drafts = speculative_config is not None and speculative_config.method != "ngram"
     model = load_model(model_config.path, model_config.hf_config, model_config.dtype,
                        model_config.device, platform, tp_group=group,
-                       quantization=model_config.quantization)
+                       quantization=model_config.quantization, whole_vocab_io=drafts)
+    draft_model = None
+    if drafts and group.rank == 0:
+        draft_model = load_rank_zero_draft_model(speculative_config, model_config, model,
+                                                 platform)
     return ModelRunner(model, dtype=model_config.dtype, device=model_config.device,
                        platform=platform, speculative_config=speculative_config,
-                       **runner_kwargs)
+                       draft_model=draft_model, **runner_kwargs)
 
 
 def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
@@ -137,11 +145,17 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
 
 def _rank_kv_cache_config(runner, msg: InitKVCache) -> KVCacheConfig:
     """Rank 0's KV cache layout (blocks, slots, groups) over this rank's own specs
-    (its heads only)."""
+    (its heads only). Rank 0's draft layers (draft.*) are not here: a group of them
+    alone keeps its place (the group ids of the scheduler's block ids) with no layers
+    and this rank's attention spec (same block size)."""
     specs = runner.get_kv_cache_spec(msg.block_size)
-    return KVCacheConfig(msg.num_blocks, [KVCacheGroup(names, specs[names[0]])
-                                          for names in msg.group_layers], msg.num_state_slots,
-                         msg.num_state_snapshots)
+    stand_in = next(s for n, s in specs.items() if not isinstance(s, MambaSpec))
+    groups = []
+    for names in msg.group_layers:
+        mine = [n for n in names if n in specs]
+        groups.append(KVCacheGroup(mine, specs[mine[0]] if mine else stand_in,
+                                   is_draft=not mine))
+    return KVCacheConfig(msg.num_blocks, groups, msg.num_state_slots, msg.num_state_snapshots)
 
 
 def _stop_workers(procs, conns, timeout_s: float = 5.0) -> None:

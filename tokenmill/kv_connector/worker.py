@@ -16,7 +16,7 @@ failure of its store, with a warning naming why (missing, torn, corrupted,
 foreign, the store down or too slow).
 
 Stores (vLLM's save_kv_layer / wait_for_save): `save_kv` runs after the
-forward: it copies the blocks the scheduler half listed (prompt blocks just
+forward (and after a draft model wrote its layers' K/V of the step): it copies the blocks the scheduler half listed (prompt blocks just
 completed; none of a request whose load failed this step) to host memory - the
 one part that must happen before the blocks can be reused - and queues them; a
 writer thread encodes them as entries and writes them to the stores that lack

@@ -6,14 +6,23 @@ token the target has committed, the target's hidden states after the layers
 `dflash_config.target_layer_ids`, concatenated, projected by `fc` and normalised by
 `hidden_norm`. Each draft layer turns that context into K/V of its own (its k/v
 projections, k-norm and rotary at the token's position; no input norm), computed
-once per token and kept (DFlashContext).
+once per token (`write_context`) and kept in the paged KV cache: the draft layers
+are PagedAttention layers of the target's KV cache group ("draft.<i>.attn"), so a
+prefix-cache hit (or an external-tier load) brings the cached prefix's draft
+context with its target K/V. A position's context depends on the tokens up to it
+only (the target's hidden state there), so the block hash covers it.
 
 One draft step is one forward over a block [last token, mask x k] at positions
-p .. p + k: the block's queries attend to all of the request's context K/V and to
-each other in both directions (no causal mask inside the block), and the k drafts
-are the argmax of the block's rows 1 .. k. k drafts cost one forward, not k.
+p .. p + k: the block's K/V go into the request's slots p .. p + k (past its
+context; the next context write overwrites them) and its queries attend to the
+context and to each other in both directions: in a full layer the block's k + 1
+rows attend as one decode query with (k + 1) x the heads whose sequence ends at
+p + k (no causal mask inside the block; the context read once per request, no
+copy). A sliding layer's rows are causal decode queries at their own positions
+with the window. The k drafts are the argmax of the block's rows 1 .. k: k drafts
+cost one forward.
 
-The context grows only by accepted tokens: a verified step appends the rows of the
+The context grows only by accepted tokens: a verified step writes the rows of the
 tokens the target kept (the last token and the accepted drafts), never those of
 rejected drafts. The token the step emitted has no target hidden state yet: it is
 the next block's first token, at position p = the context's end.
@@ -31,11 +40,13 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
@@ -103,7 +114,7 @@ class DFlashConfig(DecoderConfig):
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, c: DFlashConfig):
+    def __init__(self, c: DFlashConfig, window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         # q apart from k/v: the context needs only k/v, for every committed token.
@@ -112,50 +123,51 @@ class DFlashAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                   c.head_dim ** -0.5, sliding_window=window)
+        # A window only masks this layer's reads: its cache keeps every position, so it
+        # shares the target's full-attention group (one block table, one page per block).
+        self.attn.cache_all_positions = True
 
     def key_value(self, x, cos, sin, rotary: RotaryEmbedding):
         """[T, H] -> k, v [T, Hkv, D]: k normed and rotated, v as projected."""
         k, v = self.kv_proj(x).view(-1, 2, self.num_kv_heads, self.head_dim).unbind(1)
         return rotary.apply(self.k_norm(k), cos, sin), v
 
-    def forward(self, x, cos, sin, rotary, kv_rows: list[torch.Tensor], masks: list):
-        """x [R*B, H] (R blocks of B rows); kv_rows[i] [2, C_i + B, Hkv, D]: request i's
-        own context buffer (a view, never copied), its context in [:C_i]; this layer's
-        block K/V go into its last B rows. masks[i]: None (a full layer: the block sees
-        the whole context and the whole block) or [1, 1, B, C_i + B] (a sliding layer:
-        causal and windowed)."""
-        r = len(kv_rows)
-        b = x.shape[0] // r
+    def forward(self, x, cos, sin, rotary, meta):
+        """x [R*B, H] (R blocks of B rows). A full layer (`meta`: the pair (write, read)
+        of block_metas): the block's K/V are written at its rows' slots, then the B rows
+        attend as one decode query of B x the heads over the request's cache to the
+        block's end (the rotary is applied already: a row's keys and its place in the
+        block are all the attention needs), reading the context once. A sliding layer
+        (`meta`: one decode query per row): each row writes and attends to its own
+        position, windowed."""
         q = rotary.apply(self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim)),
                          cos, sin)
         k, v = self.key_value(x, cos, sin, rotary)
-        k = k.view(r, b, self.num_kv_heads, self.head_dim)
-        v = v.view(r, b, self.num_kv_heads, self.head_dim)
-        q = q.view(r, b, self.num_heads, self.head_dim).transpose(1, 2)
-        o = torch.empty_like(q)
-        # One attention per request over its own buffer: contexts of different lengths
-        # need no padded batch, so a step costs no copy of any context.
-        for i, (rows, mask) in enumerate(zip(kv_rows, masks)):
-            rows[0, -b:] = k[i]
-            rows[1, -b:] = v[i]
-            o[i] = F.scaled_dot_product_attention(
-                q[i:i + 1], rows[0].transpose(0, 1)[None], rows[1].transpose(0, 1)[None],
-                attn_mask=mask, scale=self.head_dim ** -0.5,
-                enable_gqa=self.num_heads != self.num_kv_heads)[0]
-        return self.o_proj(o.transpose(1, 2).reshape(r * b, self.num_heads * self.head_dim))
+        if not isinstance(meta, tuple):
+            return self.o_proj(self.attn(q, k, v, meta))
+        write, read = meta
+        self.attn.write_kv(k, v, write)
+        r, d, hkv = read.num_decodes, self.head_dim, self.num_kv_heads
+        b, g = q.shape[0] // r, self.num_heads // hkv
+        # [R, B, Hkv, G, D] -> [R, Hkv, B, G, D]: kv head h's queries side by side.
+        wide = q.view(r, b, hkv, g, d).transpose(1, 2).reshape(r, hkv * b * g, d)
+        o = self.attn.read_decodes(wide, read).view(r, hkv, b, g, d).transpose(1, 2)
+        return self.o_proj(o.reshape(r * b, self.num_heads * d))
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, c: DFlashConfig):
+    def __init__(self, c: DFlashConfig, window: int | None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DFlashAttention(c)
+        self.self_attn = DFlashAttention(c, window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
-    def forward(self, x, cos, sin, rotary, kv_rows, masks):
+    def forward(self, x, cos, sin, rotary, meta):
         # x is this step's own residual stream: updated in place.
-        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, kv_rows, masks)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
         return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
@@ -170,7 +182,7 @@ class DFlashDraftModel(nn.Module):
         self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size,
                          bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DFlashLayer(c, w) for w in c.layer_windows)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_dim, c.max_position_embeddings,
                                       c.rope_params)
@@ -216,14 +228,27 @@ class DFlashDraftModel(nn.Module):
         head = self.lm_head if self.lm_head is not None else self._target_io[1]
         return head(hidden)
 
-    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attention_layers(self) -> list[PagedAttention]:
+        """The draft layers' attention, in order: the runner gives them KV caches in the
+        target's group and binds their implementations."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target hidden states [T, n * H_target] (concatenated as target_layer_ids) at
-        `positions` [T] -> every layer's context K/V [L, 2, T, Hkv, D]. Row by row
-        independent, so appending in pieces gives the same rows as all at once."""
+        `positions` [T] -> each layer's context (k, v), [T, Hkv, D] each. Row by row
+        independent, so writing in pieces gives the same rows as all at once."""
         ctx = self.hidden_norm(self.fc(target_hidden.to(self.norm.weight.dtype)))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        return torch.stack([torch.stack(layer.self_attn.key_value(ctx, cos, sin, self.rotary))
-                            for layer in self.layers])
+        return [layer.self_attn.key_value(ctx, cos, sin, self.rotary) for layer in self.layers]
+
+    @torch.inference_mode()
+    def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> None:
+        """Every layer's context K/V of the kept rows into the paged cache at `meta`'s
+        slots (a write-only metadata: row i at positions[i])."""
+        for layer, (k, v) in zip(self.layers, self.context_kv(target_hidden, positions)):
+            layer.self_attn.attn.write_kv(k, v, meta)
 
     @property
     def shares_target_lm_head(self) -> bool:
@@ -231,19 +256,17 @@ class DFlashDraftModel(nn.Module):
         return self.lm_head is None
 
     @torch.inference_mode()
-    def draft_logits(self, context: "DFlashContext", req_ids: list[str],
-                     last_token_ids, positions, k: int) -> torch.Tensor:
+    def draft_logits(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """Logits [R, k, V] of the block rows 1..k of each request; its block is
         [last_token_ids[r], mask x k] at positions[r] .. positions[r] + k, where
         last_token_ids[r] is the token the last step emitted and positions[r] its
-        position: normally the end of the request's context (context.end)."""
-        logits = self.compute_logits(self.draft_hidden(context, req_ids, last_token_ids,
-                                                       positions, k))
-        return logits.view(len(req_ids), k, logits.shape[-1])
+        position: the end of the request's context in the cache. `metas`: the block
+        rows as decode queries (DFlashDraftModel.block_metas), by layer window."""
+        logits = self.compute_logits(self.draft_hidden(last_token_ids, positions, k, metas))
+        return logits.view(len(positions), k, logits.shape[-1])
 
     @torch.inference_mode()
-    def draft_hidden(self, context: "DFlashContext", req_ids: list[str],
-                     last_token_ids, positions, k: int) -> torch.Tensor:
+    def draft_hidden(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """The normed hidden states [R * k, H] that draft_logits projects (request-major)."""
         c = self.config
         if not 1 <= k < c.block_size:
@@ -252,7 +275,7 @@ class DFlashDraftModel(nn.Module):
         device = self.norm.weight.device
         last = torch.as_tensor(last_token_ids, dtype=torch.long, device=device)
         pos = torch.as_tensor(positions, dtype=torch.long, device=device)
-        r, b = len(req_ids), k + 1
+        r, b = last.shape[0], k + 1
         if r == 0:
             return torch.empty(0, c.hidden_size, device=device)
         ids = torch.full((r, b), c.mask_token_id, dtype=torch.long, device=device)
@@ -262,35 +285,33 @@ class DFlashDraftModel(nn.Module):
         block_pos = (pos[:, None] + torch.arange(b, device=device)).clamp(
             max=self.rotary.cos_cache.shape[0] - 1).flatten()
         x = self.embed(ids.flatten())
-        # Each request's buffer has room for the block after its context: the layers
-        # write the block's K/V there and attend over the buffer in place.
-        views = [context.block_rows(rid, b) for rid in req_ids]
-        masks = {None: [None] * r}
-        for w in set(c.layer_windows) - {None}:
-            masks[w] = [self._window_mask(context, rid, int(p), b, w)
-                        for rid, p in zip(req_ids, pos.tolist())]
         cos, sin = self.rotary.cos_sin(block_pos, x.dtype)
-        for li, (layer, w) in enumerate(zip(self.layers, c.layer_windows)):
-            x = layer(x, cos, sin, self.rotary, [view[li] for view in views], masks[w])
+        full = (metas["write"], metas["read"]) if None in c.layer_windows else None
+        for layer, w in zip(self.layers, c.layer_windows):
+            x = layer(x, cos, sin, self.rotary, full if w is None else metas[w])
         return self.norm(x.view(r, b, -1)[:, 1:].reshape(r * k, -1))
 
-    def _window_mask(self, context: "DFlashContext", req_id: str, p: int, b: int,
-                     window: int) -> torch.Tensor:
-        """[1, 1, B, C + B]: block row i (position p + i) sees the keys at positions
-        within `window` of its own and not after it; context row j is at start + j."""
-        device = self.norm.weight.device
-        n = context.num_rows(req_id)
-        start = context.start(req_id) or 0
-        key_pos = torch.cat([start + torch.arange(n, device=device),
-                             p + torch.arange(b, device=device)])
-        dist = (p + torch.arange(b, device=device))[:, None] - key_pos[None, :]
-        return ((dist >= 0) & (dist < window))[None, None]
+    def block_metas(self, builder, table, rows: np.ndarray, positions: np.ndarray, k: int
+                    ) -> dict:
+        """The metadata of the blocks of batch rows `rows` at `positions` (their last
+        tokens'). Full layers: "write" (the block's k + 1 rows' K/V at p..p+k) and
+        "read" (one decode query per block, its sequence ending at p + k: both
+        directions inside the block). Each sliding layer's window w: one decode query
+        per block row at its own position (the window masks the rest)."""
+        b = k + 1
+        q_rows = np.repeat(rows, b)
+        q_pos = (positions[:, None] + np.arange(b)).reshape(-1).astype(np.int64)
+        out = {w: builder.decodes(table, q_rows, q_pos)
+               for w in set(self.config.layer_windows) - {None}}
+        if None in self.config.layer_windows:
+            out["write"] = builder.write_only(table, q_rows, q_pos)
+            out["read"] = builder.decodes(table, rows, (positions + k).astype(np.int64))
+        return out
 
     @torch.inference_mode()
-    def propose(self, context: "DFlashContext", req_ids: list[str], last_token_ids,
-                positions, k: int) -> torch.Tensor:
+    def propose(self, last_token_ids, positions, k: int, metas: dict) -> torch.Tensor:
         """Greedy drafts [R, k] (target vocabulary ids) for a batch of requests."""
-        draft = self.draft_logits(context, req_ids, last_token_ids, positions, k).argmax(-1)
+        draft = self.draft_logits(last_token_ids, positions, k, metas).argmax(-1)
         if self.draft_vocab_size == self.config.vocab_size:
             return draft
         return draft + self.d2t[draft]
@@ -312,109 +333,6 @@ class DFlashDraftModel(nn.Module):
                              f"{tuple(getattr(tensor, 'shape', ()))}")
         self.mask_embedding = tensor.reshape(h).to(self.norm.weight.device,
                                                    self.norm.weight.dtype)
-
-
-class DFlashContext:
-    """Per request, every draft layer's context K/V: one buffer [L, 2, capacity, Hkv, D]
-    grown by doubling, of which the first `num_rows` rows are the context, at the
-    consecutive positions from the first appended one."""
-
-    def __init__(self, model: DFlashDraftModel):
-        self.model = model
-        self._buf: dict[str, torch.Tensor] = {}
-        self._len: dict[str, int] = {}
-        self._start: dict[str, int] = {}
-
-    def num_rows(self, req_id: str) -> int:
-        return self._len.get(req_id, 0)
-
-    def start(self, req_id: str) -> int | None:
-        """The position of the first row (None: empty context)."""
-        return self._start.get(req_id) if req_id in self._len else None
-
-    def end(self, req_id: str) -> int | None:
-        """The position the next appended row must have (None: empty context)."""
-        if req_id not in self._len:
-            return None
-        return self._start[req_id] + self._len[req_id]
-
-    def kv(self, req_id: str) -> torch.Tensor:
-        """The context K/V [L, 2, num_rows, Hkv, D] (a view)."""
-        return self._buf[req_id][:, :, :self._len[req_id]]
-
-    def append(self, req_id: str, positions, target_hidden: torch.Tensor) -> None:
-        self.append_batch([req_id], [len(positions)], positions, target_hidden)
-
-    @torch.inference_mode()
-    def append_batch(self, req_ids: list[str], num_rows: list[int], positions,
-                     target_hidden: torch.Tensor) -> None:
-        """Append accepted tokens' rows: request i takes the next num_rows[i] rows of
-        `positions` [T] / `target_hidden` [T, n * H_target]. Projected in one pass,
-        copied per request. A request's positions must continue its context (its
-        first ever append may start anywhere, e.g. after a prefix-cache hit)."""
-        model = self.model
-        pos = torch.as_tensor(positions, dtype=torch.long, device=target_hidden.device)
-        pos_list = pos.tolist()
-        if len(pos_list) != sum(num_rows) or target_hidden.shape[0] != len(pos_list):
-            raise ValueError(f"DFlash append: {len(pos_list)} positions and "
-                             f"{target_hidden.shape[0]} hidden rows for {sum(num_rows)} rows")
-        o = 0
-        for rid, n in zip(req_ids, num_rows):  # check every request before changing any
-            seg, start = pos_list[o:o + n], self.end(rid)
-            if start is None:
-                start = seg[0] if seg else 0
-            if seg != list(range(start, start + n)):
-                raise ValueError(f"DFlash append: request {rid!r} positions {seg} do not "
-                                 f"continue its context (next position {start})")
-            o += n
-        if not pos_list:
-            return
-        kv = model.context_kv(target_hidden, pos)
-        o = 0
-        for rid, n in zip(req_ids, num_rows):
-            if n == 0:
-                o += n
-                continue
-            if rid not in self._len:
-                self._start[rid], self._len[rid] = pos_list[o], 0
-            length = self._len[rid]
-            buf = self._room(rid, length + n)
-            buf[:, :, length:length + n] = kv[:, :, o:o + n]
-            self._len[rid] = length + n
-            o += n
-
-    def _room(self, req_id: str, rows: int) -> torch.Tensor:
-        """The request's buffer with at least `rows` rows (grown by doubling; the
-        context's rows kept)."""
-        buf = self._buf.get(req_id)
-        if buf is not None and buf.shape[2] >= rows:
-            return buf
-        m = self.model.config
-        length = self._len.get(req_id, 0)
-        grown = torch.empty(m.num_layers, 2, max(2 * length, rows, 16), m.num_kv_heads,
-                            m.head_dim, dtype=self.model.norm.weight.dtype,
-                            device=self.model.norm.weight.device)
-        if length:
-            grown[:, :, :length] = buf[:, :, :length]
-        self._buf[req_id] = grown
-        return grown
-
-    def block_rows(self, req_id: str, b: int) -> torch.Tensor:
-        """[L, 2, num_rows + b, Hkv, D]: the context and `b` scratch rows after it (a
-        view of the request's buffer; a draft step writes its block's K/V there, which
-        the next append overwrites)."""
-        return self._room(req_id, self.num_rows(req_id) + b)[:, :, :self.num_rows(req_id) + b]
-
-    def truncate(self, req_id: str, end: int) -> None:
-        """Drop the rows at positions >= end (rolled back tokens)."""
-        if req_id in self._len:
-            self._len[req_id] = max(0, min(self._len[req_id], end - self._start[req_id]))
-            if self._len[req_id] == 0:  # empty: the next append may start anywhere
-                self.remove(req_id)
-
-    def remove(self, req_id: str) -> None:
-        for d in (self._buf, self._len, self._start):
-            d.pop(req_id, None)
 
 
 def _checkpoint_names(path: str) -> set[str]:

@@ -245,7 +245,7 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
                device: torch.device, platform, tp_group=None,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, whole_vocab_io: bool = False) -> nn.Module:
     """Build and fill the model, then let `platform` (tokenmill.platforms: the engine's)
     hand its kernel decisions to the layers: packed bf16
     weights, GEMMs widened to its gemm dtype (see layers/linear_methods/), native kernels.
@@ -254,7 +254,10 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
     unquantized checkpoint's weights are quantized to it after loading
     (models/quantize_at_load.py); a quantized checkpoint's own method is accepted.
     Every format shards with tensor parallelism (its tensors cut with the weights, or
-    a split that would cut a block, packed word or group refused by name)."""
+    a split that would cut a block, packed word or group refused by name).
+    `whole_vocab_io` (tensor parallelism with a draft model): every rank gathers the
+    embedding and lm_head rows; rank 0 keeps them whole as `model.whole_vocab_io`
+    (tensor_parallel.whole_vocab_io), the drafter's."""
     where = f"checkpoint {model_dir}"
     check_quantization(hf_config, where)
     at_load = resolve_quantization(quantization, hf_config, where)
@@ -306,6 +309,9 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
             tensors = fp8_checkpoint_tensors(tensors, header, fp8)
         load_weights(model, model_dir, tensors, shard_plan=plan, kv_scales=kv_scales)
         tensor_parallel.shard_model(model, tp_group, hf_config["vocab_size"])
+        if whole_vocab_io:
+            io = tensor_parallel.whole_vocab_io(model, tp_group, hf_config["vocab_size"])
+            model.whole_vocab_io = io if tp_group.rank == 0 else None
     else:
         load_weights(model, model_dir, None if fp8 is None else
                      fp8_checkpoint_tensors(iter_checkpoint(model_dir), header, fp8),

@@ -135,7 +135,8 @@ def load_mtp_drafter(path: str, target: nn.Module, dtype: torch.dtype, device: t
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     text = flatten_text_config(hf_config)
-    if not isinstance(target, Qwen3NextForCausalLM):
+    # (under tensor parallelism, rank 0's view of its shard: spec_decode/loading.py)
+    if not isinstance(getattr(target, "sharded_target", target), Qwen3NextForCausalLM):
         raise ValueError(f"speculative_config.method 'mtp' needs a Qwen3-Next / Qwen3.5 or "
                          f"DeepSeek-V3 target; checkpoint {path} is "
                          f"{text.get('architectures')}")

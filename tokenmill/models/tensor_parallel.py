@@ -378,3 +378,27 @@ def shard_model(model: nn.Module, group, vocab_size: int) -> None:
     if model.lm_head is not None:  # (None: a checkpoint without one, it only pools)
         model.lm_head.register_forward_hook(gather)
     model.config.vocab_size = vocab_size  # the batch's view: the whole vocabulary
+
+
+def whole_vocab_io(model: nn.Module, group, vocab_size: int) -> tuple[nn.Embedding, nn.Linear]:
+    """The embedding and lm_head whole, from every rank's rows (a collective: every rank
+    calls it, after loading and before the platform prepares the layers): what a draft
+    model that runs unsharded on rank 0 shares with the target."""
+    head = model.lm_head
+    weight = getattr(head, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2
+            or not weight.is_floating_point() or getattr(head, "bias", None) is not None):
+        raise ValueError("speculative decoding with a draft model under "
+                         f"{TP_FIELD} > 1 needs the target's lm_head as a plain "
+                         "floating-point weight without bias (the draft runs on rank 0 "
+                         "with the whole head)")
+
+    def rows(w: torch.Tensor) -> torch.Tensor:  # [shard, H] per rank -> [vocab, H]
+        return group.all_gather_last(w.detach().t()).t()[:vocab_size].contiguous()
+
+    emb = rows(model.embed_tokens.weight)
+    lm = rows(weight)
+    embed = nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb)
+    linear = nn.Linear(lm.shape[1], lm.shape[0], bias=False, device=lm.device, dtype=lm.dtype)
+    linear.weight = nn.Parameter(lm, requires_grad=False)
+    return embed.requires_grad_(False), linear

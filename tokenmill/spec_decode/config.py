@@ -90,6 +90,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model: method {self.method!r} needs the "
                              f"draft checkpoint's folder")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past a request's tokens the scheduler makes room for, where a draft model
+        writes K/V while it proposes: an EAGLE-style drafter's k - 1 chained steps (k for
+        slack), a DFlash block's last emitted token and its k mask rows (k + 1); none for
+        n-gram lookup."""
+        if self.method == "ngram":
+            return 0
+        return self.num_speculative_tokens + (self.method == "dflash")
+
     def describe(self) -> str:
         s = f"{self.method}, k={self.num_speculative_tokens}"
         if self.method == "ngram":

@@ -52,3 +52,53 @@ def load_draft_model(spec: SpeculativeConfig | None, model_config, target, platf
                              f"{model.config.max_position_embeddings}")
         return model
     raise ValueError(f"speculative_config.method {spec.method!r} has no draft model loader")
+
+
+# Draft methods that run under tensor parallelism: their drafter is small, so it runs
+# whole on rank 0 (reading the target's hidden states, complete on every rank after
+# the row-parallel all-reduces) with the target's embedding / lm_head gathered whole.
+# MTP: Qwen3-Next / Qwen3.5 heads (DeepSeek-V3's MTP block is refused by name there).
+TP_DRAFT_METHODS = ("eagle3", "dflash", "mtp")
+
+
+class RankZeroTarget:
+    """The target as a draft model on rank 0 sees it under tensor parallelism: its own
+    attributes, but the embedding and lm_head whole (gathered at load: the target's own
+    are vocabulary shards whose forward is a collective the other ranks would not join)
+    and, where given, the whole model's config (an MTP head is built from it)."""
+
+    def __init__(self, target, embed_tokens, lm_head, config=None):
+        self.__dict__.update(sharded_target=target, embed_tokens=embed_tokens,
+                             lm_head=lm_head, config=config or target.config)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["sharded_target"], name)
+
+    def compute_logits(self, hidden):
+        if not getattr(self.sharded_target, "plain_lm_head", False):
+            raise ValueError("a draft model under tensor parallelism needs a target whose "
+                             "logits are its lm_head's (no soft-capping or scaling)")
+        return self.lm_head(hidden)
+
+
+def load_rank_zero_draft_model(spec: SpeculativeConfig, model_config, target, platform):
+    """Rank 0's draft model under tensor parallelism (`target`: rank 0's shard, loaded
+    with whole_vocab_io)."""
+    if spec.method not in TP_DRAFT_METHODS:
+        raise ValueError(f"speculative_config.method {spec.method!r} does not run under "
+                         f"tensor parallelism")
+    config = None
+    if spec.method == "mtp":
+        from tokenmill.config import flatten_text_config
+        from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
+        if not isinstance(target, Qwen3NextForCausalLM):
+            raise ValueError(f"speculative_config.method 'mtp' with tensor_parallel_size > 1 "
+                             f"needs a Qwen3-Next / Qwen3.5 target (DeepSeek-V3's MTP block "
+                             f"is not run under tensor parallelism), not "
+                             f"{type(target).__name__}")
+        # The head's layer is whole: built from the checkpoint's config, not the rank's.
+        config = type(target.config)(flatten_text_config(model_config.hf_config))
+        if target.force_norm_topk:  # (as the model class sets it on its own config)
+            config.norm_topk_prob = True
+    return load_draft_model(spec, model_config,
+                            RankZeroTarget(target, *target.whole_vocab_io, config), platform)

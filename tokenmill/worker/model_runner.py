@@ -78,6 +78,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.attn_group_id = 0
         self.attn_group_ids: list[int] = [0]
         self.draft_group_id = 0
+        self.draft_group_ids: list[int] = []
         self.state_group_id: int | None = None
         self.last_step: StepInputs | None = None
         # Hybrid models under speculation: per verifying request, the slot holding its
@@ -124,6 +125,10 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.kv_connector = None
         # This step's external loads that did not land (ModelRunnerOutput.invalid_block_ids).
         self._kv_invalid_block_ids: set[int] = set()
+        # A draft model with K/V in the paged cache writes its rows of a step after
+        # sampling: the step's stores to the external tier wait for it (one page holds
+        # every layer's K/V). (kv connector metadata, failed requests) or None.
+        self._kv_save_pending = None
         # All-greedy steps of up to greedy_head_max_rows sampling rows take their tokens
         # from the int8-screened lm_head (layers/greedy_head.py), where the platform says
         # so, for models whose logits are exactly lm_head(hidden) (`plain_lm_head`).
@@ -140,6 +145,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             self.greedy_head = GreedyHead.build(model.lm_head, self.platform.ops)
             if self.greedy_head is not None:
                 self.greedy_head_max_rows = self.platform.greedy_head_max_rows
+
+    def flush_kv_save(self) -> None:
+        """The step's blocks to the external tier, once every layer's K/V is in them."""
+        if self._kv_save_pending is not None:
+            (kv_meta, kv_failed), self._kv_save_pending = self._kv_save_pending, None
+            self.kv_connector.save_kv(kv_meta, kv_failed)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A numpy array as a tensor on the device (on CPU: the same memory, no copy and
@@ -174,6 +185,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._step_hidden = self._step_meta = None
         self._spec_write_slots = {}
         self._kv_invalid_block_ids = set()
+        self._kv_save_pending = None  # (a failed step's blocks are not stored)
 
     def apply_sampled_tokens(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         """A rank that does not sample (tensor parallelism, tokenmill/executor): the
@@ -222,6 +234,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
     def execute_model(self, so: SchedulerOutput) -> None:
         """Forward for the scheduled tokens; logits wait for sample_tokens()."""
         kv_meta = so.kv_connector_metadata if self.kv_connector is not None else None
+        self.flush_kv_save()  # (a step whose sampling did not run)
         self._kv_invalid_block_ids = set()
         if kv_meta is not None:  # external prefix hits: their reads start now
             self.kv_connector.start_load_kv(kv_meta)
@@ -266,7 +279,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             hidden = self.model(ids_t, pos_t, meta,
                                 **({"inputs_embeds": embeds} if embeds is not None else {}))
         if kv_meta is not None:  # prompt blocks this step completed, to the external stores
-            self.kv_connector.save_kv(kv_meta, kv_failed)
+            self._kv_save_pending = (kv_meta, kv_failed)
+            if self.drafter is None or self.drafter.model_proposer is None:
+                self.flush_kv_save()  # (else once the drafter wrote its K/V: sample_tokens)
         if self.draft_model is not None:
             self._step_hidden, self._step_meta = hidden, meta
         if self._pool_step(hidden, discard):  # every row pools: no logits to compute

@@ -26,7 +26,8 @@ class KVCacheMixin:
         layers = {f"layers.{i}.attn": layer
                   for i, layer in enumerate(self.model.attention_layers())}
         if self.draft_model is not None and hasattr(self.draft_model, "attention_layers"):
-            # an EAGLE-style drafter's layers: extra layers of the same KV cache group
+            # a drafter's layers (EAGLE-style, DFlash): extra layers of the same KV cache
+            # group where their spec is the target's
             layers.update({f"draft.{i}.attn": layer
                            for i, layer in enumerate(self.draft_model.attention_layers())})
         return layers
@@ -65,6 +66,8 @@ class KVCacheMixin:
                                  "(DeepSeek-V2 / V3 models): use kv_cache_dtype auto")
             return MLAAttentionSpec(block_size, layer.kv_lora_rank, layer.rope_dim, kv_dtype)
         window = getattr(layer, "sliding_window", None)
+        if window is not None and getattr(layer, "cache_all_positions", False):
+            window = None  # (a DFlash sliding layer: its block reads through the window)
         if window is not None and window < self.max_model_len:
             return SlidingWindowSpec(block_size, layer.num_kv_heads, layer.head_size,
                                      kv_dtype, window)
@@ -111,10 +114,13 @@ class KVCacheMixin:
         self.attn_group_ids = config.attention_group_ids
         # An EAGLE-style drafter's layers: in the target's group, or their own (beside
         # a sliding-window target) whose block table its K/V steps use.
-        self.draft_group_id = next(
-            (gid for gid in self.attn_group_ids
-             if any(n.startswith("draft.") for n in config.groups[gid].layer_names)),
-            self.attn_group_id)
+        # A drafter of several layers whose spec is not the target's may span groups
+        # (groups are cut to the smallest's size): all of them, in order.
+        self.draft_group_ids = [gid for gid in self.attn_group_ids
+                                if any(n.startswith("draft.")
+                                       for n in config.groups[gid].layer_names)]
+        self.draft_group_id = (self.draft_group_ids[0] if self.draft_group_ids
+                               else self.attn_group_id)
         multi = len(self.attn_group_ids) > 1
         group_of = {}
         self.attn_backends, self.attn_builders = {}, {}

@@ -101,6 +101,7 @@ class SamplingMixin:
             return self._attach_pooled(self._sample_tokens())
         finally:
             self._grammar = None
+            self.flush_kv_save()  # (after the drafter wrote its rows of the step)
 
     def _sample_tokens(self) -> ModelRunnerOutput:
         batch = self.input_batch

@@ -27,6 +27,9 @@ class PagedAttention(nn.Module):
         K/V passed in are that layer's of this step); it gets no cache of its own."""
         super().__init__()
         self.kv_sharing_target = kv_sharing_target
+        # A drafter's windowed layer whose cache keeps every position (full-attention
+        # spec, the target's group): the window masks its reads only.
+        self.cache_all_positions = False
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.sliding_window = sliding_window
@@ -43,6 +46,16 @@ class PagedAttention(nn.Module):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k/v [T, Hkv, D] into the paged cache at the step's slots."""
         self.impl.write_kv(k, v, self.kv_cache, meta.for_group(self.kv_group))
+
+    def read_decodes(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode queries only, over what the cache holds (nothing written): q [N, H, D]
+        with H any multiple of the KV heads (the grouped query heads of kv head h are
+        h * H / Hkv ...) -> [N, H, D]. A DFlash block's rows all read the same keys, so
+        they attend as one query of (k + 1) x the heads: the context is read once."""
+        meta = meta.for_group(self.kv_group)
+        if meta.prefills or meta.num_decodes != q.shape[0]:
+            raise ValueError("read_decodes takes a decode-only metadata, one row per query")
+        return self.impl.forward(q, None, None, self.kv_cache, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
