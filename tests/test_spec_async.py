@@ -27,11 +27,14 @@ from tokenmill.sampling_params import RequestOutputKind
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_spec_matrix import (CHUNKED, K, VOCAB, assert_idle, assert_same,  # noqa: E402,F401
-                              batch, install_partial_oracle, no_row_budget, plain_run,
-                              spec_configs, targets)
-from test_spec_oracle import PATTERNS, Oracle, install_oracle, setups  # noqa: E402,F401
-from test_spec_decode import mtp_checkpoint  # noqa: E402,F401
+from test_spec_decode import mtp_checkpoint  # noqa: E402
+from test_spec_matrix import (CHUNKED, VOCAB, assert_idle, assert_same, batch,  # noqa: E402
+                              install_partial_oracle, no_row_budget, plain_run, spec_configs,
+                              targets)
+from test_spec_oracle import PATTERNS, Oracle, install_oracle, setups  # noqa: E402
+
+# The fixtures this file shares with the matrix and the oracle suites.
+SHARED_FIXTURES = (mtp_checkpoint, no_row_budget, spec_configs, targets, setups)
 
 
 def async_llm(path, spec, **extra):
