@@ -297,3 +297,55 @@ def test_async_with_speculation_is_off_only_under_tensor_parallelism(caplog):
     assert resolve_async(None, torch.device("cuda"), spec)
     assert not resolve_async(True, cpu, spec, tensor_parallel_size=2)
     assert "only rank 0 knows the drafts" in caplog.text
+
+
+# ---- the scheduler's bookkeeping, step by step -----------------------------------------------
+
+def test_draft_slots_roll_back_exactly():
+    """Async steps with k = 3 draft slots: N + 1 is scheduled before N's output; N's
+    runner verified only 2 drafts and accepted 1, N + 1's none: the computed count and
+    placeholders come back to the request's real tokens, the counters count what was
+    verified, and max_tokens bounds the slots by every in-flight token."""
+    from tokenmill.core.sched_output import ModelRunnerOutput
+    from unit.test_scheduler import make_req, make_sched
+    sched = make_sched(budget=32)
+    sched.config.num_speculative_tokens, sched.config.async_scheduling = 3, True
+    from tokenmill.spec_decode.metrics import SpecDecodingStats
+    sched.spec_stats = SpecDecodingStats(3)
+    req = make_req("a", 6, max_tokens=12)
+    sched.add_request(req)
+
+    def out(tokens, verified=None):
+        return ModelRunnerOutput(["a"], {"a": 0}, [tokens], num_draft_tokens=verified)
+
+    so0 = sched.schedule()  # the prompt: no slots (nothing proposed yet)
+    assert so0.num_scheduled_tokens == {"a": 6} and not so0.scheduled_spec_slots
+    so1 = sched.schedule()  # its first decode, while the prompt's step is in flight
+    assert so1.scheduled_spec_slots == {"a": 3} and so1.num_scheduled_tokens == {"a": 4}
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (10, 5)
+    sched.update_from_output(so0, out([7]))
+    assert (req.num_tokens, req.num_computed_tokens, req.num_output_placeholders) == (7, 10, 4)
+    so2 = sched.schedule()  # in flight: up to 4 more tokens; room 12 - 1 - 4 = 7
+    assert so2.scheduled_spec_slots == {"a": 3}
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (14, 8)
+    sched.update_from_output(so1, out([8, 9], [2]))  # 2 drafts verified, 1 accepted
+    assert (req.num_tokens, req.num_computed_tokens, req.num_output_placeholders) == (9, 12, 4)
+    so3 = sched.schedule()  # room 12 - 3 - 4 = 5: 3 slots still
+    assert so3.scheduled_spec_slots == {"a": 3}
+    sched.update_from_output(so2, out([10]))  # no drafts at all (None: nothing verified)
+    assert (req.num_tokens, req.num_computed_tokens, req.num_output_placeholders) == (10, 13, 4)
+    so4 = sched.schedule()  # room 12 - 4 - 4 = 4: 3 slots
+    assert so4.scheduled_spec_slots == {"a": 3}
+    sched.update_from_output(so3, out([11, 12, 13, 14], [3]))  # all 3 accepted
+    assert (req.num_tokens, req.num_computed_tokens, req.num_output_placeholders) == (14, 17, 4)
+    so5 = sched.schedule()  # 8 outputs + 4 in flight = max_tokens: nothing scheduled
+    assert "a" not in so5.num_scheduled_tokens
+    s = sched.spec_stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 5, 4)
+    sched.update_from_output(so4, out([15, 16], [1]))
+    assert len(req.output_token_ids) == 10 and req.num_output_placeholders == 0
+    assert req.num_computed_tokens == req.num_tokens - 1
+    so6 = sched.schedule()  # 10 outputs, nothing in flight: room 2, one slot
+    assert so6.scheduled_spec_slots == {"a": 1} and so6.num_scheduled_tokens == {"a": 2}
+    done = sched.update_from_output(so6, out([17, 18], [1]))
+    assert done[0].finish_reason == "length" and sched.kv_cache_manager.num_used_blocks == 0
