@@ -245,14 +245,10 @@ class KVCacheManager:
         return (slot not in self._written_now
                 or num_blocks * self.block_size < request.num_tokens - 1)
 
-    def restore_written_now(self, request: Request, num_hit: int) -> bool:
-        """A prefix hit of `num_hit` tokens resumes from a state snapshot that this
-        schedule call writes (another request's chunk computes it this step)."""
-        if self.snapshots is None:
-            return False
-        hashes = request_block_hashes(request, self.block_size)
-        slot = self.snapshots.slot_of.get(self._snapshot_key(hashes, num_hit // self.block_size))
-        return slot is not None and slot in self._written_now
+    def restore_written_now(self, request: Request, num_hit: int) -> bool:  # its snapshot: now
+        return self.snapshots is not None and self.snapshots.slot_of.get(self._snapshot_key(
+            request_block_hashes(request, self.block_size), num_hit // self.block_size)) \
+            in self._written_now
 
     def _take_restore(self, request: Request, num_hit: int) -> None:
         hashes = request_block_hashes(request, self.block_size)
