@@ -349,3 +349,24 @@ def test_draft_slots_roll_back_exactly():
     assert so6.scheduled_spec_slots == {"a": 1} and so6.num_scheduled_tokens == {"a": 2}
     done = sched.update_from_output(so6, out([17, 18], [1]))
     assert done[0].finish_reason == "length" and sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_no_draft_slots_where_the_runner_gives_no_drafts():
+    """Requests whose logits processors leave them without drafts (penalties, min_tokens)
+    get no draft slots: their budget and KV blocks are not reserved for nothing."""
+    from tokenmill.core.sched_output import ModelRunnerOutput
+    from unit.test_scheduler import make_req, make_sched
+    sched = make_sched(budget=32)
+    sched.config.num_speculative_tokens, sched.config.async_scheduling = 3, True
+    reqs = [make_req("plain", 4), make_req("pen", 4, presence_penalty=0.5),
+            make_req("min", 4, min_tokens=2)]
+    for r in reqs:
+        sched.add_request(r)
+    so0 = sched.schedule()
+    so1 = sched.schedule()
+    assert so1.scheduled_spec_slots == {"plain": 3}
+    assert so1.num_scheduled_tokens == {"plain": 4, "pen": 1, "min": 1}
+    ids = list(so0.num_scheduled_tokens)
+    sched.update_from_output(so0, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
+                                                    [[7]] * 3))
+    assert [r.num_output_placeholders for r in reqs] == [4, 1, 1]

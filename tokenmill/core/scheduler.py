@@ -321,8 +321,10 @@ class Scheduler:
         Only the request's sampling token gets them, never so many that an
         all-accepted run, after every in-flight token, would pass max_tokens or
         max_model_len. A grammar request gets none: its bitmask is built from drafts
-        the scheduler would have to know."""
-        if num_new != 1 or req.structured_output is not None or req.pooling_params is not None:
+        the scheduler would have to know; nor one whose logits processors leave it
+        without drafts in the runner."""
+        if num_new != 1 or req.structured_output is not None or req.pooling_params is not None \
+                or req.sampling_params.needs_processors:
             return 0
         n = req.num_output_placeholders
         if req.num_computed_tokens + 1 < req.num_tokens + n:
