@@ -370,3 +370,25 @@ def test_no_draft_slots_where_the_runner_gives_no_drafts():
     sched.update_from_output(so0, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)},
                                                     [[7]] * 3))
     assert [r.num_output_placeholders for r in reqs] == [4, 1, 1]
+
+
+def test_async_stops_on_eos_inside_an_accepted_run(eos_model):
+    """The model's own EOS (from generation_config.json) emitted in the middle of a run
+    of accepted drafts (oracle drafts: HF's greedy tokens, which go on past the EOS):
+    the output ends at the EOS as HF's does, the run's later tokens and the step in
+    flight are dropped, nothing is held."""
+    from test_spec_decode import NGRAM
+    prompt, ref = list(eos_model.eos_prompt), list(eos_model.eos_ref)
+    llm = async_llm(eos_model.path, NGRAM)
+    oracle = Oracle({tuple(prompt): prompt + ref}, "all", eos_model.vocab_size)
+    install_oracle(llm, "ngram", oracle, NGRAM["num_speculative_tokens"])
+    seen = record_runner_verifications(llm)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0,
+                                                                     max_tokens=20),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:eos_model.eos_index + 1]
+    assert out.finish_reason == "stop"
+    eos_at = len(prompt) + eos_model.eos_index  # its position in the sequence
+    assert any(n <= eos_at < n + a for _, n, _, a in seen)  # accepted past the EOS
+    assert not oracle.errors, oracle.errors[:5]
+    assert_no_kept_drafts(llm)
