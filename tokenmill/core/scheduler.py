@@ -483,7 +483,7 @@ class Scheduler:
                 self._undo_share(req)
                 break
             if num_hit and budget == 1 < num_new and \
-                    self.kv_cache_manager.restore_written_now(req, num_hit):
+                    self.kv_cache_manager.hit_snapshot_written_now(req, num_hit):
                 # A one-token chunk runs with the decode rows, before the prompt row that
                 # writes the snapshot it would resume from: it waits for a larger budget.
                 self._undo_share(req)

@@ -1,8 +1,9 @@
 """The model runner's draft-verification concern: a step whose rows carry drafts is
 verified against the target's logits rows (greedy argmax, or the lossless rejection
 sampler with the grammar mask and processors applied), the acceptance counted, and a
-hybrid model's requests moved onto the state slot of their last accepted token. A
-mixin of `ModelRunner` (worker/model_runner.py)."""
+hybrid model's requests moved onto the state slot of their last accepted token; under
+async scheduling, the runner's own drafts put into the step's draft slots. A mixin of
+`ModelRunner` (worker/model_runner.py)."""
 from __future__ import annotations
 
 import dataclasses
