@@ -271,6 +271,13 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def needs_processors(self) -> bool:
+        """A logits processor acts on its rows (they read the tokens before each
+        position: such a request gets no drafts)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.min_tokens or self.has_penalties)
+
     def clone(self, **changes) -> "SamplingParams":
         """A copy with `changes` (user fields), checked again; the derived ones are not
         copied."""

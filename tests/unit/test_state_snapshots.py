@@ -203,3 +203,22 @@ def test_external_hit_takes_a_slot_to_load_and_restores_from_it():
     mgr.state_loads_done([KVLoad("a", 0, ids[:2], hashes[:2], [[0], [0]], slot,
                                  hashes[1], [0])], {ids[1]})
     assert not mgr.snapshots.has((0, hashes[1]))
+
+
+def test_scheduler_never_gives_a_one_token_chunk_a_snapshot_written_now():
+    """A hit on a snapshot the same schedule call writes, with one token of budget left:
+    that one-token chunk would run with the decode rows, before the row writing the
+    snapshot. The request waits for the next step (then the snapshot is written)."""
+    from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+    cfg = KVCacheConfig(40, [
+        KVCacheGroup(["attn"], FullAttentionSpec(BS, 1, 8, "float32")),
+        KVCacheGroup(["gdn"], MambaSpec(((4, 3), (2, 4, 4)), ("float32", "float32")))],
+        num_state_slots=4, num_state_snapshots=8)
+    sched = Scheduler(SchedulerConfig(4, 17, 64, True, True, state_snapshot_interval=8), cfg)
+    tokens = list(range(1, 17))
+    sched.add_request(make_req("a", tokens))
+    sched.add_request(make_req("b", tokens + [5, 6, 7]))  # hits 12: a's last snapshot
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 16} and not so.state_restores
+    so2 = sched.schedule()  # (async: a's step in flight) the snapshot is written by now
+    assert so2.num_scheduled_tokens["b"] == 19 - 12 and "b" in so2.state_restores

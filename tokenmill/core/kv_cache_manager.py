@@ -256,6 +256,11 @@ class KVCacheManager:
         return (slot not in self._written_now
                 or num_blocks * self.block_size < request.num_tokens - 1)
 
+    def hit_snapshot_written_now(self, request: Request, num_hit: int) -> bool:
+        return self.snapshots is not None and self.snapshots.slot_of.get(self._snapshot_key(
+            request_block_hashes(request, self.block_size), num_hit // self.block_size)) \
+            in self._written_now
+
     def _take_restore(self, request: Request, num_hit: int) -> None:
         hashes = request_block_hashes(request, self.block_size)
         slot = self.snapshots.get(self._snapshot_key(hashes, num_hit // self.block_size))

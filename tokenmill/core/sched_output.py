@@ -130,6 +130,11 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens scheduled after its last
     # token this step (they count in num_scheduled_tokens); absent: none.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Async scheduling with speculation: request id -> draft slots reserved after its
+    # decode token (counted in num_scheduled_tokens; the scheduler cannot know the
+    # drafts yet). The runner fills at most that many with the drafts it proposed
+    # after the step before, and runs only those: the count is an upper bound.
+    scheduled_spec_slots: dict[str, int] = field(default_factory=dict)
     # Multimodal: request id -> indices (into its mm_features) of the images the runner
     # encodes this step (each one's output is cached by its hash until freed), and the
     # hashes whose encoder outputs it drops before that.
@@ -203,6 +208,9 @@ class ModelRunnerOutput:
     # requests owning them sampled nothing this step; the scheduler recomputes them from
     # their first such block (vLLM's invalid_block_ids).
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Per request, the drafts it verified this step (None: no drafts in the step). With
+    # draft slots (async) fewer than were reserved: the acceptance counters read this.
+    num_draft_tokens: list[int] | None = None
     # Pooling: the vector (float32 [hidden]) of each embedding request whose prompt
     # completed this step; the scheduler finishes it with that as its output.
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)

@@ -40,6 +40,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Slots past a request's tokens that a draft model writes K/V into while proposing.
     num_lookahead_tokens: int = 0
+    # Async scheduling (set by the engine core): with speculation, a decode step
+    # reserves draft slots the runner fills with its own drafts (_num_spec_slots).
+    async_scheduling: bool = False
     # Multimodal: image tokens the encoder may take per step (vLLM's
     # max_num_encoder_input_tokens), and encoder output rows the runner may keep.
     max_num_encoder_input_tokens: int = 2048
@@ -309,6 +312,29 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens)
         return max(0, min(len(spec), budget - 1, room - 1))
 
+    def _num_spec_slots(self, req: Request, num_new: int, budget: int) -> int:
+        """Async scheduling: how many draft slots a decode step reserves. The step before
+        may still be in flight, so neither its drafts nor its acceptance are known here:
+        k slots are reserved (their KV blocks allocated, counted computed) and the
+        runner, which runs steps in order, fills up to that many with the drafts it
+        proposed after the step before (fewer, or none, is fine: an upper bound).
+        Only the request's sampling token gets them, never so many that an
+        all-accepted run, after every in-flight token, would pass max_tokens or
+        max_model_len. A grammar request gets none: its bitmask is built from drafts
+        the scheduler would have to know; nor one whose logits processors leave it
+        without drafts in the runner."""
+        if num_new != 1 or req.structured_output is not None or req.pooling_params is not None \
+                or req.sampling_params.needs_processors:
+            return 0
+        n = req.num_output_placeholders
+        if req.num_computed_tokens + 1 < req.num_tokens + n:
+            return 0  # a prompt token that samples nothing
+        if not n and not req.output_token_ids:
+            return 0  # its prompt's last token: nothing was proposed yet
+        room = min(req.sampling_params.max_tokens - len(req.output_token_ids) - n,
+                   self.config.max_model_len - req.num_tokens - n)
+        return max(0, min(self.config.num_speculative_tokens, budget - 1, room - 1))
+
     def _lookahead(self, req: Request, num_new: int) -> int:
         """Lookahead slots for a draft model, never past max_model_len."""
         n = self.config.num_lookahead_tokens
@@ -372,6 +398,7 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        spec_slots: dict[str, int] = {}
         encoder_budget = self.config.max_num_encoder_input_tokens
         encoder_inputs: dict[str, list[int]] = {}
 
@@ -392,7 +419,9 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            num_drafts = self._num_drafts(req, num_new, budget)
+            async_spec = self.config.async_scheduling and self.config.num_speculative_tokens
+            num_drafts = (self._num_spec_slots(req, num_new, budget) if async_spec
+                          else self._num_drafts(req, num_new, budget))
             num_new += num_drafts
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
@@ -410,7 +439,9 @@ class Scheduler:
                 encoder_budget = enc_budget
                 self._take_encoder_inputs(req, req.num_computed_tokens,
                                           req.num_computed_tokens + num_new, enc, encoder_inputs)
-            if num_drafts:
+            if num_drafts and async_spec:
+                spec_slots[req.request_id] = num_drafts
+            elif num_drafts:
                 spec_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
             req.spec_token_ids = []  # verified now, or stale after this step
             cached.req_ids.append(req.request_id)
@@ -449,6 +480,12 @@ class Scheduler:
             hit, num_hit, num_ext = self._lookup_prefix(req)
             num_new = req.num_tokens - req.num_computed_tokens - num_hit - num_ext
             if num_new > budget and not self.config.enable_chunked_prefill:
+                self._undo_share(req)
+                break
+            if num_hit and budget == 1 < num_new and \
+                    self.kv_cache_manager.hit_snapshot_written_now(req, num_hit):
+                # A one-token chunk runs with the decode rows, before the prompt row that
+                # writes the snapshot it would resume from: it waits for a larger budget.
                 self._undo_share(req)
                 break
             num_new = min(num_new, budget)
@@ -506,20 +543,21 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids, preempted_req_ids=preempted,
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=spec_tokens, scheduled_spec_slots=spec_slots,
             scheduled_encoder_inputs=encoder_inputs,
             free_encoder_hashes=self.encoder_cache.take_freed())
         self._finished_req_ids = set()
         # The tokens are now scheduled: count them as computed (vLLM V1 does the same).
         # A request whose chunk reaches its last token samples one: a placeholder until
-        # update_from_output appends it (at once when synchronous, a step later when async).
+        # update_from_output appends it (at once when synchronous, a step later when async);
+        # with d drafts (or draft slots) it may emit up to 1 + d: as many placeholders.
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
             if req.pooling_params is not None:
                 continue  # samples nothing: no placeholder, never scheduled past its prompt
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-                req.num_output_placeholders += 1
+                req.num_output_placeholders = req.num_computed_tokens - req.num_tokens + 1
         if self.connector is not None:  # the one field known only now; then out is final
             out = dataclasses.replace(
                 out, kv_connector_metadata=self.connector.build_connector_meta(out, self))
@@ -591,21 +629,30 @@ class Scheduler:
                       if logprobs is not None else None)
         prompt_logprobs = runner_output.prompt_logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        next_drafts = runner_output.spec_token_ids
+        spec_slots = scheduler_output.scheduled_spec_slots
+        # Async scheduling: the drafts come from the runner, which sends none here.
+        next_drafts = None if self.config.async_scheduling else runner_output.spec_token_ids
+        verified = runner_output.num_draft_tokens
         for rid, idx in runner_output.req_id_to_index.items():
             req = self.requests.get(rid)
             new_ids = runner_output.sampled_token_ids[idx]
             if req is None or req.is_finished or not new_ids:
                 continue
-            drafts = spec_scheduled.get(rid)
-            if drafts:
-                # The rejected drafts' KV slots hold garbage: they are simply written
-                # over later, as computed tokens roll back to the accepted length.
-                num_accepted = len(new_ids) - 1
-                req.num_computed_tokens -= len(drafts) - num_accepted
-                if self.spec_stats is not None:
-                    self.spec_stats.observe(len(drafts), num_accepted)
-            req.num_output_placeholders = max(0, req.num_output_placeholders - len(new_ids))
+            # The drafts (or draft slots) this step counted computed for the request.
+            num_slots = len(spec_scheduled.get(rid, ())) or spec_slots.get(rid, 0)
+            num_accepted = len(new_ids) - 1
+            if num_slots and req.status == RequestStatus.RUNNING:
+                # The rejected drafts' (and unused slots') KV hold garbage: they are simply
+                # written over later, as computed tokens roll back to the accepted length.
+                # (A request preempted meanwhile starts over from 0: nothing to roll back.)
+                req.num_computed_tokens -= num_slots - num_accepted
+            # (draft slots the runner had no drafts for were not verified)
+            num_verified = (verified[idx] if verified is not None
+                            else len(spec_scheduled.get(rid, ())))
+            if num_verified and self.spec_stats is not None:
+                self.spec_stats.observe(num_verified, num_accepted)
+            # The step's placeholders: 1 + its drafts (or slots), all resolved now.
+            req.num_output_placeholders = max(0, req.num_output_placeholders - 1 - num_slots)
             sp = req.sampling_params
             status = None
             appended = []

@@ -179,19 +179,22 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-def resolve_async(flag: bool | None, device, speculative_config=None) -> bool:
+def resolve_async(flag: bool | None, device, speculative_config=None,
+                  tensor_parallel_size: int = 1) -> bool:
     """Async scheduling pays where the forward runs beside the host (a GPU). On a CPU
     the worker thread's intra-op threads and the scheduling thread share the same
     cores: measured on the 2-core bench machine, throughput fell from 336 to 217
     tok/s and single stream from 66 to 45, so it is off there unless asked for.
 
-    With speculative decoding it is off: step N+1's drafts come from step N's
-    accepted tokens, and how many of N's drafts are accepted decides where N+1's
-    tokens go, so N+1 cannot be scheduled before N is sampled."""
-    if speculative_config is not None:
+    With speculative decoding the scheduler reserves draft slots it cannot fill (step
+    N's acceptance is unknown when N + 1 is scheduled) and the runner, which runs the
+    steps in order, fills them with its own drafts (Scheduler._num_spec_slots,
+    ModelRunner._fill_spec_slots). Under tensor parallelism only rank 0 proposes, so
+    the other ranks could not fill them: async is off there, with a warning."""
+    if speculative_config is not None and tensor_parallel_size > 1:
         if flag:
-            logger.warning("async scheduling is off with speculative decoding: the next "
-                           "step's drafts and positions depend on this step's accepted tokens")
+            logger.warning("async scheduling is off with speculative decoding under tensor "
+                           "parallelism: only rank 0 knows the drafts of the next step")
         return False
     if flag is not None:
         return bool(flag)
@@ -278,7 +281,8 @@ def build_engine_core(args: EngineArgs, setup: EngineSetup | None = None) -> Eng
     spec = args.speculative_config
     return EngineCore(setup.model_config, setup.cache_config, setup.scheduler_config,
                       async_scheduling=resolve_async(args.async_scheduling,
-                                                     setup.model_config.device, spec),
+                                                     setup.model_config.device, spec,
+                                                     args.tensor_parallel_size),
                       kv_connector_config=args.kv_connector, platform=setup.platform,
                       speculative_config=spec, structured_output=setup.structured_output(),
                       tensor_parallel_size=args.tensor_parallel_size)

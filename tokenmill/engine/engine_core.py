@@ -143,6 +143,8 @@ class EngineCore:
         # Prefix caching (None: on unless hybrid).
         scheduler_config.enable_prefix_caching = resolve_prefix_caching(
             scheduler_config.enable_prefix_caching, self.kv_cache_config)
+        # With speculation, async steps reserve draft slots the runner fills.
+        scheduler_config.async_scheduling = async_scheduling
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_config, self.kv_connector)
         # Grammars (tokenmill.structured_output), or None.
         self.structured_output = structured_output

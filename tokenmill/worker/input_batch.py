@@ -111,9 +111,7 @@ class InputBatch:
         self.repetition_penalty[row] = sp.repetition_penalty
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[row] = sp.min_tokens
-        self.needs_processors[row] = bool(
-            sp.logit_bias or sp.allowed_token_ids or sp.bad_words_token_ids
-            or sp.min_tokens or sp.has_penalties)
+        self.needs_processors[row] = sp.needs_processors
         self.has_grammar[row] = getattr(sp, "structured_outputs", None) is not None
         self.params[row] = sp
         if state.generator is not None:

@@ -84,6 +84,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # Hybrid models under speculation: per verifying request, the slot holding its
         # state after each of its step's tokens (StateSlots.write_slots).
         self._spec_write_slots: dict[str, list[int]] = {}
+        # The drafts proposed after the last step, per request, with the token count they
+        # follow: what an async step's draft slots are filled with (runner_spec.py).
+        self._next_drafts: dict[str, tuple[int, list[int]]] = {}
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None
@@ -184,6 +187,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._grammar = None
         self._step_hidden = self._step_meta = None
         self._spec_write_slots = {}
+        self._next_drafts = {}
         self._kv_invalid_block_ids = set()
         self._kv_save_pending = None  # (a failed step's blocks are not stored)
 
@@ -223,6 +227,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
             self._pooling_reqs.discard(rid)
+            self._next_drafts.pop(rid, None)
             if self.drafter is not None:
                 self.drafter.remove(rid)
             if self.state_slots is not None:
@@ -239,6 +244,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         if kv_meta is not None:  # external prefix hits: their reads start now
             self.kv_connector.start_load_kv(kv_meta)
         self._update_states(so)
+        if so.scheduled_spec_slots:  # async: the drafts are this runner's own
+            so = self._fill_spec_slots(so)
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
             return None

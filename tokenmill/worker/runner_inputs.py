@@ -92,13 +92,15 @@ class InputPrepMixin:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
             self._pooling_reqs.discard(rid)
+            self._next_drafts.pop(rid, None)
             batch.remove_request(rid)
             if self.drafter is not None:
                 self.drafter.remove(rid)
             if self.state_slots is not None:
                 self.state_slots.release(rid)
-        if self.state_slots is not None:
-            for rid in so.preempted_req_ids:  # resumed later from 0: a fresh state then
+        for rid in so.preempted_req_ids:
+            self._next_drafts.pop(rid, None)
+            if self.state_slots is not None:  # resumed later from 0: a fresh state then
                 self.state_slots.release(rid)
         # Preempted or simply not scheduled: out of the batch, state kept.
         if not batch.req_id_to_index.keys() <= so.num_scheduled_tokens.keys():
@@ -135,7 +137,10 @@ class InputPrepMixin:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+            # Never past the request's last token: with async speculation the scheduler
+            # counted the step before's draft slots computed before knowing how many were
+            # accepted; the tokens this runner kept say where the request really is.
+            state.num_computed_tokens = min(cached.num_computed_tokens[i], state.num_tokens - 1)
             new_blocks = cached.new_block_ids[i]
             resumed = cached.resumed_from_preemption[i]
             if resumed:

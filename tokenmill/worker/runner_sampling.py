@@ -166,8 +166,16 @@ class SamplingMixin:
             else:
                 spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
                                                       batch.num_tokens_no_spec[:n], eligible)
-        return ModelRunnerOutput(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
-                                 errored, spec_token_ids, self._kv_invalid_block_ids)
+            # Kept for an async step's draft slots (its scheduler never sees them).
+            for r, drafts in enumerate(spec_token_ids):
+                if drafts:
+                    self._next_drafts[req_ids[r]] = (int(batch.num_tokens_no_spec[r]), drafts)
+                else:
+                    self._next_drafts.pop(req_ids[r], None)
+        return ModelRunnerOutput(
+            req_ids, req_id_to_index, out, logprobs, prompt_logprobs, errored, spec_token_ids,
+            self._kv_invalid_block_ids,
+            step.num_drafts.tolist() if step.cu_num_logits is not None else None)
 
     def _emitted_logprobs(self, pending, tokens: np.ndarray,
                           num_emitted: np.ndarray) -> LogprobsLists:

@@ -1,19 +1,43 @@
 """The model runner's draft-verification concern: a step whose rows carry drafts is
 verified against the target's logits rows (greedy argmax, or the lossless rejection
 sampler with the grammar mask and processors applied), the acceptance counted, and a
-hybrid model's requests moved onto the state slot of their last accepted token. A
-mixin of `ModelRunner` (worker/model_runner.py)."""
+hybrid model's requests moved onto the state slot of their last accepted token; under
+async scheduling, the runner's own drafts put into the step's draft slots. A mixin of
+`ModelRunner` (worker/model_runner.py)."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 
+from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.sample.bitmask import apply_grammar_bitmask
 from tokenmill.sample.sampler import apply_processors
 from tokenmill.spec_decode.verify import verify_greedy
 
 
 class DraftVerifyMixin:
+    def _fill_spec_slots(self, so: SchedulerOutput) -> SchedulerOutput:
+        """Async scheduling: the step as this runner runs it. Each row with draft slots
+        takes the drafts proposed after its last step (kept in `_next_drafts`, valid
+        while the request still has the tokens they follow), at most as many as its
+        slots, and runs only its decode token and those: the slots past them are
+        reserved but never written. `so` itself is left as the scheduler made it."""
+        batch = self.input_batch
+        num_sched = dict(so.num_scheduled_tokens)
+        spec = dict(so.scheduled_spec_decode_tokens)
+        for rid, slots in so.scheduled_spec_slots.items():
+            num_sched[rid] -= slots
+            kept = self._next_drafts.pop(rid, None)
+            r = batch.req_id_to_index[rid]
+            if kept is not None and kept[0] == int(batch.num_tokens_no_spec[r]) and kept[1]:
+                spec[rid] = kept[1][:slots]
+                num_sched[rid] += len(spec[rid])
+        return dataclasses.replace(so, num_scheduled_tokens=num_sched,
+                                   total_num_scheduled_tokens=sum(num_sched.values()),
+                                   scheduled_spec_decode_tokens=spec, scheduled_spec_slots={})
+
     def _verify_drafts(self, logits, sampled, discard):
         """A step with drafts: verify each row's drafts against the target's rows.
 
