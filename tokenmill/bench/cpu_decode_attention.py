@@ -57,16 +57,16 @@ def _pool_blocks(block_bytes: int, call_bytes: int, pool_mib: int) -> int:
     return max(2 * call_bytes, pool_mib << 20) // block_bytes + 1
 
 
-def _time_calls(fns, iters: int, rounds: int) -> list[float]:
+def _time_calls(fns, iters: int, rounds: int, clock=time.perf_counter) -> list[float]:
     """Best mean seconds per call of each fn over `rounds` rounds of `iters` calls, the
     fns taking turns inside each round (interleaved: they share the machine's noise)."""
     best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(iters):
                 fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / iters)
+            best[i] = min(best[i], (clock() - start) / iters)
     return best
 
 
@@ -156,14 +156,25 @@ def _setup(case: dict, args, pools: dict):
 
 def run(args) -> dict:
     from tokenmill import kernels
-    from tokenmill.bench.decode_read import measure_read_bandwidth
+    from tokenmill.bench.decode_read import READ_PROBE_BYTES, measure_read_bandwidth
     level = args.level or kernels.cpu_capability()
     ops = kernels.cpu_ops(level)
     if ops is None:
         raise SystemExit("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
     base = _prebuilt(level) if args.compare_prebuilt else None
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    clock = time.perf_counter
+    if args.clock == "thread":  # CPU time of this thread: one thread runs the kernel here
+        if torch.get_num_threads() != 1:
+            raise SystemExit("--clock thread needs --threads 1 (the kernel on this thread)")
+        clock = time.thread_time
     bandwidth = measure_read_bandwidth()
+    if args.clock == "thread":  # the same probe (fp32 max over 256 MiB) on the same clock
+        x = torch.ones(READ_PROBE_BYTES // 4)
+        x.amax()
+        best = min(_time_calls([x.amax], 1, 7, clock))
+        bandwidth["probes"]["torch amax fp32, thread time"] = READ_PROBE_BYTES / best / 1e9
+        bandwidth["gbps"] = max(bandwidth["probes"].values())
     gbps = bandwidth["gbps"]
     print(f"level {level}, {torch.get_num_threads()} threads, streaming reads {gbps:.1f} GB/s "
           f"(best of: {', '.join(f'{k} {v:.1f}' for k, v in bandwidth['probes'].items())})",
@@ -178,7 +189,7 @@ def run(args) -> dict:
         for fn in fns:
             fn()  # first touch
         iters = _iters_for(call_bytes, gbps, args.target_ms / 1e3)
-        times = _time_calls(fns, iters, args.rounds)
+        times = _time_calls(fns, iters, args.rounds, clock)
         bound = call_bytes / (gbps * 1e9)
         row = dict(case, kv_bytes=call_bytes, seconds=times[0], vs_bound=times[0] / bound,
                    gbps=call_bytes / times[0] / 1e9)
@@ -214,6 +225,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--level", default=None, help="kernel level (default: the chosen one)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--clock", default="wall", choices=("wall", "thread"),
+                   help="thread: the CPU time of the (one) kernel thread, for a machine "
+                        "shared with other work (time descheduled does not count)")
     p.add_argument("--compare-prebuilt", action="store_true")
     p.add_argument("--pool-mib", type=int, default=256)
     p.add_argument("--max-kv-mib", type=int, default=1024)
