@@ -18,8 +18,8 @@ FEW = [(0, 1), (33, 1)]
 MANY = [(c, 1) for c in (0, 1, 31, 32, 47, 100, 257, 5, 64, 15, 130)]
 
 
-def _decode(ops, q, cache, table, seq_lens, scale, window=None, softcap=None):
-    return ops.paged_decode(q, cache, table, seq_lens, scale, window or 0, softcap or 0.0)
+def _decode(module, q, cache, table, seq_lens, scale, window=None, softcap=None):
+    return module.paged_decode(q, cache, table, seq_lens, scale, window or 0, softcap or 0.0)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 96, 80])
