@@ -8,6 +8,17 @@ Batch 1 takes split-K on a GPU (one program per KV head cannot fill it), larger
 batches the single pass. The calls are replayed from a CUDA graph, as a decode step
 runs them. Off CUDA it runs the kernels in Triton's interpreter
 (TRITON_INTERPRET=1 set before triton is imported): only to check it runs.
+
+`--kernel native` times the CPU's native decode kernels instead (tokenmill.kernels:
+paged_decode, and mla_decode with `--mla-heads`) over a sweep of batch x context x
+head size x GQA ratio x cache dtype (bf16, fp32, fp8), each call against the time its
+K/V bytes take at the streaming read bandwidth measured in the same run
+(decode_read.measure_read_bandwidth): `vs_bound` = seconds / (bytes / bandwidth), 1.0
+being a call that does nothing but stream its K/V once. Each call reads K/V the cache
+has not just read (the block tables rotate over a pool of at least --pool-mib), so
+small cases are not served from the last-level cache. `--compare-prebuilt` also times
+the level's prebuilt module (the kernels as installed, e.g. before a source edit that
+the loader compiled) interleaved with the current one, on the same inputs.
 """
 from __future__ import annotations
 
@@ -71,7 +82,17 @@ def time_decode(ta, device, dtype, batch: int, context: int, hq: int, hkv: int, 
 
 
 def main(argv=None) -> int:
+    import sys
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--kernel", default="triton", choices=("triton", "native"))
+    known, rest = pick.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.kernel == "native":  # the CPU's native kernels (cpu_decode_attention.py)
+        from tokenmill.bench import cpu_decode_attention
+        return cpu_decode_attention.main(rest)
+    argv = rest
     p = argparse.ArgumentParser(prog="python -m tokenmill.bench.attention_kernels")
+    p.add_argument("--kernel", default="triton", choices=("triton", "native"),
+                   help="native: the CPU native kernels' sweep (see --kernel native --help)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--heads", default="64,96,128,256,512",

@@ -76,7 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
   m.attr("vector_lanes") = tmvec::Vec::W;  // fp32 lanes of the kernels' vectors
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
-  // paged_prefill over a bf16 cache: both products on vdpbf16ps (cpu_paged_prefill.cpp)
+  // paged_prefill and paged_decode over a bf16 cache: both products on vdpbf16ps
+  // (cpu_paged_prefill.cpp, cpu_paged_attention.cpp)
   m.attr("has_bf16_dot") = true;
 #else
   m.attr("has_bf16_dot") = false;

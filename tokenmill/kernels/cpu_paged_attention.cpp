@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -198,13 +199,13 @@ inline void softmax_row(float* s, int64_t len) {
 
 // Ask for the lines of heads [h0, h0 + nh) of n tokens from p (the same heads of
 // the next block) while this block is computed: blocks are scattered, so the
-// hardware prefetcher cannot guess the next one.
+// hardware prefetcher cannot guess the next one. Into L2: see attend_bf16.
 template <typename T>
 inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems) {
   const auto* b = reinterpret_cast<const char*>(p);
   const int64_t bytes = elems * static_cast<int64_t>(sizeof(T));
   for (int64_t o = 0; o < n; ++o, b += s_tok * static_cast<int64_t>(sizeof(T)))
-    for (int64_t off = 0; off < bytes; off += 64) tmvec::prefetch(b + off);
+    for (int64_t off = 0; off < bytes; off += 64) tmvec::prefetch_l2(b + off);
 }
 
 // Row r, kv heads [h0, h1), g query heads per kv head, head_dim d (= NV * W when
@@ -257,6 +258,219 @@ void attend_any_d(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int
   attend<0>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
 }
 
+// ---------------------------------------------------------------- vdpbf16ps (avx512_bf16)
+// bf16 queries over a bf16 cache at a level with AVX512-BF16 take both products on
+// vdpbf16ps (fp32 sums of bf16 pair products) instead of widening every K/V element:
+// q . k pairs adjacent head-dim elements, which is how both rows are stored (no
+// shuffle: the K row is the instruction's operand as loaded), and the products of two
+// bf16 are exact in fp32, summed in fp32 as the widened path does (the scale multiplies
+// the sums). p . v pairs adjacent tokens: two V rows interleaved (unpack within 128-bit
+// lanes; the accumulators keep that lane order and are put back in order once per row)
+// against the weights rounded to bf16 (RNE: relative error <= 2^-8 each), so an output
+// moves by at most 2^-8 * sum_t p_t |v_t| (<= 2^-8 max |v|) beyond the widened path's
+// error, the bound of paged_prefill's bf16 path. Head sizes that are a multiple of 32
+// (one 512-bit register of bf16) take it; others, and fp32 / fp16 / fp8 caches, keep
+// the widening path (fp32 models keep their exact fp32 products).
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+constexpr int kChunk = 32;  // tokens per step (16 pairs; one rounding of 32 weights)
+using bf16 = c10::BFloat16;
+
+// The sums of four accumulators' lanes: [sum a, sum b, sum c, sum d] (a transposing
+// tree: 14 instructions for four sums instead of 8 each).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // 256-bit halves: lanes 0-7 hold a's partials, 8-15 b's (and c's, d's)
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // 128-bit lanes: lane 0 a's 4 partials, 1 b's, 2 c's, 3 d's
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
+}
+
+// s[j * ld + t] = scale * q_j . k_t for G query heads (bf16 rows of d, d apart) and the
+// TT (4 or 1) keys rows[t] + off.
+template <int G, int TT>
+inline void scores_bf16(const bf16* q, int64_t d, const bf16* const* rows, int64_t off,
+                        float scale, float* s, int64_t ld) {
+  __m512 acc[G][TT];
+  for (int j = 0; j < G; ++j)
+    for (int t = 0; t < TT; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; x += 32) {
+    __m512bh k[TT];
+    for (int t = 0; t < TT; ++t) k[t] = (__m512bh)_mm512_loadu_si512(rows[t] + off + x);
+    for (int j = 0; j < G; ++j) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + j * d + x);
+      for (int t = 0; t < TT; ++t) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qv, k[t]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    if constexpr (TT == 4) {
+      const __m128 r = reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+      _mm_storeu_ps(s + j * ld, _mm_mul_ps(r, _mm_set1_ps(scale)));
+    } else {
+      s[j * ld] = scale * _mm512_reduce_add_ps(acc[j][0]);
+    }
+  }
+}
+
+template <int G>
+inline void scores_rows_bf16(const bf16* q, int64_t d, const bf16* const* rows, int64_t off,
+                             int n, float scale, float* s, int64_t ld) {
+  int t = 0;
+  for (; t + 4 <= n; t += 4) scores_bf16<G, 4>(q, d, rows + t, off, scale, s + t, ld);
+  for (; t < n; ++t) scores_bf16<G, 1>(q, d, rows + t, off, scale, s + t, ld);
+}
+
+// out_j's chunks [x0, x0 + XT) of 32 (fp32, pair lane order) += sum over the pairs u of
+// p2_j[u] . (v_{2u}, v_{2u+1}): rows[2u] + off and rows[2u + 1] + off, bf16 rows.
+template <int G, int XT>
+inline void values_bf16(const uint32_t* p2, int64_t ldp, const bf16* const* rows, int64_t off,
+                        int npairs, int64_t x0, float* out, int64_t d) {
+  __m512 acc[G][2 * XT];
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < 2 * XT; ++x) acc[j][x] = _mm512_loadu_ps(out + j * d + x0 * 32 + x * 16);
+  for (int u = 0; u < npairs; ++u) {
+    __m512bh pv[G];
+    for (int j = 0; j < G; ++j)
+      pv[j] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p2[j * ldp + u]));
+    const bf16* a = rows[2 * u] + off + x0 * 32;
+    const bf16* b = rows[2 * u + 1] + off + x0 * 32;
+    for (int x = 0; x < XT; ++x) {
+      const __m512i va = _mm512_loadu_si512(a + x * 32), vb = _mm512_loadu_si512(b + x * 32);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+      for (int j = 0; j < G; ++j) {
+        acc[j][2 * x] = _mm512_dpbf16_ps(acc[j][2 * x], pv[j], lo);
+        acc[j][2 * x + 1] = _mm512_dpbf16_ps(acc[j][2 * x + 1], pv[j], hi);
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int x = 0; x < 2 * XT; ++x) _mm512_storeu_ps(out + j * d + x0 * 32 + x * 16, acc[j][x]);
+}
+
+template <int G>
+inline void values_rows_bf16(const uint32_t* p2, int64_t ldp, const bf16* const* rows,
+                             int64_t off, int npairs, float* out, int64_t d) {
+  const int64_t nv = d / 32;
+  constexpr int XT = G >= 4 ? 2 : 4;  // 2 * G * XT accumulators: 16 registers
+  int64_t x0 = 0;
+  for (; x0 + XT <= nv; x0 += XT) values_bf16<G, XT>(p2, ldp, rows, off, npairs, x0, out, d);
+  for (; x0 < nv; ++x0) values_bf16<G, 1>(p2, ldp, rows, off, npairs, x0, out, d);
+}
+
+// A row of d floats in pair lane order (per 32: the low 16 lanes hold elements 0-3,
+// 8-11, 16-19, 24-27, the high ones 4-7, 12-15, ...) narrowed to bf16 in order.
+inline void unpair_row(const float* src, int64_t d, bf16* dst) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                           29, 30, 31);
+  for (int64_t x = 0; x < d; x += 32) {
+    const __m512 lo = _mm512_loadu_ps(src + x), hi = _mm512_loadu_ps(src + x + 16);
+    Vec(_mm512_permutex2var_ps(lo, first, hi)).store(dst + x);
+    Vec(_mm512_permutex2var_ps(lo, second, hi)).store(dst + x + 16);
+  }
+}
+
+// Per-thread scratch of the pair path.
+struct PairScratch {
+  std::vector<float> scores, out;
+  std::vector<uint32_t> p2;
+  std::vector<bf16> zeros;  // the partner row of an odd count's last token
+};
+
+// Row r's kv heads [h0, h1) (g query heads each, head_dim d a multiple of 32) over
+// its tokens [first, len), as attend() but on vdpbf16ps: q / o hold those heads'
+// (h1 - h0) * g bf16 query / output rows. Tokens go in chunks of kChunk, whose row
+// pointers (head h0 of each token) are looked up once; the next chunk is prefetched.
+inline void attend_bf16(const bf16* q, const Cache<bf16>& c, int64_t r, int64_t h0, int64_t h1,
+                        int64_t g, int64_t d, int64_t first, int64_t len, float scale,
+                        float softcap, PairScratch& w, bf16* o) {
+  const int64_t nh = h1 - h0, span = len - first, rows = nh * g;
+  const int64_t sp = (span + kChunk - 1) / kChunk * kChunk;  // a row of scores, padded
+  const int64_t head_elems = (nh - 1) * c.s_head + d;
+  w.scores.resize(rows * sp);
+  w.p2.resize(rows * sp / 2);
+  w.out.assign(rows * d, 0.f);
+  if (static_cast<int64_t>(w.zeros.size()) < head_elems) w.zeros.assign(head_elems, bf16(0.f));
+  const bf16 *cur[kChunk], *next[kChunk];
+  auto lookup = [&](int64_t c0, bool value, const bf16** ptr) {
+    const int64_t n = std::min<int64_t>(kChunk, len - c0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = c0 + t;
+      ptr[t] = c.at(r, pos / c.bs, h0, value) + (pos % c.bs) * c.s_tok;
+    }
+    for (int64_t t = n; t < kChunk; ++t) ptr[t] = w.zeros.data();
+    return static_cast<int>(n);
+  };
+  // Into L2 (not L1): a burst of L1 prefetches stalls on the few L1 miss buffers,
+  // while L2 holds more misses in flight (measured: 1.3-1.5x the K/V read rate).
+  auto prefetch = [&](const bf16* const* ptr, int n) {
+    for (int t = 0; t < n; ++t) {
+      const auto* b = reinterpret_cast<const char*>(ptr[t]);
+      for (int64_t off = 0; off < head_elems * 2; off += 64) tmvec::prefetch_l2(b + off);
+    }
+  };
+  for (int phase = 0; phase < 2; ++phase) {
+    const bool value = phase == 1;
+    if (value) {
+      for (int64_t i = 0; i < rows; ++i) {
+        float* s = w.scores.data() + i * sp;
+        if (softcap > 0.f) {  // Gemma 2/3: scores become cap * tanh(scores / cap)
+          const float inv = 1.f / softcap;
+          for (int64_t t = 0; t < span; ++t) s[t] = softcap * std::tanh(s[t] * inv);
+        }
+        softmax_row(s, span);
+        std::fill(s + span, s + sp, 0.f);  // padding tokens weigh nothing
+        uint32_t* p2 = w.p2.data() + i * sp / 2;
+        for (int64_t t = 0; t < sp; t += 32) {
+          const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+          _mm512_storeu_si512(p2 + t / 2, (__m512i)b);
+        }
+      }
+    }
+    int n = lookup(first, value, cur);
+    for (int64_t c0 = first; c0 < len; c0 += kChunk) {
+      const int64_t c1 = c0 + kChunk;
+      const int n1 = c1 < len ? lookup(c1, value, next) : 0;
+      prefetch(next, n1);
+      const int64_t col = c0 - first;
+      for (int64_t i = 0; i < nh; ++i) {
+        const int64_t off = i * c.s_head;
+        for (int64_t j = 0; j < g;) {
+          const int64_t row = i * g + j, left = g - j;
+          const int G = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+          if (value) {
+            const uint32_t* p2 = w.p2.data() + row * sp / 2 + col / 2;
+            float* out = w.out.data() + row * d;
+            const int np = (n + 1) / 2;
+            if (G == 4) values_rows_bf16<4>(p2, sp / 2, cur, off, np, out, d);
+            else if (G == 2) values_rows_bf16<2>(p2, sp / 2, cur, off, np, out, d);
+            else values_rows_bf16<1>(p2, sp / 2, cur, off, np, out, d);
+          } else {
+            const bf16* qj = q + row * d;
+            float* s = w.scores.data() + row * sp + col;
+            if (G == 4) scores_rows_bf16<4>(qj, d, cur, off, n, scale, s, sp);
+            else if (G == 2) scores_rows_bf16<2>(qj, d, cur, off, n, scale, s, sp);
+            else scores_rows_bf16<1>(qj, d, cur, off, n, scale, s, sp);
+          }
+          j += G;
+        }
+      }
+      std::copy(next, next + kChunk, cur);
+      n = n1;
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) unpair_row(w.out.data() + i * d, d, o + i * d);
+}
+#else
+constexpr bool kHasBf16Dot = false;
+struct PairScratch {};
+#endif
+
 // dst[i] = src[i] * scale in fp32, and back (rounded as a c10 cast rounds).
 template <typename T>
 inline void widen_scaled(const T* src, float* dst, int64_t n, float scale) {
@@ -284,14 +498,28 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
   // block visited once); else one per (row, kv head). The results are the same.
   const int64_t heads = nd >= 4 * at::get_num_threads() ? hkv : 1;
   const int64_t jobs_per_row = hkv / heads, width = heads * g * d;
+  // bf16 queries over a bf16 cache: vdpbf16ps where the level has it (see above).
+  constexpr bool pairs_type = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                              std::is_same_v<C, c10::BFloat16>;
+  const bool pairs = pairs_type && d % 32 == 0;
   at::parallel_for(0, nd * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(width), acc(width), scores;
+    std::vector<float> qf(pairs ? 0 : width), acc(pairs ? 0 : width), scores;
+    PairScratch pw;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / jobs_per_row, h0 = job % jobs_per_row * heads;
       const int64_t len = seq_lens[r];
       // A sliding window sees the last `window` positions, its own included.
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t q_off = (r * hq + h0 * g) * d;
+      if constexpr (pairs_type) {
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+        if (pairs) {
+          attend_bf16(q + q_off, c, r, h0, h0 + heads, g, d, first, len, scale, softcap, pw,
+                      out + q_off);
+          continue;
+        }
+#endif
+      }
       scores.resize(heads * g * (len - first));
       widen_scaled(q + q_off, qf.data(), width, scale);
       attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, softcap, scores.data(),
