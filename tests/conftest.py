@@ -384,6 +384,29 @@ def scheduler_of(llm):
     return llm.llm_engine.engine_core.scheduler
 
 
+def record_model_drafts(runner, strict: bool = False) -> dict[tuple, list[int]]:
+    """Every draft-model proposal of the runner from now on: (prompt, position of the
+    request's last token) -> drafts. `strict`: a request proposing twice from one
+    position (recomputed after preemption) must propose the same."""
+    drafter = runner.drafter
+    seen, inner = {}, drafter.propose_with_model
+
+    def propose_with_model(*args, **kw):
+        out = inner(*args, **kw)
+        batch = runner.input_batch
+        for r, d in enumerate(out):
+            if d:
+                rid = batch.req_ids[r]
+                key = (tuple(runner.requests[rid].prompt_token_ids),
+                       int(batch.num_tokens_no_spec[r]) - 1)
+                if strict:
+                    assert seen.setdefault(key, list(d)) == list(d), key
+                seen[key] = list(d)
+        return out
+    drafter.propose_with_model = propose_with_model
+    return seen
+
+
 def runner_of(llm):
     return llm.llm_engine.engine_core.runner
 

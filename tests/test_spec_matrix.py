@@ -49,7 +49,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import build_checkpoint, make_llm, runner_of, scheduler_of
+from conftest import build_checkpoint, make_llm, record_model_drafts, runner_of, scheduler_of
 from tokenmill import SamplingParams
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
@@ -373,25 +373,8 @@ def test_oracle_acceptance_on_the_hybrid_target(hybrid_setups, method, pattern):
 # ---- DFlash drafts after a prefix-cache hit ----------------------------------------------------
 
 def _record_drafts(llm) -> dict[tuple, list[int]]:
-    """Every model proposal of the run: (prompt, position of the block's first token)
-    -> drafts. A request drafting twice from one position (recomputed after
-    preemption) must draft the same."""
-    runner = runner_of(llm)
-    drafter = runner.drafter
-    seen, inner = {}, drafter.propose_with_model
-
-    def propose_with_model(*args, **kw):
-        out = inner(*args, **kw)
-        batch = runner.input_batch
-        for r, d in enumerate(out):
-            if d:
-                rid = batch.req_ids[r]
-                key = (tuple(runner.requests[rid].prompt_token_ids),
-                       int(batch.num_tokens_no_spec[r]) - 1)
-                assert seen.setdefault(key, list(d)) == list(d), key
-        return out
-    drafter.propose_with_model = propose_with_model
-    return seen
+    """Every model proposal of the run (conftest.record_model_drafts, strict)."""
+    return record_model_drafts(runner_of(llm), strict=True)
 
 
 @pytest.mark.parametrize("config", ["plain", "chunked"])

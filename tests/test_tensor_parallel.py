@@ -19,7 +19,8 @@ import threading
 
 import pytest
 
-from conftest import MODEL_SPECS, build_checkpoint, make_llm, make_prompts, runner_of, scheduler_of
+from conftest import (MODEL_SPECS, build_checkpoint, make_llm, make_prompts,
+                      record_model_drafts, runner_of, scheduler_of)
 from tokenmill import SamplingParams
 from tokenmill.errors import EngineDeadError
 
@@ -271,24 +272,6 @@ def _with_mtp_head(path: str, root) -> str:
     return out
 
 
-def _record_drafts(runner) -> dict[tuple, list[int]]:
-    """The drafter's proposals: (prompt, position of the request's last token) -> drafts."""
-    drafter = runner.drafter
-    seen, inner = {}, drafter.propose_with_model
-
-    def propose_with_model(*args, **kw):
-        out = inner(*args, **kw)
-        batch = runner.input_batch
-        for r, d in enumerate(out):
-            if d:
-                rid = batch.req_ids[r]
-                seen[(tuple(runner.requests[rid].prompt_token_ids),
-                      int(batch.num_tokens_no_spec[r]) - 1)] = list(d)
-        return out
-    drafter.propose_with_model = propose_with_model
-    return seen
-
-
 class _Rank0:
     """An LLM stand-in whose runner is rank 0's (test_spec_oracle.install_oracle)."""
 
@@ -329,7 +312,7 @@ def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method
     ref = run(make_llm(path, **engine))
     spec = _draft_spec(path, method, tmp_path)
     tp1 = make_llm(path, speculative_config=spec, **engine)
-    tp1_drafts = _record_drafts(runner_of(tp1))
+    tp1_drafts = record_model_drafts(runner_of(tp1))
     tp1_out = run(tp1)
     llm = make_llm(path, tensor_parallel_size=2, speculative_config=spec, **engine)
     procs = _workers(llm)
@@ -344,7 +327,7 @@ def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method
                     + list(o.outputs[0].token_ids) for o in ref}
             oracle = Oracle(seqs, "partial", 384)
             install_oracle(_Rank0(llm), method, oracle, 3)
-        tp2_drafts = _record_drafts(rank0)
+        tp2_drafts = record_model_drafts(rank0)
         got = run(llm)
         for g, w, t in zip(got, ref, tp1_out):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids == t.outputs[0].token_ids
