@@ -121,10 +121,13 @@ def test_async_ngram_on_loops_equals_hf_and_sync(llama_tiny):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = make_llm(llama_tiny.path).generate(inputs, params, use_tqdm=False)
-    sync = make_llm(llama_tiny.path, speculative_config=NGRAM).generate(inputs, params,
-                                                                        use_tqdm=False)
+    sync_llm = make_llm(llama_tiny.path, speculative_config=NGRAM)
+    sync = sync_llm.generate(inputs, params, use_tqdm=False)
+    # (synchronous steps take their drafts from the scheduler: the runner keeps none)
+    assert not runner_of(sync_llm).keep_own_drafts
     llm = async_llm(llama_tiny.path, NGRAM)
     core = llm.llm_engine.engine_core
+    assert core.runner.keep_own_drafts
     launched_while_in_flight, inner = [], core.runner.execute_model
 
     def execute_model(so):  # (on the worker thread: the step before is collected or not)

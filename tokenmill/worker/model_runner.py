@@ -87,6 +87,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # The drafts proposed after the last step, per request, with the token count they
         # follow: what an async step's draft slots are filled with (runner_spec.py).
         self._next_drafts: dict[str, tuple[int, list[int]]] = {}
+        # Set by the engine core under async scheduling with speculation (synchronous
+        # steps get their drafts from the scheduler: nothing to keep).
+        self.keep_own_drafts = False
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None

@@ -166,12 +166,13 @@ class SamplingMixin:
             else:
                 spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
                                                       batch.num_tokens_no_spec[:n], eligible)
-            # Kept for an async step's draft slots (its scheduler never sees them).
-            for r, drafts in enumerate(spec_token_ids):
-                if drafts:
-                    self._next_drafts[req_ids[r]] = (int(batch.num_tokens_no_spec[r]), drafts)
-                else:
-                    self._next_drafts.pop(req_ids[r], None)
+            if self.keep_own_drafts:  # for an async step's draft slots (the scheduler
+                for r, drafts in enumerate(spec_token_ids):  # never sees them)
+                    if drafts:
+                        self._next_drafts[req_ids[r]] = (int(batch.num_tokens_no_spec[r]),
+                                                         drafts)
+                    else:
+                        self._next_drafts.pop(req_ids[r], None)
         return ModelRunnerOutput(
             req_ids, req_id_to_index, out, logprobs, prompt_logprobs, errored, spec_token_ids,
             self._kv_invalid_block_ids,
