@@ -47,18 +47,15 @@ class AttentionMetadataBuilder:
         bs = table.block_size
         return self._slots(table, table.block_table[req_rows, positions // bs], positions, 0)
 
-    def decodes(self, table, rows: np.ndarray, positions: np.ndarray,
-                seq_lens: np.ndarray | None = None) -> AttentionMetadata:
+    def decodes(self, table, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         """One decode query per batch row rows[i], at positions[i] (its K/V written there,
-        the cache up to it read; with `seq_lens`, up to seq_lens[i] - 1: a DFlash block's
-        rows all read to the block's end)."""
+        the cache up to it read)."""
         bs = table.block_size
         meta = self._slots(table, table.block_table[rows, positions // bs], positions,
                            rows.size)
-        lens = positions + 1 if seq_lens is None else seq_lens
-        nb = (int(lens.max()) - 1) // bs + 1
+        nb = int(positions.max()) // bs + 1
         meta.decode_block_table = self._tensor(table.block_table[rows, :nb].copy())
-        meta.decode_seq_lens = self._tensor(lens.astype(np.int32))
+        meta.decode_seq_lens = self._tensor((positions + 1).astype(np.int32))
         return meta
 
     def step(self, table, window: int | None, req_indices: np.ndarray, positions: np.ndarray,
