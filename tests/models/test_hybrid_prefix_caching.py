@@ -54,7 +54,7 @@ def stats(llm) -> dict:
 
 def assert_nothing_leaked(llm):
     kvm = scheduler_of(llm).kv_cache_manager
-    assert kvm.num_used_blocks == 0 and kvm.req_to_blocks == {}
+    assert kvm.num_used_blocks == 0 and kvm.req_to_blocks == {} and kvm._match_end == {}
     slots = runner_of(llm).state_slots
     assert not slots.slot_of and slots.num_free == slots.num_slots
     snaps = kvm.snapshots
