@@ -286,22 +286,6 @@ def test_async_hybrid_prefix_caching(targets, spec_configs, method):
     assert_no_kept_drafts(llm)
 
 
-# ---- where async stays off ---------------------------------------------------------------------
-
-def test_async_with_speculation_is_off_only_under_tensor_parallelism(caplog):
-    import torch
-
-    from tokenmill.engine.engine_args import resolve_async
-    from tokenmill.spec_decode.config import SpeculativeConfig
-    spec = SpeculativeConfig(method="ngram")
-    cpu = torch.device("cpu")
-    assert resolve_async(True, cpu, spec)
-    assert not resolve_async(None, cpu, spec)  # (off on the CPU unless asked, as without)
-    assert resolve_async(None, torch.device("cuda"), spec)
-    assert not resolve_async(True, cpu, spec, tensor_parallel_size=2)
-    assert "only rank 0 knows the drafts" in caplog.text
-
-
 # ---- the scheduler's bookkeeping, step by step -----------------------------------------------
 
 def test_draft_slots_roll_back_exactly():

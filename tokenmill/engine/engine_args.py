@@ -179,8 +179,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-def resolve_async(flag: bool | None, device, speculative_config=None,
-                  tensor_parallel_size: int = 1) -> bool:
+def resolve_async(flag: bool | None, device) -> bool:
     """Async scheduling pays where the forward runs beside the host (a GPU). On a CPU
     the worker thread's intra-op threads and the scheduling thread share the same
     cores: measured on the 2-core bench machine, throughput fell from 336 to 217
@@ -189,13 +188,9 @@ def resolve_async(flag: bool | None, device, speculative_config=None,
     With speculative decoding the scheduler reserves draft slots it cannot fill (step
     N's acceptance is unknown when N + 1 is scheduled) and the runner, which runs the
     steps in order, fills them with its own drafts (Scheduler._num_spec_slots,
-    ModelRunner._fill_spec_slots). Under tensor parallelism only rank 0 proposes, so
-    the other ranks could not fill them: async is off there, with a warning."""
-    if speculative_config is not None and tensor_parallel_size > 1:
-        if flag:
-            logger.warning("async scheduling is off with speculative decoding under tensor "
-                           "parallelism: only rank 0 knows the drafts of the next step")
-        return False
+    ModelRunner._fill_spec_slots). Under tensor parallelism only rank 0 proposes: it
+    sends its drafts to the other ranks with each step's sampled tokens
+    (executor/multiproc_tp.py), so every rank fills the slots alike."""
     if flag is not None:
         return bool(flag)
     return getattr(device, "type", str(device)) == "cuda"
@@ -281,8 +276,7 @@ def build_engine_core(args: EngineArgs, setup: EngineSetup | None = None) -> Eng
     spec = args.speculative_config
     return EngineCore(setup.model_config, setup.cache_config, setup.scheduler_config,
                       async_scheduling=resolve_async(args.async_scheduling,
-                                                     setup.model_config.device, spec,
-                                                     args.tensor_parallel_size),
+                                                     setup.model_config.device),
                       kv_connector_config=args.kv_connector, platform=setup.platform,
                       speculative_config=spec, structured_output=setup.structured_output(),
                       tensor_parallel_size=args.tensor_parallel_size)

@@ -145,7 +145,7 @@ class EngineCore:
             scheduler_config.enable_prefix_caching, self.kv_cache_config)
         # With speculation, async steps reserve draft slots the runner fills.
         scheduler_config.async_scheduling = async_scheduling
-        if async_scheduling and speculative_config is not None:  # (never with TP: one rank)
+        if async_scheduling and speculative_config is not None:  # (TP: rank 0 sends them)
             self.runner.keep_own_drafts = True
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_config, self.kv_connector)
         # Grammars (tokenmill.structured_output), or None.

@@ -47,9 +47,15 @@ STARTUP_TIMEOUT_S = 600.0
 
 @dataclasses.dataclass(frozen=True)
 class SampledTokens:
-    """What rank 0 sampled: the other ranks' batches need it as the next step's input."""
+    """What rank 0 sampled: the other ranks' batches need it as the next step's input.
+    Under async scheduling with speculation, also the drafts rank 0 keeps for each row's
+    next step (ModelRunner._next_drafts: the token count they follow, then the drafts;
+    [] for none): the next step's draft slots are filled from them on every rank, so
+    all ranks run the same tokens (ModelRunner._fill_spec_slots)."""
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    next_draft_bases: list[int] | None = None
+    next_drafts: list[list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +129,9 @@ def worker_main(rank: int, size: int, port: int, conn, model_config, platform,
                 elif op == SAMPLED:
                     sampled = decode[SAMPLED](body)
                     runner.apply_sampled_tokens(sampled.req_ids, sampled.sampled_token_ids)
+                    if sampled.next_drafts is not None:
+                        runner.keep_peer_drafts(sampled.req_ids, sampled.next_draft_bases,
+                                                sampled.next_drafts)
                 elif op == REMOVE:
                     runner.remove_requests(decode[REMOVE](body).req_ids)
                 elif op == RESET:
@@ -345,8 +354,22 @@ class MultiprocTPExecutor:
 
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         out = self.runner.sample_tokens(grammar)
-        self._send(SAMPLED + serial.encode(SampledTokens(out.req_ids, out.sampled_token_ids)))
+        bases = drafts = None
+        if self.runner.keep_own_drafts:  # async + speculation: the next step's drafts
+            bases, drafts = self.runner.kept_drafts(out.req_ids)
+        self._send(SAMPLED + serial.encode(SampledTokens(out.req_ids, out.sampled_token_ids,
+                                                         bases, drafts)))
         return out
+
+    @property
+    def keep_own_drafts(self) -> bool:
+        return self.runner.keep_own_drafts
+
+    @keep_own_drafts.setter
+    def keep_own_drafts(self, keep: bool) -> None:
+        """(EngineCore: async scheduling with speculation) rank 0 keeps the drafts it
+        proposes for the next step and sends them with each step's sampled tokens."""
+        self.runner.keep_own_drafts = keep
 
     @property
     def max_num_batched_tokens(self) -> int:

@@ -224,6 +224,24 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             if toks:
                 self.requests[rid].output_token_ids.extend(toks)
 
+    def kept_drafts(self, req_ids: list[str]) -> tuple[list[int], list[list[int]]]:
+        """The drafts kept for each row's next step (async scheduling with speculation):
+        (the token count each follows, the drafts; 0 and [] where none)."""
+        kept = [self._next_drafts.get(rid) for rid in req_ids]
+        return ([k[0] if k else 0 for k in kept], [list(k[1]) if k else [] for k in kept])
+
+    def keep_peer_drafts(self, req_ids: list[str], bases: list[int],
+                         drafts: list[list[int]]) -> None:
+        """A rank that does not propose (tensor parallelism under async scheduling):
+        rank 0's drafts for each row's next step, kept as rank 0 keeps its own (the
+        token count they follow, the drafts), so _fill_spec_slots fills the next step's
+        draft slots here as it does there."""
+        for rid, base, toks in zip(req_ids, bases, drafts):
+            if toks:
+                self._next_drafts[rid] = (int(base), list(toks))
+            else:
+                self._next_drafts.pop(rid, None)
+
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
         for rid in req_ids:
