@@ -92,19 +92,23 @@ def test_async_mixed_batch_equals_the_plain_engine(targets, spec_configs, kind, 
     got = llm.generate(prompts, params, use_tqdm=False)
     assert_same(got, want)
     stats = scheduler_of(llm).spec_stats
-    assert stats.num_draft_tokens == sum(d for _, _, d, _ in seen)
-    assert stats.num_accepted_tokens == sum(a for _, _, _, a in seen)
-    if (kind, method, drafts) != ("hybrid", "ngram", "random"):
-        # (there the n-gram lookup matches only in the grammar request, which gets no
-        # drafts under async scheduling)
-        assert stats.num_draft_tokens > 0
+    # The scheduler counts every verification the runner made, but those of a step that
+    # was launched after its request had finished (its output is dropped): here only the
+    # grammar request can finish early (its grammar completes), so its count is a bound.
+    grammar_prompt = tuple(want[-1].prompt_token_ids)
+    others = [(d, a) for p, _, d, a in seen if p != grammar_prompt]
+    in_grammar = [(d, a) for p, _, d, a in seen if p == grammar_prompt]
+    for i, counted in ((0, stats.num_draft_tokens), (1, stats.num_accepted_tokens)):
+        least = sum(v[i] for v in others)
+        assert least <= counted <= least + sum(v[i] for v in in_grammar)
+    assert stats.num_draft_tokens > 0
     if oracle is not None:
         assert not oracle.errors, oracle.errors[:5]
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-        grammar_prompt = tuple(want[-1].prompt_token_ids)
-        # every request but the grammar one verified drafts (it gets none under async)
-        assert {p for p, _, _, _ in seen} == {tuple(o.prompt_token_ids) for o in want[:-1]}
-        assert grammar_prompt not in {p for p, _, _, _ in seen}
+        # every request verified drafts, the grammar one too (its bitmask built over the
+        # drafts the runner put in its slots)
+        assert {p for p, _, _, _ in seen} == {tuple(o.prompt_token_ids) for o in want}
+        assert sum(a for _, a in in_grammar) > 0
     if config == "chunked":
         assert scheduler_of(llm).num_preemptions > 0
     assert_no_kept_drafts(llm)

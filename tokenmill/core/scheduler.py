@@ -320,10 +320,10 @@ class Scheduler:
         proposed after the step before (fewer, or none, is fine: an upper bound).
         Only the request's sampling token gets them, never so many that an
         all-accepted run, after every in-flight token, would pass max_tokens or
-        max_model_len. A grammar request gets none: its bitmask is built from drafts
-        the scheduler would have to know; nor one whose logits processors leave it
-        without drafts in the runner."""
-        if num_new != 1 or req.structured_output is not None or req.pooling_params is not None \
+        max_model_len. A grammar request gets them too (its bitmask is built once the
+        runner has filled them: EngineCore._grammar_bitmask_after_update); one whose
+        logits processors leave it without drafts in the runner gets none."""
+        if num_new != 1 or req.pooling_params is not None \
                 or req.sampling_params.needs_processors:
             return 0
         n = req.num_output_placeholders

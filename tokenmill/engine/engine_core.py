@@ -204,7 +204,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.runner.execute_model(so)
+        drafts = None
+        try:
+            self.runner.execute_model(so)
+            drafts = self.runner.step_drafts
+        finally:
+            if self.async_scheduling and self.structured_output is not None:
+                self.structured_output.drafts_ready(so, drafts)  # (None: it failed)
         return self.runner.sample_tokens(self._grammar_before_sampling(so))
 
     def step(self) -> list[EngineCoreOutput]:
@@ -379,10 +385,12 @@ class EngineCore:
             request.structured_output = self.structured_output.new_request(
                 request.request_id, sop, request.prompt_token_ids)
 
-    def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
-        """The grammar bitmask of `so`, from its requests' matchers as they are now."""
+    def _grammar_output(self, so: SchedulerOutput, drafts=None) -> GrammarOutput | None:
+        """The grammar bitmask of `so`, from its requests' matchers as they are now, over
+        `drafts` (default: its scheduled ones)."""
         ids, bitmask = self.structured_output.grammar_bitmask(
-            self.scheduler.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens)
+            self.scheduler.requests, so.num_scheduled_tokens,
+            so.scheduled_spec_decode_tokens if drafts is None else drafts)
         return GrammarOutput(ids, bitmask) if bitmask is not None else None
 
     def _grammar_before_sampling(self, so: SchedulerOutput) -> GrammarOutput | None:
@@ -408,9 +416,12 @@ class EngineCore:
         the caller's thread can fill, once the step in flight is collected."""
         if self.structured_output is not None:
             reqs = self.scheduler.requests
-            if any(reqs[rid].structured_output is not None
-                   for rid in so.num_scheduled_tokens if rid in reqs):
-                self.structured_output.expect_bitmask(so)
+            structured = [rid for rid in so.num_scheduled_tokens
+                          if rid in reqs and reqs[rid].structured_output is not None]
+            if structured:
+                slots = so.scheduled_spec_slots
+                self.structured_output.expect_bitmask(
+                    so, with_drafts=any(rid in slots for rid in structured))
 
     def _grammar_bitmask_after_update(self, launched) -> None:
         """Async, after collecting the step in flight: fill the launched step's bitmask."""
@@ -425,7 +436,10 @@ class EngineCore:
         if som.is_expected(so):
             grammar = None
             try:
-                grammar = self._grammar_output(so)
+                # (a grammar request's draft slots: the drafts the runner put in them)
+                drafts = som.wait_drafts(so)
+                if drafts is not None:  # (None: the step failed, nothing samples)
+                    grammar = self._grammar_output(so, drafts)
             finally:
                 som.bitmask_ready(so, grammar)
 

@@ -362,6 +362,11 @@ class MultiprocTPExecutor:
         return out
 
     @property
+    def step_drafts(self) -> dict[str, list[int]]:
+        """The drafts rank 0 ran in the step executed last (every rank ran the same)."""
+        return self.runner.step_drafts
+
+    @property
     def keep_own_drafts(self) -> bool:
         return self.runner.keep_own_drafts
 

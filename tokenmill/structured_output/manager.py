@@ -114,6 +114,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and stats
         self._bitmask_events: dict[int, threading.Event] = {}  # id(SchedulerOutput) -> filled
+        self._draft_events: dict[int, tuple] = {}  # id(SchedulerOutput) -> its runner's drafts
 
     @property
     def backend(self):
@@ -226,16 +227,43 @@ class StructuredOutputManager:
 
     # ---- async scheduling: the bitmask is filled on the caller's thread ---------------
     # A launched step's sampling (on the step thread) waits until the caller has
-    # accepted the tokens of the step before it and filled this step's bitmask.
-    def expect_bitmask(self, so) -> None:
-        """`so` will sample once another thread hands it its grammar (bitmask_ready)."""
+    # accepted the tokens of the step before it and filled this step's bitmask. A step
+    # whose grammar requests have draft slots: the runner fills them with its own
+    # drafts as it executes the step, so the caller waits for those first.
+    def expect_bitmask(self, so, with_drafts: bool = False) -> None:
+        """`so` will sample once another thread hands it its grammar (bitmask_ready);
+        `with_drafts`: its bitmask covers the drafts the runner puts in (drafts_ready)."""
         self._bitmask_events[id(so)] = (threading.Event(), [None])
+        if with_drafts:
+            self._draft_events[id(so)] = (threading.Event(), [None])
+
+    def drafts_ready(self, so, drafts: dict[str, list[int]] | None) -> None:
+        """(the step thread, once the runner executed `so`) the drafts it ran, per
+        request (None: the step failed). A no-op unless expect_bitmask(with_drafts)."""
+        pending = self._draft_events.get(id(so))
+        if pending is not None:
+            pending[1][0] = drafts
+            pending[0].set()
+
+    def wait_drafts(self, so, timeout: float = BITMASK_WAIT_S) -> dict[str, list[int]] | None:
+        """-> the drafts handed to `so` by drafts_ready, or its scheduled ones when none
+        were expected (a synchronous step's, or one without draft slots)."""
+        pending = self._draft_events.get(id(so))  # (the step thread looks it up too)
+        if pending is None:
+            return so.scheduled_spec_decode_tokens
+        try:
+            if not pending[0].wait(timeout):
+                raise RuntimeError(f"the drafts of a step were not known within {timeout} s")
+            return pending[1][0]
+        finally:
+            del self._draft_events[id(so)]
 
     def is_expected(self, so) -> bool:
         return id(so) in self._bitmask_events
 
     def bitmask_ready(self, so, grammar=None) -> None:
         """Hand `so` its GrammarOutput (None: nothing to mask, or the step is void)."""
+        self._draft_events.pop(id(so), None)  # (a void step's drafts are never waited for)
         event, slot = self._bitmask_events[id(so)]
         slot[0] = grammar
         event.set()

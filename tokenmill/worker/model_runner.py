@@ -90,6 +90,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # Set by the engine core under async scheduling with speculation (synchronous
         # steps get their drafts from the scheduler: nothing to keep).
         self.keep_own_drafts = False
+        self.step_drafts: dict[str, list[int]] = {}  # the drafts of the step executed last
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
         self._pending = None
@@ -267,6 +268,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._update_states(so)
         if so.scheduled_spec_slots:  # async: the drafts are this runner's own
             so = self._fill_spec_slots(so)
+        # (async: the engine core builds a grammar request's bitmask over these)
+        self.step_drafts = so.scheduled_spec_decode_tokens
         if so.total_num_scheduled_tokens == 0:
             self._pending = None
             return None
