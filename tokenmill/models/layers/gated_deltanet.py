@@ -90,9 +90,10 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     n = (length + pad) // chunk
-    # [H, n, C, D] and [H, n, C]
-    q, k, v = (x.view(n, chunk, *x.shape[1:]).permute(2, 0, 1, 3) for x in (q, k, v))
-    g, beta = (x.view(n, chunk, -1).permute(2, 0, 1) for x in (g, beta))
+    # [n, H, C, D] and [n, H, C], made contiguous once: chunk c's slices are then
+    # contiguous and the batched products read their operands without copies
+    q, k, v = (x.view(n, chunk, *x.shape[1:]).transpose(1, 2).contiguous() for x in (q, k, v))
+    g, beta = (x.view(n, chunk, -1).transpose(1, 2).contiguous() for x in (g, beta))
 
     gamma = g.cumsum(dim=-1)  # log of the decay from the chunk start to each step
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
@@ -104,20 +105,20 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     a = gamma.exp()
     rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * a).unsqueeze(-1) * k], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    w_v, w_k = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    attn = torch.matmul(q, k.transpose(-1, -2)) * decay  # [H, n, C, C]
+    w_v, w_k = (w.contiguous() for w in solved.split([v.shape[-1], k.shape[-1]], dim=-1))
+    attn = torch.matmul(q, k.transpose(-1, -2)) * decay  # [n, H, C, C]
     q_decayed = a.unsqueeze(-1) * q
     k_to_end = (gamma[..., -1:] - gamma).exp().unsqueeze(-1) * k  # decay to the chunk end
-    chunk_decay = gamma[..., -1].exp()  # [H, n]
+    chunk_decay = gamma[..., -1].exp()  # [n, H]
 
     out = torch.empty_like(v)
     s = state.float()  # [H, Dv, Dk]
     for c in range(n):
         s_t = s.transpose(-1, -2)  # [H, Dk, Dv]
-        u = w_v[:, c] - torch.matmul(w_k[:, c], s_t)  # [H, C, Dv]
-        out[:, c] = torch.matmul(q_decayed[:, c], s_t) + torch.matmul(attn[:, c], u)
-        s = chunk_decay[:, c, None, None] * s + torch.matmul(u.transpose(-1, -2), k_to_end[:, c])
-    out = out.permute(1, 2, 0, 3).reshape(n * chunk, -1, v.shape[-1])[:length]
+        u = w_v[c] - torch.matmul(w_k[c], s_t)  # [H, C, Dv]
+        out[c] = torch.matmul(q_decayed[c], s_t) + torch.matmul(attn[c], u)
+        s = chunk_decay[c, :, None, None] * s + torch.matmul(u.transpose(-1, -2), k_to_end[c])
+    out = out.transpose(1, 2).reshape(n * chunk, -1, v.shape[-1])[:length]
     return out, s
 
 
