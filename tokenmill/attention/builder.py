@@ -26,11 +26,13 @@ class AttentionMetadataBuilder:
         return t if self._on_cpu else t.to(self.device)  # (CPU: no no-op .to to dispatch)
 
     def _slots(self, table, block_ids: np.ndarray, positions: np.ndarray,
-               num_decodes: int) -> AttentionMetadata:
-        """Where each token's K/V goes: its block id and the offset inside the block."""
+               num_decodes: int, offsets: np.ndarray | None = None) -> AttentionMetadata:
+        """Where each token's K/V goes: its block id and the offset inside the block
+        (`offsets`: positions % block_size, when the caller has it)."""
         bs = table.block_size
         block_ids = block_ids.astype(np.int64)
-        offsets = positions % bs
+        if offsets is None:
+            offsets = positions % bs
         meta = AttentionMetadata(num_decodes=num_decodes, slot_block=self._tensor(block_ids),
                                  slot_offset=self._tensor(offsets))
         self._fill_slots(meta, block_ids, offsets, bs)
@@ -66,10 +68,10 @@ class AttentionMetadataBuilder:
         rows are decodes (one token, or one plus its drafts: each a query of its own
         length), the rest prompt chunks. `window`: the group's sliding window or None."""
         bs, nd = table.block_size, num_decode_rows
-        block_ids = table.block_table.reshape(-1)[
-            req_indices * table.max_num_blocks_per_req + positions // bs]
+        block_index, offsets = np.divmod(positions, bs)
         nd_tokens = int(query_start_loc[nd])
-        meta = self._slots(table, block_ids, positions, nd_tokens)
+        meta = self._slots(table, table.block_table[req_indices, block_index], positions,
+                           nd_tokens, offsets)
         if nd:
             nb = -(-int(seq_lens[:nd].max()) // bs)
             rows = table.block_table[:nd, :nb].copy()  # (a later step edits the table)

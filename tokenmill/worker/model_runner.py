@@ -100,7 +100,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # Embedding requests the runner holds, and the vectors of the step in progress.
         self._pooling_reqs: set[str] = set()
         self._pooled_ready: dict[str, torch.Tensor] = {}
-        self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
+        self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int64)
+        self._ones = np.ones(max_num_reqs, dtype=np.int64)  # (read only: see _ones_upto)
         # Speculative decoding: the drafter and the verifier of its drafts.
         self.draft_model = draft_model
         proposer = None
@@ -172,6 +173,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         if n > self._arange.size:
             self._arange = np.arange(n, dtype=np.int64)
         return self._arange[:n]
+
+    def _ones_upto(self, n: int) -> np.ndarray:
+        """n ones (a step's per-row token counts when every row has one), shared: read only."""
+        if n > self._ones.size:
+            self._ones = np.ones(n, dtype=np.int64)
+        return self._ones[:n]
 
     def reset_batch(self) -> None:
         """After a failed step: empty the persistent batch (its rows may be half-updated).
