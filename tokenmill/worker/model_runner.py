@@ -50,6 +50,11 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
     verification; the step's checks in step_checks.py); this file holds the state they
     share (set up here) and the step's two entry points."""
 
+    # The decode step's shortcuts (one-token-a-row input prep, the sampling write-back
+    # when every row keeps its token); False: every step takes the general path, which
+    # the tests compare them with (tests/test_step_fast_paths_engine.py).
+    fast_paths = True
+
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  platform: Platform, kv_cache_dtype: str = "auto",

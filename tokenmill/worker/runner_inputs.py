@@ -165,8 +165,8 @@ class InputPrepMixin:
         batch = self.input_batch
         n = batch.num_reqs()
         spec = so.scheduled_spec_decode_tokens
-        if so.total_num_scheduled_tokens == n and not spec:  # every row one token
-            return self._prepare_decodes(so, n)
+        if so.total_num_scheduled_tokens == n and not spec and self.fast_paths:
+            return self._prepare_decodes(so, n)  # every row one token
         num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__,
                                     batch.req_ids[:n]), np.int64, n)
         num_drafts = None

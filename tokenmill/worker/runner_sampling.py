@@ -121,7 +121,7 @@ class SamplingMixin:
         else:
             tokens, logprobs, nan_rows, vocab = self._sample_one(logits, sampled, discard)
             flat_list = tokens[:, 0].tolist()
-            if (n and min(flat_list) >= 0 and max(flat_list) < vocab and not discard.any()
+            if (self.fast_paths and n and min(flat_list) >= 0 and max(flat_list) < vocab and not discard.any()
                     and (nan_rows is None or not nan_rows.any())):
                 # One token a row, every row keeps it (no error to report: the checks'
                 # conditions, tested directly): the write-back without the masks.
