@@ -1,6 +1,8 @@
-"""The decode step's shortcuts in the model runner (`ModelRunner.fast_paths`: the
-one-token-a-row input prep `_prepare_decodes`, the sampling write-back when every row
-keeps its token) against the general path they stand for: the same engine run twice,
+"""The decode step's shortcuts (`ModelRunner.fast_paths`: the one-token-a-row input
+prep `_prepare_decodes` and its Python-list form for a few rows, the sampling
+write-back when every row keeps its token, the greedy head's ids without numpy;
+`AttentionMetadataBuilder.fast_paths`: a few decode rows' slots from Python ints)
+against the general path they stand for: the same engine run twice,
 shortcuts on and off, must give the same outputs (token ids, text, logprobs, finish
 reasons) and the same flat inputs and attention metadata in every step. The workloads
 cover batch 1 (the greedy head), several greedy rows (argmax of the logits), logprobs,
@@ -15,6 +17,7 @@ import torch
 
 from tests.conftest import make_llm, runner_of
 from tokenmill import SamplingParams
+from tokenmill.attention.builder import AttentionMetadataBuilder
 from tokenmill.worker.model_runner import ModelRunner
 
 STEP_FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "req_indices",
@@ -24,6 +27,7 @@ META_FIELDS = ("slot_block", "slot_offset", "decode_block_table", "decode_seq_le
 
 def _run(path, fast: bool, prompts, params, monkeypatch, **engine):
     monkeypatch.setattr(ModelRunner, "fast_paths", fast)
+    monkeypatch.setattr(AttentionMetadataBuilder, "fast_paths", fast)
     llm = make_llm(path, dtype="bfloat16", max_num_batched_tokens=64, **engine)
     runner = runner_of(llm)
     steps = []

@@ -15,8 +15,15 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 
+# Decode-only steps of up to this many rows build their slots from Python ints.
+SMALL_DECODE_ROWS = 8
+
 
 class AttentionMetadataBuilder:
+    # False: no shortcut for a few decode rows (the tests compare it with the general
+    # path: tests/test_step_fast_paths_engine.py).
+    fast_paths = True
+
     def __init__(self, device: torch.device):
         self.device = device
         self._on_cpu = torch.device(device).type == "cpu"
@@ -68,6 +75,9 @@ class AttentionMetadataBuilder:
         rows are decodes (one token, or one plus its drafts: each a query of its own
         length), the rest prompt chunks. `window`: the group's sliding window or None."""
         bs, nd = table.block_size, num_decode_rows
+        if (self.fast_paths and nd == num_reqs == positions.size and nd <= SMALL_DECODE_ROWS
+                and window is None):
+            return self._small_decodes(table, positions, seq_lens)
         block_index, offsets = np.divmod(positions, bs)
         nd_tokens = int(query_start_loc[nd])
         meta = self._slots(table, table.block_table[req_indices, block_index], positions,
@@ -92,6 +102,25 @@ class AttentionMetadataBuilder:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 self._tensor(table.block_table[r, :nb].astype(np.int64))))
+        return meta
+
+
+    def _small_decodes(self, table, positions: np.ndarray, seq_lens: np.ndarray
+                       ) -> AttentionMetadata:
+        """step() for a few one-token decode rows (row r's token at positions[r]), no
+        window: the same fields from Python ints (numpy arithmetic and fancy indexing
+        cost cache misses per call after the forward streamed the weights)."""
+        bs, bt = table.block_size, table.block_table
+        pos = positions.tolist()
+        block_ids = np.array([bt[r, p // bs] for r, p in enumerate(pos)], dtype=np.int64)
+        offsets = np.array([p % bs for p in pos], dtype=np.int64)
+        meta = AttentionMetadata(num_decodes=len(pos), slot_block=self._tensor(block_ids),
+                                 slot_offset=self._tensor(offsets))
+        self._fill_slots(meta, block_ids, offsets, bs)
+        lens = seq_lens.tolist()
+        nb = -(-max(lens) // bs)
+        meta.decode_block_table = self._tensor(bt[:len(pos), :nb].copy())
+        meta.decode_seq_lens = self._tensor(np.array(lens, dtype=np.int32))
         return meta
 
 

@@ -17,6 +17,8 @@ from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
+# Decode-only steps of up to this many rows build their inputs from Python lists.
+SMALL_DECODE_ROWS = 8
 
 
 @dataclass
@@ -227,11 +229,25 @@ class InputPrepMixin:
         batch = self.input_batch
         arange = self._arange_upto(n + 1)
         req_indices = arange[:n]
-        computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
-        positions = computed.copy()
-        input_ids = batch.token_ids_cpu[req_indices, positions]
-        seq_lens = computed + 1
-        discard = seq_lens < batch.num_tokens_no_spec[:n]
+        if n <= SMALL_DECODE_ROWS:
+            # A few rows: Python ints, arrays built from lists (array construction stays
+            # warm; numpy arithmetic and fancy indexing pay cache misses per call).
+            computed_l = batch.num_computed_tokens_cpu[:n].tolist()
+            num_tokens_l = batch.num_tokens_no_spec[:n].tolist()
+            token_ids = batch.token_ids_cpu
+            computed = np.array(computed_l, dtype=np.int64)
+            positions = np.array(computed_l, dtype=np.int64)
+            input_ids = np.array([token_ids[r, c] for r, c in enumerate(computed_l)],
+                                 dtype=token_ids.dtype)
+            seq_lens = np.array([c + 1 for c in computed_l], dtype=np.int64)
+            discard = np.array([c + 1 < t for c, t in zip(computed_l, num_tokens_l)],
+                               dtype=bool)
+        else:
+            computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+            positions = computed.copy()
+            input_ids = batch.token_ids_cpu[req_indices, positions]
+            seq_lens = computed + 1
+            discard = seq_lens < batch.num_tokens_no_spec[:n]
         return self._step_metadata(so, n, n, input_ids, positions, arange, seq_lens,
                                    req_indices, req_indices, discard, computed,
                                    self._ones_upto(n), None, None)

@@ -14,6 +14,10 @@ from tokenmill.sample.sampler import gather_logprobs, greedy_argmax
 from tokenmill.worker import step_checks
 
 
+# Up to this many rows the one-token write-back stores element by element.
+WRITE_BACK_LOOP_ROWS = 8
+
+
 class SamplingMixin:
     def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
         """Whether argmax of the raw logits is all this step samples, at a size where
@@ -115,16 +119,28 @@ class SamplingMixin:
         self._pending = None
         step_checks.sampler_fault(req_ids, self.requests)
         step = self.last_step
+        # The one-token-a-row step where every row keeps its token (no error to report:
+        # the checks' conditions tested directly) takes the write-back without the masks.
+        # Its tests run on Python lists: after the forward streamed the weights, each
+        # numpy reduction costs tens of microseconds in cache misses, a list a few.
+        fast = self.fast_paths and n and step.cu_num_logits is None
+        if fast and sampled is not None and self._pending_nonfinite_hidden is None:
+            # The greedy head's ids, its rows surely finite: no numpy at all.
+            flat_list = sampled.tolist()
+            if (min(flat_list) >= 0 and max(flat_list) < self.greedy_head.lm_head.out_features
+                    and True not in discard.tolist()):
+                out = self._write_back_one(n, None, flat_list, req_ids)
+                return self._runner_output(req_ids, req_id_to_index, out, None,
+                                           prompt_logprobs, {}, None)
         if step.cu_num_logits is not None:
             tokens, num_emitted, logprobs, nan_rows, vocab = self._verify_drafts(
                 logits, sampled, discard)
         else:
             tokens, logprobs, nan_rows, vocab = self._sample_one(logits, sampled, discard)
             flat_list = tokens[:, 0].tolist()
-            if (self.fast_paths and n and min(flat_list) >= 0 and max(flat_list) < vocab and not discard.any()
-                    and (nan_rows is None or not nan_rows.any())):
-                # One token a row, every row keeps it (no error to report: the checks'
-                # conditions, tested directly): the write-back without the masks.
+            if (fast and min(flat_list) >= 0 and max(flat_list) < vocab
+                    and True not in discard.tolist()
+                    and (nan_rows is None or True not in nan_rows.tolist())):
                 out = self._write_back_one(n, tokens[:, 0], flat_list, req_ids)
                 return self._runner_output(req_ids, req_id_to_index, out, logprobs,
                                            prompt_logprobs, {}, None)
@@ -158,13 +174,22 @@ class SamplingMixin:
         return self._runner_output(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
                                    errored, keep)
 
-    def _write_back_one(self, n: int, flat: np.ndarray, flat_list: list[int],
+    def _write_back_one(self, n: int, flat: np.ndarray | None, flat_list: list[int],
                         req_ids: list[str]) -> list[list[int]]:
-        """Row r's one sampled token flat[r] appended to its row of the batch (every row
-        keeps its token); the per-row token lists of the output."""
+        """Row r's one sampled token flat_list[r] (`flat`: the same as an array, or None)
+        appended to its row of the batch (every row keeps its token); the per-row token
+        lists of the output."""
         batch = self.input_batch
-        batch.token_ids_cpu[self._arange_upto(n), batch.num_tokens_no_spec[:n]] = flat
-        batch.num_tokens_no_spec[:n] += 1
+        if n <= WRITE_BACK_LOOP_ROWS:  # a few element stores beat two numpy calls' misses
+            ids, counts = batch.token_ids_cpu, batch.num_tokens_no_spec
+            for r, t in enumerate(flat_list):
+                c = int(counts[r])
+                ids[r, c] = t
+                counts[r] = c + 1
+        else:
+            batch.token_ids_cpu[self._arange_upto(n), batch.num_tokens_no_spec[:n]] = (
+                flat if flat is not None else flat_list)
+            batch.num_tokens_no_spec[:n] += 1
         out = [[t] for t in flat_list]
         requests = self.requests
         for rid, toks in zip(req_ids, out):
