@@ -168,6 +168,37 @@ def test_manager_two_groups_hit_together():
     assert hit == [ids[:2] for ids in mgr.get_block_ids("a")]
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_decode_steps_inside_held_blocks_register_the_blocks_they_fill(groups):
+    """allocate_slots' shortcut for a step inside the blocks a request holds (most decode
+    steps) registers each block its tokens fill, as a step that allocates does: a later
+    request over the prompt and those outputs hits them."""
+    mgr = make_mgr(groups=groups)
+    a = make_req("a", list(range(6)))  # 1 full block + 2 tokens
+    mgr.allocate_slots(a, 6, *mgr.get_computed_blocks(a))
+    a.num_computed_tokens = 6
+    held = mgr.get_block_ids("a")
+    for tok in (50, 51):  # the second fills block 1: no new block, the block registered
+        a.output_token_ids.append(tok)
+        assert mgr.allocate_slots(a, 1) == [[] for _ in range(groups)]
+        a.num_computed_tokens += 1
+    assert mgr.get_block_ids("a") == held
+    b = make_req("b", list(range(6)) + [50, 51, 7])
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 8 and hit == [ids[:2] for ids in held]
+    a.output_token_ids.append(52)  # the next token needs a block: allocated
+    new = mgr.allocate_slots(a, 1)
+    assert [len(ids) for ids in new] == [1] * groups
+    # Lookahead slots count too: room for them or a new block.
+    a.num_computed_tokens += 1
+    a.output_token_ids.append(53)
+    assert mgr.allocate_slots(a, 1, num_lookahead_tokens=2) == [[] for _ in range(groups)]
+    a.output_token_ids.append(54)
+    a.num_computed_tokens += 1
+    assert [len(ids) for ids in mgr.allocate_slots(a, 1, num_lookahead_tokens=2)] == \
+        [1] * groups
+
+
 def test_manager_without_caching_keeps_old_behaviour():
     mgr = make_mgr(caching=False)
     a = make_req("a", list(range(12)))

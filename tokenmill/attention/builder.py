@@ -15,8 +15,15 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata, PrefillChunk
 
+# Decode-only steps of up to this many rows build their slots from Python ints.
+SMALL_DECODE_ROWS = 8
+
 
 class AttentionMetadataBuilder:
+    # False: no shortcut for a few decode rows (the tests compare it with the general
+    # path: tests/test_step_fast_paths_engine.py).
+    fast_paths = True
+
     def __init__(self, device: torch.device):
         self.device = device
         self._on_cpu = torch.device(device).type == "cpu"
@@ -26,11 +33,13 @@ class AttentionMetadataBuilder:
         return t if self._on_cpu else t.to(self.device)  # (CPU: no no-op .to to dispatch)
 
     def _slots(self, table, block_ids: np.ndarray, positions: np.ndarray,
-               num_decodes: int) -> AttentionMetadata:
-        """Where each token's K/V goes: its block id and the offset inside the block."""
+               num_decodes: int, offsets: np.ndarray | None = None) -> AttentionMetadata:
+        """Where each token's K/V goes: its block id and the offset inside the block
+        (`offsets`: positions % block_size, when the caller has it)."""
         bs = table.block_size
         block_ids = block_ids.astype(np.int64)
-        offsets = positions % bs
+        if offsets is None:
+            offsets = positions % bs
         meta = AttentionMetadata(num_decodes=num_decodes, slot_block=self._tensor(block_ids),
                                  slot_offset=self._tensor(offsets))
         self._fill_slots(meta, block_ids, offsets, bs)
@@ -66,10 +75,13 @@ class AttentionMetadataBuilder:
         rows are decodes (one token, or one plus its drafts: each a query of its own
         length), the rest prompt chunks. `window`: the group's sliding window or None."""
         bs, nd = table.block_size, num_decode_rows
-        block_ids = table.block_table.reshape(-1)[
-            req_indices * table.max_num_blocks_per_req + positions // bs]
+        if (self.fast_paths and nd == num_reqs == positions.size and nd <= SMALL_DECODE_ROWS
+                and window is None):
+            return self._small_decodes(table, positions, seq_lens)
+        block_index, offsets = np.divmod(positions, bs)
         nd_tokens = int(query_start_loc[nd])
-        meta = self._slots(table, block_ids, positions, nd_tokens)
+        meta = self._slots(table, table.block_table[req_indices, block_index], positions,
+                           nd_tokens, offsets)
         if nd:
             nb = -(-int(seq_lens[:nd].max()) // bs)
             rows = table.block_table[:nd, :nb].copy()  # (a later step edits the table)
@@ -90,6 +102,25 @@ class AttentionMetadataBuilder:
             meta.prefills.append(PrefillChunk(
                 int(query_start_loc[r]), int(query_start_loc[r + 1]), int(computed[r]),
                 self._tensor(table.block_table[r, :nb].astype(np.int64))))
+        return meta
+
+
+    def _small_decodes(self, table, positions: np.ndarray, seq_lens: np.ndarray
+                       ) -> AttentionMetadata:
+        """step() for a few one-token decode rows (row r's token at positions[r]), no
+        window: the same fields from Python ints (numpy arithmetic and fancy indexing
+        cost cache misses per call after the forward streamed the weights)."""
+        bs, bt = table.block_size, table.block_table
+        pos = positions.tolist()
+        block_ids = np.array([bt[r, p // bs] for r, p in enumerate(pos)], dtype=np.int64)
+        offsets = np.array([p % bs for p in pos], dtype=np.int64)
+        meta = AttentionMetadata(num_decodes=len(pos), slot_block=self._tensor(block_ids),
+                                 slot_offset=self._tensor(offsets))
+        self._fill_slots(meta, block_ids, offsets, bs)
+        lens = seq_lens.tolist()
+        nb = -(-max(lens) // bs)
+        meta.decode_block_table = self._tensor(bt[:len(pos), :nb].copy())
+        meta.decode_seq_lens = self._tensor(np.array(lens, dtype=np.int32))
         return meta
 
 

@@ -195,6 +195,18 @@ class KVCacheManager:
         Returns the newly allocated block ids per group ([] lists when none were
         needed), or None when the pool cannot provide them (nothing changes then).
         """
+        if (new_computed_blocks is None and not num_external_tokens and not self.sliding
+                and self.snapshots is None):
+            # A running request's step inside the blocks it holds (most decode steps):
+            # what the general path below does then, without its per-group work.
+            blocks = self.req_to_blocks.get(request.request_id)
+            num_tokens = (request.num_computed_tokens + num_new_computed_tokens
+                          + num_new_tokens)
+            if blocks is not None and -(-(num_tokens + num_lookahead_tokens)
+                                         // self.block_size) <= len(blocks[self.first_block_group]):
+                if self.enable_caching:
+                    self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+                return [[] for _ in range(self.num_groups)]
         blocks = self.req_to_blocks.setdefault(request.request_id,
                                                [[] for _ in range(self.num_groups)])
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens

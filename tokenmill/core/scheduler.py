@@ -403,6 +403,7 @@ class Scheduler:
         encoder_inputs: dict[str, list[int]] = {}
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        async_spec = self.config.async_scheduling and self.config.num_speculative_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -419,7 +420,6 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            async_spec = self.config.async_scheduling and self.config.num_speculative_tokens
             num_drafts = (self._num_spec_slots(req, num_new, budget) if async_spec
                           else self._num_drafts(req, num_new, budget))
             num_new += num_drafts

@@ -78,7 +78,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        comps = self.completions
+        if len(comps) == 1:  # (n = 1, most requests: no generator per call)
+            return comps[0].finished
+        return all(c.finished for c in comps)
 
 
 class OutputProcessor:
@@ -150,9 +153,11 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = "error", None
                 state.error = f"processing this request's output failed ({type(e).__name__})"
                 self.failed[comp.core_id] = ("output", state.error)
-            comps = touched.setdefault(state.request_id, (state, []))[1]
-            if all(c is not comp for c in comps):  # (two outputs of one request: one entry)
-                comps.append(comp)
+            entry = touched.get(state.request_id)
+            if entry is None:
+                touched[state.request_id] = (state, [comp])
+            elif all(c is not comp for c in entry[1]):  # (two outputs of one request)
+                entry[1].append(comp)
 
         for state, comps in touched.values():
             try:
@@ -287,7 +292,9 @@ class OutputProcessor:
             return None
         hold = state.params.output_text_buffer_length
         if kind == RequestOutputKind.DELTA:
-            completions = [self._delta(c, hold) for c in sorted(comps, key=lambda c: c.index)]
+            if len(comps) > 1:
+                comps = sorted(comps, key=lambda c: c.index)
+            completions = [self._delta(c, hold) for c in comps]
             prompt_logprobs = None
             if not state.prompt_logprobs_sent and state.prompt_logprobs is not None:
                 prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True

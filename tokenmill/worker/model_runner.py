@@ -50,6 +50,11 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
     verification; the step's checks in step_checks.py); this file holds the state they
     share (set up here) and the step's two entry points."""
 
+    # The decode step's shortcuts (one-token-a-row input prep, the sampling write-back
+    # when every row keeps its token); False: every step takes the general path, which
+    # the tests compare them with (tests/test_step_fast_paths_engine.py).
+    fast_paths = True
+
     def __init__(self, model: nn.Module, *, dtype: torch.dtype, device: torch.device,
                  max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
                  platform: Platform, kv_cache_dtype: str = "auto",
@@ -101,7 +106,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # Embedding requests the runner holds, and the vectors of the step in progress.
         self._pooling_reqs: set[str] = set()
         self._pooled_ready: dict[str, torch.Tensor] = {}
-        self._arange = np.arange(max(max_num_batched_tokens, max_model_len), dtype=np.int64)
+        self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int64)
+        self._ones = np.ones(max_num_reqs, dtype=np.int64)  # (read only: see _ones_upto)
         # Speculative decoding: the drafter and the verifier of its drafts.
         self.draft_model = draft_model
         proposer = None
@@ -173,6 +179,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         if n > self._arange.size:
             self._arange = np.arange(n, dtype=np.int64)
         return self._arange[:n]
+
+    def _ones_upto(self, n: int) -> np.ndarray:
+        """n ones (a step's per-row token counts when every row has one), shared: read only."""
+        if n > self._ones.size:
+            self._ones = np.ones(n, dtype=np.int64)
+        return self._ones[:n]
 
     def reset_batch(self) -> None:
         """After a failed step: empty the persistent batch (its rows may be half-updated).

@@ -17,6 +17,8 @@ from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 
 # Rows scheduling at most this many tokens count as decodes in the reorder.
 DECODE_THRESHOLD = 1
+# Decode-only steps of up to this many rows build their inputs from Python lists.
+SMALL_DECODE_ROWS = 8
 
 
 @dataclass
@@ -165,11 +167,10 @@ class InputPrepMixin:
         batch = self.input_batch
         n = batch.num_reqs()
         spec = so.scheduled_spec_decode_tokens
-        if so.total_num_scheduled_tokens == n and not spec:  # every row one token
-            num_sched = np.ones(n, dtype=np.int64)
-        else:
-            num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__,
-                                        batch.req_ids[:n]), np.int64, n)
+        if so.total_num_scheduled_tokens == n and not spec and self.fast_paths:
+            return self._prepare_decodes(so, n)  # every row one token
+        num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__,
+                                    batch.req_ids[:n]), np.int64, n)
         num_drafts = None
         if spec:
             # The drafts follow the row's real tokens; they are inputs like any other.
@@ -216,6 +217,47 @@ class InputPrepMixin:
             single = num_sched == 1 if num_drafts is None else num_sched - num_drafts == 1
             not_single = np.nonzero(~single)[0]
             nd = int(not_single[0]) if not_single.size else n
+        return self._step_metadata(so, n, nd, input_ids, positions, query_start_loc, seq_lens,
+                                   req_indices, logits_indices, discard, computed, num_sched,
+                                   num_drafts, cu_num_logits)
+
+    def _prepare_decodes(self, so: SchedulerOutput, n: int):
+        """_prepare_inputs for a step of one token a row (no drafts): the same arrays,
+        with the fewest numpy calls (each costs microseconds at batch 1, most of them
+        in cache misses after the forward streamed the weights): the counts, offsets
+        and indices are views of one preallocated arange and ones."""
+        batch = self.input_batch
+        arange = self._arange_upto(n + 1)
+        req_indices = arange[:n]
+        if n <= SMALL_DECODE_ROWS:
+            # A few rows: Python ints, arrays built from lists (array construction stays
+            # warm; numpy arithmetic and fancy indexing pay cache misses per call).
+            computed_l = batch.num_computed_tokens_cpu[:n].tolist()
+            num_tokens_l = batch.num_tokens_no_spec[:n].tolist()
+            token_ids = batch.token_ids_cpu
+            computed = np.array(computed_l, dtype=np.int64)
+            positions = np.array(computed_l, dtype=np.int64)
+            input_ids = np.array([token_ids[r, c] for r, c in enumerate(computed_l)],
+                                 dtype=token_ids.dtype)
+            seq_lens = np.array([c + 1 for c in computed_l], dtype=np.int64)
+            discard = np.array([c + 1 < t for c, t in zip(computed_l, num_tokens_l)],
+                               dtype=bool)
+        else:
+            computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+            positions = computed.copy()
+            input_ids = batch.token_ids_cpu[req_indices, positions]
+            seq_lens = computed + 1
+            discard = seq_lens < batch.num_tokens_no_spec[:n]
+        return self._step_metadata(so, n, n, input_ids, positions, arange, seq_lens,
+                                   req_indices, req_indices, discard, computed,
+                                   self._ones_upto(n), None, None)
+
+    def _step_metadata(self, so, n, nd, input_ids, positions, query_start_loc, seq_lens,
+                       req_indices, logits_indices, discard, computed, num_sched,
+                       num_drafts, cu_num_logits):
+        """Each KV cache group's attention metadata and the state slots of a step whose
+        flat inputs are made (its first `nd` rows decodes); kept as `last_step`."""
+        batch = self.input_batch
         groups = {gid: self.attn_builders[gid].step(
                       batch.block_tables[gid], self.kv_cache_config.groups[gid].sliding_window,
                       req_indices, positions, seq_lens, computed, num_sched, query_start_loc,

@@ -14,6 +14,10 @@ from tokenmill.sample.sampler import gather_logprobs, greedy_argmax
 from tokenmill.worker import step_checks
 
 
+# Up to this many rows the one-token write-back stores element by element.
+WRITE_BACK_LOOP_ROWS = 8
+
+
 class SamplingMixin:
     def _greedy_head_applies(self, so: SchedulerOutput, num_rows: int) -> bool:
         """Whether argmax of the raw logits is all this step samples, at a size where
@@ -115,12 +119,32 @@ class SamplingMixin:
         self._pending = None
         step_checks.sampler_fault(req_ids, self.requests)
         step = self.last_step
+        # The one-token-a-row step where every row keeps its token (no error to report:
+        # the checks' conditions tested directly) takes the write-back without the masks.
+        # Its tests run on Python lists: after the forward streamed the weights, each
+        # numpy reduction costs tens of microseconds in cache misses, a list a few.
+        fast = self.fast_paths and n and step.cu_num_logits is None
+        if fast and sampled is not None and self._pending_nonfinite_hidden is None:
+            # The greedy head's ids, its rows surely finite: no numpy at all.
+            flat_list = sampled.tolist()
+            if (min(flat_list) >= 0 and max(flat_list) < self.greedy_head.lm_head.out_features
+                    and True not in discard.tolist()):
+                out = self._write_back_one(n, None, flat_list, req_ids)
+                return self._runner_output(req_ids, req_id_to_index, out, None,
+                                           prompt_logprobs, {}, None)
         if step.cu_num_logits is not None:
             tokens, num_emitted, logprobs, nan_rows, vocab = self._verify_drafts(
                 logits, sampled, discard)
         else:
             tokens, logprobs, nan_rows, vocab = self._sample_one(logits, sampled, discard)
-            num_emitted = np.ones(n, dtype=np.int64)
+            flat_list = tokens[:, 0].tolist()
+            if (fast and min(flat_list) >= 0 and max(flat_list) < vocab
+                    and True not in discard.tolist()
+                    and (nan_rows is None or True not in nan_rows.tolist())):
+                out = self._write_back_one(n, tokens[:, 0], flat_list, req_ids)
+                return self._runner_output(req_ids, req_id_to_index, out, logprobs,
+                                           prompt_logprobs, {}, None)
+            num_emitted = self._ones_upto(n)
         errored = step_checks.check_sampled(req_ids, discard, nan_rows, tokens, num_emitted, vocab)
         keep = ~discard
         if errored:
@@ -130,14 +154,7 @@ class SamplingMixin:
             logprobs = self._emitted_logprobs(logprobs, tokens, num_emitted)
         # Write back into the batch, vectorised over the rows that keep their tokens.
         if step.cu_num_logits is None and keep.all():  # one token each, every row keeps it
-            rows = self._arange_upto(n)
-            flat = tokens[:, 0]
-            batch.token_ids_cpu[rows, batch.num_tokens_no_spec[:n]] = flat
-            batch.num_tokens_no_spec[:n] += 1
-            out = [[t] for t in flat.tolist()]
-            requests = self.requests
-            for rid, toks in zip(req_ids, out):
-                requests[rid].output_token_ids += toks
+            out = self._write_back_one(n, tokens[:, 0], tokens[:, 0].tolist(), req_ids)
         else:
             total = int(num_emitted.sum())
             rows = np.repeat(np.arange(n), num_emitted)
@@ -154,11 +171,45 @@ class SamplingMixin:
                 out[r] = flat_list[pos:pos + e]
                 pos += e
                 self.requests[req_ids[r]].output_token_ids.extend(out[r])
+        return self._runner_output(req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
+                                   errored, keep)
+
+    def _write_back_one(self, n: int, flat: np.ndarray | None, flat_list: list[int],
+                        req_ids: list[str]) -> list[list[int]]:
+        """Row r's one sampled token flat_list[r] (`flat`: the same as an array, or None)
+        appended to its row of the batch (every row keeps its token); the per-row token
+        lists of the output."""
+        batch = self.input_batch
+        if n <= WRITE_BACK_LOOP_ROWS:  # a few element stores beat two numpy calls' misses
+            ids, counts = batch.token_ids_cpu, batch.num_tokens_no_spec
+            for r, t in enumerate(flat_list):
+                c = int(counts[r])
+                ids[r, c] = t
+                counts[r] = c + 1
+        else:
+            batch.token_ids_cpu[self._arange_upto(n), batch.num_tokens_no_spec[:n]] = (
+                flat if flat is not None else flat_list)
+            batch.num_tokens_no_spec[:n] += 1
+        out = [[t] for t in flat_list]
+        requests = self.requests
+        for rid, toks in zip(req_ids, out):
+            requests[rid].output_token_ids += toks
+        return out
+
+    def _runner_output(self, req_ids, req_id_to_index, out, logprobs, prompt_logprobs,
+                       errored, keep: np.ndarray | None) -> ModelRunnerOutput:
+        """The step's ModelRunnerOutput, after the drafter proposed for the rows that
+        `keep` their tokens (None: every row)."""
+        batch = self.input_batch
+        n = len(req_ids)
+        step = self.last_step
         spec_token_ids = None
         if self.drafter is not None:
             # Processors read the tokens before each position; verifying drafts would
             # need them per position: such requests go without drafts.
-            eligible = keep & ~batch.needs_processors[:n]
+            eligible = ~batch.needs_processors[:n]
+            if keep is not None:
+                eligible &= keep
             if self.drafter.model_proposer is not None:
                 spec_token_ids = self.drafter.propose_with_model(
                     self, self._step_hidden, self._step_meta, req_ids, eligible)
@@ -197,12 +248,12 @@ class SamplingMixin:
                              got.ranks.cpu().numpy())
 
     def _sample_one(self, logits, sampled, discard):
-        """One token per row: (tokens [n, 1], logprobs, NaN rows, vocabulary size)."""
+        """One token per row: (tokens [n, 1], logprobs, NaN rows or None (none),
+        vocabulary size)."""
         logprobs = None
         if sampled is not None:  # the greedy lm_head sampled already
             nonfinite = self._pending_nonfinite_hidden
-            nan_rows = (np.zeros(sampled.shape[0], dtype=bool) if nonfinite is None
-                        else self._to_host(nonfinite))
+            nan_rows = None if nonfinite is None else self._to_host(nonfinite)  # (None: none)
             vocab = self.greedy_head.lm_head.out_features
             sampled_np = self._to_host(sampled if sampled.dtype == torch.int64
                                        else sampled.to(torch.int64))

@@ -35,6 +35,9 @@ class DecodeLayers:
         self._weights: list[torch.Tensor] | None = None
         self._checked_cache, self._cache_dtype = None, None
         self._kv_scales: list[float] = []  # (k_scale, v_scale) per layer, or [] (all 1.0)
+        # Looked up once: nn.Module attribute access costs a few microseconds a step.
+        self._first_attn = model.layers[0].self_attn.attn
+        self.num_layers = len(model.layers)
         c = model.config
         self.dims = [c.num_heads, c.num_kv_heads, c.head_dim, model.rotary.rotary_dim,
                      c.hidden_size, c.intermediate_size]
@@ -81,8 +84,9 @@ class DecodeLayers:
     def _caches_ok(self, dtype: torch.dtype) -> bool:
         """Every layer has a KV cache in the activations' dtype, or every one an fp8
         (float8_e4m3fn) cache, which the loop's kv_cache_write / paged_decode convert as
-        the Python layers' calls do (checked per binding)."""
-        first = self.model.layers[0].self_attn.attn.kv_cache
+        the Python layers' calls do (checked once per binding: every step after it costs
+        one identity test)."""
+        first = self._first_attn.kv_cache
         if self._checked_cache is not first:
             self._checked_cache, self._cache_dtype = first, None
             self._weights = None  # new caches: gather the layer tensors again
@@ -131,9 +135,10 @@ class DecodeLayers:
         one call per run of consecutive layers in one group, with its tables."""
         weights, quant = self.weights()
         scales = self._kv_scales
-        per_layer = len(weights) // len(self.model.layers)
-        quant_per_layer = len(quant) // len(self.model.layers)
-        end = len(self.model.layers) if end is None else end
+        num_layers = self.num_layers
+        per_layer = len(weights) // num_layers
+        quant_per_layer = len(quant) // num_layers
+        end = num_layers if end is None else end
         for r0, r1, group, window in self._runs:
             lo, hi = max(r0, start), min(r1, end)
             if lo >= hi:

@@ -155,7 +155,10 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """Per-token cos/sin [T, 1, rotary_dim], computed once per step for every layer."""
-        cos_sin = self.table(dtype)[:, positions]
+        table = self.table(dtype)
+        if positions.dim() == 1:  # (index_select: a fraction of advanced indexing's cost)
+            return table.index_select(1, positions).unbind(0)
+        cos_sin = table[:, positions]
         return cos_sin[0], cos_sin[1]
 
     def table(self, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""The decode step's shortcuts (`ModelRunner.fast_paths`: the one-token-a-row input
+prep `_prepare_decodes` and its Python-list form for a few rows, the sampling
+write-back when every row keeps its token, the greedy head's ids without numpy;
+`AttentionMetadataBuilder.fast_paths`: a few decode rows' slots from Python ints)
+against the general path they stand for: the same engine run twice,
+shortcuts on and off, must give the same outputs (token ids, text, logprobs, finish
+reasons) and the same flat inputs and attention metadata in every step. The workloads
+cover batch 1 (the greedy head), several greedy rows (argmax of the logits), logprobs,
+seeded sampling with n > 1 beside greedy requests, stop strings, prompts chunked
+between decode rows, and async scheduling.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import make_llm, runner_of
+from tokenmill import SamplingParams
+from tokenmill.attention.builder import AttentionMetadataBuilder
+from tokenmill.worker.model_runner import ModelRunner
+
+STEP_FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "req_indices",
+               "logits_indices", "discard_mask", "block_table")
+META_FIELDS = ("slot_block", "slot_offset", "decode_block_table", "decode_seq_lens")
+
+
+def _run(path, fast: bool, prompts, params, monkeypatch, **engine):
+    monkeypatch.setattr(ModelRunner, "fast_paths", fast)
+    monkeypatch.setattr(AttentionMetadataBuilder, "fast_paths", fast)
+    llm = make_llm(path, dtype="bfloat16", max_num_batched_tokens=64, **engine)
+    runner = runner_of(llm)
+    steps = []
+    inner = runner._step_metadata
+
+    def record(*a, **kw):
+        out = inner(*a, **kw)
+        step, meta = runner.last_step, out[3]
+        steps.append(([getattr(step, f).copy() for f in STEP_FIELDS]
+                      + [None if getattr(meta, f) is None else getattr(meta, f).clone()
+                         for f in META_FIELDS]
+                      + [meta.num_decodes, len(meta.prefills)]))
+        return out
+    runner._step_metadata = record
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [[(c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+             c.cumulative_logprob,
+             None if c.logprobs is None else [{t: (lp.logprob, lp.rank, lp.decoded_token)
+                                               for t, lp in d.items()} for d in c.logprobs])
+            for c in o.outputs] for o in outs]
+    return got, steps
+
+
+def _same_steps(a, b):
+    assert len(a) == len(b)
+    for sa, sb in zip(a, b):
+        for x, y in zip(sa, sb):
+            if isinstance(x, np.ndarray):
+                assert x.dtype == y.dtype and np.array_equal(x, y)
+            elif isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+            else:
+                assert x == y
+
+
+def _prompts(n, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 250, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_greedy_steps_equal_the_general_path(demo_path, monkeypatch, batch, async_scheduling):
+    prompts = _prompts(batch, seed=batch)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fast = _run(demo_path, True, prompts, params, monkeypatch,
+                async_scheduling=async_scheduling)
+    slow = _run(demo_path, False, prompts, params, monkeypatch,
+                async_scheduling=async_scheduling)
+    assert fast[0] == slow[0]
+    _same_steps(fast[1], slow[1])
+    assert all(len(c[1]) == 12 for o in fast[0] for c in o)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_equals_the_general_path(demo_path, monkeypatch, async_scheduling):
+    """Greedy, greedy with logprobs, seeded n = 2 sampling and a stop string in one batch,
+    prompts of different lengths (chunked beside decode rows)."""
+    prompts = _prompts(4, seed=7, lo=2, hi=90)
+    probe = _run(demo_path, True, prompts[:1], SamplingParams(temperature=0, max_tokens=16,
+                                                              ignore_eos=True),
+                 monkeypatch)[0][0][0][2]
+    stop = probe[6:8] if len(probe) >= 8 else probe[-2:]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, n=2, seed=11, max_tokens=14,
+                             logprobs=2),
+              SamplingParams(temperature=0, max_tokens=9)]
+    fast = _run(demo_path, True, prompts, params, monkeypatch,
+                async_scheduling=async_scheduling)
+    slow = _run(demo_path, False, prompts, params, monkeypatch,
+                async_scheduling=async_scheduling)
+    assert fast[0] == slow[0]
+    _same_steps(fast[1], slow[1])
+    assert fast[0][0][0][3] == "stop" and fast[0][0][0][4] == stop  # the stop string hit
+    assert len(fast[0][2]) == 2 and fast[0][1][0][6] is not None
