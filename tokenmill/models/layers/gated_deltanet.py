@@ -31,7 +31,13 @@ from torch import nn
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
 
-CHUNK = 64
+# Tokens per chunk: at most CHUNK, and a short call (a prompt's tail, a suffix after a
+# cached prefix, a chunk between state snapshots) takes the power of two >= its length
+# (at least 8) instead of padding to CHUNK. Measured on the AVX512-BF16 EPYC, one
+# thread, 8 heads of 64 x 64: 32 beats 64 at every length (1.12 vs 1.46 ms at 64
+# tokens, 4.65 vs 5.52 at 256), and an 8-token call takes 0.34 ms at chunk 8.
+CHUNK = 32
+MIN_CHUNK = 8
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -81,10 +87,13 @@ def delta_rule_decode(q, k, v, g, beta, ssm_state: torch.Tensor, slots: torch.Te
     return torch.matmul(state, q.unsqueeze(-1)).squeeze(-1)
 
 
-def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int | None = None):
     """One sequence. q/k [L, H, Dk], v [L, H, Dv], g/beta [L, H] (fp32), state [H, Dv, Dk].
-    Returns (out [L, H, Dv], final state [H, Dv, Dk])."""
+    Returns (out [L, H, Dv], final state [H, Dv, Dk]). `chunk`: tokens per chunk
+    (default: see CHUNK)."""
     length = q.shape[0]
+    if chunk is None:
+        chunk = min(CHUNK, max(MIN_CHUNK, 1 << max(0, length - 1).bit_length()))
     pad = (-length) % chunk
     # Padded steps have g = beta = k = 0: no decay, no update.
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
