@@ -7,18 +7,24 @@ Formats: --quantization int8 / fp8 at load (a row-parallel layer's per-row scale
 taken over the whole row: the ranks' codes are the unsplit model's), fp8 checkpoints
 with [16, 16] block scales (the scale grid cut with the weight; quant_method fp8 and
 compressed-tensors' FP8_BLOCK) and with per-tensor static scales, GPTQ 4-bit group 32
-symmetric and asymmetric, GPTQ desc_act (column-parallel layers with act order over
-the whole input; row-parallel ones with groups that stay within a rank's columns,
-g_idx renumbered), GPTQ 8-bit with one group per row, GPTQ v2 with one KV head
+symmetric and asymmetric, GPTQ desc_act: the writer's own act order, every group
+scattered over the whole input (a row-parallel rank keeps every group's scales and
+zero points and pads its groups: act_order_share.py), 4- and 8-bit, symmetric and
+asymmetric, groups of 32, 64 and 48 (which does not divide a rank's 64 columns),
+v1 and v2 zeros, and act order whose groups stay within a rank's columns (no
+padding); GPTQ group 128 without act order (a group cut by the split: its g_idx
+gives each rank's columns their group); compressed-tensors W4A16 actorder; GPTQ
+8-bit with one group per row, GPTQ v2 with one KV head
 (replicated) and a tied head, AWQ 4-bit group 32,
 compressed-tensors W4A16 asymmetric (weight_shape rewritten per rank); MoE: a
-Qwen3-MoE with GPTQ experts, fp8 experts (block and per-channel scales) and int8 /
+Qwen3-MoE with GPTQ experts (and with act order: the experts' down_proj split by
+its input), fp8 experts (block and per-channel scales) and int8 /
 fp8 experts made at load, a DeepSeek-V3 with fp8 MLPs and experts (shared ones
 too), and a hybrid Qwen3.5-MoE (Gated DeltaNet, shared expert) in GPTQ groups of 8.
 
-Refused by name (before anything runs): an fp8 block, a GPTQ group or an AWQ word
-that a rank's share would cut in two; at load, act order whose groups straddle the
-ranks.
+Refused by name (before anything runs): an fp8 block, an AWQ word, or the group of a
+layout without g_idx (AWQ, compressed-tensors without actorder) that a rank's share
+would cut in two.
 """
 from __future__ import annotations
 
@@ -83,9 +89,14 @@ def rank_local_perm(name: str, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randperm(k, generator=g)
 
 
-def _write_int(writer, **kw):
+def _write_int(writer, rank_local=False, **kw):
+    """`rank_local`: the row-parallel layers' act order within each rank's columns
+    (rank_local_perm), else the writer's own (every group over all of K)."""
     def write(src, dst, ref):
-        writer(src, dst, reference_dir=ref, **kw)
+        with pytest.MonkeyPatch.context() as mp:
+            if rank_local:
+                mp.setattr(quant_writer, "act_order_perm_for", rank_local_perm)
+            writer(src, dst, reference_dir=ref, **kw)
         return ref
     return write
 
@@ -128,9 +139,34 @@ CASES = {
                                             sym=True), None),
     "gptq_4bit_g32_asym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4, group_size=32,
                                              sym=False), None),
-    "gptq_4bit_g32_desc_act": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
-                                                 group_size=32, sym=False, desc_act=True),
-                               None),
+    "gptq_4bit_g32_desc_act_rank_local": (QWEN3, _write_int(write_gptq_checkpoint,
+                                                            rank_local=True, bits=4,
+                                                            group_size=32, sym=False,
+                                                            desc_act=True), None),
+    # Act order as published: each group's columns scattered over both ranks.
+    "gptq_4bit_g32_desc_act_asym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
+                                                      group_size=32, sym=False,
+                                                      desc_act=True), None),
+    "gptq_4bit_g64_desc_act_sym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
+                                                     group_size=64, sym=True,
+                                                     desc_act=True), None),
+    "gptq_8bit_g32_desc_act_sym_v2": (QWEN3, _write_int(write_gptq_checkpoint, bits=8,
+                                                        group_size=32, sym=True,
+                                                        desc_act=True,
+                                                        checkpoint_format="gptq_v2"), None),
+    "gptq_8bit_g64_desc_act_asym": (QWEN3, _write_int(write_gptq_checkpoint, bits=8,
+                                                      group_size=64, sym=False,
+                                                      desc_act=True), None),
+    # 48 does not divide a rank's 64 columns (K 128: groups of 48, 48 and 32).
+    "gptq_4bit_g48_desc_act_asym": (QWEN3, _write_int(write_gptq_checkpoint, bits=4,
+                                                      group_size=48, sym=False,
+                                                      desc_act=True), None),
+    # No act order, one group of 128 over both ranks' 64 columns: cut by g_idx.
+    "gptq_4bit_g128": (QWEN3, _write_int(write_gptq_checkpoint, bits=4, group_size=128,
+                                         sym=True), None),
+    "ct_w4a16_g32_actorder": (QWEN3, _write_int(write_compressed_tensors_checkpoint,
+                                                bits=4, group_size=32, symmetric=False,
+                                                actorder=True), None),
     # One KV head for two ranks (k / v rows replicated), head tied to the embedding.
     "gptq_4bit_g32_mqa_tied": (("qwen3", dict(head_dim=32, num_key_value_heads=1,
                                               tie_word_embeddings=True)),
@@ -144,6 +180,9 @@ CASES = {
                                             group_size=32, symmetric=False), None),
     "qwen3_moe_gptq_4bit_g32": (QWEN3_MOE, _write_int(write_gptq_checkpoint, bits=4,
                                                       group_size=32, sym=True), None),
+"qwen3_moe_gptq_4bit_g16_desc_act": (QWEN3_MOE, _write_int(write_gptq_checkpoint, bits=4,
+                                                               group_size=16, sym=False,
+                                                               desc_act=True), None),
     "qwen3_moe_int8_at_load": (QWEN3_MOE, _at_load("int8"), "int8"),
     "qwen3_moe_fp8_at_load": (QWEN3_MOE, _at_load("fp8"), "fp8"),
     "qwen3_moe_fp8_block16": (QWEN3_MOE, _write_fp8_block, None),
@@ -178,9 +217,7 @@ def quantized(tmp_path_factory):
             (build[0] if build else build_checkpoint)(src, arch, overrides)
             ref = str(tmp_path_factory.mktemp(name + "_ref"))
             dst = src if method is not None else str(tmp_path_factory.mktemp(name))
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(quant_writer, "act_order_perm_for", rank_local_perm)
-                hf = write(src, dst, ref)
+            hf = write(src, dst, ref)
             if isinstance(hf, str):
                 hf = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
             cache[name] = Case(dst, hf, method)
@@ -252,26 +289,41 @@ def test_fp8_block_cut_by_the_split_is_refused(qwen3_src, tmp_path):
         _load_rank0(str(tmp_path))
 
 
-def test_gptq_group_cut_by_the_split_is_refused(qwen3_src, tmp_path):
-    write_gptq_checkpoint(qwen3_src, str(tmp_path), bits=4, group_size=128)
+def test_group_cut_by_the_split_without_g_idx_is_refused(qwen3_src, tmp_path):
+    # compressed-tensors without actorder stores no g_idx: a rank's 64 of o_proj's 128
+    # columns would cut its one group of 128 (GPTQ, which stores g_idx, loads it).
+    write_compressed_tensors_checkpoint(qwen3_src, str(tmp_path), bits=4, group_size=128,
+                                        symmetric=False)
     with pytest.raises(ValueError, match=r"layer layers\.0\.self_attn\.o_proj: "
-                                         r"tensor_parallel_size: gptq 4-bit, group 128 "
+                                         r"tensor_parallel_size: compressed-tensors W4A16, "
+                                         r"group 128, asymmetric (weight_scale|"
+                                         r"weight_zero_point) \(input columns\): groups of "
+                                         r"128 columns: a rank's 64 of 128 is not a multiple "
+                                         r"of 128"):
+        _load_rank0(str(tmp_path))
+    awq = tmp_path / "awq"
+    write_awq_checkpoint(qwen3_src, str(awq), group_size=128)
+    with pytest.raises(ValueError, match=r"layer layers\.0\.self_attn\.o_proj: "
+                                         r"tensor_parallel_size: awq 4-bit, group 128 "
                                          r"(qzeros|scales) \(input columns\): groups of 128 "
-                                         r"columns: "
-                                         r"a rank's 64 of 128 is not a multiple of 128"):
-        _load_rank0(str(tmp_path))
+                                         r"columns: a rank's 64 of 128 is not a multiple of "
+                                         r"128"):
+        _load_rank0(str(awq))
 
 
-def test_act_order_across_ranks_is_refused(qwen3_src, tmp_path):
-    # The writer's own act order shuffles o_proj's columns over all of K.
-    write_gptq_checkpoint(qwen3_src, str(tmp_path), bits=4, group_size=32, desc_act=True)
-    with pytest.raises(ValueError, match=r"parameter layers\.0\.(self_attn\.o_proj|"
-                                         r"mlp\.down_proj)\.g_idx: "
-                                         r"tensor_parallel_size: gptq 4-bit, group 32 g_idx "
-                                         r"\(input columns\), group 32: act-order \(desc_act\) "
-                                         r"g_idx puts columns 0\.\.63 \(rank 0\) in groups "
-                                         r"0\.\.3, beyond the rank's own 0\.\.1"):
-        _load_rank0(str(tmp_path))
+def test_act_order_across_ranks_loads_padded(qwen3_src, tmp_path):
+    """The writer's own act order (o_proj's groups over all of K): rank 0 keeps every
+    group's scales and its 64 columns, padded; its weight is the checkpoint's
+    dequantized columns 0..63 exactly."""
+    ref = tmp_path / "ref"
+    deq = write_gptq_checkpoint(qwen3_src, str(tmp_path / "q"), bits=4, group_size=32,
+                                desc_act=True, sym=False, reference_dir=str(ref))
+    model = _load_rank0(str(tmp_path / "q"))
+    o_proj = model.layers[0].self_attn.o_proj
+    form = o_proj.method.weight_form
+    assert form.perm is not None and form.perm.numel() > 64  # (padding columns)
+    want = deq["model.layers.0.self_attn.o_proj.weight"][:, :64]
+    assert torch.equal(o_proj.dense_weight().float(), want)
 
 
 def test_awq_word_cut_by_the_split_is_refused():

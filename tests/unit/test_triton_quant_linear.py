@@ -129,3 +129,26 @@ def test_the_cuda_platform_gives_quantized_layers_the_triton_gemms(monkeypatch):
 def test_triton_layout_dequantizes_back_to_the_canonical_weights(bits, group, perm):
     qw = _qw(24, 63, bits, group, perm)
     assert torch.equal(tq.IntWeightTriton(qw, "cpu").dequantize(), qw.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_weight_gemm_on_a_padded_act_order_share(bits):
+    """A row-parallel rank's act-order share (act_order_share.py): perm repeats input
+    columns for the padding, whose codes sit at the zero point; the GEMM and
+    dequantize() equal the reference's."""
+    from tokenmill.models.layers.linear_methods.act_order_share import row_share_form
+    g = torch.Generator().manual_seed(3)
+    n, k, groups, group = 24, 40, 6, 16  # 40 of a 96-column matrix's columns
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g).to(torch.uint8)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=g).to(torch.uint8)
+    g_idx = torch.randperm(96, generator=g)[:k] // group
+    qw = row_share_form(codes, scales, zeros, g_idx, bits, group, "t").check()
+    assert qw.padded
+    x = torch.randn(3, k)
+    w = tq.IntWeightTriton(qw, "cpu")
+    torch.testing.assert_close(w.linear(x, None), reference_linear(qw, x, None),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(w.dequantize(), qw.dequantize())
+    want = (codes.float() - zeros[:, g_idx].float()) * scales[:, g_idx]
+    assert torch.equal(qw.dequantize(), want)

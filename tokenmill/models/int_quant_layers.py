@@ -196,7 +196,9 @@ def _apply_linears(model: nn.Module, pl: Placement, dtype, tp_size: int = 1) -> 
         if sum(shards) != module.out_features:
             raise ValueError(f"{pl.where}: {layer} has {module.out_features} rows; its "
                              f"checkpoint matrices {', '.join(quantized)} have {shards}")
-        module.use_method(method_cls(layout, tuple(shards)), dtype)
+        # A row-parallel act-order share keeps every group's scales (act_order_share.py).
+        share = tp_size > 1 and module.tp == "row" and layout.keeps_groups_on_row_split()
+        module.use_method(method_cls(layout, tuple(shards), k_full if share else None), dtype)
         count += 1
     return count
 
@@ -230,7 +232,9 @@ def _apply_experts(model: nn.Module, pl: Placement, dtype, tp_size: int = 1) -> 
             raise ValueError(f"{pl.where}: {layer}: expert intermediate size {i} ends inside "
                              f"a packed int32 word: gate and up cannot be stacked "
                              f"(not supported)")
-        module.use_method(QuantizedFusedMoEMethod(layout), dtype)
+        share = tp_size > 1 and layout.keeps_groups_on_row_split()  # (down_proj's input)
+        module.use_method(QuantizedFusedMoEMethod(layout, down_groups_k=i_full if share
+                                                  else None), dtype)
         count += 1
     return count
 

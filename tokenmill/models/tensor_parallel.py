@@ -156,40 +156,9 @@ class Split:
             segments.append((full // unit, n, i))
         return Split(dim, tuple(segments))
 
-    def group_index(self, group_size: int, what: str) -> "GroupIndexSplit":
-        """An act-order g_idx cut as this (row-parallel) split cuts its columns."""
-        return GroupIndexSplit(self, group_size, what)
-
     def local_shape(self, index: int) -> "LocalShape":
         """A stored (N, K) shape whose entry `index` this split shortens."""
         return LocalShape(index, self.full_len(), self.local_len())
-
-
-@dataclass(frozen=True)
-class GroupIndexSplit:
-    """An act-order `g_idx` (the group of each input column) of a row-parallel layer:
-    this rank's columns, their groups renumbered from the rank's first. Exact only when
-    the rank's columns hold whole groups of their own: a group with columns on two
-    ranks is refused naming `what` (each rank's canonical form needs complete groups)."""
-    split: Split            # along dim 0, one segment
-    group_size: int
-    what: str
-
-    def take(self, tensor) -> torch.Tensor:
-        g = self.split.take(tensor)
-        (full, n, i), = self.split.segments
-        step = full // n
-        first, count = i * step // self.group_size, step // self.group_size
-        local = g.to(torch.int64) - first
-        if g.numel() and (int(local.min()) < 0 or int(local.max()) >= count):
-            raise ValueError(f"{TP_FIELD}: {self.what}: act-order (desc_act) g_idx puts "
-                             f"columns {i * step}..{(i + 1) * step - 1} (rank {i}) in groups "
-                             f"{int(g.min())}..{int(g.max())}, beyond the rank's own "
-                             f"{first}..{first + count - 1}: groups scattered across ranks "
-                             f"are not supported with a row-parallel split (run it with "
-                             f"{TP_FIELD} 1, or use a checkpoint quantized without act "
-                             f"order or with static groups)")
-        return local.to(g.dtype)
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,7 @@ class IntWeightTriton:
         self.zeros = qw.zeros.t().contiguous().to(device)
         self.perm = qw.perm.to(device) if qw.perm is not None else None
         self.n, self.k, self.bits, self.group = n, k, qw.bits, qw.group_size
+        self.in_features = qw.shape[1]  # the input's width (k: the codes', padded or not)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -191,7 +192,10 @@ class IntWeightTriton:
         g = torch.arange(self.k, device=codes.device) // self.group
         w = (codes.to(torch.int32) - self.zeros[g].to(torch.int32)).to(torch.float32)
         w = (w * self.scales[g]).t()
-        if self.perm is not None:
+        if self.perm is not None and self.in_features != self.k:
+            # padded act-order (act_order_share.py): padding columns are exactly 0
+            w = w.new_zeros(self.n, self.in_features).index_add_(1, self.perm, w)
+        elif self.perm is not None:
             out = torch.empty_like(w)
             out[:, self.perm] = w
             w = out

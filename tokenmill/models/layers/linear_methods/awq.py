@@ -33,7 +33,7 @@ class AwqLayout(IntLayout):
     def group(self, k: int) -> int:
         return k if self.group_size == -1 else self.group_size
 
-    def specs(self, k: int, n: int) -> dict[str, TensorSpec]:
+    def specs(self, k: int, n: int, groups_k: int | None = None) -> dict[str, TensorSpec]:
         groups = -(-k // self.group(k))
         return {"qweight": TensorSpec((k, n // 8), ("I32",), torch.int32, 1),
                 "qzeros": TensorSpec((groups, n // 8), ("I32",), torch.int32, 1),
@@ -52,7 +52,7 @@ class AwqLayout(IntLayout):
     def whole_words(self, n: int) -> bool:
         return n % 8 == 0
 
-    def convert(self, t, k, shards, where) -> QuantizedWeight:
+    def convert(self, t, k, shards, where, groups_k=None) -> QuantizedWeight:
         n = sum(shards)
         codes = awq_deinterleave(unpack_int32(t["qweight"], BITS, 1, n)).t()
         zeros = awq_deinterleave(unpack_int32(t["qzeros"], BITS, 1, n)).t()

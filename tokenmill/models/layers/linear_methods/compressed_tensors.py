@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.models.layers.linear_methods.act_order_share import row_share_form
 from tokenmill.models.layers.linear_methods.int_layout import (G_IDX, GROUP, INDEX_DTYPES,
                                                                SCALE_DTYPES, SHAPE, IntLayout,
                                                                IntLinearMethod, TensorSpec,
@@ -41,8 +42,8 @@ class CompressedTensorsLayout(IntLayout):
     def group(self, k: int) -> int:
         return k if self.group_size is None else self.group_size
 
-    def specs(self, k: int, n: int) -> dict[str, TensorSpec]:
-        groups = -(-k // self.group(k))
+    def specs(self, k: int, n: int, groups_k: int | None = None) -> dict[str, TensorSpec]:
+        groups = -(-(groups_k or k) // self.group(k))
         out = {"weight_packed": TensorSpec((n, packed_len(k, self.bits)), ("I32",),
                                            torch.int32, 0),
                "weight_scale": TensorSpec((n, groups), SCALE_DTYPES, torch.float32, 0),
@@ -67,10 +68,13 @@ class CompressedTensorsLayout(IntLayout):
     def tp_group_size(self) -> int | None:
         return self.group_size
 
+    def keeps_groups_on_row_split(self) -> bool:
+        return self.g_idx and self.group_size is not None
+
     def whole_words(self, n: int) -> bool:
         return self.symmetric or n * self.bits % 32 == 0
 
-    def convert(self, t, k, shards, where) -> QuantizedWeight:
+    def convert(self, t, k, shards, where, groups_k=None) -> QuantizedWeight:
         n, bits = sum(shards), self.bits
         shapes = t["weight_shape"].reshape(len(shards), 2).tolist()
         want = [[s, k] for s in shards]
@@ -78,12 +82,16 @@ class CompressedTensorsLayout(IntLayout):
             raise ValueError(f"{where}: weight_shape says {shapes}, the layer's matrices "
                              f"are {want}")
         codes = unpack_int32(t["weight_packed"], bits, 1, k)
-        groups = -(-k // self.group(k))
+        groups = -(-(groups_k or k) // self.group(k))
         if self.symmetric:
             zeros = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8,
                                device=codes.device)
         else:
             zeros = unpack_int32(t["weight_zero_point"], bits, 0, n)
+        if groups_k is not None:  # a row-parallel share: global g_idx, every group
+            g_idx = split_shards(t["weight_g_idx"], len(shards), "weight_g_idx", where)
+            return row_share_form(codes, t["weight_scale"].float().contiguous(), zeros,
+                                  g_idx, bits, self.group(k), where)
         perm = None
         if "weight_g_idx" in t:
             g_idx = split_shards(t["weight_g_idx"], len(shards), "weight_g_idx", where)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.models.layers.linear_methods.act_order_share import row_share_form
 from tokenmill.models.layers.linear_methods.int_layout import (G_IDX, GROUP, INDEX_DTYPES,
                                                                SCALE_DTYPES, IntLayout,
                                                                IntLinearMethod, TensorSpec,
@@ -37,8 +38,8 @@ class GptqLayout(IntLayout):
     def group(self, k: int) -> int:
         return k if self.group_size == -1 else self.group_size
 
-    def specs(self, k: int, n: int) -> dict[str, TensorSpec]:
-        groups = -(-k // self.group(k))
+    def specs(self, k: int, n: int, groups_k: int | None = None) -> dict[str, TensorSpec]:
+        groups = -(-(groups_k or k) // self.group(k))
         out = {"qweight": TensorSpec((packed_len(k, self.bits), n), ("I32",), torch.int32, 1),
                "qzeros": TensorSpec((groups, packed_len(n, self.bits)), ("I32",),
                                     torch.int32, 1),
@@ -58,15 +59,22 @@ class GptqLayout(IntLayout):
     def tp_group_size(self) -> int | None:
         return None if self.group_size == -1 else self.group_size
 
+    def keeps_groups_on_row_split(self) -> bool:
+        return self.g_idx and self.group_size != -1
+
     def whole_words(self, n: int) -> bool:
         return n * self.bits % 32 == 0
 
-    def convert(self, t, k, shards, where) -> QuantizedWeight:
+    def convert(self, t, k, shards, where, groups_k=None) -> QuantizedWeight:
         n, bits = sum(shards), self.bits
         codes = unpack_int32(t["qweight"], bits, 0, k).t()
         stored = unpack_int32(t["qzeros"], bits, 1, n)
         zeros = gptq_zero_points(stored, bits, self.v1_zeros, where).t().contiguous()
         group = self.group(k)
+        if groups_k is not None:  # a row-parallel share: global g_idx, every group
+            g_idx = split_shards(t["g_idx"], len(shards), "g_idx", where)
+            return row_share_form(codes, t["scales"].float().t().contiguous(), zeros, g_idx,
+                                  bits, group, where)
         perm = None
         if "g_idx" in t:
             g_idx = split_shards(t["g_idx"], len(shards), "g_idx", where)

@@ -11,6 +11,11 @@ keep the output dim last, compressed-tensors first), so a layer's parameters are
 the concatenation of its shards' checkpoint tensors. Per-shard metadata that does
 not concatenate (g_idx over the shared input, compressed-tensors' weight_shape) is
 stacked along dim 0 and checked shard by shard.
+
+Act order under tensor parallelism: a row-parallel rank's share of a matrix whose
+layout has a g_idx keeps the scales / zero points of every group of the whole K
+(`groups_k`) and its columns' global group ids; `convert` lays them out padded
+(act_order_share.py), so groups scattered over the ranks load exactly.
 """
 from __future__ import annotations
 
@@ -47,8 +52,10 @@ class IntLayout:
     marker = "qweight"  # the tensor kind whose presence says a module is quantized
     KINDS: tuple[str, ...] = ()  # every kind the format may store (optional ones too)
 
-    def specs(self, k: int, n: int) -> dict[str, TensorSpec]:
-        """Kind -> spec of the tensors this layout reads for a [n, k] matrix."""
+    def specs(self, k: int, n: int, groups_k: int | None = None) -> dict[str, TensorSpec]:
+        """Kind -> spec of the tensors this layout reads for a [n, k] matrix;
+        `groups_k`: the input columns its scales / zero points cover (a row-parallel
+        act-order share's whole K; None: k)."""
         raise NotImplementedError
 
     def out_features(self, shapes: dict[str, tuple[int, ...]]) -> int:
@@ -61,9 +68,17 @@ class IntLayout:
         return True
 
     def convert(self, t: dict[str, torch.Tensor], k: int, shards: tuple[int, ...],
-                where: str) -> QuantizedWeight:
-        """The canonical form of the concatenated tensors of `shards` (rows each)."""
+                where: str, groups_k: int | None = None) -> QuantizedWeight:
+        """The canonical form of the concatenated tensors of `shards` (rows each);
+        `groups_k`: as in `specs` (the columns' g_idx then global, every group's scales
+        and zero points present)."""
         raise NotImplementedError
+
+    def keeps_groups_on_row_split(self) -> bool:
+        """Whether a row-parallel share keeps every group's scales / zero points with
+        its columns' global g_idx (a layout with g_idx and groups), instead of cutting
+        them by groups (which needs each rank's columns to be whole groups)."""
+        return False
 
     def describe(self) -> str:
         return self.name
@@ -90,7 +105,9 @@ def int_tp_rules(layout: IntLayout, rules: dict, kinds: dict[str, tuple[str, ...
     into the slices of the format's tensors that store it (`kinds`: the weight's
     parameter name -> the tensor parameters it is stored as, in the order of
     layout.KINDS). A split that would cut a packed word or a group is refused by name
-    (Split.regrid); an act-order g_idx whose groups straddle two ranks at load."""
+    (Split.regrid). A layout that `keeps_groups_on_row_split`: on a split of the input
+    columns its group tensors stay whole and its g_idx is cut with the columns, global
+    group ids kept (any act order loads; act_order_share.py)."""
     out = {key: rule for key, rule in rules.items() if key[0] not in kinds}
     group = layout.tp_group_size()
     for (name, shard), rule in rules.items():
@@ -105,14 +122,14 @@ def int_tp_rules(layout: IntLayout, rules: dict, kinds: dict[str, tuple[str, ...
                 continue  # every rank the whole (g_idx of a column split)
             dim, unit = dim_unit
             what = f"{layout.describe()} {param} ({side})"
+            whole_groups = rule.dim == 1 and layout.keeps_groups_on_row_split()
             if unit == SHAPE:
                 out[(param, shard)] = rule.local_shape(rule.dim)
-            elif unit == G_IDX:
-                cut = rule.regrid(dim, 1, what)  # (the same columns, along g_idx's dim)
-                out[(param, shard)] = (cut if group is None else
-                                       cut.group_index(group, f"{what}, group {group}"))
+            elif unit == G_IDX:  # the same columns, along g_idx's dim, global ids kept
+                out[(param, shard)] = rule.regrid(dim, 1, what)
             elif unit == GROUP:
-                if group is not None:  # (one group per row: its scale stays whole)
+                # (one group per row, or every group kept: the tensor stays whole)
+                if group is not None and not whole_groups:
                     out[(param, shard)] = rule.regrid(dim, group, f"{what}: groups of "
                                                                   f"{group} columns")
             else:
@@ -121,9 +138,10 @@ def int_tp_rules(layout: IntLayout, rules: dict, kinds: dict[str, tuple[str, ...
     return out
 
 
-def packed_specs(layout: IntLayout, k: int, shards: tuple[int, ...]) -> dict[str, TensorSpec]:
+def packed_specs(layout: IntLayout, k: int, shards: tuple[int, ...],
+                 groups_k: int | None = None) -> dict[str, TensorSpec]:
     """Specs of a packed layer's parameters: its shards' concatenated along shard_dim."""
-    per = [layout.specs(k, n) for n in shards]
+    per = [layout.specs(k, n, groups_k) for n in shards]
     out = {}
     for kind, spec in per[0].items():
         d = spec.shard_dim
@@ -134,11 +152,13 @@ def packed_specs(layout: IntLayout, k: int, shards: tuple[int, ...]) -> dict[str
 
 
 def make_params(layout: IntLayout, k: int, shards: tuple[int, ...],
-                experts: int | None = None) -> dict[str, nn.Parameter]:
+                experts: int | None = None,
+                groups_k: int | None = None) -> dict[str, nn.Parameter]:
     """The parameters the loader fills (zeros until it does), each marked with its
-    `shard_dim`; `experts`: stacked along a leading expert dim."""
+    `shard_dim`; `experts`: stacked along a leading expert dim; `groups_k`: as in
+    IntLayout.specs."""
     params = {}
-    for kind, spec in packed_specs(layout, k, shards).items():
+    for kind, spec in packed_specs(layout, k, shards, groups_k).items():
         shape = spec.shape if experts is None else (experts, *spec.shape)
         p = nn.Parameter(torch.zeros(shape, dtype=spec.dtype), requires_grad=False)
         p.shard_dim = spec.shard_dim
@@ -158,10 +178,14 @@ def split_shards(t: torch.Tensor, shards: int, name: str, where: str) -> torch.T
 
 class IntLinearMethod(QuantizedLinearMethod):
     """A Linear whose weight is stored in `layout`'s tensors, `shards` rows per
-    checkpoint matrix packed into it (one entry: not packed)."""
+    checkpoint matrix packed into it (one entry: not packed); `groups_k`: a
+    row-parallel rank's act-order share of a matrix of that many input columns
+    (IntLayout.specs), None otherwise."""
 
-    def __init__(self, layout: IntLayout, shards: tuple[int, ...]):
+    def __init__(self, layout: IntLayout, shards: tuple[int, ...],
+                 groups_k: int | None = None):
         self.layout, self.shards = layout, tuple(int(n) for n in shards)
+        self.groups_k = groups_k
 
     def create_weights(self, layer, in_features, out_features, bias, dtype=None):
         if sum(self.shards) != out_features:
@@ -169,7 +193,7 @@ class IntLinearMethod(QuantizedLinearMethod):
                              f"checkpoint matrices have {list(self.shards)} rows")
         self._register_bias(layer, out_features, bias, dtype)
         layer._parameters.pop("weight", None)  # the unquantized [N, K] it was built with
-        params = make_params(self.layout, in_features, self.shards)
+        params = make_params(self.layout, in_features, self.shards, groups_k=self.groups_k)
         self.CHECKPOINT_TENSORS = tuple(params)
         for kind, p in params.items():
             layer.register_parameter(kind, p)
@@ -181,7 +205,7 @@ class IntLinearMethod(QuantizedLinearMethod):
     def to_quantized(self, layer) -> QuantizedWeight:
         t = {kind: getattr(layer, kind).detach() for kind in self.CHECKPOINT_TENSORS}
         where = f"{self.layout.name} layer [{layer.out_features}, {layer.in_features}]"
-        return self.layout.convert(t, layer.in_features, self.shards, where)
+        return self.layout.convert(t, layer.in_features, self.shards, where, self.groups_k)
 
     def describe(self) -> str:
         return f"{self.layout.describe()}: {super().describe()}"

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from tokenmill.models.layers.linear_methods.quantized_weight import (ROW_TILE_ELEMENTS,
-                                                                     QuantizedWeight)
+                                                                     QuantizedWeight,
+                                                                     checkpoint_order)
 
 _NO_BIAS = torch.empty(0)
 _NO_ZEROS = torch.empty(0, dtype=torch.uint8)
@@ -50,10 +51,10 @@ class PackedQuantizedWeight:
 
     def __init__(self, ops, qw: QuantizedWeight, quad: bool = False):
         self.ops = ops
-        self.out_features, self.in_features = qw.shape
+        self.out_features, self.in_features = qw.shape  # (the input's width: perm may pad)
         self.bits, self.group_size, self.perm = qw.bits, qw.group_size, qw.perm
         self.kind = qw.bits
-        self.quad = quad and quad_layout_fits(ops, qw.bits, self.in_features, qw.group_size)
+        self.quad = quad and quad_layout_fits(ops, qw.bits, qw.codes.shape[1], qw.group_size)
         self.codes, self.scales, self.zeros = ops.pack_quant_weight(
             qw.codes.contiguous(), qw.scales.contiguous(), qw.zeros.contiguous(), qw.bits,
             qw.group_size, self.quad)
@@ -91,11 +92,7 @@ class PackedQuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in the checkpoint's column order."""
         w = self.dequantize_t(0, self.out_features).t().to(dtype)
-        if self.perm is None:
-            return w.contiguous()
-        out = torch.empty(w.shape, dtype=dtype)
-        out[:, self.perm] = w
-        return out
+        return checkpoint_order(w, self.perm, self.in_features).contiguous()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
                compute_dtype: torch.dtype | None) -> torch.Tensor:

@@ -131,7 +131,8 @@ class QuantizedLinearMethod(LinearMethod):
     def describe(self) -> str:
         qw = self.weight_form
         shape = "" if qw is None else (f"{qw.bits}-bit, group {qw.group_size}"
-                                       f"{', act-order' if qw.perm is not None else ''}")
+                                       f"{', act-order' if qw.perm is not None else ''}"
+                                       f"{_padding(qw)}")
         return f"{type(self).__name__}({shape}{self.describe_kernel()})"
 
     def describe_kernel(self) -> str:
@@ -143,3 +144,10 @@ class QuantizedLinearMethod(LinearMethod):
                   else "")
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         return native + wide
+
+
+def _padding(qw) -> str:
+    """", padded K -> K' columns" for a row-parallel act-order share (act_order_share.py)."""
+    width = qw.perm.numel() if qw.perm is not None else 0
+    k = getattr(qw, "in_features", None) or width
+    return f", padded {k} -> {width} columns" if width != k else ""

@@ -47,12 +47,16 @@ class QuantizedExperts:
 class QuantizedFusedMoEMethod(FusedMoEMethod):
     """The experts' grouped GEMMs over integer-quantized weights in `layout`'s format
     (W4A16 / W8A16: activations unquantized). `compute_dtype`: the GEMMs' dtype where
-    the platform widens; None: the activations'."""
+    the platform widens; None: the activations'. `down_groups_k`: a tensor-parallel
+    rank's act-order share of down_proj's input (the whole intermediate size, whose
+    groups' scales / zero points it keeps: IntLayout.specs), None otherwise."""
 
     TARGETS = ("gate_up_proj", "down_proj")
 
-    def __init__(self, layout: IntLayout, compute_dtype: torch.dtype | None = None):
+    def __init__(self, layout: IntLayout, compute_dtype: torch.dtype | None = None,
+                 down_groups_k: int | None = None):
         self.layout, self.compute_dtype = layout, compute_dtype
+        self.down_groups_k = down_groups_k
         self.w13: list[QuantizedWeight] | None = None
         self.w2: list[QuantizedWeight] | None = None
         # The platform's native kernels (for_platform): packed at conversion.
@@ -60,15 +64,17 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         self.packed: PackedQuantizedExperts | None = None
 
     def _matrices(self, hidden: int, inter: int):
-        """(target, K, checkpoint matrices' rows) of each stacked projection."""
-        return (("gate_up_proj", hidden, (inter, inter)), ("down_proj", inter, (hidden,)))
+        """(target, K, checkpoint matrices' rows, groups_k) of each stacked projection."""
+        return (("gate_up_proj", hidden, (inter, inter), None),
+                ("down_proj", inter, (hidden,), self.down_groups_k))
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
         self.dtype = dtype or torch.get_default_dtype()
         self.kinds = {}
-        for target, k, shards in self._matrices(hidden_size, intermediate_size):
+        for target, k, shards, groups_k in self._matrices(hidden_size, intermediate_size):
             layer._parameters.pop(target, None)  # the unquantized stack it was built with
-            params = make_params(self.layout, k, shards, experts=num_experts)
+            params = make_params(self.layout, k, shards, experts=num_experts,
+                                 groups_k=groups_k)
             self.kinds[target] = tuple(params)
             for kind, p in params.items():
                 layer.register_parameter(f"{target}_{kind}", p)
@@ -94,13 +100,13 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
     def _convert(self, layer) -> None:
         e_count, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
         converted = {}
-        for target, k, shards in self._matrices(h, i):
+        for target, k, shards, groups_k in self._matrices(h, i):
             experts = []
             for e in range(e_count):
                 where = f"{self.layout.name} expert {e} {target} [{sum(shards)}, {k}]"
                 t = {kind: getattr(layer, f"{target}_{kind}")[e].detach()
                      for kind in self.kinds[target]}
-                qw = self.layout.convert(t, k, shards, where).check(where)
+                qw = self.layout.convert(t, k, shards, where, groups_k).check(where)
                 if qw.shape != (sum(shards), k):
                     raise ValueError(f"{where}: the checkpoint's tensors give a "
                                      f"{list(qw.shape)} matrix")

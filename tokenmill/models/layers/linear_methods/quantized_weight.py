@@ -13,6 +13,10 @@ computed in fp32 (the integers and their difference are exact there, the product
 one rounding: what dequantizing the checkpoint in fp32 gives). `perm` is GPTQ's
 act-order: the checkpoint's column `perm[k]` is stored as column k, so that every
 group is a contiguous run of columns; the layer computes y = x[..., perm] W'^T.
+`perm` may also repeat input columns (act_order_share.py: a row-parallel rank's
+act-order share, its groups padded with columns whose W' is exactly 0): then the
+codes have more columns than the input (`in_features`), and the padding adds
+exactly 0 to the product.
 """
 from __future__ import annotations
 
@@ -34,10 +38,18 @@ class QuantizedWeight:
     bits: int             # 4 or 8
     group_size: int       # columns per group (K: one group per row, "per channel")
     perm: torch.Tensor | None = None  # int64 [K] (act-order), None: columns in order
+    in_features: int | None = None  # the input's width where perm pads (None: K)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        """(N, the input's width): the matrix it stands for."""
+        n, k = self.codes.shape
+        return (n, k if self.in_features is None else self.in_features)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the codes have padding columns (perm repeats input columns)."""
+        return self.in_features is not None and self.in_features != self.codes.shape[1]
 
     def check(self, where: str = "quantized weight") -> "QuantizedWeight":
         """Raise ValueError naming what does not fit the canonical form."""
@@ -62,7 +74,14 @@ class QuantizedWeight:
             raise ValueError(f"{where}: a code or zero point exceeds {top} ({self.bits} bits)")
         if not bool(torch.isfinite(self.scales).all()):
             raise ValueError(f"{where}: scales hold a NaN or an infinity")
-        if self.perm is not None:
+        if self.padded:
+            p, width = self.perm, self.in_features
+            if (p is None or p.dim() != 1 or p.numel() != k or not 0 < width < k
+                    or int(p.min()) < 0 or int(p.max()) >= width
+                    or not bool((torch.bincount(p, minlength=width) > 0).all())):
+                raise ValueError(f"{where}: a padded perm must have one entry per code "
+                                 f"column ({k}) and cover each of the {width} input columns")
+        elif self.perm is not None:
             p = self.perm
             if (p.dim() != 1 or p.numel() != k
                     or not torch.equal(torch.sort(p).values,
@@ -92,18 +111,29 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in the checkpoint's column order."""
-        w = self.dequantize_rows(0, self.codes.shape[0], dtype)
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
+        return checkpoint_order(self.dequantize_rows(0, self.codes.shape[0], dtype),
+                                self.perm, self.shape[1])
 
     def nbytes(self) -> int:
         """Bytes of this form as stored (codes one byte each, whatever the bits)."""
         t = [self.codes, self.scales, self.zeros] + ([self.perm] if self.perm is not None
                                                      else [])
         return sum(x.numel() * x.element_size() for x in t)
+
+
+def checkpoint_order(w: torch.Tensor, perm: torch.Tensor | None,
+                     in_features: int) -> torch.Tensor:
+    """W' [N, K'] in kernel column order -> W [N, in_features] in the checkpoint's:
+    column perm[k] of W is column k of W'. A padded perm (repeats) sums its columns
+    into their input column: the padding's are exactly 0, so the sum is the real one."""
+    if perm is None:
+        return w
+    perm = perm.to(w.device)
+    if perm.numel() == in_features:
+        out = torch.empty_like(w)
+        out[:, perm] = w
+        return out
+    return w.new_zeros(w.shape[0], in_features).index_add_(1, perm, w)
 
 
 def reference_linear(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None,
