@@ -19,14 +19,17 @@ from tokenmill import kernels
 from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantizedWeight,
                                                                   quad_layout_fits)
+from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
 from test_quant_linear_kernel import _layer, _random  # noqa: E402 (the same random weights)
 
 # (N, K, group): one group = K (per channel) with K not a multiple of 128, groups of 8,
-# 32, 128 and 192 (> 128: two activation blocks per group, the last one short), N not
-# a multiple of 32, a lone column
+# 32, 64, 128, 192 and 512 (> 128: two or four activation blocks per group, the last one
+# short for 192), N not a multiple of 32 (nor of 16), a lone column, the bench model's
+# shapes at group 32
 SHAPES = [(45, 264, 264), (33, 128, 32), (1, 64, 64), (70, 512, 128), (64, 40, 8),
-          (96, 576, 192), (40, 1536, 1536)]
+          (96, 576, 192), (40, 1536, 1536), (57, 384, 64), (83, 1024, 512),
+          (112, 512, 32), (48, 1536, 32)]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64]  # every tail of the 4- and 2-row micro-kernels
 ACT_BLOCK, ACT_MAX = 128, 16383.0
 
@@ -36,6 +39,12 @@ def quad_ops(ops):
     if not ops.has_quant_quad:
         pytest.skip(f"no quad layout at the {ops.capability} level (avx2 and above)")
     return ops
+
+
+def _symmetric(qw):
+    """qw with GPTQ's symmetric zero point (2^(bits-1) for every group and column)."""
+    zeros = torch.full_like(qw.zeros, 1 << (qw.bits - 1))
+    return QuantizedWeight(qw.codes, qw.scales, zeros, qw.bits, qw.group_size).check()
 
 
 def _pack(ops, qw, quad=True):
@@ -84,9 +93,12 @@ def test_quad_layout_round_trips(quad_ops, bits, n, k, group, fp16_scales):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sym", [False, True])
 def test_quad_kernel_is_the_product_of_the_rounded_activations(quad_ops, bits, n, k, group,
-                                                                dtype):
+                                                                dtype, sym):
     qw = _random(n, k, bits, group, seed=n + k)
+    if sym:
+        qw = _symmetric(qw)
     packed = _pack(quad_ops, qw)
     w = qw.dequantize_rows(0, n).double()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
@@ -154,18 +166,60 @@ def test_quad_kernel_catches_a_wrong_code_or_zero_point(quad_ops):
         assert not bool(((y.double() - xr @ w.T).abs() <= 1e-5 * mag).all())
 
 
-def test_non_finite_activations_stay_in_their_row(quad_ops):
-    n, k = 64, 512
-    qw = _random(n, k, 8, k)
+@pytest.mark.parametrize("bits,group", [(8, 512), (4, 32), (4, 128)])
+def test_non_finite_activations_stay_in_their_row(quad_ops, bits, group):
+    """A NaN / inf anywhere in a row (here in one group of many) makes every output of
+    that row NaN, as the fp32 product's would be, and no other row's."""
+    n, k = 70, 512
+    qw = _random(n, k, bits, group)
     packed = _pack(quad_ops, qw)
     for bad in (float("nan"), float("inf"), -float("inf")):
-        x = torch.randn(3, k)
-        x[1, 300] = bad
-        y = quad_ops.linear_quant(x, *packed, n, 8, k, torch.empty(0))
-        assert bool(y[[0, 2]].isfinite().all())
-        assert not bool(y[1].isfinite().any())
-    zero = quad_ops.linear_quant(torch.zeros(2, k), *packed, n, 8, k, torch.empty(0))
+        for rows in (3, 6):
+            x = torch.randn(rows, k)
+            x[1, 300] = bad
+            y = quad_ops.linear_quant(x, *packed, n, bits, group, torch.empty(0))
+            others = [r for r in range(rows) if r != 1]
+            assert bool(y[others].isfinite().all())
+            assert bool(y[1].isnan().all())
+    zero = quad_ops.linear_quant(torch.zeros(2, k), *packed, n, bits, group, torch.empty(0))
     assert torch.equal(zero, torch.zeros(2, n))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 128), (4, 512)])
+def test_quad_bf16_outputs_are_the_fp32_ones_rounded(quad_ops, bits, group):
+    """bf16 outputs are written straight from the kernel's registers: the fp32 call's
+    outputs on the same (bf16) inputs, rounded as torch rounds, bit for bit (odd N:
+    partial vectors; rows 1..8 and across the 4-row micro-kernel)."""
+    n, k = 83, 512
+    qw = _random(n, k, bits, group, seed=9)
+    packed = _pack(quad_ops, qw)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y16 = quad_ops.linear_quant(x, *packed, n, bits, group, bias)
+        y32 = quad_ops.linear_quant(x.float(), *packed, n, bits, group, bias)
+        assert y16.dtype == torch.bfloat16
+        assert torch.equal(y16, y32.bfloat16()), rows
+
+
+def test_quad_results_do_not_depend_on_the_thread_split(quad_ops):
+    """Column blocks are split over threads only when each thread's share is large
+    enough; every split computes each block alone, so the bits are the same."""
+    saved = torch.get_num_threads()
+    qw = _random(3072, 512, 4, 32, seed=11)
+    packed = _pack(quad_ops, qw)
+    g = torch.Generator().manual_seed(12)
+    try:
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, 512, generator=g).bfloat16()
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(quad_ops.linear_quant(x, *packed, 3072, 4, 32, torch.empty(0)))
+            assert all(torch.equal(o, outs[0]) for o in outs[1:]), rows
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_quad_refusals(ops):
@@ -259,7 +313,8 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group, dtype):
+@pytest.mark.parametrize("sym", [False, True])
+def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group, dtype, sym):
     """vpmaddwd (avx2, avx512) and vpdpbusd (avx512_vnni, avx512_bf16) make the same exact
     integer sums and the same fp32 closing: the same bits, NaN / inf rows included. The
     reference is the best quad level this CPU runs, so an AVX-512 CPU without VNNI
@@ -270,6 +325,8 @@ def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group,
                     f"(this CPU runs {', '.join(kernels.runnable_levels())})")
     ref = list(modules)[-1]
     qw = _random(n, k, bits, group, seed=3 * n + k, fp16_scales=bits == 4)
+    if sym:
+        qw = _symmetric(qw)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     g = torch.Generator().manual_seed(n)
     packed = {level: _pack(module, qw) for level, module in modules.items()}

@@ -7,14 +7,30 @@ quad column wins.
 
     .venv/bin/python -m tokenmill.bench.quant_quad --levels avx2,avx512,avx512_vnni
     .venv/bin/python -m tokenmill.bench.quant_quad --threads 1 --rows 1,4,16
+    # the bench model's four linears, int4 groups 32 and 128, quad only, thread CPU time
+    .venv/bin/python -m tokenmill.bench.quant_quad --shapes 1024x512,512x512,3072x512,512x1536 \\
+        --bits 4 --groups 32,128 --rows 1 --layouts quad --clock thread --threads 1
 
-bf16 inputs; ms per call, median over --rounds of the best of 3 timed loops.
+bf16 inputs; us per call, median over --rounds of the best of 3 timed loops.
+--clock thread times the calling thread's CPU (time.thread_time): on a shared machine
+the time the thread was descheduled does not count (with several torch threads it is
+the caller's share: its own blocks and its wait for the others).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _formats(bits_list, groups):
+    """(label, bits, group or None for the whole K)."""
+    if groups is None:  # the defaults: int8 per channel, int4 group 128
+        return [(f"int{b}" if b == 8 else f"int{b}-g128", b, None if b == 8 else 128)
+                for b in bits_list]
+    return [(f"int{b}-g{g or 'K'}", b, g or None) for b in bits_list for g in groups]
 
 
 def main(argv=None) -> int:
@@ -24,9 +40,19 @@ def main(argv=None) -> int:
                    help="comma list (default: every level this CPU runs with the layout)")
     p.add_argument("--shapes", default="3072x512,4096x4096")
     p.add_argument("--rows", default="1,4,16", type=lambda s: [int(r) for r in s.split(",")])
+    p.add_argument("--bits", default="8,4", type=lambda s: [int(b) for b in s.split(",")])
+    p.add_argument("--groups", default=None,
+                   type=lambda s: [0 if g.lower() == "k" else int(g) for g in s.split(",")],
+                   help="comma list of group sizes for every --bits (k or 0: the whole K); "
+                        "default int8 per channel, int4 group 128")
+    p.add_argument("--layouts", default="plain,quad",
+                   help="plain (widening kernel), quad, or both (the ratio is printed)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
     args = p.parse_args(argv)
+    layouts = [name == "quad" for name in args.layouts.split(",")]
+    clock = CLOCKS[args.clock]
 
     import torch
 
@@ -41,7 +67,8 @@ def main(argv=None) -> int:
     if not mods:
         print("no level with the quad layout here", file=sys.stderr)
         return 1
-    print(f"torch threads {torch.get_num_threads()}; ms per call, widening / quad")
+    heads = " / ".join("quad" if q else "widening" for q in layouts)
+    print(f"torch threads {torch.get_num_threads()}, {args.clock} clock; us per call, {heads}")
     gen = torch.Generator().manual_seed(0)
     no_bias = torch.empty(0)
 
@@ -49,23 +76,24 @@ def main(argv=None) -> int:
         fn()
         best = float("inf")
         for _ in range(3):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(n):
                 fn()
-            best = min(best, (time.perf_counter() - start) / n)
-        return best * 1e3
+            best = min(best, (clock() - start) / n)
+        return best * 1e6
 
-    for fmt, bits, group in (("int8", 8, None), ("int4-g128", 4, 128)):
+    totals = {}
+    for fmt, bits, group in _formats(args.bits, args.groups):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.lower().split("x"))
             g = group or k
             qw = random_quantized_weight(n, k, bits, g, gen)
             packs = {lv: [m.pack_quant_weight(qw.codes, qw.scales, qw.zeros, bits, g, quad)
-                          for quad in (False, True)] for lv, m in mods.items()}
+                          for quad in layouts] for lv, m in mods.items()}
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=gen).bfloat16()
                 loops = max(3, int(2.7e6 / (n * k) * 40 / max(1, rows ** 0.5)))
-                times = {lv: ([], []) for lv in mods}
+                times = {lv: [[] for _ in layouts] for lv in mods}
                 for _ in range(args.rounds):
                     for lv, m in mods.items():
                         for i, packed in enumerate(packs[lv]):
@@ -73,9 +101,20 @@ def main(argv=None) -> int:
                                 lambda: m.linear_quant(x, *packed, n, bits, g, no_bias), loops))
                 cells = []
                 for lv in mods:
-                    w, q = (sorted(t)[len(t) // 2] for t in times[lv])
-                    cells.append(f"{lv} {w:.3f} / {q:.3f} ({w / q:.2f}x)")
+                    med = [sorted(t)[len(t) // 2] for t in times[lv]]
+                    for i, t in enumerate(med):
+                        key = (fmt, rows, lv, i)
+                        totals[key] = totals.get(key, 0.0) + t
+                    cell = f"{lv} " + " / ".join(f"{t:.1f}" for t in med)
+                    if len(med) == 2:
+                        cell += f" ({med[0] / med[1]:.2f}x)"
+                    gw = n * k * rows / med[-1] / 1e3
+                    cells.append(cell + f" [{gw:.1f} Gw/s]")
                 print(f"{fmt} {n}x{k} rows {rows}: " + "; ".join(cells), flush=True)
+    if len(args.shapes.split(",")) > 1:
+        for (fmt, rows, lv, i), t in totals.items():
+            print(f"sum over shapes {fmt} rows {rows} {lv} "
+                  f"{'quad' if layouts[i] else 'widening'}: {t:.1f} us")
     return 0
 
 

@@ -281,9 +281,13 @@ inline void dequantized_rows(const float* x, const float* wblock, int64_t K, con
 // model) that, not memory, sets the speed. Integer dot products multiply the codes as
 // they are against activations made integers: per row and block of up to kActBlock k
 // (within a group), x is scaled so max |x| maps to 16383 and rounded (xq = rne(x *
-// 16383 / amax)). Every level computes the same exact integer sums sum_k code * xq
-// (|sum| < 2^31 for a block of 128: 128 * 255 * 16383 < 2^29) and closes them with the
-// same fp32 operations, so the levels' results are bit-identical:
+// 16383 / amax)). Every level computes the same exact integer sums per column and
+// activation block, sum_k (code - zero) * xq, made as sum_k code * xq - zero * sum_k xq
+// (each below 2^30 in magnitude: 128 * 255 * 16383 < 2^29), and closes each with the
+// same two fp32 operations (close_sum): out += float(sum) * (scale * x's scale), one
+// conversion and one FMA, the outputs kept in registers across the groups. So the
+// levels' results are bit-identical, and the zero point costs no fp32 operation of its
+// own (symmetric or not):
 // - avx512_vnni: `vpdpbusd` multiplies 4 unsigned bytes by 4 signed bytes and adds the
 //   sum to an int32 lane; xq (15 bits with its sign) is split into two signed bytes,
 //   xq = hi * 128 + lo with lo in [0, 127]: two `vpdpbusd` per 64 weights of a row, no
@@ -326,112 +330,132 @@ inline int64_t act_blocks_per_group(int64_t group, int64_t K) {
 }
 
 // Rows of x as 15-bit integers: split into two signed bytes per k, 4 k a dword (VNNI),
-// or int16 per k (vpmaddwd).
+// or int16 per k (vpmaddwd). Views of the calling thread's scratch (quad_scratch): a
+// decode step makes dozens of calls, none of which should allocate.
 struct QuadX {
-  std::vector<int32_t> hi, lo;  // [M, K/4] (VNNI)
-  std::vector<int16_t> x16;     // [M, K] (vpmaddwd)
-  std::vector<float> scale;     // [M, G * bpg]: amax / 16383 per activation block
-  std::vector<float> gsum;      // [M, G]: sum over the group of xq * scale (zero points)
+  const int32_t* hi = nullptr;    // [M, K/4] (VNNI)
+  const int32_t* lo = nullptr;
+  const int16_t* x16 = nullptr;   // [M, K] (vpmaddwd)
+  const float* scale = nullptr;   // [M, G, bpg]: amax / 16383 per activation block
+  const int32_t* xsum = nullptr;  // [M, G, bpg]: sum of xq over the block (zero points)
   int64_t K = 0, nq = 0, bpg = 0, G = 0;
+  int64_t at(int64_t m, int64_t g, int64_t j) const { return (m * G + g) * bpg + j; }
 };
 
+struct QuadScratch {
+  std::vector<int32_t> hi, lo, xsum;
+  std::vector<int16_t> x16;
+  std::vector<float> scale;
+};
+inline QuadScratch& quad_scratch() {
+  thread_local QuadScratch s;
+  return s;
+}
+
 #if defined(TM_QUANT_QUAD)
-// One activation block's scale from its largest |x| and whether any x is NaN / inf:
-// a NaN or infinite x makes the scale NaN, so the outputs it touches are NaN, as the
-// fp32 product's would be. -> (1 / step, step).
+// One activation block's scale from its largest |x| and whether its row is finite: a
+// NaN or infinite x makes every scale of its row NaN, so the row's outputs are NaN (as
+// the fp32 product's would be: NaN, or inf against codes of both signs after the zero
+// point), the other rows untouched. -> (1 / step, step).
 inline std::pair<float, float> act_scale(float amax, bool finite) {
-  finite = finite && std::isfinite(amax);
   const float inv = finite && amax > 0.f ? kActMax / amax : 0.f;
   const float scale = finite ? amax / kActMax : std::numeric_limits<float>::quiet_NaN();
   return {inv, scale};
 }
 
-#if defined(TM_VEC_AVX512)
-// x [M, K] fp32 -> QuadX. K and the block bounds are multiples of 8.
-QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
+// Sizes the calling thread's scratch for M rows; -> the view, pointers set.
+QuadX quad_x_for(int64_t M, int64_t K, int64_t group, int64_t G) {
+  QuadScratch& sc = quad_scratch();
   QuadX q;
   q.K = K;
   q.nq = K / 4;
   q.bpg = act_blocks_per_group(group, K);
   q.G = G;
+  sc.scale.resize(M * G * q.bpg);  // (entries of blocks past a group's end: never read)
+  sc.xsum.resize(M * G * q.bpg);
 #if defined(TM_QUANT_QUAD_VNNI)
-  q.hi.resize(M * q.nq);
-  q.lo.resize(M * q.nq);
+  sc.hi.resize(M * q.nq);
+  sc.lo.resize(M * q.nq);
+  q.hi = sc.hi.data();
+  q.lo = sc.lo.data();
 #else
-  q.x16.resize(M * K);
+  sc.x16.resize(M * K);
+  q.x16 = sc.x16.data();
 #endif
-  q.scale.assign(M * G * q.bpg, 0.f);
-  q.gsum.assign(M * G, 0.f);
+  q.scale = sc.scale.data();
+  q.xsum = sc.xsum.data();
+  return q;
+}
+
+#if defined(TM_VEC_AVX512)
+// x [M, K] fp32 -> QuadX. K and the block bounds are multiples of 8.
+QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
+  const QuadX q = quad_x_for(M, K, group, G);
+  QuadScratch& sc = quad_scratch();
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
+    __m512 vbad = _mm512_setzero_ps();  // x * 0: NaN where x is inf / NaN
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mk = K - k >= 16 ? 0xffff : 0xff;  // K is a multiple of 8
+      vbad = _mm512_add_ps(vbad, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k),
+                                               _mm512_setzero_ps()));
+    }
+    const bool finite = _mm512_reduce_add_ps(vbad) == 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t gk1 = std::min(K, (g + 1) * group);
-      float gsum = 0.f;
       for (int64_t j = 0; j < q.bpg; ++j) {
         const int64_t k0 = g * group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
         if (k0 >= k1) break;
-        __m512 vmax = _mm512_setzero_ps(), vbad = _mm512_setzero_ps();
+        __m512 vmax = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += 16) {
           const __mmask16 mk = k1 - k >= 16 ? 0xffff : 0xff;  // blocks are multiples of 8
-          const __m512 v = _mm512_maskz_loadu_ps(mk, xr + k);
-          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-          vbad = _mm512_add_ps(vbad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN: inf / NaN
+          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mk, xr + k)));
         }
-        // (max_ps may drop a NaN: vbad keeps it)
-        const auto [inv, scale] = act_scale(_mm512_reduce_max_ps(vmax),
-                                            _mm512_reduce_add_ps(vbad) == 0.f);
+        const auto [inv, scale] = act_scale(_mm512_reduce_max_ps(vmax), finite);
         const __m512 vinv = _mm512_set1_ps(inv);
         __m512i vsum = _mm512_setzero_si512();
         for (int64_t k = k0; k < k1; k += 16) {
           const __mmask16 mk = k1 - k >= 16 ? 0xffff : 0xff;
           const __m512i xq = _mm512_cvtps_epi32(  // round to nearest even, as torch.round
               _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv));
-          vsum = _mm512_add_epi32(vsum, xq);
+          vsum = _mm512_add_epi32(vsum, xq);  // (masked lanes: 0)
 #if defined(TM_QUANT_QUAD_VNNI)
-          auto* hi = reinterpret_cast<int8_t*>(q.hi.data() + m * q.nq);
-          auto* lo = reinterpret_cast<int8_t*>(q.lo.data() + m * q.nq);
+          auto* hi = reinterpret_cast<int8_t*>(sc.hi.data() + m * q.nq);
+          auto* lo = reinterpret_cast<int8_t*>(sc.lo.data() + m * q.nq);
           _mm_mask_storeu_epi8(hi + k, mk, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xq, 7)));
           _mm_mask_storeu_epi8(lo + k, mk, _mm512_cvtepi32_epi8(
               _mm512_and_si512(xq, _mm512_set1_epi32(127))));
 #else
-          _mm256_mask_storeu_epi16(q.x16.data() + m * K + k, mk, _mm512_cvtepi32_epi16(xq));
+          _mm256_mask_storeu_epi16(sc.x16.data() + m * K + k, mk, _mm512_cvtepi32_epi16(xq));
 #endif
         }
-        q.scale[(m * G + g) * q.bpg + j] = scale;
-        gsum += static_cast<float>(_mm512_reduce_add_epi32(vsum)) * scale;
+        sc.scale[q.at(m, g, j)] = scale;
+        sc.xsum[q.at(m, g, j)] = _mm512_reduce_add_epi32(vsum);
       }
-      q.gsum[m * G + g] = gsum;
     }
   }
   return q;
 }
 #else  // AVX2: the same values, 8 k at a time (blocks are multiples of 8)
 QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
-  QuadX q;
-  q.K = K;
-  q.nq = K / 4;
-  q.bpg = act_blocks_per_group(group, K);
-  q.G = G;
-  q.x16.resize(M * K);
-  q.scale.assign(M * G * q.bpg, 0.f);
-  q.gsum.assign(M * G, 0.f);
+  const QuadX q = quad_x_for(M, K, group, G);
+  QuadScratch& sc = quad_scratch();
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
+    __m256 vbad = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8)
+      vbad = _mm256_add_ps(vbad, _mm256_mul_ps(_mm256_loadu_ps(xr + k), _mm256_setzero_ps()));
+    const bool finite = tmvec::reduce_add(Vec(vbad)) == 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t gk1 = std::min(K, (g + 1) * group);
-      float gsum = 0.f;
       for (int64_t j = 0; j < q.bpg; ++j) {
         const int64_t k0 = g * group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
         if (k0 >= k1) break;
-        __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
-        for (int64_t k = k0; k < k1; k += 8) {
-          const __m256 v = _mm256_loadu_ps(xr + k);
-          vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
-          vbad = _mm256_add_ps(vbad, _mm256_mul_ps(v, _mm256_setzero_ps()));
-        }
-        const auto [inv, scale] = act_scale(tmvec::reduce_max(Vec(vmax)),
-                                            tmvec::reduce_add(Vec(vbad)) == 0.f);
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 8)
+          vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k)));
+        const auto [inv, scale] = act_scale(tmvec::reduce_max(Vec(vmax)), finite);
         const __m256 vinv = _mm256_set1_ps(inv);
         __m256i vsum = _mm256_setzero_si256();
         for (int64_t k = k0; k < k1; k += 8) {
@@ -439,129 +463,164 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
           vsum = _mm256_add_epi32(vsum, xq);
           // 8 dwords -> 8 words (pack within lanes, then lanes 0 and 2; |xq| <= 16383)
           const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(xq, xq), 0x08);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.x16.data() + m * K + k),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(sc.x16.data() + m * K + k),
                            _mm256_castsi256_si128(w));
         }
-        alignas(32) int32_t lanes8[8];
+        alignas(32) uint32_t lanes8[8];  // (unsigned: a NaN row's sums wrap, harmlessly)
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes8), vsum);
-        int32_t isum = 0;
+        uint32_t isum = 0;
         for (int i = 0; i < 8; ++i) isum += lanes8[i];
-        q.scale[(m * G + g) * q.bpg + j] = scale;
-        gsum += static_cast<float>(isum) * scale;
+        sc.scale[q.at(m, g, j)] = scale;
+        sc.xsum[q.at(m, g, j)] = static_cast<int32_t>(isum);
       }
-      q.gsum[m * G + g] = gsum;
     }
   }
   return q;
 }
 #endif
 
-// Close activation block j of group g for `R` rows: out[r] += acc[r] * (s * x's scale),
-// the integer sums acc [R, 32] as fp32 (exact below 2^24, else rounded as cvtdq2ps).
-template <int R>
-TM_INLINE void close_act_block(const QuadX& xq, int64_t m0, int64_t g, int64_t j,
-                               const Vec* s, const int32_t* acc, float* out) {
-  for (int r = 0; r < R; ++r) {
-    const Vec sa = Vec::set1(xq.scale[((m0 + r) * xq.G + g) * xq.bpg + j]);
-    for (int c = 0; c < C; ++c) {
-      float* o = out + r * NB + c * Vec::W;
-      const int32_t* a = acc + r * NB + c * Vec::W;
+// Closing an activation block, the same at every level: per row and column, the exact
+// integer sum of (code - zero) * xq, made as sum(code * xq) - zero * sum(xq) (|each|
+// < 2^30), converted to fp32 (exact below 2^24, else rounded as cvtdq2ps) and added to
+// the row's output with one FMA: out += sum * (scale * x's scale).
 #if defined(TM_VEC_AVX512)
-      const Vec af(_mm512_cvtepi32_ps(_mm512_load_si512(a)));
-#else
-      const Vec af(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(a))));
-#endif
-      tmvec::fma(af, s[c] * sa, Vec::load(o)).store(o);
-    }
-  }
+using IAcc = __m512i;  // Vec::W int32 lanes
+TM_INLINE IAcc load_acc(const int32_t* p) { return _mm512_loadu_si512(p); }
+TM_INLINE IAcc zero_points(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+TM_INLINE Vec close_sum(IAcc acc, IAcc zero, int32_t xsum, Vec ssa, Vec out) {
+  const IAcc t = _mm512_sub_epi32(acc, _mm512_mullo_epi32(zero, _mm512_set1_epi32(xsum)));
+  return tmvec::fma(Vec(_mm512_cvtepi32_ps(t)), ssa, out);
+}
+#else
+using IAcc = __m256i;
+TM_INLINE IAcc load_acc(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+TM_INLINE IAcc zero_points(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+TM_INLINE Vec close_sum(IAcc acc, IAcc zero, int32_t xsum, Vec ssa, Vec out) {
+  const IAcc t = _mm256_sub_epi32(acc, _mm256_mullo_epi32(zero, _mm256_set1_epi32(xsum)));
+  return tmvec::fma(Vec(_mm256_cvtepi32_ps(t)), ssa, out);
+}
+#endif
 
-// The zero points: out -= scale * zero * (the group's sum of x as quantized); one
-// rounding, as fnmadd (the negated sum is exact).
-template <int R, typename S>
-TM_INLINE void close_zero_points(const QuadX& xq, int64_t m0, const QBlock<S>& b, int64_t g,
-                                 const Vec* s, float* out) {
+// out [R][C] (+ bias) -> y's ncols columns (fp32, or bf16 rounded as c10 rounds).
+template <int R, typename T>
+TM_INLINE void store_out(const Vec (&out)[R][C], const float* bias, T* y, int64_t ldy,
+                         int64_t ncols) {
   for (int c = 0; c < C; ++c) {
-    const Vec sz = s[c] * tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
-    for (int r = 0; r < R; ++r) {
-      float* o = out + r * NB + c * Vec::W;
-      tmvec::fma(sz, Vec::set1(-xq.gsum[(m0 + r) * xq.G + g]), Vec::load(o)).store(o);
-    }
+    const int n = lanes(ncols, c);
+    if (n == 0) continue;
+    const Vec bv = bias != nullptr ? Vec::load_n(bias + c * Vec::W, n) : Vec::zero();
+    for (int r = 0; r < R; ++r) store_lanes(out[r][c] + bv, y + r * ldy + c * Vec::W, n);
   }
 }
 
 #if defined(TM_QUANT_QUAD_VNNI)
-// The two 16-column halves of line `l` as unsigned-byte quads: 8-bit, one quad per
-// half (w[0][c]); 4-bit, the low nibbles' quad (w[0][c]) and the high ones' (w[1][c]).
-template <int BITS>
-TM_INLINE void quad_line(const uint8_t* line, __m512i (&w)[2][2]) {
-  for (int c = 0; c < 2; ++c) {
-    const __m512i v = _mm512_loadu_si512(line + c * 64);
-    if constexpr (BITS == 8) {
-      w[0][c] = v;
-    } else {
-      const __m512i nib = _mm512_set1_epi8(0x0f);
-      w[0][c] = _mm512_and_si512(v, nib);
-      w[1][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    }
-  }
+// acc += the 4-byte dot products of w (unsigned) and x (signed) per int32 lane. GCC's
+// intrinsic gives a fresh register per call, and in the k loop it then copies every
+// accumulator twice a step (16 extra moves for one row); the asm updates in place.
+TM_INLINE __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, x);
+#endif
 }
 
-// R rows (from row m0 of xq) against one block, into y (stride ldy).
-template <int R, int BITS, typename S>
+// R rows (from row m0 of xq) against one block, into y (stride ldy). The fp32 outputs
+// stay in registers across groups; 8 k (one 4-bit line, two 8-bit ones) per step.
+template <int R, int BITS, typename S, typename T>
 void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias,
-                float* y, int64_t ldy, int64_t ncols) {
-  constexpr int64_t kq = kQuadK<BITS>;
-  alignas(64) float out[R * NB] = {};
-  alignas(64) int32_t acc[R * NB];
+                T* y, int64_t ldy, int64_t ncols) {
+  // One or two rows: a second set of sums for the step's second quad, so that each
+  // sum's chain of vpdpbusd is half as long (latency, not throughput, bound them).
+  constexpr int U = R <= 2 ? 2 : 1;
+  // 4-bit with two sets: the second set's quads are the high nibbles, multiplied where
+  // they lie (16 x code, below 256: a mask, no shift); its sums are 16 x theirs, exact,
+  // divided back when the block closes (|sums| < 2^22: no overflow).
+  constexpr bool kHigh16 = BITS == 4 && U == 2;
+  Vec out[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = Vec::zero();
+  const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int64_t g = 0; g < b.G; ++g) {
     const int64_t gk1 = std::min(b.K, (g + 1) * b.group);
-    Vec s[C];
-    for (int c = 0; c < C; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
     for (int64_t j = 0; j < xq.bpg; ++j) {
       const int64_t k0 = g * b.group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
       if (k0 >= k1) break;
-      __m512i ah[R][2], al[R][2];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 2; ++c) ah[r][c] = al[r][c] = _mm512_setzero_si512();
-      for (int64_t k = k0; k < k1; k += kq) {
-        const uint8_t* line = b.codes + (k / kq) * kQuadLine;
-        tmvec::prefetch(line + 8192);  // a lone row streams the weights: keep 8 KB ahead
-        tmvec::prefetch(line + 8192 + 64);
-        __m512i w[2][2];
-        quad_line<BITS>(line, w);
-        for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h) {
-          const int64_t qi = k / 4 + h;  // the quad's dword in a row of xq
+      __m512i ah[U][R][2], al[U][R][2];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < 2; ++c) ah[u][r][c] = al[u][r][c] = _mm512_setzero_si512();
+      constexpr int64_t kStep = 8 / kQuadK<BITS> * kQuadLine;  // code bytes per 8 k
+      const uint8_t* line = b.codes + k0 / kQuadK<BITS> * kQuadLine;
+      const int32_t* xhi = xq.hi + m0 * xq.nq + k0 / 4;  // the step's two quads' dwords
+      const int32_t* xlo = xq.lo + m0 * xq.nq + k0 / 4;
+      for (int64_t step = (k1 - k0) / 8; step > 0; --step, line += kStep, xhi += 2, xlo += 2) {
+        // a lone row streams the weights: keep 8 KB ahead, one prefetch per 64 bytes
+        for (int64_t off = 0; off < kStep; off += 64) tmvec::prefetch(line + 8192 + off);
+        __m512i w[2][2];  // [quad i of the step][16-column half]
+        for (int c = 0; c < 2; ++c) {
+          if constexpr (BITS == 8) {
+            w[0][c] = _mm512_loadu_si512(line + c * 64);
+            w[1][c] = _mm512_loadu_si512(line + kQuadLine + c * 64);
+          } else {
+            const __m512i v = _mm512_loadu_si512(line + c * 64);
+            w[0][c] = _mm512_and_si512(v, nib);
+            // the high nibbles: in place (16 x the code: its own sums, kHigh16) or shifted
+            w[1][c] = kHigh16 ? _mm512_andnot_si512(nib, v)
+                              : _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          }
+        }
+        for (int i = 0; i < 2; ++i) {
           for (int r = 0; r < R; ++r) {
-            const int64_t row = (m0 + r) * xq.nq + qi;
-            const __m512i xh = _mm512_set1_epi32(xq.hi[row]);
-            const __m512i xl = _mm512_set1_epi32(xq.lo[row]);
+            const __m512i xh = _mm512_set1_epi32(xhi[r * xq.nq + i]);
+            const __m512i xl = _mm512_set1_epi32(xlo[r * xq.nq + i]);
             for (int c = 0; c < 2; ++c) {
-              ah[r][c] = _mm512_dpbusd_epi32(ah[r][c], w[h][c], xh);
-              al[r][c] = _mm512_dpbusd_epi32(al[r][c], w[h][c], xl);
+              __m512i& h = ah[U == 2 ? i : 0][r][c];
+              __m512i& l = al[U == 2 ? i : 0][r][c];
+              h = dpbusd(h, w[i][c], xh);
+              l = dpbusd(l, w[i][c], xl);
             }
           }
         }
       }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 2; ++c)  // hi * 128 + lo: the sums of code * xq
-          _mm512_store_si512(acc + r * NB + c * 16,
-                             _mm512_add_epi32(_mm512_slli_epi32(ah[r][c], 7), al[r][c]));
-      close_act_block<R>(xq, m0, g, j, s, acc, out);
+      for (int c = 0; c < C; ++c) {
+        const Vec s = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
+        const IAcc z = zero_points(b.zeros + g * NB + c * Vec::W);
+        for (int r = 0; r < R; ++r) {
+          __m512i h = ah[0][r][c], l = al[0][r][c];
+          if constexpr (kHigh16) {
+            h = _mm512_add_epi32(h, _mm512_srai_epi32(ah[1][r][c], 4));
+            l = _mm512_add_epi32(l, _mm512_srai_epi32(al[1][r][c], 4));
+          } else if constexpr (U == 2) {
+            h = _mm512_add_epi32(h, ah[1][r][c]);
+            l = _mm512_add_epi32(l, al[1][r][c]);
+          }
+          const int64_t at = xq.at(m0 + r, g, j);
+          // hi * 128 + lo: the sums of code * xq
+          out[r][c] = close_sum(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l), z, xq.xsum[at],
+                                s * Vec::set1(xq.scale[at]), out[r][c]);
+        }
+      }
     }
-    close_zero_points<R>(xq, m0, b, g, s, out);
   }
-  store_rows<R>(out, bias, y, ldy, ncols);
+  store_out<R>(out, bias, y, ldy, ncols);
 }
 
-constexpr int QUAD_MR = 4;  // rows per call: 4 x 2 x 2 int32 sums, 2-4 weight vectors
+constexpr int QUAD_MR = 4;  // rows per call: 4 x 2 x 2 int32 sums, 4 weight vectors
 
-template <int BITS, typename S, int R>
-void quad_tail(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias, float* y,
+template <int BITS, typename S, typename T, int R>
+void quad_tail(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias, T* y,
                int64_t ldy, int64_t rows, int64_t ncols) {
   if constexpr (R > 1) {
     if (rows == R - 1) return quad_micro<R - 1, BITS>(xq, m0, b, bias, y, ldy, ncols);
-    return quad_tail<BITS, S, R - 1>(xq, m0, b, bias, y, ldy, rows, ncols);
+    return quad_tail<BITS, S, T, R - 1>(xq, m0, b, bias, y, ldy, rows, ncols);
   }
 }
 #else  // vpmaddwd on zero-extended codes
@@ -616,19 +675,19 @@ TM_INLINE void store_pair_sums(IVec a, IVec b, int32_t* out) {
 // R rows (from row m0 of xq) against one block, into y (stride ldy), CP columns at a
 // time (a slab: R x CP / kIvCols int32 accumulators must stay in registers; the
 // slabs after the first read the activation block's lines from L1).
-template <int R, int CP, int BITS, typename S>
+template <int R, int CP, int BITS, typename S, typename T>
 void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bias,
-                float* y, int64_t ldy, int64_t ncols) {
+                T* y, int64_t ldy, int64_t ncols) {
   static_assert(NB % CP == 0 && CP % (2 * kIvCols) == 0);
   constexpr int64_t kq = kQuadK<BITS>;
   constexpr int NV = CP / kIvCols;
-  alignas(64) float out[R * NB] = {};
+  Vec out[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = Vec::zero();
   alignas(64) int32_t acc32[R * NB];
-  const int16_t* x16 = xq.x16.data() + m0 * xq.K;
+  const int16_t* x16 = xq.x16 + m0 * xq.K;
   for (int64_t g = 0; g < b.G; ++g) {
     const int64_t gk1 = std::min(b.K, (g + 1) * b.group);
-    Vec s[C];
-    for (int c = 0; c < C; ++c) s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
     for (int64_t j = 0; j < xq.bpg; ++j) {
       const int64_t k0 = g * b.group + j * kActBlock, k1 = std::min(gk1, k0 + kActBlock);
       if (k0 >= k1) break;
@@ -663,11 +722,18 @@ void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bi
           for (int v = 0; v < NV; v += 2)
             store_pair_sums(acc[r][v], acc[r][v + 1], acc32 + r * NB + c0 + v * kIvCols);
       }
-      close_act_block<R>(xq, m0, g, j, s, acc32, out);
+      for (int c = 0; c < C; ++c) {
+        const Vec s = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
+        const IAcc z = zero_points(b.zeros + g * NB + c * Vec::W);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = xq.at(m0 + r, g, j);
+          out[r][c] = close_sum(load_acc(acc32 + r * NB + c * Vec::W), z, xq.xsum[at],
+                                s * Vec::set1(xq.scale[at]), out[r][c]);
+        }
+      }
     }
-    close_zero_points<R>(xq, m0, b, g, s, out);
   }
-  store_rows<R>(out, bias, y, ldy, ncols);
+  store_out<R>(out, bias, y, ldy, ncols);
 }
 #endif  // TM_QUANT_QUAD_VNNI
 
@@ -679,14 +745,15 @@ void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bi
 constexpr int64_t QUAD_DEQUANT_MIN_ROWS = 65;
 
 // All `rows` rows of xq against one block into y (stride ldy).
-template <int BITS, typename S>
-void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, float* y,
+template <int BITS, typename S, typename T>
+void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, T* y,
                      int64_t ldy, int64_t rows, int64_t ncols) {
 #if defined(TM_QUANT_QUAD_VNNI)
   int64_t m = 0;
   for (; m + QUAD_MR <= rows; m += QUAD_MR)
     quad_micro<QUAD_MR, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
-  if (m < rows) quad_tail<BITS, S, QUAD_MR>(xq, m, b, bias, y + m * ldy, ldy, rows - m, ncols);
+  if (m < rows)
+    quad_tail<BITS, S, T, QUAD_MR>(xq, m, b, bias, y + m * ldy, ldy, rows - m, ncols);
 #elif defined(TM_VEC_AVX512)
   // 32 zmm: 4 rows x 4 accumulators of the whole block, their x's and the codes
   int64_t m = 0;
@@ -699,6 +766,14 @@ void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, flo
   for (; m + 2 <= rows; m += 2) quad_micro<2, 16, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
   if (m < rows) quad_micro<1, 32, BITS>(xq, m, b, bias, y + m * ldy, ldy, ncols);
 #endif
+}
+
+// Column blocks per thread at least (at::parallel_for's grain): a split whose share is
+// under kQuadMinSplitWeights weights x rows costs more in fork and join than it saves
+// (measured: one 512 x 512 int4 row took longer on two threads than on one).
+constexpr int64_t kQuadMinSplitWeights = 256 * 1024;
+inline int64_t quad_grain(int64_t K, int64_t rows) {
+  return std::max<int64_t>(1, (kQuadMinSplitWeights + K * NB * rows - 1) / (K * NB * rows));
 }
 
 // W dwords of the quad layout from p (W columns of one line), byte / nibble `shift / 4`
@@ -929,7 +1004,10 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const int64_t M = x.size(0), K = p.K, G = p.G;
   // bf16 rows are widened here, without an ATen op (a decode step makes many calls).
   torch::Tensor xc = x.contiguous();
-  std::vector<float> xbuf;
+  // (decode-sized rows reuse the thread's buffer: no allocation per call)
+  thread_local std::vector<float> xbuf_small;
+  std::vector<float> xbuf_big;
+  std::vector<float>& xbuf = M * K <= (1 << 16) ? xbuf_small : xbuf_big;
   const float* xp;
   if (out_dtype == at::kFloat) {
     xp = xc.data_ptr<float>();
@@ -953,28 +1031,23 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     torch::Tensor out = torch::empty({M, N}, x.options());
     if (M == 0) return out;
     const QuadX xq = quantize_x(xp, M, K, group_size, G);
-    float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+    const int64_t grain = quad_grain(K, M);
     dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
       constexpr int BITS = decltype(bits_tag)::value;
       using S = decltype(scale_tag);
       if constexpr (BITS != kQuantE4m3) {
-        at::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
-          std::vector<float> tile(yp == nullptr ? M * NB : 0);
-          for (int64_t blk = b0; blk < b1; ++blk) {
-            const int64_t n0 = blk * NB, ncols = std::min(NB, N - n0);
-            const QBlock<S> qb = p.block<S>(blk, BITS);
-            const float* bias_b = bp != nullptr ? bp + n0 : nullptr;
-            if (yp != nullptr) {
-              quad_block_rows<BITS>(xq, qb, bias_b, yp + n0, N, M, ncols);
-            } else {
-              quad_block_rows<BITS>(xq, qb, bias_b, tile.data(), NB, M, ncols);
-              auto* ob = out.data_ptr<c10::BFloat16>() + n0;
-              for (int64_t r = 0; r < M; ++r)
-                for (int64_t n = 0; n < ncols; ++n)
-                  ob[r * N + n] = c10::BFloat16(tile[r * NB + n]);
+        auto run = [&](auto* yp) {  // fp32 or bf16 outputs, written in place
+          at::parallel_for(0, p.nblocks, grain, [&](int64_t b0, int64_t b1) {
+            for (int64_t blk = b0; blk < b1; ++blk) {
+              const int64_t n0 = blk * NB;
+              quad_block_rows<BITS>(xq, p.block<S>(blk, BITS),
+                                    bp != nullptr ? bp + n0 : nullptr, yp + n0, N, M,
+                                    std::min(NB, N - n0));
             }
-          }
-        });
+          });
+        };
+        if (out_dtype == at::kFloat) run(out.data_ptr<float>());
+        else run(out.data_ptr<c10::BFloat16>());
       }
     });
     return out;
