@@ -185,6 +185,30 @@ def test_non_finite_activations_stay_in_their_row(quad_ops, bits, group):
     assert torch.equal(zero, torch.zeros(2, n))
 
 
+@pytest.mark.parametrize("bits,group", [(8, 512), (4, 32), (4, 128)])
+def test_vanishing_activation_blocks_count_as_zero(quad_ops, bits, group):
+    """An activation block whose largest |x| is so small that 1 / its step overflows
+    (here 1e-36 and a subnormal 1e-40) gives finite outputs: that block adds zero, the
+    row's other blocks are multiplied as usual (a row of nothing but such values gives
+    the bias-free zero)."""
+    n, k = 70, 512
+    qw = _random(n, k, bits, group)
+    packed = _pack(quad_ops, qw)
+    w = qw.dequantize().double()
+    for tiny in (1e-36, 1e-40):
+        x = torch.randn(3, k)
+        x[1, :128] = tiny  # the first activation block of the row
+        x[2] = tiny
+        y = quad_ops.linear_quant(x, *packed, n, bits, group, torch.empty(0))
+        assert bool(y.isfinite().all())
+        assert torch.equal(y[2], torch.zeros(n))
+        kept = x.clone()
+        kept[1, :128] = 0
+        want = kept[:2].double() @ w.T
+        mag = kept[:2].double().abs() @ w.abs().T
+        assert bool(((y[:2].double() - want).abs() <= 1e-3 * mag + 1e-6).all())
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 128), (4, 512)])
 def test_quad_bf16_outputs_are_the_fp32_ones_rounded(quad_ops, bits, group):
     """bf16 outputs are written straight from the kernel's registers: the fp32 call's

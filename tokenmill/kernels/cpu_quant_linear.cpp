@@ -356,9 +356,13 @@ inline QuadScratch& quad_scratch() {
 // One activation block's scale from its largest |x| and whether its row is finite: a
 // NaN or infinite x makes every scale of its row NaN, so the row's outputs are NaN (as
 // the fp32 product's would be: NaN, or inf against codes of both signs after the zero
-// point), the other rows untouched. -> (1 / step, step).
+// point), the other rows untouched. A block whose largest |x| is below kActMax /
+// FLT_MAX (~4.8e-35: 1 / step would overflow to inf, and inf * 0 is NaN) counts as
+// zero, as an all-zero block does: its products are below 1e-32, under the fp32
+// rounding of any output that is not itself that small. -> (1 / step, step).
 inline std::pair<float, float> act_scale(float amax, bool finite) {
-  const float inv = finite && amax > 0.f ? kActMax / amax : 0.f;
+  constexpr float kTiny = kActMax / std::numeric_limits<float>::max();
+  const float inv = finite && amax > kTiny ? kActMax / amax : 0.f;
   const float scale = finite ? amax / kActMax : std::numeric_limits<float>::quiet_NaN();
   return {inv, scale};
 }
