@@ -82,6 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_bf16_dot") = false;
 #endif
+  // linear_bf16 takes bf16 inputs of this many rows and more on vdpbf16ps
+  // (cpu_linear_dot.cpp; avx512_bf16): fast enough at every row count that the
+  // platform keeps the packed copy only (tokenmill/platforms/cpu.py).
+  m.attr("has_bf16_dot_gemm") = linear_bf16_dot_rows() > 0;
+  m.attr("bf16_dot_gemm_min_rows") = linear_bf16_dot_rows();
 #if defined(TM_VEC_GENERIC)
   // Plain arrays: slower than the library GEMM; greedy_lm_head is exact there too,
   // but its int8 screen is plain C++ (on x86-64 the default level is SSE2, not this).
