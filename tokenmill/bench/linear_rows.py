@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--widen", action="store_true",
                    help="also time the packed kernel's fp32-input (widening) path")
+    p.add_argument("--dot-tuning", default=None, type=_ints,
+                   help="x_chunk_bytes,w_group_bytes,kc2,direct_rows: the bf16 dot-product "
+                        "path's cache blocking for this run (kernels/cpu_linear_dot.cpp)")
     args = p.parse_args(argv)
 
     import torch
@@ -83,9 +86,12 @@ def main(argv=None) -> int:
         print(f"oneDNN's prepacked bf16 GEMM is not in use here ({onednn.describe()}): "
               "nothing to compare", file=sys.stderr)
         return 1
+    if args.dot_tuning is not None and getattr(ops, "has_bf16_dot_gemm", False):
+        ops.linear_bf16_dot_tuning(args.dot_tuning)
     print(f"packed: {packed_only.describe()}")
     print(f"level {ops.capability}; bf16 dot-product path "
-          + (f"from {ops.bf16_dot_gemm_min_rows} rows" if getattr(ops, "has_bf16_dot_gemm", False)
+          + (f"from {ops.bf16_dot_gemm_min_rows} rows, cache blocking "
+             f"{ops.linear_bf16_dot_tuning()}" if getattr(ops, "has_bf16_dot_gemm", False)
              else "not at this level"))
     print("ms per call (1 thread: thread CPU time; more: wall), ratio = packed / oneDNN")
     saved = torch.get_num_threads()

@@ -57,6 +57,9 @@ void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float*
 int64_t linear_bf16_dot_rows();
 void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_t* packed,
                      int64_t N, const float* bias, float* yf, c10::BFloat16* yb);
+// Its cache blocking, [x_chunk_bytes, w_group_bytes, kc2, direct_rows] (empty: keep) ->
+// the values before (empty where the level has no such path): the benchmark's sweeps.
+std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values);
 // One packed block for `rows` bf16 rows, as linear_bf16_dot computes it (no bias).
 void linear_bf16_dot_block(const c10::BFloat16* x, int64_t rows, int64_t K,
                            const uint16_t* wblock, float* y, int64_t ldy, int64_t ncols);

@@ -238,7 +238,10 @@ class CpuPlatform(Platform):
         widen = on_cpu and half and (not cpu_bf16 or below_avx512)
         gemm = torch.float32 if widen else model_dtype
         if linear_bf16_max_rows is None:  # auto: see the module docstring
-            linear_bf16_max_rows = ALL_ROWS if widen else DEFAULT_NATIVE_BF16_PACKED_ROWS
+            dot_gemm = (ops is not None and gemm == torch.bfloat16
+                        and getattr(ops, "has_bf16_dot_gemm", False))
+            linear_bf16_max_rows = (ALL_ROWS if widen or dot_gemm
+                                    else DEFAULT_NATIVE_BF16_PACKED_ROWS)
         packed = (ops is not None and model_dtype == torch.bfloat16
                   and linear_bf16_max_rows > 0 and getattr(ops, "has_fast_linear_bf16", False))
         packed_f32 = (ops is not None and model_dtype == torch.float32
