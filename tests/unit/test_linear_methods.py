@@ -117,6 +117,9 @@ def test_bf16_model_without_native_bf16_is_packed_only(ops):
 
 
 def test_bf16_model_with_native_bf16_takes_onednn_above_the_packed_rows(ops, kernel_level):
+    """Native bf16: the packed kernel takes the decode rows and oneDNN the rest, except
+    where the level has the packed kernel's many-row path on vdpbf16ps (avx512_bf16):
+    there it takes every input and no oneDNN copy is made, unless a row limit asks."""
     platform = _platform(BF16, True)
     method = platform.linear_method(_linear(BF16))
     below_avx512 = platform.gemm_dtype == "float32"  # takes an AVX2 CPU's path: widened
@@ -124,11 +127,15 @@ def test_bf16_model_with_native_bf16_takes_onednn_above_the_packed_rows(ops, ker
         assert type(method) is (UnquantizedLinearMethod if below_avx512 else _gemm(BF16))
         return
     assert isinstance(method, PackedBf16LinearMethod)
-    if below_avx512:
+    if below_avx512 or ops.has_bf16_dot_gemm:
         assert method.max_rows == ALL_ROWS and method.fallback is None
     else:
         assert method.max_rows == cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS
         assert type(method.fallback) is _gemm(BF16)
+    if not below_avx512:
+        limited = _platform(BF16, True, linear_bf16_max_rows=8).linear_method(_linear(BF16))
+        assert isinstance(limited, PackedBf16LinearMethod) and limited.max_rows == 8
+        assert type(limited.fallback) is _gemm(BF16)
 
 
 def test_a_tied_weight_is_kept(kernel_level):

@@ -90,6 +90,19 @@ def test_bf16_model_with_native_bf16(ops, kernel_level, native_bf16):
     if below_avx512(kernel_level):
         assert p.gemm_dtype == "float32"
         assert p.linear_bf16_max_rows == (ALL_ROWS if fast else 0)
+    elif getattr(ops, "has_bf16_dot_gemm", False):
+        # The packed kernel's many-row path on vdpbf16ps (avx512_bf16) keeps pace with
+        # oneDNN's bf16 GEMM: it takes every input and no oneDNN copy is kept.
+        assert p.gemm_dtype == "bfloat16" and p.widen_to is None
+        assert p.linear_bf16_max_rows == ALL_ROWS and p.gemm == "torch"
+        assert p.weights == "packed bf16 only" and p.decode_layers
+        assert "linear packed_bf16 every input, weights packed bf16 only" in p.describe()
+        # The engine argument still keeps the oneDNN copy for the larger inputs.
+        q = CpuPlatform.create("cpu", BF16, linear_bf16_max_rows=8)
+        onednn = cpu_platform.onednn_prepack_works(BF16)
+        assert q.linear_bf16_max_rows == 8
+        assert q.gemm == ("onednn_prepacked" if onednn else "torch")
+        assert "packed_bf16 up to 8 rows" in q.describe()
     else:
         assert p.gemm_dtype == "bfloat16" and p.widen_to is None
         assert p.linear_bf16_max_rows == (cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS
@@ -452,7 +465,9 @@ def test_onednn_prepacked_layers_match_f_linear(tiny_model_factory, ops, kernel_
             continue
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
-            platform = CpuPlatform.create("cpu", dtype)
+            # (bf16 at avx512_bf16 keeps no oneDNN copy unless asked for: the row limit)
+            platform = CpuPlatform.create(
+                "cpu", dtype, linear_bf16_max_rows=cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS)
         if platform.gemm_dtype != platform.model_dtype:
             continue  # a level forced below avx512 widens bf16 GEMMs instead
         torch.manual_seed(3)

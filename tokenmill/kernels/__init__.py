@@ -26,7 +26,8 @@ What a module can do at its level: `ops.capability` (its level),
 `ops.vector_lanes`, `ops.has_fast_linear_bf16` and `ops.has_greedy_lm_head` (True at
 every level but a plain-array build, which has no SIMD type in kernels/vec.h; the CPU
 platform reads them), `ops.has_bf16_dot` (avx512_bf16: paged_prefill's products over
-a bf16 cache on vdpbf16ps).
+a bf16 cache on vdpbf16ps), `ops.has_bf16_dot_gemm` (avx512_bf16: linear_bf16's bf16
+inputs of `ops.bf16_dot_gemm_min_rows` rows and more on vdpbf16ps, cpu_linear_dot.cpp).
 """
 from __future__ import annotations
 

@@ -29,6 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("span_tokens") = 0);
   m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] weights in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ w^T + b with packed bf16 weights, fp32 math");
+  m.def("linear_bf16_dot_tuning", &linear_bf16_dot_tuning,
+        "the many-row bf16 path's cache blocking (benchmark sweeps): set / get",
+        pybind11::arg("values") = std::vector<int64_t>{});
   m.def("pack_f32_weight", &pack_f32_weight, "fp32 [N, K] weights in linear_f32's layout");
   m.def("linear_f32", &linear_f32, "x @ w^T + b with packed fp32 weights");
   m.def("pack_quant_weight", &pack_quant_weight,
@@ -82,6 +85,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_bf16_dot") = false;
 #endif
+  // linear_bf16 takes bf16 inputs of this many rows and more on vdpbf16ps
+  // (cpu_linear_dot.cpp; avx512_bf16): fast enough at every row count that the
+  // platform keeps the packed copy only (tokenmill/platforms/cpu.py).
+  m.attr("has_bf16_dot_gemm") = linear_bf16_dot_rows() > 0;
+  m.attr("bf16_dot_gemm_min_rows") = linear_bf16_dot_rows();
 #if defined(TM_VEC_GENERIC)
   // Plain arrays: slower than the library GEMM; greedy_lm_head is exact there too,
   // but its int8 screen is plain C++ (on x86-64 the default level is SSE2, not this).

@@ -429,7 +429,7 @@ std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor
         linear_f32_block(xf.data(), K, packed.data_ptr<float>() + b * K * NB, y, NB, M, ncols);
       else
         linear_bf16_block(xf.data(), K, reinterpret_cast<const uint16_t*>(packed.data_ptr()) +
-                                            b * K * NB, y, NB, M, ncols);
+                                            b * K * NB, y, NB, M, ncols, round_bf16);
     }
   });
   auto* out = ids.data_ptr<int64_t>();

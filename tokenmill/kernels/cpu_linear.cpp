@@ -219,7 +219,13 @@ inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
 // it for a cache block of that many rows (the greedy lm_head recomputes its
 // candidate blocks with this, so its logits are bit-identical). No bias.
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
-                       int64_t rows, int64_t ncols) {
+                       int64_t rows, int64_t ncols, bool x_bf16) {
+  const int64_t dot_rows = linear_bf16_dot_rows();
+  if (x_bf16 && dot_rows > 0 && rows >= dot_rows) {  // x's values are bf16: exact
+    std::vector<c10::BFloat16> xb(rows * K);
+    to_bf16(x, xb.data(), rows * K);
+    return linear_bf16_dot_block(xb.data(), rows, K, wblock, y, ldy, ncols);
+  }
   std::vector<float> scratch;
   block_rows(x, K, wblock, nullptr, y, ldy, rows, ncols, scratch);
 }
@@ -252,6 +258,18 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "linear_bf16: x must be fp32 or bf16");
   const int64_t M = x.size(0), K = x.size(1), nblocks = packed.size(0);
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  torch::Tensor bf;
+  const float* bp = bias_f32(bias, N, "linear_bf16", bf);
+  const int64_t dot_rows = linear_bf16_dot_rows();
+  if (out_dtype == at::kBFloat16 && dot_rows > 0 && M >= dot_rows) {
+    // Many bf16 rows at a level with bf16 dot products (cpu_linear_dot.cpp).
+    torch::Tensor xc = x.contiguous();
+    torch::Tensor out = torch::empty({M, N}, x.options());
+    linear_bf16_dot(xc.data_ptr<c10::BFloat16>(), M, K, wp, N, bp, nullptr,
+                    out.data_ptr<c10::BFloat16>());
+    return out;
+  }
   // bf16 rows are widened here, without an ATen op (a decode step has 33 of these).
   torch::Tensor xc = x.contiguous();
   std::vector<float> xbuf;
@@ -263,12 +281,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
     from_bf16(xc.data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
     xp = xbuf.data();
   }
-  torch::Tensor bf;
-  const float* bp = bias_f32(bias, N, "linear_bf16", bf);
   torch::Tensor out = torch::empty({M, N}, x.options());
   // fp32 results go straight to `out`; bf16 ones through a per-block fp32 tile.
   float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
     at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {

@@ -47,9 +47,22 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
 // The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.
 torch::Tensor pack_f32_weight(torch::Tensor w);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
-// One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias).
+// One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias);
+// `x_bf16`: x holds bf16 values (linear_bf16 was given bf16 x: its many-row path differs).
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
-                       int64_t rows, int64_t ncols);
+                       int64_t rows, int64_t ncols, bool x_bf16 = false);
+// linear_bf16's many-row path for bf16 x on vdpbf16ps (cpu_linear_dot.cpp): the row
+// count from which linear_bf16 takes it (0: not built at this level); x [M, K] bf16,
+// packed weights, bias [N] fp32 or null -> y [M, N] into yf (fp32) or yb (bf16).
+int64_t linear_bf16_dot_rows();
+void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_t* packed,
+                     int64_t N, const float* bias, float* yf, c10::BFloat16* yb);
+// Its cache blocking, [x_chunk_bytes, w_group_bytes, kc2, direct_rows] (empty: keep) ->
+// the values before (empty where the level has no such path): the benchmark's sweeps.
+std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values);
+// One packed block for `rows` bf16 rows, as linear_bf16_dot computes it (no bias).
+void linear_bf16_dot_block(const c10::BFloat16* x, int64_t rows, int64_t K,
+                           const uint16_t* wblock, float* y, int64_t ldy, int64_t ncols);
 void linear_f32_block(const float* x, int64_t K, const float* wblock, float* y, int64_t ldy,
                       int64_t rows, int64_t ncols);
 // Integer-quantized weights (cpu_quant_linear.cpp): codes uint8 [N, K], scales fp32 [N, G],

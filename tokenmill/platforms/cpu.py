@@ -17,9 +17,14 @@ fixes, for the whole run:
   widened to fp32 in the kernel; where the level's `linear_bf16` is vectorised) or
   `torch`. Without native bf16 it takes every input and the packed weights are
   the only copy (half the bytes of an fp32 copy, and a batch-1 step is bound by
-  reading them); with native bf16 it takes the small inputs (decode) and oneDNN's
-  bf16 GEMM the rest. `linear_bf16_max_rows` (an engine argument) sets the row
-  limit instead: then an fp32 copy serves the larger inputs where bf16 is emulated;
+  reading them). With native bf16 too, at a level whose kernel has the many-row
+  path on vdpbf16ps (`ops.has_bf16_dot_gemm`: avx512_bf16; bf16 inputs of 9+ rows,
+  kernels/cpu_linear_dot.cpp), it takes every input and keeps no oneDNN copy:
+  resident weights ~1.0x the checkpoint instead of ~1.9x, at about oneDNN's speed
+  (figures at DEFAULT_NATIVE_BF16_PACKED_ROWS). Elsewhere with native bf16 it takes
+  the small inputs (decode) and oneDNN's bf16 GEMM the rest. `linear_bf16_max_rows`
+  (an engine argument) sets the row limit instead: then oneDNN's prepacked bf16
+  copy (native bf16) or an fp32 copy (bf16 emulated) serves the larger inputs;
 - the linear kernel of an fp32 model: `packed_f32` for inputs of up to
   DEFAULT_F32_PACKED_ROWS rows (decode; a second, packed, copy of the weights) and
   oneDNN above, where the level's linear is vectorised; else `torch`;
@@ -72,6 +77,19 @@ DEFAULT_F32_PACKED_ROWS = 8
 # between 8 and 16 rows; below, the packed kernel reads the weights faster. Measured on
 # a Xeon with AMX, 3072 x 512: 0.11 vs 0.26 ms at 1 row, 0.47 vs 0.37 ms at 16 rows,
 # and on the 32000 x 512 lm_head 3.1 vs 9.4 ms at 1 row.
+#
+# At avx512_bf16 the packed kernel's many-row path on vdpbf16ps (bf16 inputs from 9
+# rows; cpu_linear_dot.cpp) keeps pace with oneDNN's prepacked bf16 GEMM, so the
+# packed copy takes every input and the oneDNN copy is not kept (linear_bf16_max_rows
+# ALL_ROWS there). Measured on the 2-core AVX512-BF16 EPYC (Zen 4 class), one thread,
+# thread CPU time, packed / oneDNN ms (`python -m tokenmill.bench.linear_rows`):
+# 3072 x 512 at 16 rows 0.26 / 0.29, 32: 0.62 / 0.57, 128: 2.24 / 1.91, 512: 8.7 / 7.9,
+# 2048: 33.1 / 30.4; 32000 x 512 (lm_head) at 16: 3.4 / 3.5, 128: 22.7 / 20.5 (the
+# widening path took 47.8), 2048: 431 / 391; 4096 x 4096 at 16: 3.2 / 3.7, 128: 23.0 /
+# 21.6, 2048: 361 / 336. Over the bench model's five shapes and 4096 x 4096, 0.78-0.95x
+# at 16 rows, 0.99-1.17x at 32-2048 (mean ~1.09x): a few per cent of prefill time for
+# half the resident weight bytes. Below 9 rows (decode) the widening path stays: it
+# streams the weights, and the greedy head and the decode-layer loop rely on its results.
 DEFAULT_NATIVE_BF16_PACKED_ROWS = 8
 # linear_bf16_max_rows of a packed layer that takes every input (no other copy of the
 # weights is kept): layers/linear.py's ALL_ROWS.
@@ -238,7 +256,10 @@ class CpuPlatform(Platform):
         widen = on_cpu and half and (not cpu_bf16 or below_avx512)
         gemm = torch.float32 if widen else model_dtype
         if linear_bf16_max_rows is None:  # auto: see the module docstring
-            linear_bf16_max_rows = ALL_ROWS if widen else DEFAULT_NATIVE_BF16_PACKED_ROWS
+            dot_gemm = (ops is not None and gemm == torch.bfloat16
+                        and getattr(ops, "has_bf16_dot_gemm", False))
+            linear_bf16_max_rows = (ALL_ROWS if widen or dot_gemm
+                                    else DEFAULT_NATIVE_BF16_PACKED_ROWS)
         packed = (ops is not None and model_dtype == torch.bfloat16
                   and linear_bf16_max_rows > 0 and getattr(ops, "has_fast_linear_bf16", False))
         packed_f32 = (ops is not None and model_dtype == torch.float32
