@@ -132,20 +132,20 @@ def test_fp8_cache_matches_hf_with_e4m3_kv(models, name, cpu_kernels):
     assert check_against_reference(ref, PROMPTS, _generate(llm, PROMPTS)) == len(PROMPTS) * NEW
 
 
-def check_against_reference(ref, prompts, outs) -> int:
+def check_against_reference(ref, prompts, outs, tol: float = FP8_EMULATION_TOL) -> int:
     """Greedy tokens equal to the reference's argmax and every reported top-k logprob
-    within FP8_EMULATION_TOL, up to a near tie; -> the number of tokens checked."""
+    within `tol`, up to a near tie; -> the number of tokens checked."""
     checked = 0
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
         hf = ref(prompt + list(comp.token_ids))[len(prompt) - 1:-1]
         for i, t in enumerate(comp.token_ids):
             top2 = hf[i].topk(2).values
-            if top2[0] - top2[1] < 2 * FP8_EMULATION_TOL:
+            if top2[0] - top2[1] < 2 * tol:
                 break  # a near tie: the rest may follow the other branch
             assert t == int(hf[i].argmax()), (prompt[:3], i)
             for tok, lp in comp.logprobs[i].items():
-                assert lp.logprob == pytest.approx(hf[i, tok].item(), abs=FP8_EMULATION_TOL)
+                assert lp.logprob == pytest.approx(hf[i, tok].item(), abs=tol)
             checked += 1
     return checked
 
@@ -266,7 +266,12 @@ def test_hybrid_keeps_recurrent_state_in_model_dtype(tmp_path):
     assert runner.kv_caches and all(c.dtype == FP8 for c in runner.kv_caches.values())
     states = [t for ts in runner.state_caches.values() for t in ts]
     assert states and all(t.dtype == torch.float32 for t in states)
-    assert check_against_reference(ref, PROMPTS, _generate(llm, PROMPTS)) >= 2 * NEW
+    # The Gated DeltaNet layers' chunked prefill runs this engine's chunks (here prompt
+    # pieces of <= 16 tokens, chunked at 8 / 16) where HF's runs chunks of 64: fp32
+    # differences of ~1e-6 upstream of the attention layers' K/V, which can move an
+    # element across an e4m3 rounding boundary (one step: measured 4.4e-4 on one
+    # logprob here). A recurrent state kept in fp8 is caught by the dtype check above.
+    assert check_against_reference(ref, PROMPTS, _generate(llm, PROMPTS), tol=1e-3) >= 2 * NEW
 
 
 @pytest.mark.parametrize("value", ["fp16", "float8_e4m3fn", "fp8_e5m2", "", 8, None])
