@@ -68,17 +68,24 @@ def _prompts(n, seed=0, lo=3, hi=40):
     return [rng.integers(5, 250, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("batch", [1, 3, 9])
-def test_greedy_steps_equal_the_general_path(demo_path, monkeypatch, batch, async_scheduling):
-    prompts = _prompts(batch, seed=batch)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+def _fast_equals_general(demo_path, prompts, params, monkeypatch, async_scheduling):
+    """The run with the shortcuts and without: the same outputs and the same inputs and
+    attention metadata every step; -> the shortcuts' run."""
     fast = _run(demo_path, True, prompts, params, monkeypatch,
                 async_scheduling=async_scheduling)
     slow = _run(demo_path, False, prompts, params, monkeypatch,
                 async_scheduling=async_scheduling)
     assert fast[0] == slow[0]
     _same_steps(fast[1], slow[1])
+    return fast
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_greedy_steps_equal_the_general_path(demo_path, monkeypatch, batch, async_scheduling):
+    prompts = _prompts(batch, seed=batch)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fast = _fast_equals_general(demo_path, prompts, params, monkeypatch, async_scheduling)
     assert all(len(c[1]) == 12 for o in fast[0] for c in o)
 
 
@@ -96,11 +103,6 @@ def test_mixed_batch_equals_the_general_path(demo_path, monkeypatch, async_sched
               SamplingParams(temperature=0.8, top_p=0.9, n=2, seed=11, max_tokens=14,
                              logprobs=2),
               SamplingParams(temperature=0, max_tokens=9)]
-    fast = _run(demo_path, True, prompts, params, monkeypatch,
-                async_scheduling=async_scheduling)
-    slow = _run(demo_path, False, prompts, params, monkeypatch,
-                async_scheduling=async_scheduling)
-    assert fast[0] == slow[0]
-    _same_steps(fast[1], slow[1])
+    fast = _fast_equals_general(demo_path, prompts, params, monkeypatch, async_scheduling)
     assert fast[0][0][0][3] == "stop" and fast[0][0][0][4] == stop  # the stop string hit
     assert len(fast[0][2]) == 2 and fast[0][1][0][6] is not None

@@ -20,15 +20,9 @@ import statistics
 import sys
 import time
 
+from tokenmill.bench.quant_rows import parse_shapes
+
 SHAPES = "1024x512,512x512,3072x512,512x1536,32000x512,4096x4096"  # bench model + a 7B square
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        n, k = part.lower().split("x")
-        out.append((int(n), int(k)))
-    return out
 
 
 def _ints(text: str) -> list[int]:
