@@ -232,10 +232,17 @@ void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h
     for (int64_t b = first / c.bs; b < nb; ++b) {
       const int64_t lo = std::max(b * c.bs, first), n = std::min((b + 1) * c.bs, len) - lo;
       const int64_t skip = lo - b * c.bs;
-      if (b + 1 < nb)
-        prefetch_tokens(c.at(r, b + 1, h0, value), std::min(c.bs, len - (b + 1) * c.bs),
-                        c.s_tok, (nh - 1) * c.s_head + d);
+      // The next block of this phase (after the last: the first of V's), head by
+      // head just before this block's same head is computed: one burst of every
+      // head's lines filled the miss queue and stalled the core (attend_bf16).
+      const bool last = b + 1 == nb;
+      const int64_t pb = last ? first / c.bs : b + 1;
+      const int64_t pn = std::min(c.bs, len - pb * c.bs);
+      const bool ahead = !last || !value;
       for (int64_t i = 0; i < nh; ++i) {
+        if (ahead)
+          prefetch_tokens(c.at(r, pb, h0 + i, value || last), pn, c.s_tok,
+                          i + 1 == nh ? d : c.s_head);
         const T* p = c.at(r, b, h0 + i, value) + skip * c.s_tok;
         float* s = scores + i * g * span + (lo - first);
         if (value) {
@@ -386,9 +393,15 @@ struct PairScratch {
 // its tokens [first, len), as attend() but on vdpbf16ps: q / o hold those heads'
 // (h1 - h0) * g bf16 query / output rows. Tokens go in chunks of kChunk, whose row
 // pointers (head h0 of each token) are looked up once; the next chunk is prefetched.
+// `then`: the job this thread runs next (row < 0: none), whose first chunk of K is
+// prefetched during this job's last chunk of V (as V's first chunk is during K's last):
+// unprefetched, a chunk's 32 token rows are demand misses with little in flight.
+struct NextJob {
+  int64_t row = -1, h0 = 0, first = 0, len = 0;
+};
 inline void attend_bf16(const bf16* q, const Cache<bf16>& c, int64_t r, int64_t h0, int64_t h1,
                         int64_t g, int64_t d, int64_t first, int64_t len, float scale,
-                        float softcap, PairScratch& w, bf16* o) {
+                        float softcap, PairScratch& w, bf16* o, NextJob then) {
   const int64_t nh = h1 - h0, span = len - first, rows = nh * g;
   const int64_t sp = (span + kChunk - 1) / kChunk * kChunk;  // a row of scores, padded
   const int64_t head_elems = (nh - 1) * c.s_head + d;
@@ -397,21 +410,39 @@ inline void attend_bf16(const bf16* q, const Cache<bf16>& c, int64_t r, int64_t 
   w.out.assign(rows * d, 0.f);
   if (static_cast<int64_t>(w.zeros.size()) < head_elems) w.zeros.assign(head_elems, bf16(0.f));
   const bf16 *cur[kChunk], *next[kChunk];
-  auto lookup = [&](int64_t c0, bool value, const bf16** ptr) {
-    const int64_t n = std::min<int64_t>(kChunk, len - c0);
+  // Row pointers (head hh of each token) of row rr's chunk at c0 (of rr's rlen tokens).
+  auto lookup_in = [&](int64_t rr, int64_t hh, int64_t rlen, int64_t c0, bool value,
+                       const bf16** ptr) {
+    const int64_t n = std::min<int64_t>(kChunk, rlen - c0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = c0 + t;
-      ptr[t] = c.at(r, pos / c.bs, h0, value) + (pos % c.bs) * c.s_tok;
+      ptr[t] = c.at(rr, pos / c.bs, hh, value) + (pos % c.bs) * c.s_tok;
     }
     for (int64_t t = n; t < kChunk; ++t) ptr[t] = w.zeros.data();
     return static_cast<int>(n);
   };
+  auto lookup = [&](int64_t c0, bool value, const bf16** ptr) {
+    return lookup_in(r, h0, len, c0, value, ptr);
+  };
+  // The chunk after [c0, c0 + kChunk) of this phase: its next chunk, else the first
+  // of the V phase, else the next job's first of K (0: none).
+  auto lookup_after = [&](int64_t c0, bool value, const bf16** ptr) {
+    if (c0 + kChunk < len) return lookup(c0 + kChunk, value, ptr);
+    if (!value) return lookup(first, true, ptr);
+    if (then.row >= 0 && then.first < then.len)
+      return lookup_in(then.row, then.h0, then.len, then.first, false, ptr);
+    return 0;
+  };
   // Into L2 (not L1): a burst of L1 prefetches stalls on the few L1 miss buffers,
   // while L2 holds more misses in flight (measured: 1.3-1.5x the K/V read rate).
-  auto prefetch = [&](const bf16* const* ptr, int n) {
+  // Head by head, each just before that head of the current chunk is computed: one
+  // burst of every head's lines (8 lines a token at 4 kv heads of 64) filled the
+  // miss queue and stalled the core on the prefetches themselves, so memory and
+  // arithmetic took turns (batched rows read ~15 GB/s of 35).
+  auto prefetch = [&](const bf16* const* ptr, int n, int64_t lo, int64_t hi) {
     for (int t = 0; t < n; ++t) {
       const auto* b = reinterpret_cast<const char*>(ptr[t]);
-      for (int64_t off = 0; off < head_elems * 2; off += 64) tmvec::prefetch_l2(b + off);
+      for (int64_t off = lo * 2 / 64 * 64; off < hi * 2; off += 64) tmvec::prefetch_l2(b + off);
     }
   };
   for (int phase = 0; phase < 2; ++phase) {
@@ -434,12 +465,11 @@ inline void attend_bf16(const bf16* q, const Cache<bf16>& c, int64_t r, int64_t 
     }
     int n = lookup(first, value, cur);
     for (int64_t c0 = first; c0 < len; c0 += kChunk) {
-      const int64_t c1 = c0 + kChunk;
-      const int n1 = c1 < len ? lookup(c1, value, next) : 0;
-      prefetch(next, n1);
+      const int n1 = lookup_after(c0, value, next);
       const int64_t col = c0 - first;
       for (int64_t i = 0; i < nh; ++i) {
         const int64_t off = i * c.s_head;
+        prefetch(next, n1, off, i + 1 == nh ? head_elems : off + c.s_head);
         for (int64_t j = 0; j < g;) {
           const int64_t row = i * g + j, left = g - j;
           const int G = left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -514,8 +544,15 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
       if constexpr (pairs_type) {
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
         if (pairs) {
+          NextJob then;
+          if (job + 1 < end) {
+            then.row = (job + 1) / jobs_per_row;
+            then.h0 = (job + 1) % jobs_per_row * heads;
+            then.len = seq_lens[then.row];
+            then.first = window > 0 ? std::max<int64_t>(0, then.len - window) : 0;
+          }
           attend_bf16(q + q_off, c, r, h0, h0 + heads, g, d, first, len, scale, softcap, pw,
-                      out + q_off);
+                      out + q_off, then);
           continue;
         }
 #endif
