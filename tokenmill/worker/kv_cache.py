@@ -15,6 +15,7 @@ import os
 import torch
 
 from tokenmill.core.kv_cache_spec import AttentionSpec, KVCacheConfig
+from tokenmill.worker.huge_pages import zeros_huge_paged
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float8_e4m3fn": torch.float8_e4m3fn}
@@ -25,7 +26,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    buffers = [torch.zeros(config.num_blocks, page, dtype=torch.uint8, device=device)
+    # (huge pages on CPU: a decode step reads blocks scattered over the whole cache)
+    buffers = [zeros_huge_paged((config.num_blocks, page), torch.uint8, device)
                for page in config.buffer_page_sizes()]
     caches = {}
     for group in config.groups:
