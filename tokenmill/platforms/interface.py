@@ -140,10 +140,13 @@ class Platform:
         for _, p in model.named_parameters(remove_duplicate=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
         widened = 0
+        tied = {}  # id of a shared weight -> its Linear
         for module in model.modules():
             if isinstance(module, Linear):
                 # (an integer-quantized layer has no `weight` until its method converts)
                 w = getattr(module, "weight", None)
+                if seen.get(id(w), 0) > 1:
+                    tied[id(w)] = module
                 method = self.linear_method(module, shared=seen.get(id(w), 0) > 1)
                 dtype = w.dtype if w is not None else module.method.dtype
             elif isinstance(module, FusedMoE):
@@ -156,6 +159,10 @@ class Platform:
         if widened:
             logger.info("%d GEMM layers compute in %s (activations and KV cache stay %s)",
                         widened, self.gemm_dtype, self.model_dtype)
+        if tied:  # a tied embedding reads the head's packed copy: the matrix kept once
+            from tokenmill.models.layers.linear_methods.cpu_packed import (
+                tie_embeddings_to_packed_heads)
+            tie_embeddings_to_packed_heads(model, tied)
 
     def linear_method(self, layer, shared: bool = False):
         """The method `layer` (a Linear, weights loaded) runs through: the one place the

@@ -16,6 +16,7 @@ memory's pace where a batch-1 F.linear does not; larger inputs keep oneDNN.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tokenmill.models.layers.linear_methods.base import ALL_ROWS
 from tokenmill.models.layers.linear_methods.unquantized import (UnquantizedLinearMethod,
@@ -113,3 +114,62 @@ class PackedF32LinearMethod(UnquantizedLinearMethod):
         """The fp32 weights, unpacked: [N/32, K, 32], columns in order."""
         nb, k, cols = self.packed_weight.shape
         return self.packed_weight.permute(0, 2, 1).reshape(nb * cols, k)[:layer.out_features]
+
+
+class PackedRowsEmbedding(nn.Module):
+    """The token embedding of a model whose lm_head is tied to it, read from the
+    lm_head's packed bf16 copy (`PackedBf16LinearMethod` with no fallback: the only
+    copy), so the [vocab, hidden] matrix is resident once instead of twice (Qwen3
+    0.6B-4B, Gemma: the embedding is a fifth to a quarter of the checkpoint).
+
+    Row t of W is column t of the packed layout: block t / 32, and within a k line
+    the dword pair slot (t % 32) % 16, half (t % 32) / 16. A lookup reads one 64-byte
+    line per k for each token: microseconds a decode step, a few ms for a 2,048-token
+    prompt. The rows are the checkpoint's values exactly (packing only moves them)."""
+
+    def __init__(self, method: PackedBf16LinearMethod, num_embeddings: int,
+                 embedding_dim: int):
+        super().__init__()
+        self.method = method
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # (shape and dtype for code that asks; no data: lookups go through forward)
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim,
+                                               dtype=torch.bfloat16, device="meta"),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).long()
+        lo, hi = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if int(lo) < 0 or int(hi) >= self.num_embeddings:  # (padding columns hold zeros)
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        packed = self.method.packed_weight  # [N/32, K, 32]
+        nb, k, cols = packed.shape
+        lines = packed.view(nb, k, cols // 2, 2)
+        col = ids % cols
+        rows = lines[ids // cols, :, col % (cols // 2), col // (cols // 2)]  # [T, K]
+        return rows.view(*input_ids.shape, k)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied lm_head's packed copy"
+
+
+def tie_embeddings_to_packed_heads(model, tied: dict[int, object]) -> int:
+    """Every nn.Embedding of `model` whose weight was the (tied) weight of a Linear in
+    `tied` (id of the weight -> the Linear, taken before its method was set) and whose
+    Linear now keeps only a packed bf16 copy becomes a `PackedRowsEmbedding` over that
+    copy; -> how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            linear = tied.get(id(getattr(child, "weight", None)))
+            if type(child) is not nn.Embedding or linear is None:
+                continue
+            method = linear.method
+            if (not isinstance(method, PackedBf16LinearMethod) or method.fallback is not None
+                    or child.weight.dtype != torch.bfloat16
+                    or tuple(child.weight.shape) != (linear.out_features, linear.in_features)):
+                continue
+            setattr(parent, name, PackedRowsEmbedding(method, child.num_embeddings,
+                                                      child.embedding_dim))
+            replaced += 1
+    return replaced
