@@ -127,12 +127,15 @@ class DecodeLayers:
         return self._weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta: AttentionMetadata, start: int = 0, end: int | None = None
+                 meta: AttentionMetadata, start: int = 0, end: int | None = None,
+                 taps: torch.Tensor | None = None, tap_ids: tuple[int, ...] = ()
                  ) -> torch.Tensor:
         """x [T, hidden]: the residual stream, updated in place through layers
-        [start, end) (default: all; a drafter's taps split the loop into pieces).
-        Layers of several KV cache groups (Qwen2 sliding above max_window_layers):
-        one call per run of consecutive layers in one group, with its tables."""
+        [start, end) (default: all). `taps` [T, len(tap_ids) * hidden]: column block j
+        gets the stream entering layer tap_ids[j] (a drafter's taps, models/layers/
+        taps.py; ids outside [start, end) are left alone). Layers of several KV cache
+        groups (Qwen2 sliding above max_window_layers): one call per run of
+        consecutive layers in one group, with its tables."""
         weights, quant = self.weights()
         scales = self._kv_scales
         num_layers = self.num_layers
@@ -149,7 +152,7 @@ class DecodeLayers:
                 x, weights[lo * per_layer:hi * per_layer], dims,
                 quant[lo * quant_per_layer:hi * quant_per_layer], self.eps, self.scale, cos,
                 sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens,
-                scales[2 * lo:2 * hi])
+                scales[2 * lo:2 * hi], taps, [i - lo if lo <= i < hi else -1 for i in tap_ids])
         return x
 
 
