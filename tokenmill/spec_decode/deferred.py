@@ -82,6 +82,21 @@ class DeferredRows:
             self.count[s] = c + 1
         return True
 
+    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor
+                     ) -> list[list[int]] | None:
+        """A proposer's step that proposes nothing: if it was decode-only (one row per
+        request, row i request i's), every row waits (wait_all) and -> no drafts for
+        each; None (nothing changed) otherwise, and the proposer takes its full path."""
+        step = runner.last_step
+        n = len(req_ids)
+        positions = step.positions
+        if positions.size != n or (n > 1 and not (np.diff(step.query_start_loc[:n + 1])
+                                                  == 1).all()):
+            return None
+        if not self.wait_all(req_ids, positions, hidden):
+            return None
+        return [[] for _ in range(n)]
+
     def step(self, req_ids: list[str], first_pos: np.ndarray, counts: np.ndarray,
              wait_ok: np.ndarray, hidden: torch.Tensor, first_row: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
