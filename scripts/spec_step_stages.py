@@ -2,7 +2,7 @@
 a draft model: what a request backing off from a drafter whose drafts all fail pays per
 step over the plain engine (`tokenmill bench spec --workload random`'s ratio).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python scripts/spec_step_stages.py --steps 600
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python scripts/spec_step_stages.py --steps 64 --rounds 10
 
 One request (a random --input-len prompt, greedy) per engine: plain, then each method
 with its random-weight drafter (bench/spec.py builds them). Only steps that schedule
@@ -68,6 +68,8 @@ class Probe:
         if runner.drafter is not None:
             stages.append((runner.drafter, "propose_with_model", "  propose_with_model"))
             mp = runner.drafter.model_proposer
+            if args.max_rows:
+                mp.deferred.max_rows = args.max_rows
             stages.append((mp.deferred, "wait_all", "    deferred.wait_all"))
             stages.append((mp.model, "forward", "    drafter forward"))
         for obj, name, label in stages:
@@ -84,6 +86,7 @@ class Probe:
         self.stage_calls: Counter = Counter()
         self.counted = 0
         self.per_step: list[dict] = []
+        self.all_times: list[int] = []  # every step (one token each: no draft is accepted)
 
     def run(self, steps: int) -> None:
         sched = self.engine.engine_core.scheduler
@@ -94,6 +97,7 @@ class Probe:
             t0 = time.thread_time_ns()
             self.engine.step()
             t = time.thread_time_ns() - t0
+            self.all_times.append(t)
             req = next(iter(sched.running), None) if sched.running else None
             proposed = req is not None and bool(getattr(req, "spec_token_ids", None))
             last = self.runner.last_step
@@ -119,6 +123,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--methods", default="eagle3,dflash")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="rows a request's decode rows may gather before they run "
+                        "(default: spec_decode/deferred.py's MAX_DEFERRED_ROWS)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     native, native_calls = Counter(), Counter()
@@ -140,8 +147,13 @@ def main() -> None:
     out = {}
     for pr in probes:
         med = np.median(pr.times) / 1e3
+        mean = np.mean(pr.times) / 1e3
         print(f"{pr.name}: {pr.counted} no-proposal decode steps, median step "
-              f"{med:.1f} us thread CPU ({med - base:+.1f} us, {med / base:.3f}x plain)")
+              f"{med:.1f} us thread CPU ({med - base:+.1f} us, {med / base:.3f}x plain), "
+              f"mean {mean:.1f} us ({mean / (np.mean(probes[0].times) / 1e3):.3f}x plain)")
+        every = np.mean(pr.all_times) / 1e3
+        print(f"  every step (proposing ones too): mean {every:.1f} us "
+              f"({every / (np.mean(probes[0].all_times) / 1e3):.3f}x plain)")
         n = max(pr.counted, 1)
         print(f"  {'stage':28s} {'mean us':>8s} {'median':>8s} calls/step")
         for label in sorted(pr.stage_sum):
@@ -150,7 +162,7 @@ def main() -> None:
             print(f"  {label:28s} {pr.stage_sum[label] / n / 1e3:8.1f} {mid:8.1f}  "
                   f"{pr.stage_calls[label] / n:5.2f}")
         print(f"  {'  decode_layers calls':28s} {pr.stage_calls['  decode_layers'] / n:5.2f}")
-        out[pr.name] = dict(median_us=med, steps=pr.counted,
+        out[pr.name] = dict(median_us=med, steps=pr.counted, mean_us=mean, every_step_us=every,
                             stages_us={k: v / n / 1e3 for k, v in pr.stage_sum.items()},
                             calls={k: v / n for k, v in pr.stage_calls.items()})
     if args.json:

@@ -20,7 +20,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MAX_DEFERRED_ROWS = 16  # rows a request may gather (the drafter's longest back-off)
+from tokenmill.spec_decode.drafter import MAX_BACKOFF
+
+# Rows a request may gather: the drafter's longest back-off, so a request backing off
+# runs its rows once, with the step it next proposes from. A pass over 16 rows of a
+# small drafter costs about what one over 64 does (measured: ~0.95 ms against ~1.1 ms
+# more in the proposing step, bench-qwen3-512's random EAGLE-3), so a 16-row cap made
+# one such pass every 16 steps; the price is the buffer: slots x 64 x tapped width.
+MAX_DEFERRED_ROWS = MAX_BACKOFF
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -32,6 +39,7 @@ class DeferredRows:
         self.start = np.zeros(0, dtype=np.int64)  # per slot: position of the first row
         self.count = np.zeros(0, dtype=np.int64)  # per slot: rows waiting
         self.buf: torch.Tensor | None = None  # [slots, max_rows, width] target hidden
+        self._rows: list[torch.Tensor] | None = None  # buf's rows, as views (wait_all)
 
     def num_waiting(self, req_id: str) -> int:
         slot = self._slot.get(req_id)
@@ -58,6 +66,7 @@ class DeferredRows:
         self.count = np.concatenate([self.count, np.zeros(new - old, dtype=np.int64)])
         if self.buf is not None:
             self.buf = torch.cat([self.buf, self.buf.new_empty(new - old, *self.buf.shape[1:])])
+            self._rows = None
         self._free.extend(range(new - 1, old - 1, -1))
 
     def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor) -> bool:
@@ -75,8 +84,11 @@ class DeferredRows:
             slots.append((s, c, pos))
         if self.buf is None:
             self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+        if self._rows is None:  # each row's view, made once: indexing costs more than the copy
+            self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
+        rows, width = self._rows, self.buf.shape[1]
         for i, (s, c, pos) in enumerate(slots):
-            self.buf[s, c].copy_(hidden[i])
+            rows[s * width + c].copy_(hidden[i])
             if c == 0:
                 self.start[s] = pos
             self.count[s] = c + 1

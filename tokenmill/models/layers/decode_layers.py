@@ -142,17 +142,21 @@ class DecodeLayers:
         per_layer = len(weights) // num_layers
         quant_per_layer = len(quant) // num_layers
         end = num_layers if end is None else end
+        tap_kw = {}  # (a step without taps passes none: the kernel's defaults)
         for r0, r1, group, window in self._runs:
             lo, hi = max(r0, start), min(r1, end)
             if lo >= hi:
                 continue
             m = meta.for_group(group)
             dims = self.dims if window is None else self.dims + [window]
+            if taps is not None:
+                tap_kw = dict(taps=taps, tap_layers=[i - lo if lo <= i < hi else -1
+                                                     for i in tap_ids])
             x = self.ops.decode_layers(
                 x, weights[lo * per_layer:hi * per_layer], dims,
                 quant[lo * quant_per_layer:hi * quant_per_layer], self.eps, self.scale, cos,
                 sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens,
-                scales[2 * lo:2 * hi], taps, [i - lo if lo <= i < hi else -1 for i in tap_ids])
+                scales[2 * lo:2 * hi], **tap_kw)
         return x
 
 
