@@ -86,9 +86,9 @@ class DeferredRows:
             self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
         if self._rows is None:  # each row's view, made once: indexing costs more than the copy
             self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
-        rows, width = self._rows, self.buf.shape[1]
+        rows, per_slot = self._rows, self.buf.shape[1]
         for i, (s, c, pos) in enumerate(slots):
-            rows[s * width + c].copy_(hidden[i])
+            rows[s * per_slot + c].copy_(hidden[i])
             if c == 0:
                 self.start[s] = pos
             self.count[s] = c + 1
