@@ -596,6 +596,47 @@ def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, m
     assert drafts1 == drafts0
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_step_nobody_proposes_from_skips_the_proposer(tiny_model_factory, tmp_path, method):
+    """A decode step from which no request proposes (each backs off after failed
+    drafts) has its rows wait without the proposer's full path: `propose` (its numpy
+    bookkeeping over the batch, the drafter's passes) runs only on steps that propose
+    or run waiting rows, never on one where every row just waits."""
+    import json
+
+    from tokenmill.spec_decode import random_drafters as rd
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = str(tmp_path / method)
+    os.makedirs(draft)
+    config = json.load(open(os.path.join(tm.path, "config.json")))
+    if method == "eagle3":
+        rd.build_eagle3_checkpoint(draft, config)
+    else:
+        rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=5)
+    llm = make_llm(tm.path, speculative_config={"method": method, "model": draft,
+                                                "num_speculative_tokens": 3})
+    proposer = runner_of(llm).drafter.model_proposer
+    inside, waits_in_propose, fast = [False], [], []
+    inner_propose, inner_wait_all = proposer.propose, proposer.deferred.wait_all
+
+    def propose(*args, **kw):
+        inside[0] = True
+        try:
+            return inner_propose(*args, **kw)
+        finally:
+            inside[0] = False
+
+    def wait_all(*args):
+        ok = inner_wait_all(*args)
+        (waits_in_propose if inside[0] else fast).append(ok)
+        return ok
+    proposer.propose, proposer.deferred.wait_all = propose, wait_all
+    out = generate(llm, loop_prompts(tm.vocab_size, n=2, seed=31), greedy(60))
+    assert all(len(o) == 60 for o in out)
+    assert sum(fast) > 20  # most steps after the first misses
+    assert not any(waits_in_propose)
+
+
 def test_row_budget_shares_the_free_rows(base, monkeypatch):
     """With the CPU's row budget (the rows a decode step takes at about the cost of
     one), each verifying step stays within it: drafts fill the rows the batch leaves

@@ -70,7 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("quant"), pybind11::arg("eps"), pybind11::arg("scale"),
         pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slot_block"),
         pybind11::arg("slot_offset"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
-        pybind11::arg("kv_scales") = std::vector<double>{});
+        pybind11::arg("kv_scales") = std::vector<double>{},
+        pybind11::arg("taps") = pybind11::none(),
+        pybind11::arg("tap_layers") = std::vector<int64_t>{});
   m.def("gemma_decode_layers", &gemma_decode_layers,
         "all decoder layers of a Gemma 3 model for a decode-only step, in one call");
   m.def("gemma4_decode_layers", &gemma4_decode_layers,

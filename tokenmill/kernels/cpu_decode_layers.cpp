@@ -44,11 +44,17 @@ enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // cos / sin [T, 1, rotary_dim]; slot_block / slot_offset [T]: where each token's
 // K/V go; block_table [T, max_nb] int32 and seq_lens [T] int32 of the decode rows;
 // kv_scales: per layer its fp8 cache's (k_scale, v_scale), or empty (all 1.0).
+// taps [T, n * hidden] with tap_layers [n]: a drafter's hidden-state taps
+// (models/layers/taps.py); column block j gets a copy of x as it enters layer
+// tap_layers[j] of this call (entries outside [0, layers) are left alone). Taken here,
+// one call serves a step whose taps would otherwise split the loop into several.
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<int64_t> dims, std::vector<int64_t> quant,
                             double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
-                            torch::Tensor seq_lens, std::vector<double> kv_scales) {
+                            torch::Tensor seq_lens, std::vector<double> kv_scales,
+                            std::optional<torch::Tensor> taps,
+                            std::vector<int64_t> tap_layers) {
   TORCH_CHECK(weights.size() % NUM_SLOTS == 0, "decode_layers: ", NUM_SLOTS,
               " tensors per layer");
   TORCH_CHECK(dims.size() == 6 || dims.size() == 7, "decode_layers: 6 or 7 dims");
@@ -57,6 +63,13 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                 inter = dims[5], window = dims.size() == 7 ? dims[6] : 0;
   const int64_t t = x.size(0), q_size = hq * d, kv_size = hkv * d;
   const size_t num_layers = weights.size() / NUM_SLOTS;
+  const int64_t num_taps = static_cast<int64_t>(tap_layers.size());
+  if (num_taps > 0) {
+    TORCH_CHECK(taps.has_value() && taps->dim() == 2 && taps->size(0) == t &&
+                    taps->size(1) == num_taps * hidden &&
+                    taps->scalar_type() == x.scalar_type(),
+                "decode_layers: taps must be [T, len(tap_layers) * hidden] in x's dtype");
+  }
   TORCH_CHECK(quant.size() == num_layers * NUM_LINEARS * 2, "decode_layers: ",
               NUM_LINEARS * 2, " quant entries per layer");
   TORCH_CHECK(kv_scales.empty() || kv_scales.size() == num_layers * 2,
@@ -80,6 +93,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   for (size_t l = 0; l < num_layers; ++l) {
     const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
     const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;
+    for (int64_t j = 0; j < num_taps; ++j)
+      if (tap_layers[j] == static_cast<int64_t>(l)) taps->narrow(1, j * hidden, hidden).copy_(x);
     // Attention block: DecoderLayer.input_layernorm, Attention.forward.
     torch::Tensor h = norm(x, w[INPUT_NORM]);
     torch::Tensor qkv = linear(h, w + QKV, q_size + 2 * kv_size, lq + 2 * Q_QKV);

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -110,7 +111,9 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             double eps, double scale,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
                             torch::Tensor slot_offset, torch::Tensor block_table,
-                            torch::Tensor seq_lens, std::vector<double> kv_scales = {});
+                            torch::Tensor seq_lens, std::vector<double> kv_scales = {},
+                            std::optional<torch::Tensor> taps = std::nullopt,
+                            std::vector<int64_t> tap_layers = {});
 torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                   std::vector<int64_t> layer_info, std::vector<int64_t> dims,
                                   double eps, double scale, double softcap,

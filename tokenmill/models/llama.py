@@ -184,14 +184,18 @@ class LlamaForCausalLM(HiddenStateTaps, nn.Module):
         (a multimodal model's, with image embeddings at the placeholders)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        # The native loop: the same kernels as the layers, called from C++ (in pieces
-        # between a drafter's taps; layers/decode_layers.py).
+        # The native loop: the same kernels as the layers, called from C++ (which also
+        # takes a drafter's taps; layers/decode_layers.py).
         native = self.decode_layers is not None and self.decode_layers.applies(x, meta)
 
         def span(start, end, h):
             return self.decode_layers(h, cos, sin, meta, start, end)
+
+        def tapped(h, taps, ids):
+            return self.decode_layers(h, cos, sin, meta, taps=taps, tap_ids=ids)
         return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
-                               self.norm, span if native else None)
+                               self.norm, span if native else None,
+                               tapped if native else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -20,7 +20,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MAX_DEFERRED_ROWS = 16  # rows a request may gather (the drafter's longest back-off)
+from tokenmill.spec_decode.drafter import MAX_BACKOFF
+
+# Rows a request may gather: the drafter's longest back-off, so a request backing off
+# runs its rows once, with the step it next proposes from. A pass over 16 rows of a
+# small drafter costs about what one over 64 does (measured: ~0.95 ms against ~1.1 ms
+# more in the proposing step, bench-qwen3-512's random EAGLE-3), so a 16-row cap made
+# one such pass every 16 steps; the price is the buffer: slots x 64 x tapped width.
+MAX_DEFERRED_ROWS = MAX_BACKOFF
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -32,6 +39,7 @@ class DeferredRows:
         self.start = np.zeros(0, dtype=np.int64)  # per slot: position of the first row
         self.count = np.zeros(0, dtype=np.int64)  # per slot: rows waiting
         self.buf: torch.Tensor | None = None  # [slots, max_rows, width] target hidden
+        self._rows: list[torch.Tensor] | None = None  # buf's rows, as views (wait_all)
 
     def num_waiting(self, req_id: str) -> int:
         slot = self._slot.get(req_id)
@@ -58,6 +66,7 @@ class DeferredRows:
         self.count = np.concatenate([self.count, np.zeros(new - old, dtype=np.int64)])
         if self.buf is not None:
             self.buf = torch.cat([self.buf, self.buf.new_empty(new - old, *self.buf.shape[1:])])
+            self._rows = None
         self._free.extend(range(new - 1, old - 1, -1))
 
     def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor) -> bool:
@@ -75,12 +84,30 @@ class DeferredRows:
             slots.append((s, c, pos))
         if self.buf is None:
             self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+        if self._rows is None:  # each row's view, made once: indexing costs more than the copy
+            self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
+        rows, per_slot = self._rows, self.buf.shape[1]
         for i, (s, c, pos) in enumerate(slots):
-            self.buf[s, c].copy_(hidden[i])
+            rows[s * per_slot + c].copy_(hidden[i])
             if c == 0:
                 self.start[s] = pos
             self.count[s] = c + 1
         return True
+
+    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor
+                     ) -> list[list[int]] | None:
+        """A proposer's step that proposes nothing: if it was decode-only (one row per
+        request, row i request i's), every row waits (wait_all) and -> no drafts for
+        each; None (nothing changed) otherwise, and the proposer takes its full path."""
+        step = runner.last_step
+        n = len(req_ids)
+        positions = step.positions
+        if positions.size != n or (n > 1 and not (np.diff(step.query_start_loc[:n + 1])
+                                                  == 1).all()):
+            return None
+        if not self.wait_all(req_ids, positions, hidden):
+            return None
+        return [[] for _ in range(n)]
 
     def step(self, req_ids: list[str], first_pos: np.ndarray, counts: np.ndarray,
              wait_ok: np.ndarray, hidden: torch.Tensor, first_row: np.ndarray

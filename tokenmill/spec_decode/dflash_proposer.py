@@ -31,6 +31,12 @@ class DFlashProposer:
         # drafted only from a context that reaches its first position.
         self.context_end: dict[str, int] = {}
 
+    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str]
+             ) -> list[list[int]] | None:
+        """A step from which no request proposes: its decode rows wait (DeferredRows.
+        wait_decodes); None: not such a step, and `propose` runs it."""
+        return self.deferred.wait_decodes(runner, req_ids, runner.model.aux_hidden)
+
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta, max_drafts: np.ndarray
                 ) -> list[list[int]]:

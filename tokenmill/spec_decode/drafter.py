@@ -96,8 +96,30 @@ class Drafter:
         """A draft model's proposals. Its own K/V (or context) must cover every position
         before it drafts: a request that proposes nothing this step keeps its decode row
         waiting for the step it next proposes from (spec_decode/deferred.py)."""
-        return self.model_proposer.propose(runner, hidden, meta,
-                                           self._max_drafts(req_ids, eligible))
+        if self._none_proposes(req_ids, eligible):
+            # The common step of requests that back off: their rows wait, through a
+            # path of a few dict and tensor operations (no numpy over the batch).
+            waited = self.model_proposer.wait(runner, hidden, req_ids)
+            if waited is not None:
+                return waited
+            max_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        else:
+            max_drafts = self._max_drafts(req_ids, eligible)
+        return self.model_proposer.propose(runner, hidden, meta, max_drafts)
+
+    def _none_proposes(self, req_ids: list[str], eligible: np.ndarray) -> bool:
+        """Whether no request asks for drafts this step; if so, as _max_drafts would, it
+        counts a step off each eligible request's back-off. Otherwise nothing changed."""
+        d = self.config.disable_by_batch_size
+        if d is not None and len(req_ids) >= d:
+            return True
+        skip = self._skip
+        rows = range(len(req_ids)) if eligible.all() else np.nonzero(eligible)[0].tolist()
+        if not all(skip.get(req_ids[r]) for r in rows):
+            return False
+        for r in rows:
+            skip[req_ids[r]] -= 1
+        return True
 
     def propose(self, req_ids: list[str], token_ids: np.ndarray, num_tokens: np.ndarray,
                 eligible: np.ndarray) -> list[list[int]]:

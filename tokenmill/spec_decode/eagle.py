@@ -35,6 +35,17 @@ class EagleProposer:
         head = target_greedy_head(runner, self.model, out.shape[0])
         return head(out).long() if head is not None else self.model.draft_token_ids(out)
 
+    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str]
+             ) -> list[list[int]] | None:
+        """A step from which no request proposes: its decode rows wait (DeferredRows.
+        wait_decodes); None: not such a step, or a drafter without write_kv (every
+        token runs its full forward), and `propose` runs it."""
+        model = self.model
+        if not hasattr(model, "write_kv"):
+            return None
+        target = runner.model.aux_hidden if model.aux_layer_ids else hidden
+        return self.deferred.wait_decodes(runner, req_ids, target)
+
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta: AttentionMetadata,
                 max_drafts: np.ndarray) -> list[list[int]]:

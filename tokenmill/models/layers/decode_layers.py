@@ -127,29 +127,36 @@ class DecodeLayers:
         return self._weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta: AttentionMetadata, start: int = 0, end: int | None = None
+                 meta: AttentionMetadata, start: int = 0, end: int | None = None,
+                 taps: torch.Tensor | None = None, tap_ids: tuple[int, ...] = ()
                  ) -> torch.Tensor:
         """x [T, hidden]: the residual stream, updated in place through layers
-        [start, end) (default: all; a drafter's taps split the loop into pieces).
-        Layers of several KV cache groups (Qwen2 sliding above max_window_layers):
-        one call per run of consecutive layers in one group, with its tables."""
+        [start, end) (default: all). `taps` [T, len(tap_ids) * hidden]: column block j
+        gets the stream entering layer tap_ids[j] (a drafter's taps, models/layers/
+        taps.py; ids outside [start, end) are left alone). Layers of several KV cache
+        groups (Qwen2 sliding above max_window_layers): one call per run of
+        consecutive layers in one group, with its tables."""
         weights, quant = self.weights()
         scales = self._kv_scales
         num_layers = self.num_layers
         per_layer = len(weights) // num_layers
         quant_per_layer = len(quant) // num_layers
         end = num_layers if end is None else end
+        tap_kw = {}  # (a step without taps passes none: the kernel's defaults)
         for r0, r1, group, window in self._runs:
             lo, hi = max(r0, start), min(r1, end)
             if lo >= hi:
                 continue
             m = meta.for_group(group)
             dims = self.dims if window is None else self.dims + [window]
+            if taps is not None:
+                tap_kw = dict(taps=taps, tap_layers=[i - lo if lo <= i < hi else -1
+                                                     for i in tap_ids])
             x = self.ops.decode_layers(
                 x, weights[lo * per_layer:hi * per_layer], dims,
                 quant[lo * quant_per_layer:hi * quant_per_layer], self.eps, self.scale, cos,
                 sin, m.slot_block, m.slot_offset, m.decode_block_table, m.decode_seq_lens,
-                scales[2 * lo:2 * hi])
+                scales[2 * lo:2 * hi], **tap_kw)
         return x
 
 

@@ -17,6 +17,9 @@ import torch
 
 Step = Callable[[int, torch.Tensor], torch.Tensor]
 Span = Callable[[int, int, torch.Tensor], torch.Tensor]
+# tapped(x, taps, ids): every layer in one native call, which copies the stream entering
+# layer ids[j] into column block j of taps [T, len(ids) * hidden].
+Tapped = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor]
 
 
 class HiddenStateTaps:
@@ -28,10 +31,13 @@ class HiddenStateTaps:
     aux_hidden: torch.Tensor | None = None
 
     def run_layers(self, x: torch.Tensor, step: Step, norm: Callable[[torch.Tensor],
-                   torch.Tensor], span: Span | None = None) -> torch.Tensor:
+                   torch.Tensor], span: Span | None = None,
+                   tapped: Tapped | None = None) -> torch.Tensor:
         """norm(layers(x)). `step(i, x)` runs layer i; `span(start, end, x)`, when given,
-        runs layers [start, end) in one call (a native loop), split at the taps. Layers
-        may update x in place: a tap keeps a copy."""
+        runs layers [start, end) in one call (a native loop), split at the taps unless
+        `tapped` takes them in that one call (a split costs a native call, a copy and
+        the dispatch around them per tap, every step). Layers may update x in place: a
+        tap keeps a copy."""
         n = len(self.layers)
         ids = self.aux_layer_ids
         if not ids:
@@ -40,6 +46,15 @@ class HiddenStateTaps:
             for i in range(n):
                 x = step(i, x)
             return norm(x)
+        if tapped is not None:
+            width = x.shape[1]
+            buf = x.new_empty(x.shape[0], len(ids) * width)
+            out = norm(tapped(x, buf, ids))
+            for j, i in enumerate(ids):
+                if i == n:  # the final normed output (the loop takes layer inputs only)
+                    buf[:, j * width:(j + 1) * width].copy_(out)
+            self.aux_hidden = buf
+            return out
         taps: dict[int, torch.Tensor] = {}
         cuts = sorted({i for i in ids if 0 < i < n})
         bounds = list(zip([0] + cuts, cuts + [n]))
