@@ -954,6 +954,25 @@ TM_INLINE void block_codes_at(const uint8_t* codes, int64_t k, Vec* out) {
   codes_at<BITS>(codes, k, out);
 }
 
+// Whether every W' of a group with these (loaded) scales converts to bf16 by
+// vcvtne2ps2bf16 exactly as c10 rounds it: that instruction also rounds to nearest
+// even but reads denormal inputs as zero and writes NaNs of its own, so it serves only
+// where no W' is a denormal or NaN: every scale zero, or finite with |scale| * the
+// smallest nonzero |code - zero| (1; e4m3: 2^-9, read as 2^-17 against scale x 2^8)
+// at least FLT_MIN. Real checkpoints' scales always are; others take c10's rounding.
+template <int BITS>
+TM_INLINE bool fast_bf16(const Vec* s) {
+  const __m512 lo = _mm512_set1_ps(BITS == kQuantE4m3 ? 0x1p-109f : 0x1p-126f);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __mmask16 ok = 0xffff;
+  for (int c = 0; c < C; ++c) {
+    const __m512 a = _mm512_abs_ps(s[c].v);
+    ok &= (_mm512_cmp_ps_mask(a, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ)) |
+          _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  }
+  return ok == 0xffff;
+}
+
 template <int BITS, typename S, bool QUAD>
 struct QuantPairs final : DotPairSource {
   const Packed& p;
@@ -962,14 +981,21 @@ struct QuantPairs final : DotPairSource {
   void pairs(int64_t blk, int64_t p0, int64_t np, uint32_t* dst) const override {
     const QBlock<S> b = p.block<S>(blk, BITS);  // (quad blocks: the same bytes)
     Vec s[C], z[C];
+    bool fast = false;
     int64_t kend = -1;  // the end of the group whose scale / zero are loaded
     constexpr __mmask32 kHigh = 0xAAAAAAAAu;  // the high bf16 of every dword
+    // vcvtne2ps2bf16(k odd, k even) -> words [even 0..15, odd 0..15]; word 2c of the pair
+    // vector is the even k's column c, word 2c + 1 the odd one's
+    alignas(64) static constexpr uint16_t kPairIdx[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pair_idx = _mm512_load_si512(kPairIdx);
     for (int64_t q = 0; q < np; ++q) {
-      __m512i r[2][C];  // bf16(W') at k = 2p, 2p + 1, in the high half of each dword
+      Vec v[2][C];  // W' at k = 2p, 2p + 1
       for (int j = 0; j < 2; ++j) {
         const int64_t k = 2 * (p0 + q) + j;
         if (k >= b.K) {
-          for (int c = 0; c < C; ++c) r[j][c] = _mm512_setzero_si512();
+          for (int c = 0; c < C; ++c) v[j][c] = Vec::zero();
           continue;
         }
         if (k >= kend) {
@@ -979,19 +1005,28 @@ struct QuantPairs final : DotPairSource {
             s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
             if constexpr (kHasZeros<BITS>) z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
           }
+          // (a pair across two groups: both must allow it)
+          fast = fast_bf16<BITS>(s) && (j == 0 || fast);
         }
         Vec w[C];
         block_codes_at<BITS, QUAD>(b.codes, k, w);
         for (int c = 0; c < C; ++c) {
-          Vec v;
-          if constexpr (kHasZeros<BITS>) v = (w[c] - z[c]) * s[c]; else v = w[c] * s[c];
-          r[j][c] = _mm512_castps_si512(v.round_bf16().v);
+          if constexpr (kHasZeros<BITS>) v[j][c] = (w[c] - z[c]) * s[c];
+          else v[j][c] = w[c] * s[c];
         }
       }
-      for (int c = 0; c < C; ++c)
-        _mm512_storeu_si512(dst + q * NB + c * Vec::W,
-                            _mm512_mask_blend_epi16(kHigh, _mm512_srli_epi32(r[0][c], 16),
-                                                    r[1][c]));
+      for (int c = 0; c < C; ++c) {
+        __m512i pw;
+        if (fast) {
+          pw = _mm512_permutexvar_epi16(
+              pair_idx, (__m512i)_mm512_cvtne2ps_pbh(v[1][c].v, v[0][c].v));
+        } else {  // c10's rounding; the shift and the blend keep each dword's high half
+          pw = _mm512_mask_blend_epi16(
+              kHigh, _mm512_srli_epi32(_mm512_castps_si512(v[0][c].round_bf16().v), 16),
+              _mm512_castps_si512(v[1][c].round_bf16().v));
+        }
+        _mm512_storeu_si512(dst + q * NB + c * Vec::W, pw);
+      }
     }
   }
 };
