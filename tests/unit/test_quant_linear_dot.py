@@ -132,6 +132,27 @@ def test_e4m3_matches_float64(ops, group, m, n, k):
     check(ops, pq, x, torch.randn(n, generator=g) if m % 2 else None)
 
 
+def test_groups_whose_scales_need_c10s_rounding(ops):
+    """Groups with a tiny (denormal W'), infinite or NaN scale take the exact rounding
+    path; the others beside them the fast one: finite columns within the bound, a NaN
+    scale's column NaN, an infinite one's non-finite."""
+    n, k, m = 64, 256, 20
+    qw = _weight(n, k, 8, 32, False, 12)
+    qw.zeros[:, :] = 100
+    qw.scales[3, 2] = 2.0 ** -130   # denormal W' in group 2 of column 3
+    qw.codes[7, 32:64] = 101        # column 7, group 1: W' = +inf
+    qw.scales[7, 1] = float("inf")
+    qw.scales[40, 5] = float("nan")
+    pq = PackedQuantizedWeight(ops, qw)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(13)).bfloat16()
+    y = _call(ops, pq, x, None)
+    assert y[:, 40].isnan().all()
+    assert not y[:, 7].isfinite().any()
+    finite = [c for c in range(n) if c not in (7, 40)]
+    wt = pq.dequantize_t(0, n, bf16=True)
+    assert excess(y[:, finite], x, wt[:, finite], None, False) <= 0
+
+
 def test_results_do_not_depend_on_threads_or_rows(ops):
     """One fp32 accumulator per value over the same pairs in the same order, whatever
     the row groups, K chunks and threads."""
