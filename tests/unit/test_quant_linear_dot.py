@@ -231,3 +231,22 @@ def test_bad_arguments_are_refused(ops):
         _call(ops, pq, torch.randn(20, 64).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bias"):
         _call(ops, pq, torch.randn(20, 128).bfloat16(), torch.randn(3))
+
+
+def test_moe_experts_take_it_past_max_rows(ops):
+    """PackedQuantizedExperts.grouped: an expert group past max_rows in bf16 takes
+    linear_quant_dot (the quad layout too), smaller groups the kernel."""
+    from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
+    n, k = 64, 128
+    w13 = [_weight(2 * n, k, 4, 32, False, 20 + e) for e in range(3)]
+    w2 = [_weight(k, n, 4, 32, False, 30 + e) for e in range(3)]
+    experts = PackedQuantizedExperts.from_quantized(ops, w13, w2, 8, 8, None)
+    assert experts.quad
+    xs = torch.randn(50, k, generator=torch.Generator().manual_seed(21)).bfloat16()
+    groups = [(0, 0, 30), (2, 30, 35), (1, 35, 50)]  # (expert, lo, hi): 30, 5, 15 rows
+    out = experts.grouped(xs, experts.w13, 2 * n, groups, None, None)
+    for e, lo, hi in groups:
+        want = (_call(ops, experts.w13[e], xs[lo:hi], None, fp32_out=False) if hi - lo > 8
+                else experts.w13[e].linear(xs[lo:hi], None, 8, None))
+        assert torch.equal(out[lo:hi], want)
+    assert not torch.equal(out[30:35], _call(ops, experts.w13[2], xs[30:35], None, False))
