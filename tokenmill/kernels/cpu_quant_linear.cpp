@@ -960,6 +960,8 @@ TM_INLINE void block_codes_at(const uint8_t* codes, int64_t k, Vec* out) {
 // where no W' is a denormal or NaN: every scale zero, or finite with |scale| * the
 // smallest nonzero |code - zero| (1; e4m3: 2^-9, read as 2^-17 against scale x 2^8)
 // at least FLT_MIN. Real checkpoints' scales always are; others take c10's rounding.
+// (vdpbf16ps itself reads denormal bf16s as zero, so the outputs would not differ; the
+// scratch's values stay dequantize_quant(bf16=True)'s all the same.)
 template <int BITS>
 TM_INLINE bool fast_bf16(const Vec* s) {
   const __m512 lo = _mm512_set1_ps(BITS == kQuantE4m3 ? 0x1p-109f : 0x1p-126f);
@@ -1005,7 +1007,8 @@ struct QuantPairs final : DotPairSource {
             s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
             if constexpr (kHasZeros<BITS>) z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
           }
-          // (a pair across two groups: both must allow it)
+          // (a pair across two groups: both must allow it; the rest of the second
+          // group then keeps the exact path too, equally right)
           fast = fast_bf16<BITS>(s) && (j == 0 || fast);
         }
         Vec w[C];
