@@ -263,7 +263,8 @@ def test_platform_sets_the_quantized_row_limit(ops, kernel_level, native_bf16, m
     reading of the CPU flags, stood in for here."""
     from tokenmill.platforms import cpu
     from tokenmill.platforms.cpu import (DEFAULT_NATIVE_BF16_QUANTIZED_ROWS,
-                                         DEFAULT_QUANTIZED_ROWS, CpuPlatform)
+                                         DEFAULT_QUANT_DOT_ROWS, DEFAULT_QUANTIZED_ROWS,
+                                         CpuPlatform)
     monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: native_bf16)
     p = CpuPlatform.create("cpu", torch.float32)
     want = DEFAULT_QUANTIZED_ROWS if ops.has_fast_linear_bf16 else 0
@@ -276,7 +277,10 @@ def test_platform_sets_the_quantized_row_limit(ops, kernel_level, native_bf16, m
     levels = kernels.all_levels()
     below = "avx512" in levels and levels.index(kernel_level) < levels.index("avx512")
     assert (b.gemm_dtype == "bfloat16") == (native_bf16 and not below)
-    native = DEFAULT_NATIVE_BF16_QUANTIZED_ROWS if b.gemm_dtype == "bfloat16" else \
-        DEFAULT_QUANTIZED_ROWS
+    # (with vdpbf16ps, linear_quant_dot takes the bf16 rows past the decode sizes)
+    dot = getattr(ops, "has_quant_dot", False)
+    native = (DEFAULT_QUANTIZED_ROWS if b.gemm_dtype != "bfloat16" else
+              DEFAULT_QUANT_DOT_ROWS if dot else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
     assert b.quantized_max_rows == (native if want else 0)
+    assert ("vdpbf16ps" in b.describe()) == bool(want and dot and b.gemm_dtype == "bfloat16")
     assert CpuPlatform.create("cpu", torch.float32, cpu_kernels="torch").quantized_max_rows == 0

@@ -11,7 +11,10 @@ bf16. One thread is timed in the calling thread's CPU time (time.thread_time: th
 machine may be shared), more threads in wall time; per call, the median of --repeats
 batches of at least --min-time seconds each. `ratio` is packed / oneDNN (below 1: the
 packed layer is faster). --widen adds the packed kernel on fp32 inputs (its widening
-fp32 path: what bf16 inputs took before the dot-product path).
+fp32 path: what bf16 inputs took before the dot-product path). --quantized int8 (or
+int4-gGROUP, int8-gGROUP) adds the same shape quantized: `dot` (linear_quant_dot, the
+codes dequantized to bf16 pairs in the kernel's scratch, where the level has it) and
+`tiles` (dequantized bf16 tiles and oneDNN's GEMM, what bf16 inputs took before).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import statistics
 import sys
 import time
 
-from tokenmill.bench.quant_rows import parse_shapes
+from tokenmill.bench.quant_rows import parse_shapes, random_quantized_weight
 
 SHAPES = "1024x512,512x512,3072x512,512x1536,32000x512,4096x4096"  # bench model + a 7B square
 
@@ -58,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--widen", action="store_true",
                    help="also time the packed kernel's fp32-input (widening) path")
+    p.add_argument("--quantized", default=None,
+                   help="also time the shape quantized (int8, int4-gGROUP, int8-gGROUP): "
+                        "linear_quant_dot and the dequantized tiles")
     p.add_argument("--dot-tuning", default=None, type=_ints,
                    help="x_chunk_bytes,w_group_bytes,kc2,direct_rows: the bf16 dot-product "
                         "path's cache blocking for this run (kernels/cpu_linear_dot.cpp)")
@@ -68,6 +74,7 @@ def main(argv=None) -> int:
     from tokenmill.kernels import cpu_ops
     from tokenmill.models.layers.linear import Linear
     from tokenmill.models.layers.linear_methods.base import ALL_ROWS
+    from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
     from tokenmill.platforms.cpu import CpuPlatform
 
     ops = cpu_ops()
@@ -99,6 +106,12 @@ def main(argv=None) -> int:
                 layer.weight.data.copy_(w)
                 layer.set_method(plat.linear_method(layer))
                 layers[name] = layer
+            quant = None
+            if args.quantized:
+                fmt = args.quantized
+                group = int(fmt.split("-g")[1]) if "-g" in fmt else k
+                quant = PackedQuantizedWeight(ops, random_quantized_weight(
+                    n, k, 4 if fmt.startswith("int4") else 8, group, gen))
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 cells = []
@@ -115,6 +128,12 @@ def main(argv=None) -> int:
                             c = time_call(lambda: layers["packed"](xf), threads, args.min_time,
                                           args.repeats) * 1e3
                             cell += f" (widen {c:.3f})"
+                        if quant is not None:
+                            d = (time_call(lambda: quant._dot(x, None), threads, args.min_time,
+                                           args.repeats) * 1e3 if quant.dot else float("nan"))
+                            t = time_call(lambda: quant._tiled(x, None, torch.bfloat16),
+                                          threads, args.min_time, args.repeats) * 1e3
+                            cell += f" ({args.quantized} dot {d:.3f}, tiles {t:.3f})"
                         cells.append(cell)
                 print(f"{n}x{k} t={threads}  " + "  ".join(cells), flush=True)
     finally:

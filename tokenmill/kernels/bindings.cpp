@@ -43,6 +43,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
         pybind11::arg("zeros"), pybind11::arg("N"), pybind11::arg("bits"),
         pybind11::arg("group_size"), pybind11::arg("bias"));
+  m.def("linear_quant_dot", &linear_quant_dot,
+        "x @ W^T + b for many bf16 rows: packed quantized weights dequantized to bf16 "
+        "pairs for vdpbf16ps (avx512_bf16)",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("zeros"), pybind11::arg("N"), pybind11::arg("bits"),
+        pybind11::arg("group_size"), pybind11::arg("bias"), pybind11::arg("fp32_out") = false);
+  // linear_quant_dot is built (avx512_bf16): the quantized layers' many-row path
+  m.attr("has_quant_dot") = has_quant_dot();
   m.def("dequantize_quant", &dequantize_quant,
         "rows r0:r1 of the packed 4- / 8-bit / e4m3 weights dequantized to fp32 (or "
         "rounded to bf16), as [K, r1 - r0]",

@@ -17,6 +17,10 @@
 // DMR x 32 fp32 accumulators and, per pair p, broadcasts each row's pair word and
 // does two vdpbf16ps: products of bf16s are exact in fp32, sums are fp32.
 //
+// The driver (linear_dot_gemm) takes its blocks' pair words from a DotPairSource (ops.h):
+// linear_bf16's packed blocks here, quantized codes dequantized straight into the
+// scratch in cpu_quant_linear.cpp (linear_quant_dot).
+//
 // Cache blocking: a thread takes a group of up to G column blocks (their scratch,
 // G * K * 64 bytes, stays in L2), and runs row chunks of MC rows (MC * K * 2 bytes of
 // x, in L2) across every block of the group.
@@ -220,11 +224,13 @@ std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values) {
   return old;
 }
 
-void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_t* packed,
-                     int64_t N, const float* bias, float* yf, c10::BFloat16* yb) {
+void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
+                     const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb) {
   const int64_t K2 = (K + 1) / 2, nblocks = (N + NB - 1) / NB;
   const Tuning tn = tuning;
-  const bool direct = M <= tn.direct_rows;
+  // Few rows re-interleave a bf16 block in registers; other sources always fill a scratch.
+  const uint16_t* packed = w.bf16_blocks();
+  const bool direct = packed != nullptr && M <= tn.direct_rows;
   std::vector<uint32_t> hold;
   int64_t ldx;
   const uint32_t* xp = pair_rows(x, M, K, !direct, hold, ldx);
@@ -265,16 +271,16 @@ void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t p0 = c * kc, np = std::min(kc, K2 - p0);
         const bool first = c == 0, last = c + 1 == nchunks;
-        for (int64_t b = b0; b < b1; ++b)
-          pair_block(packed + b * K * NB, K, p0, np, scratch + (b - b0) * kc * NB);
+        for (int64_t b = b0; b < b1; ++b) w.pairs(b, p0, np, scratch + (b - b0) * kc * NB);
         for (int64_t m0 = r0; m0 < r1; m0 += MC) {
           const int64_t rows = std::min(MC, r1 - m0);
           for (int64_t b = b0; b < b1; ++b) {
             const int64_t n0 = b * NB;
             // The first row chunk prefetches what pair_block reads next for this block's
-            // place in the group: the next K chunk, or the next group's block.
+            // place in the group: the next K chunk, or the next group's block (bf16
+            // blocks only: a quantized block's codes are a fraction of the bytes).
             const int64_t nb = last ? b + G : b;
-            const char* pf = m0 == r0 && nb < nblocks
+            const char* pf = packed != nullptr && m0 == r0 && nb < nblocks
                 ? reinterpret_cast<const char*>(packed + nb * K * NB +
                                                 2 * (last ? 0 : p0 + kc) * NB)
                 : nullptr;
@@ -290,6 +296,24 @@ void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_
       }
     }
   });
+}
+
+namespace {
+// linear_bf16's packed blocks as a pair source.
+struct Bf16Pairs final : DotPairSource {
+  const uint16_t* packed;
+  int64_t K;
+  Bf16Pairs(const uint16_t* p, int64_t k) : packed(p), K(k) {}
+  void pairs(int64_t b, int64_t p0, int64_t np, uint32_t* dst) const override {
+    pair_block(packed + b * K * NB, K, p0, np, dst);
+  }
+  const uint16_t* bf16_blocks() const override { return packed; }
+};
+}  // namespace
+
+void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_t* packed,
+                     int64_t N, const float* bias, float* yf, c10::BFloat16* yb) {
+  linear_dot_gemm(x, M, K, N, Bf16Pairs(packed, K), bias, yf, yb);
 }
 
 void linear_bf16_dot_block(const c10::BFloat16* x, int64_t rows, int64_t K,
@@ -314,6 +338,11 @@ std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t>) { return {}; }
 void linear_bf16_dot(const c10::BFloat16*, int64_t, int64_t, const uint16_t*, int64_t,
                      const float*, float*, c10::BFloat16*) {
   TORCH_CHECK(false, "linear_bf16_dot: not built at this level (", TOKENMILL_CPU_LEVEL_NAME, ")");
+}
+
+void linear_dot_gemm(const c10::BFloat16*, int64_t, int64_t, int64_t, const DotPairSource&,
+                     const float*, float*, c10::BFloat16*) {
+  TORCH_CHECK(false, "linear_dot_gemm: not built at this level (", TOKENMILL_CPU_LEVEL_NAME, ")");
 }
 
 void linear_bf16_dot_block(const c10::BFloat16*, int64_t, int64_t, const uint16_t*, float*,

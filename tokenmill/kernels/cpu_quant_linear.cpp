@@ -927,6 +927,114 @@ torch::Tensor blocks_of(const torch::Tensor& t) {
   return padded.view({nb, NB, t.size(1)}).permute({0, 2, 1}).contiguous();
 }
 
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+// ---- Many bf16 rows on vdpbf16ps (linear_quant_dot) ----
+//
+// Why: from a few dozen rows a call is bound by arithmetic, and vdpbf16ps does twice the
+// products per instruction of the fp32 FMAs above. Dequantizing tiles of W' for the
+// library GEMM writes and re-reads them and the GEMM repacks them each call; here each
+// block's codes become bf16(W') pair words in cpu_linear_dot.cpp's scratch directly,
+// the values dequantize_quant(bf16=True) gives ((code - zero) * scale in fp32, rounded
+// to nearest even), and its driver and micro-kernel do the rest.
+
+// The codes of the 32 columns at k, widened to fp32 (c: columns 16c .. 16c + 15).
+template <int BITS, bool QUAD>
+TM_INLINE void block_codes_at(const uint8_t* codes, int64_t k, Vec* out) {
+#if defined(TM_QUANT_QUAD)
+  if constexpr (QUAD && BITS != kQuantE4m3) {
+    constexpr int64_t kq = kQuadK<BITS>;
+    const uint8_t* p = codes + (k / kq) * kQuadLine;
+    const int i = static_cast<int>(k % kq);  // 4-bit: i < 4 low nibbles, else high ones
+    const int shift = BITS == 8 ? 8 * i : 8 * (i % 4) + 4 * (i / 4);
+    for (int c = 0; c < C; ++c)
+      out[c] = quad_code_lanes(p + c * Vec::W * 4, shift, BITS == 8 ? 0xff : 0xf);
+    return;
+  }
+#endif
+  codes_at<BITS>(codes, k, out);
+}
+
+// Whether every W' of a group with these (loaded) scales converts to bf16 by
+// vcvtne2ps2bf16 exactly as c10 rounds it: that instruction also rounds to nearest
+// even but reads denormal inputs as zero and writes NaNs of its own, so it serves only
+// where no W' is a denormal or NaN: every scale zero, or finite with |scale| * the
+// smallest nonzero |code - zero| (1; e4m3: 2^-9, read as 2^-17 against scale x 2^8)
+// at least FLT_MIN. Real checkpoints' scales always are; others take c10's rounding.
+// (vdpbf16ps itself reads denormal bf16s as zero, so the outputs would not differ; the
+// scratch's values stay dequantize_quant(bf16=True)'s all the same.)
+template <int BITS>
+TM_INLINE bool fast_bf16(const Vec* s) {
+  const __m512 lo = _mm512_set1_ps(BITS == kQuantE4m3 ? 0x1p-109f : 0x1p-126f);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __mmask16 ok = 0xffff;
+  for (int c = 0; c < C; ++c) {
+    const __m512 a = _mm512_abs_ps(s[c].v);
+    ok &= (_mm512_cmp_ps_mask(a, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ)) |
+          _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  }
+  return ok == 0xffff;
+}
+
+template <int BITS, typename S, bool QUAD>
+struct QuantPairs final : DotPairSource {
+  const Packed& p;
+  explicit QuantPairs(const Packed& packed) : p(packed) {}
+
+  void pairs(int64_t blk, int64_t p0, int64_t np, uint32_t* dst) const override {
+    const QBlock<S> b = p.block<S>(blk, BITS);  // (quad blocks: the same bytes)
+    Vec s[C], z[C];
+    bool fast = false;
+    int64_t kend = -1;  // the end of the group whose scale / zero are loaded
+    constexpr __mmask32 kHigh = 0xAAAAAAAAu;  // the high bf16 of every dword
+    // vcvtne2ps2bf16(k odd, k even) -> words [even 0..15, odd 0..15]; word 2c of the pair
+    // vector is the even k's column c, word 2c + 1 the odd one's
+    alignas(64) static constexpr uint16_t kPairIdx[32] = {
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pair_idx = _mm512_load_si512(kPairIdx);
+    for (int64_t q = 0; q < np; ++q) {
+      Vec v[2][C];  // W' at k = 2p, 2p + 1
+      for (int j = 0; j < 2; ++j) {
+        const int64_t k = 2 * (p0 + q) + j;
+        if (k >= b.K) {
+          for (int c = 0; c < C; ++c) v[j][c] = Vec::zero();
+          continue;
+        }
+        if (k >= kend) {
+          const int64_t g = k / b.group;
+          kend = std::min(b.K, (g + 1) * b.group);
+          for (int c = 0; c < C; ++c) {
+            s[c] = load_scale<BITS>(b.scales + g * NB + c * Vec::W);
+            if constexpr (kHasZeros<BITS>) z[c] = tmvec::load_u8(b.zeros + g * NB + c * Vec::W);
+          }
+          // (a pair across two groups: both must allow it; the rest of the second
+          // group then keeps the exact path too, equally right)
+          fast = fast_bf16<BITS>(s) && (j == 0 || fast);
+        }
+        Vec w[C];
+        block_codes_at<BITS, QUAD>(b.codes, k, w);
+        for (int c = 0; c < C; ++c) {
+          if constexpr (kHasZeros<BITS>) v[j][c] = (w[c] - z[c]) * s[c];
+          else v[j][c] = w[c] * s[c];
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        __m512i pw;
+        if (fast) {
+          pw = _mm512_permutexvar_epi16(
+              pair_idx, (__m512i)_mm512_cvtne2ps_pbh(v[1][c].v, v[0][c].v));
+        } else {  // c10's rounding; the shift and the blend keep each dword's high half
+          pw = _mm512_mask_blend_epi16(
+              kHigh, _mm512_srli_epi32(_mm512_castps_si512(v[0][c].round_bf16().v), 16),
+              _mm512_castps_si512(v[1][c].round_bf16().v));
+        }
+        _mm512_storeu_si512(dst + q * NB + c * Vec::W, pw);
+      }
+    }
+  }
+};
+#endif
+
 }  // namespace
 
 bool has_quant_quad() {
@@ -1127,5 +1235,44 @@ torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch:
     });
   };
   if (bf16) run(out.data_ptr<c10::BFloat16>()); else run(out.data_ptr<float>());
+  return out;
+}
+
+bool has_quant_dot() { return linear_bf16_dot_rows() > 0; }
+
+torch::Tensor linear_quant_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                               torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
+                               torch::Tensor bias, bool fp32_out) {
+  const Packed p = check_packed("linear_quant_dot", codes, scales, zeros, N, bits, group_size);
+  TORCH_CHECK(has_quant_dot(), "linear_quant_dot: not built at this level (",
+              TOKENMILL_CPU_LEVEL_NAME, ")");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.K && x.scalar_type() == at::kBFloat16,
+              "linear_quant_dot: x must be bf16 [M, K]");
+  const int64_t M = x.size(0);
+  torch::Tensor bias_hold;
+  const float* bp = nullptr;
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == N, "linear_quant_dot: bias must be [N]");
+    bias_hold = bias.to(at::kFloat).contiguous();
+    bp = bias_hold.data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+  torch::Tensor xc = x.contiguous();
+  float* yf = fp32_out ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* yb = fp32_out ? nullptr : out.data_ptr<c10::BFloat16>();
+  dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
+    constexpr int BITS = decltype(bits_tag)::value;
+    using S = decltype(scale_tag);
+    if (p.quad) {
+      linear_dot_gemm(xc.data_ptr<c10::BFloat16>(), M, p.K, N, QuantPairs<BITS, S, true>(p),
+                      bp, yf, yb);
+    } else {
+      linear_dot_gemm(xc.data_ptr<c10::BFloat16>(), M, p.K, N, QuantPairs<BITS, S, false>(p),
+                      bp, yf, yb);
+    }
+  });
+#endif
   return out;
 }

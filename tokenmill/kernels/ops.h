@@ -58,6 +58,20 @@ void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float*
 int64_t linear_bf16_dot_rows();
 void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_t* packed,
                      int64_t N, const float* bias, float* yf, c10::BFloat16* yb);
+// The driver of linear_bf16_dot over any source of 32-column weight blocks: `pairs`
+// writes pairs [p0, p0 + np) of block b as pair words [np, 32] (pair word p of column c:
+// bf16 (w[2p][c], w[2p + 1][c]), a K past the end 0; cpu_linear_dot.cpp), into a
+// per-thread scratch it then multiplies on vdpbf16ps. `bf16_blocks`: linear_bf16's
+// packed blocks (few rows then read them in registers, no scratch), or null.
+struct DotPairSource {
+  virtual void pairs(int64_t b, int64_t p0, int64_t np, uint32_t* dst) const = 0;
+  virtual const uint16_t* bf16_blocks() const { return nullptr; }
+
+ protected:
+  ~DotPairSource() = default;
+};
+void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
+                     const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb);
 // Its cache blocking, [x_chunk_bytes, w_group_bytes, kc2, direct_rows] (empty: keep) ->
 // the values before (empty where the level has no such path): the benchmark's sweeps.
 std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values);
@@ -79,6 +93,13 @@ bool has_quant_quad();
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                            torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
                            torch::Tensor bias);
+// Many bf16 rows on vdpbf16ps (avx512_bf16 only: has_quant_dot()): each block's codes
+// (plain or quad layout) dequantized to bf16(W') straight into linear_dot_gemm's pair
+// scratch; x [M, K] bf16 -> y [M, N] bf16 (fp32 with `fp32_out`).
+bool has_quant_dot();
+torch::Tensor linear_quant_dot(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                               torch::Tensor zeros, int64_t N, int64_t bits, int64_t group_size,
+                               torch::Tensor bias, bool fp32_out);
 // Rows r0:r1 (r0 a multiple of 32) of the dequantized [N, K] weights (kernel column
 // order), transposed: [K, r1 - r0], the right operand of x @ W^T; fp32, or (bf16) those
 // values rounded to bf16 as .to(torch.bfloat16) rounds them.

@@ -35,7 +35,9 @@ fixes, for the whole run:
 - the quantized layers (GPTQ / AWQ / int8, fp8 checkpoints and fp8 made at load): the
   native W4A16 / W8A16 kernel (e4m3 codes widened as integer ones) for inputs of up to
   `quantized_max_rows` rows, dequantized tiles above (0: the PyTorch reference path),
-  where the level's kernels are vectorised;
+  where the level's kernels are vectorised; bf16 GEMMs at avx512_bf16
+  (`ops.has_quant_dot`) take `linear_quant_dot` above instead (bf16 pairs dequantized in
+  the kernel's scratch, vdpbf16ps), from DEFAULT_QUANT_DOT_ROWS + 1 rows;
 - the attention, norm and activation kernels (`native` or `torch`);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
@@ -108,6 +110,14 @@ DEFAULT_QUANTIZED_ROWS = 256
 # 48 rows 1.52 / 1.21; 4096 x 4096 at 16 rows 9.7 / 15.4, 32 rows 16.1 / 24.0, 48 rows
 # 25.8 / 26.4; int4 g128 the same within noise (`python -m tokenmill.bench.quant_rows`).
 DEFAULT_NATIVE_BF16_QUANTIZED_ROWS = 32
+# At avx512_bf16 (`ops.has_quant_dot`) bf16 inputs past the kernel's rows take
+# linear_quant_dot (the codes dequantized to bf16 pairs in the kernel's scratch, then
+# vdpbf16ps; cpu_quant_linear.cpp) instead of the tiles: ahead of the widening kernel
+# from 9 rows. Measured on the 2-core Zen 4 EPYC, one thread, ms widening / dot:
+# int8 3072 x 512 at 9 rows 0.29 / 0.23, 16 rows 0.54 / 0.33, 32 rows 0.99 / 0.58;
+# 512 x 1536 at 9 rows 0.15 / 0.12; int4 g128 the same within 3%. (The quad layout's
+# kernel stays ahead of it up to ~64 rows: DEFAULT_QUAD_QUANTIZED_ROWS holds.)
+DEFAULT_QUANT_DOT_ROWS = 8
 # bf16 models at a level with the quad layout (integer dot products on 15-bit
 # activations, cpu_quant_linear.cpp) keep 4- / 8-bit inputs of up to this many rows in
 # the kernel: it widens nothing, so it stays ahead of the tiles longer (where the tiles'
@@ -288,7 +298,9 @@ class CpuPlatform(Platform):
         quantized = (ops is not None and getattr(ops, "has_fast_linear_bf16", False)
                      and hasattr(ops, "linear_quant"))
         quantized_rows = (0 if not quantized else DEFAULT_QUANTIZED_ROWS
-                          if gemm == torch.float32 else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
+                          if gemm == torch.float32
+                          else DEFAULT_QUANT_DOT_ROWS if getattr(ops, "has_quant_dot", False)
+                          else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
         # bf16 activations only: the 15-bit rounding is below a bf16's own, not an fp32's
         # (tiles in fp32: as many rows as the widening kernel takes, see above)
         quad_rows = (DEFAULT_QUAD_QUANTIZED_ROWS if gemm == model_dtype
@@ -369,6 +381,9 @@ class CpuPlatform(Platform):
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
                 + (f", int4 / int8 / fp8 weights native up to {self.quantized_max_rows} rows"
                    if self.quantized_max_rows else "")
+                + (", dequantized to bf16 pairs for vdpbf16ps above"
+                   if self.quantized_max_rows and self.gemm_dtype == "bfloat16"
+                   and getattr(self.ops, "has_quant_dot", False) else "")
                 + (f" (int4 / int8 by integer dot products on 15-bit activations up to "
                    f"{self.quantized_quad_max_rows})" if self.quantized_quad_max_rows else "")
                 + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "

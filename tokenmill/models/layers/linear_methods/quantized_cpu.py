@@ -10,7 +10,9 @@ that is exact, else fp32; e4m3 weights have no zero point. Inputs of up to
 `max_rows` rows take `linear_quant` (the codes widened in registers, fp32 math);
 larger ones dequantize tiles of weight rows (`dequantize_quant`, exactly the
 reference's W') and multiply them with the library GEMM in the compute dtype, never
-the whole matrix at once.
+the whole matrix at once - except bf16 GEMMs at a level with vdpbf16ps (`ops.has_quant_dot`:
+avx512_bf16), which take `linear_quant_dot`: the same bf16(W') made block by block
+in the kernel's scratch and multiplied there (cpu_quant_linear.cpp, cpu_linear_dot.cpp).
 
 `quad`: 4- and 8-bit codes in the kernels' quad layout, where the module has it (the
 avx2, avx512, avx512_vnni and avx512_bf16 levels) and the shape allows it (K a multiple of 8, groups
@@ -106,9 +108,26 @@ class PackedQuantizedWeight:
                 and compute_dtype in (None, torch.float32)):
             y = self.ops.linear_quant(x2, self.codes, self.scales, self.zeros, n, self.kind,
                                       self.group_size, bias if bias is not None else _NO_BIAS)
+        elif (compute_dtype or x.dtype) == torch.bfloat16 and self.dot:
+            y = self._dot(x2, bias).to(x.dtype)
         else:
             y = self._tiled(x2, bias, compute_dtype or x.dtype).to(x.dtype)
         return y.view(*x.shape[:-1], n)
+
+    @property
+    def dot(self) -> bool:
+        """Whether bf16 inputs past `max_rows` take `linear_quant_dot` (the kernels'
+        level has vdpbf16ps: avx512_bf16) rather than the tiles."""
+        return getattr(self.ops, "has_quant_dot", False)
+
+    def _dot(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bf16 x @ bf16(W')^T + b on vdpbf16ps, each block's codes dequantized to bf16
+        pairs in the kernel's cache-resident scratch: no tile of W' is written, read
+        back or repacked (the library GEMM on a fresh tile does all three each call)."""
+        return self.ops.linear_quant_dot(x2.to(torch.bfloat16), self.codes, self.scales,
+                                         self.zeros, self.out_features, self.kind,
+                                         self.group_size,
+                                         bias if bias is not None else _NO_BIAS)
 
     def _tiled(self, x2: torch.Tensor, bias: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
