@@ -28,7 +28,10 @@ NATIVE = ("decode_layers", "greedy_lm_head", "rms_norm", "paged_decode", "silu_m
           "qk_norm_rope", "add_rms_norm_", "kv_cache_write", "linear_quant", "paged_prefill")
 
 
-def _wrap(acc: Counter, obj, name: str, label: str) -> None:
+def wrap_thread_time(acc: Counter, obj, name: str, label: str, calls: Counter | None = None,
+                     call_labels: tuple[str, ...] = ()) -> None:
+    """Replace obj.name with a wrapper adding its thread CPU time to acc[label] (and,
+    with `calls`, one to calls[label] and to each of `call_labels`)."""
     inner = getattr(obj, name)
 
     def timed(*a, **kw):
@@ -37,6 +40,9 @@ def _wrap(acc: Counter, obj, name: str, label: str) -> None:
             return inner(*a, **kw)
         finally:
             acc[label] += time.thread_time_ns() - t0
+            if calls is not None:
+                for key in (label,) + call_labels:
+                    calls[key] += 1
     setattr(obj, name, timed)
 
 
@@ -51,7 +57,7 @@ def main() -> None:
     ops = kernels.cpu_ops(None)
     for name in NATIVE:  # before the engine is built: layers keep references to kernels
         if hasattr(ops, name):
-            _wrap(acc, ops, name, "native kernels")
+            wrap_thread_time(acc, ops, name, "native kernels")
     steps, bs = args.steps, args.batch_size
     llm = LLM(ensure_bench_model(args.model), dtype="bfloat16", seed=0,
               max_model_len=args.input_len + steps + 64, max_num_seqs=bs,
@@ -65,7 +71,7 @@ def main() -> None:
                              (runner, "execute_model", "ModelRunner.execute_model"),
                              (runner, "sample_tokens", "ModelRunner.sample_tokens"),
                              (engine.output_processor, "process", "OutputProcessor.process")):
-        _wrap(acc, obj, name, label)
+        wrap_thread_time(acc, obj, name, label)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
@@ -74,7 +80,7 @@ def main() -> None:
                                   rng.integers(0, 1000, args.input_len).tolist()}, params)
     for _ in range(min(bs, 16) + 8):  # the prompts, then a few decode steps
         engine.step()
-    _wrap(acc, engine, "step", "step")
+    wrap_thread_time(acc, engine, "step", "step")
     acc.clear()
     for _ in range(steps):
         engine.step()

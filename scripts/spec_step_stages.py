@@ -21,6 +21,8 @@ from collections import Counter
 import numpy as np
 import torch
 
+from host_cpu_stages import wrap_thread_time  # (scripts/: on sys.path when run)
+
 from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.bench.spec import random_drafter
 from tokenmill.bench.throughput import ensure_bench_model
@@ -28,19 +30,6 @@ from tokenmill.sampling_params import RequestOutputKind
 
 METHODS = {"eagle3": '{"method": "eagle3", "num_speculative_tokens": 3}',
            "dflash": '{"method": "dflash", "num_speculative_tokens": 3}'}
-
-
-def _wrap(acc: Counter, calls: Counter, obj, name: str, label: str) -> None:
-    inner = getattr(obj, name)
-
-    def timed(*a, **kw):
-        t0 = time.thread_time_ns()
-        try:
-            return inner(*a, **kw)
-        finally:
-            acc[label] += time.thread_time_ns() - t0
-            calls[label] += 1
-    setattr(obj, name, timed)
 
 
 class Probe:
@@ -73,7 +62,7 @@ class Probe:
             stages.append((mp.deferred, "wait_all", "    deferred.wait_all"))
             stages.append((mp.model, "forward", "    drafter forward"))
         for obj, name, label in stages:
-            _wrap(self.acc, self.calls, obj, name, label)
+            wrap_thread_time(self.acc, obj, name, label, self.calls)
         rng = np.random.default_rng(0)
         params = SamplingParams(temperature=0, max_tokens=args.steps * args.rounds + 200,
                                 ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -134,7 +123,7 @@ def main() -> None:
         fn = getattr(ops, name)
         if name.startswith("_") or not callable(fn) or isinstance(fn, type):
             continue
-        _wrap_native(ops, name, native, native_calls)
+        wrap_thread_time(native, ops, name, "native", native_calls, (name,))
     target = ensure_bench_model(args.model)
     probes = [Probe("plain", target, None, args, native, native_calls)]
     for m in args.methods.split(","):
@@ -172,20 +161,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
-
-
-def _wrap_native(ops, name: str, acc: Counter, calls: Counter) -> None:
-    inner = getattr(ops, name)
-
-    def timed(*a, **kw):
-        t0 = time.thread_time_ns()
-        try:
-            return inner(*a, **kw)
-        finally:
-            acc["native"] += time.thread_time_ns() - t0
-            calls["native"] += 1
-            calls[name] += 1
-    setattr(ops, name, timed)
 
 
 if __name__ == "__main__":

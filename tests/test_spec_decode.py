@@ -557,17 +557,8 @@ def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, m
     (spec_decode/deferred.py) until they next propose: every draft of every step is
     the one a drafter run over every row at once proposes, with chunked prefill and
     preemption (rows cut back on resume) too."""
-    import json
-
-    from tokenmill.spec_decode import random_drafters as rd
     tm = tiny_model_factory("qwen3_headdim")
-    draft = str(tmp_path / method)
-    os.makedirs(draft)
-    config = json.load(open(os.path.join(tm.path, "config.json")))
-    if method == "eagle3":
-        rd.build_eagle3_checkpoint(draft, config)
-    else:
-        rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=5)
+    draft = _random_draft(tm, tmp_path, method)
     spec = {"method": method, "num_speculative_tokens": 3, "model": draft}
     prompts = loop_prompts(tm.vocab_size, n=5, seed=31)
     runs = []
@@ -596,16 +587,11 @@ def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, m
     assert drafts1 == drafts0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_a_step_nobody_proposes_from_skips_the_proposer(tiny_model_factory, tmp_path, method):
-    """A decode step from which no request proposes (each backs off after failed
-    drafts) has its rows wait without the proposer's full path: `propose` (its numpy
-    bookkeeping over the batch, the drafter's passes) runs only on steps that propose
-    or run waiting rows, never on one where every row just waits."""
+def _random_draft(tm, tmp_path, method: str) -> str:
+    """A random-weight EAGLE-3 or DFlash drafter for `tm` (its drafts nearly all fail)."""
     import json
 
     from tokenmill.spec_decode import random_drafters as rd
-    tm = tiny_model_factory("qwen3_headdim")
     draft = str(tmp_path / method)
     os.makedirs(draft)
     config = json.load(open(os.path.join(tm.path, "config.json")))
@@ -613,6 +599,17 @@ def test_a_step_nobody_proposes_from_skips_the_proposer(tiny_model_factory, tmp_
         rd.build_eagle3_checkpoint(draft, config)
     else:
         rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=5)
+    return draft
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_step_nobody_proposes_from_skips_the_proposer(tiny_model_factory, tmp_path, method):
+    """A decode step from which no request proposes (each backs off after failed
+    drafts) has its rows wait without the proposer's full path: `propose` (its numpy
+    bookkeeping over the batch, the drafter's passes) runs only on steps that propose
+    or run waiting rows, never on one where every row just waits."""
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = _random_draft(tm, tmp_path, method)
     llm = make_llm(tm.path, speculative_config={"method": method, "model": draft,
                                                 "num_speculative_tokens": 3})
     proposer = runner_of(llm).drafter.model_proposer

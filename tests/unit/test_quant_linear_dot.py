@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tokenmill import kernels
+from tokenmill.kernels.testing import bf16_dot_ops
 from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
@@ -25,12 +26,7 @@ NO_BIAS = torch.empty(0)
 
 @pytest.fixture(scope="module")
 def ops():
-    if LEVEL not in kernels.all_levels() or LEVEL not in kernels.runnable_levels():
-        pytest.skip("this CPU has no AVX512-BF16: the dot-product path is not built for it")
-    module = kernels.cpu_ops(LEVEL)
-    if module is None:
-        pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
-    return module
+    return bf16_dot_ops()
 
 
 def _weight(n, k, bits, group, sym, seed):

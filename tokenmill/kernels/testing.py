@@ -39,6 +39,18 @@ def ops(kernel_level):
     return module
 
 
+def bf16_dot_ops():
+    """The avx512_bf16 level's module for the vdpbf16ps paths' tests (their own module
+    fixture: those paths exist at that level only), or a skip naming why not."""
+    level = "avx512_bf16"
+    if level not in kernels.all_levels() or level not in kernels.runnable_levels():
+        pytest.skip("this CPU has no AVX512-BF16: the dot-product path is not built for it")
+    module = kernels.cpu_ops(level)
+    if module is None:
+        pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")
+    return module
+
+
 # ---- standalone C++ harnesses (tests/kernels/*.cpp) ------------------------------------
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
