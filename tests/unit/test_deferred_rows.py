@@ -98,3 +98,23 @@ def test_slots_are_reused_and_grow():
                                           [False] * 10)
     assert positions.tolist() == list(range(10, 20))
     assert earlier[:, 0].tolist() == [float(p) for p in range(10, 20)]
+
+
+def test_a_wide_state_gathers_fewer_rows_per_slot():
+    """Rows per slot follow the state's width: 64 (the longest back-off) for a narrow one,
+    as many as fit SLOT_BYTES (at least 16) for a wide one, and those rows then run."""
+    from tokenmill.spec_decode import deferred
+    narrow = DeferredRows()
+    assert narrow.wait_all(["a"], np.array([0]), hidden_at([0], width=64))
+    assert narrow.max_rows == deferred.MAX_DEFERRED_ROWS == 64
+    wide = DeferredRows()
+    width = 2 * deferred.SLOT_BYTES // (4 * 16)  # fp32: 16 rows would take 2 x SLOT_BYTES
+    for pos in range(16):
+        assert wide.wait_all(["a"], np.array([pos]), hidden_at([pos], width=width))
+    assert wide.max_rows == deferred.MIN_DEFERRED_ROWS == 16
+    assert wide.buf.shape[1] == 16
+    assert not wide.wait_all(["a"], np.array([16]), hidden_at([16], width=width))  # full
+    middle = DeferredRows()
+    width = deferred.SLOT_BYTES // (4 * 32)  # 32 rows fit exactly
+    middle.wait_all(["a"], np.array([0]), hidden_at([0], width=width))
+    assert middle.max_rows == 32

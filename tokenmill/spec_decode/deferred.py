@@ -28,6 +28,12 @@ from tokenmill.spec_decode.drafter import MAX_BACKOFF
 # more in the proposing step, bench-qwen3-512's random EAGLE-3), so a 16-row cap made
 # one such pass every 16 steps; the price is the buffer: slots x 64 x tapped width.
 MAX_DEFERRED_ROWS = MAX_BACKOFF
+# ... unless a slot of that many rows would pass SLOT_BYTES (a wide tapped state: an
+# 8B EAGLE-3 head's 3 x 4096 bf16 is 1.5 MB at 64 rows, times every request slot);
+# then as many rows as fit, at least MIN_DEFERRED_ROWS (where a big target's step
+# makes the extra drafter passes cheap beside it).
+SLOT_BYTES = 256 << 10
+MIN_DEFERRED_ROWS = 16
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -40,6 +46,14 @@ class DeferredRows:
         self.count = np.zeros(0, dtype=np.int64)  # per slot: rows waiting
         self.buf: torch.Tensor | None = None  # [slots, max_rows, width] target hidden
         self._rows: list[torch.Tensor] | None = None  # buf's rows, as views (wait_all)
+
+    def _allocate(self, hidden: torch.Tensor) -> None:
+        """The buffer, at the first row that waits (no slot holds rows yet): its rows per
+        slot cut to SLOT_BYTES for a wide state."""
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        fit = max(MIN_DEFERRED_ROWS, SLOT_BYTES // max(1, row_bytes))
+        self.max_rows = min(self.max_rows, fit)
+        self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
 
     def num_waiting(self, req_id: str) -> int:
         slot = self._slot.get(req_id)
@@ -83,7 +97,7 @@ class DeferredRows:
                 return False
             slots.append((s, c, pos))
         if self.buf is None:
-            self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+            self._allocate(hidden)
         if self._rows is None:  # each row's view, made once: indexing costs more than the copy
             self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
         rows, per_slot = self._rows, self.buf.shape[1]
@@ -142,7 +156,7 @@ class DeferredRows:
         w = np.nonzero(waits)[0]
         if w.size:
             if self.buf is None:
-                self.buf = hidden.new_empty(self.start.size, self.max_rows, hidden.shape[1])
+                self._allocate(hidden)
             if w.size == 1:  # a plain copy: a few us less than an index_put at batch 1
                 i = int(w[0])
                 self.buf[int(slots[i]), int(cnt[i])].copy_(hidden[int(first_row[i])])
