@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: the GPU tests, then a short GPU benchmark, results
-# into OUTDIR. Meant to finish within 5 minutes on one H200 (each stage has its own
-# time limit, 290 s in all; a failing stage does not stop the next ones).
+# into OUTDIR. Meant to finish within about 8 minutes on one H200 (each stage has its own
+# time limit, 500 s in all; a failing stage does not stop the next ones).
 #
 #   scripts/gpu_check.sh OUTDIR        (PYTHON=... to pick the interpreter)
 #
-# OUTDIR gets: env.txt (torch / CUDA / triton / GPU), gpu_tests.log + .xml (tests/gpu:
+# OUTDIR gets: env.txt (torch / CUDA / triton / GPU), gpu_tests.log + .xml and
+# gpu_quant_tests.log + .xml (tests/gpu:
 # CUDA greedy == CPU fp32 for dense, sliding, multi-group, MoE, hybrid models, with and
 # without CUDA graphs, chunked prefill, preemption, head sizes 96 and 512 and soft-capped
 # attention; the Triton kernels compiled, bf16 included, over head sizes 80 / 96 / 128 /
-# 512 and soft-capping), attn_kernels.json/.log (the paged-decode kernel at head sizes
+# 512 and soft-capping; the quantized GEMMs compiled, fp32 and bf16, and GPTQ / AWQ /
+# FP8 / MoE-GPTQ / --quantization int8 and fp8 / fp8 KV-cache models on CUDA equal to
+# the CPU, tokens and logprobs), attn_kernels.json/.log (the paged-decode kernel at head sizes
 # 96 / 128 / 512 and soft-capped: us per call, GB/s of K/V read), throughput.json/.log
 # (nano-vllm's workload on a Qwen3-0.6B-architecture model with random bf16 weights:
 # 256 requests, prompt and output lengths uniform in [100, 1024], ignore_eos;
 # tokenmill vs HF generate on its first 16 requests; roofline),
 # decode_step*.json/.log (decode-step time vs the HBM bandwidth bound, CUDA graphs and
-# eager), summary.txt (each stage's exit status and headline lines).
+# eager; --quantization int8 and fp8 against their resident bytes), quant_gemm.json/.log
+# (the Triton W8A16 / W4A16 / FP8 GEMMs against bf16 cuBLAS at decode rows),
+# summary.txt (each stage's exit status and headline lines).
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -46,9 +51,13 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, record the s
 cat "$OUT/env.txt" >> "$SUMMARY"
 
 # 1. The GPU tests (alone in their process: the interpreter tests set TRITON_INTERPRET).
-stage gpu_tests 115 "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
-    --junitxml "$OUT/gpu_tests.xml"
+stage gpu_tests 115 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
+    --timeout 60 --junitxml "$OUT/gpu_tests.xml"
 tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
+# 1b. Quantized weights and the fp8 KV cache (the GEMMs compile on first use: its own limit).
+stage gpu_quant_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_quant.py \
+    --timeout 60 --junitxml "$OUT/gpu_quant_tests.xml"
+tail -n 3 "$OUT/gpu_quant_tests.log" >> "$SUMMARY"
 
 # 2. The decode kernel per head size (masked tails next to the powers of two) and
 #    soft-capped, replayed from CUDA graphs.
@@ -56,6 +65,11 @@ stage attn_kernels 20 "$PY" -m tokenmill.bench.attention_kernels --device cuda \
     --heads 96,128,512 --softcap-heads 128 --batch 1,32 --context 2048 \
     --output-json "$OUT/attn_kernels.json"
 grep "us/call" "$OUT/attn_kernels.log" >> "$SUMMARY"
+
+# 2b. The quantized-weight GEMMs against bf16 at decode-sized rows.
+stage quant_gemm 40 "$PY" -m tokenmill.bench.quant_gemm --rows 1,16,64,256 \
+    --output-json "$OUT/quant_gemm.json"
+grep "us/call" "$OUT/quant_gemm.log" | grep -v "bf16 " >> "$SUMMARY"
 
 # 3. Throughput: nano-vllm's workload (the model is built on first use, ~1 min).
 stage throughput 110 "$PY" -m tokenmill.entrypoints.cli bench throughput \
@@ -71,7 +85,12 @@ stage decode_step 30 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.
 stage decode_step_eager 15 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
     --device cuda --batch 1,32 --context 512 --steps 16 --enforce-eager \
     --output-json "$OUT/decode_step_eager.json"
-grep -h "ms/step" "$OUT/decode_step.log" "$OUT/decode_step_eager.log" >> "$SUMMARY"
+for q in int8 fp8; do
+    stage decode_step_$q 25 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+        --device cuda --batch 1,32,256 --context 512 --steps 32 --quantization $q \
+        --output-json "$OUT/decode_step_$q.json"
+done
+grep -H "ms/step" "$OUT"/decode_step*.log | sed "s|^$OUT/||" >> "$SUMMARY"
 cat "$SUMMARY"
 grep -q "rc=[^0]" "$SUMMARY" && exit 1
 exit 0

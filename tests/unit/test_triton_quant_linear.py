@@ -61,6 +61,45 @@ def test_int_weight_gemm_in_bf16_rounds_the_weights_as_a_bf16_model():
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("bits,k,group,split", [(4, 300, 32, 3), (8, 257, 64, 2),
+                                                  (4, 128, 128, 8)])
+def test_int_weight_gemm_split_over_k_equals_the_reference(bits, k, group, split):
+    """K cut into ranges (decode rows on a GPU with idle SMs): the partials summed equal
+    one pass; K not a multiple of the split's range (a short last split), more splits
+    asked than K blocks (clamped)."""
+    qw = _qw(40, k, bits, group, perm=bits == 4)
+    x = torch.randn(2, k)
+    bias = torch.randn(40)
+    gpu = tq.IntWeightTriton(qw, "cpu")
+    want = reference_linear(qw, x, bias)
+    torch.testing.assert_close(gpu.linear(x, bias, split_k=split), want, rtol=1e-5, atol=1e-5)
+    got = gpu.linear(x.to(torch.bfloat16), None, split_k=split)
+    assert got.dtype == torch.bfloat16
+    want_b = F.linear(x.to(torch.bfloat16).float(), qw.dequantize(torch.bfloat16).float())
+    # (the output rounded to bf16: a few ulps of the largest output)
+    torch.testing.assert_close(got.float(), want_b, rtol=1e-2,
+                               atol=1e-2 * want_b.abs().max().item())
+
+
+def test_fp8_block_gemm_split_over_k_equals_one_pass():
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(48, 200, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 5, generator=g) * 0.01 + 1e-3
+    x = torch.randn(3, 200, generator=g)
+    bias = torch.randn(48, generator=g)
+    layer = tq.Fp8WeightTriton(w, s, (16, 48))
+    want = F.linear(x, dequantize_block_fp8(w, s, (16, 48)), bias)
+    torch.testing.assert_close(layer.linear(x, bias, split_k=3), want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_fills_the_sms_at_decode_rows_only():
+    # Qwen3-0.6B's down_proj at one row (16 tiles of 64 columns, 48 K blocks) on 132 SMs
+    assert tq.pick_split_k(16, 48, 132) == 8
+    assert tq.pick_split_k(16, 12, 132) == 2   # each split keeps >= 4 K blocks
+    assert tq.pick_split_k(64 * 16, 48, 132) == 1  # a prefill's tiles fill the SMs
+    assert tq.pick_split_k(16, 48, 1) == 1
+
+
 def test_e4m3_decode_covers_every_finite_bit_pattern():
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = torch.isfinite(bits.view(torch.float8_e4m3fn).float())
@@ -152,3 +191,16 @@ def test_int_weight_gemm_on_a_padded_act_order_share(bits):
     assert torch.equal(w.dequantize(), qw.dequantize())
     want = (codes.float() - zeros[:, g_idx].float()) * scales[:, g_idx]
     assert torch.equal(qw.dequantize(), want)
+
+
+def test_quant_gemm_bench_runs_every_format_against_bf16():
+    """bench/quant_gemm.py (timed on a GPU by scripts/gpu_check.sh) runs each format, here
+    under the interpreter: a row per shape x rows x format, ratios against bf16."""
+    from tokenmill.bench import quant_gemm
+    rows = quant_gemm.run([(40, 256)], [1, 3], list(quant_gemm.FORMATS), "cpu", 1, None)
+    assert [(r["rows"], r["format"]) for r in rows] == [
+        (m, f) for m in (1, 3) for f in quant_gemm.FORMATS]
+    assert all(r["us"] > 0 and r["weight_bytes"] > 0 for r in rows)
+    assert all(("speed_over_bf16" in r) == (r["format"] != "bf16") for r in rows)
+    by = {r["format"]: r["weight_bytes"] for r in rows}
+    assert by["int4-g128"] < by["int8"] < by["bf16"]  # the stored widths are what is read

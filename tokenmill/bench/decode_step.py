@@ -6,6 +6,10 @@ For each batch size B: B requests with prompts of --context tokens are prefilled
 then --steps engine steps are timed while all B decode (one token each, greedy,
 ignore_eos). The device is synchronised by every step (the sampled ids come back to
 the host), so wall time per step is the step's time, host work included.
+
+With --quantization (or a quantized checkpoint) the bound's weight bytes are the
+model's resident bytes (bench/throughput.weight_facts) less the input embedding's
+table when the lm_head is not it (a step reads B of its rows).
 """
 from __future__ import annotations
 
@@ -42,6 +46,22 @@ def time_decode_steps(engine, batch: int, context_len: int, steps: int, vocab: i
     return seconds
 
 
+def quantized_weight_bytes(llm, args) -> int | None:
+    """The weight bytes a decode step reads when the weights are quantized (module
+    docstring); None for weights as stored in a plain dtype (the checkpoint counts)."""
+    from tokenmill.bench.throughput import weight_facts
+    facts = weight_facts(llm, args)
+    model = llm.llm_engine.engine_core.runner.model
+    if not facts["quantization"] or facts["resident_weight_bytes"] is None:
+        return None
+    embed = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    table = 0
+    if embed is not None and getattr(head, "weight", None) is not getattr(embed, "weight", 0):
+        table = sum(t.nbytes for t in embed.parameters())
+    return facts["resident_weight_bytes"] - table
+
+
 def main(argv=None) -> int:
     from tokenmill import LLM
     from tokenmill.bench import roofline as rl
@@ -55,29 +75,34 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output-json", default=None)
+    from tokenmill.engine.arg_utils import add_quantization_arg
+    add_quantization_arg(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     path = ensure_bench_model(args.model) if args.model in BENCH_MODELS else args.model
     vocab = read_model_config(path)["vocab_size"]
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(path, dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
-              max_model_len=args.context + args.steps + 8, enforce_eager=args.enforce_eager)
+              max_model_len=args.context + args.steps + 8, enforce_eager=args.enforce_eager,
+              quantization=args.quantization)
     engine = llm.llm_engine
     device = engine.model_config.device
     bandwidth = rl.measure_bandwidth(device)
     counts = rl.count_decode_bytes(path)
+    weights = quantized_weight_bytes(llm, args)
     rows = []
     for b in batches:
         time_decode_steps(engine, b, args.context, 4, vocab)  # warm-up at this size
         s = time_decode_steps(engine, b, args.context, args.steps, vocab)
         row = rl.decode_bound(counts, b, args.context + args.steps // 2, args.dtype,
-                              bandwidth["gbps"], s)
+                              bandwidth["gbps"], s, weight_bytes=weights)
         rows.append(row)
         print(f"batch {b:4d}: {1e3 * s:8.3f} ms/step, bound {1e3 * row['bound_s']:7.3f} ms "
               f"({100 * row['bound_fraction']:5.1f}% of the bandwidth bound; "
               f"{row['bytes']['total'] / 1e6:.0f} MB/step at {bandwidth['gbps']:.0f} GB/s)",
               flush=True)
     result = {"model": path, "device": str(device), "dtype": args.dtype,
+              "quantization": args.quantization, "quantized_weight_bytes": weights,
               "platform": engine.platform.as_dict(), "bandwidth": bandwidth, "steps": rows}
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -300,9 +300,14 @@ def measure_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> dict:
 
 
 def decode_bound(counts: DecodeBytes, batch: int, context_len: int, dtype: str,
-                 bandwidth_gbps: float, measured_s: float | None = None) -> dict:
-    """The bound of one decode step and, with `measured_s`, the fraction of it reached."""
+                 bandwidth_gbps: float, measured_s: float | None = None,
+                 weight_bytes: int | None = None) -> dict:
+    """The bound of one decode step and, with `measured_s`, the fraction of it reached;
+    `weight_bytes`: the weights' bytes per step when not the checkpoint's parameters
+    in `dtype` (quantized weights)."""
     step = counts.step(batch, context_len, DTYPE_BYTES[dtype])
+    if weight_bytes is not None:
+        step = {**step, "weights": weight_bytes, "total": weight_bytes + step["kv"]}
     bound = step["total"] / (bandwidth_gbps * 1e9)
     out = {"batch": batch, "context_len": context_len, "bytes": step, "bound_s": bound,
            "bandwidth_gbps": bandwidth_gbps}

@@ -172,7 +172,8 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 
 # The quantized-weight GEMMs (ops/triton_quant_linear.py): a layer of each format in
-# the activation dtypes a GPU serves, at a decode-sized and a prefill-sized input.
+# the activation dtypes a GPU serves, at a decode-sized input (whole and split over K)
+# and a prefill-sized one.
 QUANT_KERNELS = ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel")
 QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int8 per channel",
                                                     "fp8 block 128")
@@ -195,6 +196,8 @@ def _launch_quant(module, label: str) -> None:
                                  torch.zeros(n, k // group, dtype=torch.uint8), bits, group)
             layer = module.IntWeightTriton(qw, "cpu")
         layer.linear(x, torch.zeros(n))
+        if rows == 1:  # split over K: the decode launch on a GPU with SMs to fill
+            layer.linear(x, torch.zeros(n), split_k=2)
 
 
 def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES,

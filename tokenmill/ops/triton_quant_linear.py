@@ -59,21 +59,40 @@ def _dot(acc, x, w, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.con
 
 
 @triton.jit
+def _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym,
+           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """The tile's result: y (+ bias) in y's dtype; split over K, this split's fp32
+    partial into y [SPLIT, M, N] (the caller sums them: no atomics, deterministic)."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:
+        tl.store(y_ptr + (pid_k * M + offs_m)[:, None] * stride_ym + offs_n[None, :], acc,
+                 mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _int_weight_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                             stride_xm, stride_ym,
                             GROUP: tl.constexpr, BITS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            k_per_split, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -90,10 +109,8 @@ def _int_weight_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
         z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0)
         w = (code - z.to(tl.int32)).to(tl.float32) * s
         acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym, HAS_BIAS,
+           SPLIT)
 
 
 @triton.jit
@@ -102,16 +119,19 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                            BN: tl.constexpr, BK: tl.constexpr,
                            HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                            IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           k_per_split, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -122,10 +142,8 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                     mask=tile_ok, other=0.0)
         w = _e4m3_to_f32(b) * s
         acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym, HAS_BIAS,
+           SPLIT)
 
 
 def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -137,17 +155,59 @@ def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return (16, 64, 64) if m <= 16 else (64, 64, 64)
 
 
-def _launch_args(x: torch.Tensor, n: int, bias: torch.Tensor | None, dtype):
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: no split unless asked
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
+    """How many K ranges a GEMM of `tiles` output tiles is cut into: decode-sized rows
+    give few tiles (N / 64 for a layer), which leave most SMs idle while the weights
+    stream; splits until about two programs per SM, each keeping at least 4 K blocks
+    (a split's partials cost an fp32 [M, N] write and read)."""
+    split = 1
+    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def _launch(kernel, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, dtype,
+            args: tuple, split_k: int | None, **consts) -> torch.Tensor:
+    """Run `kernel` over x [..., k] -> [..., n] in `dtype`: tiles by row count, split
+    over K by pick_split_k (or `split_k`), the splits' partials summed here."""
     x2 = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=dtype, device=x.device)
-    b = bias.to(torch.float32).contiguous() if bias is not None else y
     bm, bn, bk = _tiles(m, dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    meta = dict(HAS_BIAS=bias is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
-                IEEE=dtype == torch.float32,
-                EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    return x2, y, b, grid, meta
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, bk)
+    split = split_k or pick_split_k(tiles, k_blocks, _num_sms(x.device))
+    split = max(1, min(split, k_blocks))
+    k_per_split = triton.cdiv(k_blocks, split) * bk
+    split = triton.cdiv(k, k_per_split)
+    if split > 1:
+        y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=dtype, device=x.device)
+    b = bias.to(torch.float32).contiguous() if bias is not None else y
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    kernel[grid](x2, *args, b, y, m, n, k, x2.stride(0), n, **consts,
+                 HAS_BIAS=bias is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
+                 IEEE=dtype == torch.float32,
+                 EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, k_per_split=k_per_split, SPLIT=split)
+    if split > 1:
+        y = y.sum(0)
+        if bias is not None:
+            y += b
+        y = y.to(dtype)
+    return y.view(*x.shape[:-1], n)
 
 
 class IntWeightTriton:
@@ -168,16 +228,15 @@ class IntWeightTriton:
         self.in_features = qw.shape[1]  # the input's width (k: the codes', padded or not)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+               dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
         """y = x W^T + b, in `dtype` (None: x's), shaped as x with N last."""
         dtype = dtype or x.dtype
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        x2, y, b, grid, meta = _launch_args(x, self.n, bias, dtype)
-        _int_weight_gemm_kernel[grid](x2, self.w, self.scales, self.zeros, b, y,
-                                      x2.shape[0], self.n, self.k, x2.stride(0), y.stride(0),
-                                      GROUP=self.group, BITS=self.bits, **meta)
-        return y.view(*x.shape[:-1], self.n).to(x.dtype)
+        y = _launch(_int_weight_gemm_kernel, x, self.n, self.k, bias, dtype,
+                    (self.w, self.scales, self.zeros), split_k,
+                    GROUP=self.group, BITS=self.bits)
+        return y.to(x.dtype)
 
 
     @property
@@ -213,11 +272,10 @@ class Fp8WeightTriton:
         self.block_size = block_size
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+               dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
         dtype = dtype or x.dtype
-        x2, y, b, grid, meta = _launch_args(x, self.n, bias, dtype)
         bn, bk = self.block_size
-        _fp8_block_gemm_kernel[grid](x2, self.w, self.scale_inv, b, y, x2.shape[0], self.n,
-                                     self.k, x2.stride(0), y.stride(0),
-                                     self.scale_inv.stride(0), BN=bn, BK=bk, **meta)
-        return y.view(*x.shape[:-1], self.n).to(x.dtype)
+        y = _launch(_fp8_block_gemm_kernel, x, self.n, self.k, bias, dtype,
+                    (self.w, self.scale_inv), split_k,
+                    stride_sn=self.scale_inv.stride(0), BN=bn, BK=bk)
+        return y.to(x.dtype)

@@ -1,0 +1,144 @@
+"""`python -m tokenmill.bench.quant_gemm`: the CUDA path's quantized-weight GEMMs
+(ops/triton_quant_linear.py: W8A16 per channel, W4A16 in groups, FP8 with block
+scales) against the same layer in bf16 through torch's GEMM (cuBLAS), at decode-sized
+row counts: us per call, the weights' bytes read per second against the measured copy
+bandwidth, and the speed over bf16.
+
+    python -m tokenmill.bench.quant_gemm --shapes 4096x1024,1024x3072,4096x4096 --rows 1,16,64
+
+Shapes are NxK (out x in features; the defaults: Qwen3-0.6B's qkv / down and an 8B
+model's square and gate_up layers). Weights are random codes (speed does not depend on
+their values). On CUDA each call is replayed from a CUDA graph of --iters calls, so
+launch overhead is not counted (as the engine's decode graphs replay them); elsewhere
+(TRITON_INTERPRET, for the tests) calls are timed one by one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+FORMATS = ("bf16", "int8", "int4-g128", "fp8-b128")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+def make_layer(fmt: str, n: int, k: int, device, gen):
+    """(callable x -> y, bytes of weight data it reads) for one format."""
+    import torch
+    import torch.nn.functional as F
+    if fmt == "bf16":
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.bfloat16)
+        return (lambda x: F.linear(x, w)), w.nbytes
+    from tokenmill.ops.triton_quant_linear import Fp8WeightTriton, IntWeightTriton
+    if fmt.startswith("fp8"):
+        b = int(fmt.split("-b")[1])
+        w = (torch.randn(n, k, generator=gen) * 50).to(torch.float8_e4m3fn)
+        s = torch.rand(-(-n // b), -(-k // b), generator=gen) * 0.01
+        layer = Fp8WeightTriton(w.to(device), s.to(device), (b, b))
+        return (lambda x: layer.linear(x, None)), layer.w.nbytes + layer.scale_inv.nbytes
+    from tokenmill.bench.quant_rows import random_quantized_weight
+    bits, group = (8, k) if fmt == "int8" else (4, int(fmt.split("-g")[1]))
+    layer = IntWeightTriton(random_quantized_weight(n, k, bits, group, gen), device)
+    return ((lambda x: layer.linear(x, None)),
+            layer.w.nbytes + layer.scales.nbytes + layer.zeros.nbytes)
+
+
+def time_call(fn, x, iters: int) -> float:
+    """Seconds per call of fn(x): the best of 3 replays of a CUDA graph holding `iters`
+    calls on CUDA, the best of `iters` single calls elsewhere."""
+    import torch
+    fn(x)  # compile / warm
+    if x.device.type != "cuda":
+        best = float("inf")
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn(x)
+            best = min(best, time.perf_counter() - t)
+        return best
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+    return best
+
+
+def run(shapes, rows, formats, device, iters: int, bandwidth_gbps: float | None) -> list[dict]:
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n, k in shapes:
+        layers = {f: make_layer(f, n, k, device, gen) for f in formats}
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+            base = None
+            for f, (fn, nbytes) in layers.items():
+                s = time_call(fn, x, iters)
+                base = s if f == "bf16" else base
+                row = {"shape": [n, k], "rows": m, "format": f, "us": s * 1e6,
+                       "weight_bytes": nbytes, "gbps": nbytes / s / 1e9}
+                if bandwidth_gbps:
+                    row["bandwidth_fraction"] = row["gbps"] / bandwidth_gbps
+                if base is not None and f != "bf16":
+                    row["speed_over_bf16"] = base / s
+                results.append(row)
+                print(f"{n:6d}x{k:<6d} rows {m:4d} {f:10s} {row['us']:9.2f} us/call "
+                      f"{row['gbps']:7.0f} GB/s of weights"
+                      + (f" ({100 * row['bandwidth_fraction']:4.1f}% of copy bandwidth)"
+                         if bandwidth_gbps else "")
+                      + (f", {row['speed_over_bf16']:.2f}x bf16"
+                         if "speed_over_bf16" in row else ""), flush=True)
+        del layers
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenmill.bench.quant_gemm")
+    p.add_argument("--shapes", type=parse_shapes,
+                   default=parse_shapes("4096x1024,1024x3072,4096x4096,28672x4096"))
+    p.add_argument("--rows", default="1,16,64,256")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    formats = args.formats.split(",")
+    if "bf16" in formats:  # the baseline first: the others' ratios refer to it
+        formats.remove("bf16")
+        formats.insert(0, "bf16")
+    bandwidth = None
+    if torch.device(args.device).type == "cuda":
+        from tokenmill.bench.roofline import measure_bandwidth
+        # copies count bytes read + written; a GEMM's weights are only read
+        bandwidth = measure_bandwidth(args.device)["gbps"]
+        print(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)
+    results = run(args.shapes, [int(r) for r in args.rows.split(",")], formats,
+                  args.device, args.iters, bandwidth)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0) if bandwidth else args.device,
+                       "copy_bandwidth_gbps": bandwidth, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
