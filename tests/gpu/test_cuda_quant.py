@@ -66,7 +66,13 @@ def test_int_weight_gemm_compiled_equals_the_reference(bits, n, k, group, perm):
     gpu = IntWeightTriton(qw, "cuda")
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(n, generator=g)
-    for rows in (1, 16, 17, 64):
+    # bf16 dequantized weights (the prefill path) round each weight as a bf16 model's
+    wt = torch.empty(k, n, dtype=torch.bfloat16, device="cuda")
+    gpu._dequantize_into(wt)
+    ref_w = qw.dequantize()
+    ref_w = ref_w if qw.perm is None else ref_w[:, qw.perm]  # the codes' column order
+    assert torch.equal(wt.cpu(), ref_w.to(torch.bfloat16).t())
+    for rows in (1, 16, 17, 64, 130):  # decode tiles (split), 64-row tiles, dequantized
         x = torch.randn(rows, k, generator=g)
         want = reference_linear(qw, x, bias)
         got = gpu.linear(x.cuda(), bias.cuda())
@@ -81,7 +87,7 @@ def test_int_weight_gemm_compiled_equals_the_reference(bits, n, k, group, perm):
 
 
 @pytest.mark.parametrize("n,k,block", [(70, 100, (32, 32)), (512, 384, (128, 128)),
-                                       (96, 200, (16, 48))])
+                                       (96, 200, (16, 48)), (300, 1024, (1, 1024))])
 def test_fp8_block_gemm_compiled_equals_the_dequantized_weights(n, k, block):
     from tokenmill.models.layers.linear_methods.fp8 import dequantize_block_fp8
     from tokenmill.ops.triton_quant_linear import Fp8WeightTriton
@@ -91,7 +97,10 @@ def test_fp8_block_gemm_compiled_equals_the_dequantized_weights(n, k, block):
     bias = torch.randn(n, generator=g)
     gpu = Fp8WeightTriton(w.cuda(), s.cuda(), block)
     ref_w = dequantize_block_fp8(w, s, block)
-    for rows in (1, 5, 16, 40):
+    wt = torch.empty(k, n, dtype=torch.bfloat16, device="cuda")
+    gpu._dequantize_into(wt)
+    assert torch.equal(wt.cpu(), ref_w.to(torch.bfloat16).t())
+    for rows in (1, 5, 16, 40, 131):
         x = torch.randn(rows, k, generator=g)
         got = gpu.linear(x.cuda(), bias.cuda())
         torch.testing.assert_close(got.cpu(), F.linear(x, ref_w, bias), rtol=1e-4,

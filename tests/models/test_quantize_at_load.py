@@ -327,3 +327,17 @@ def test_cli_flag_reaches_the_engine_arguments():
     assert engine_kwargs(p.parse_args(["--quantization", "int8"]))["quantization"] == "int8"
     assert engine_kwargs(p.parse_args(["-q", "fp8"]))["quantization"] == "fp8"
     assert engine_kwargs(p.parse_args([]))["quantization"] is None
+
+
+def test_fp8_at_load_keeps_the_weights_on_their_device():
+    """--quantization fp8 registers the e4m3 weights and scales where the loaded weights
+    are (a GPU's: the Triton GEMM reads them there; here the meta device stands in for
+    it), a Linear's and the experts'."""
+    from tokenmill.models.quantize_at_load import quantize_model
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"proj": Linear(64, 32, bias=True),
+                                     "experts": FusedMoE(4, 64, 32)})
+    assert quantize_model(model, "fp8", "test") == (1, 1)
+    for t in list(model.parameters()) + list(model.buffers()):
+        assert t.device.type == "meta", t.shape
+    assert model["proj"].weight.dtype == torch.float8_e4m3fn

@@ -81,6 +81,27 @@ def test_int_weight_gemm_split_over_k_equals_the_reference(bits, k, group, split
                                atol=1e-2 * want_b.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 64), (torch.float32, 16),
+                                         (torch.bfloat16, 32), (torch.float32, 48)])
+def test_no_scale_is_read_past_the_last_group(dtype, group):
+    """A split's tiles past K (and a partial last group) read no scale or zero point
+    beyond the last group's: NaNs stored right after them never reach the output (one
+    scale row per tile, whole groups per tile, and per code)."""
+    qw = _qw(40, 257, 8, group)
+    layer = tq.IntWeightTriton(qw, "cpu")
+    for name, fill in (("scales", float("nan")), ("zeros", 255)):
+        t = getattr(layer, name)
+        padded = torch.cat([t, torch.full((4, t.shape[1]), fill, dtype=t.dtype)])
+        setattr(layer, name, padded[:t.shape[0]])  # the padding lies just past the view
+    x = torch.randn(2, 257).to(dtype)
+    for split in (1, 2, 3):
+        got = layer.linear(x, None, split_k=split)
+        assert torch.isfinite(got).all(), split
+        want = F.linear(x.float(), qw.dequantize(dtype).float())
+        torch.testing.assert_close(got.float(), want, rtol=1e-2,
+                                   atol=1e-2 * want.abs().max().item())
+
+
 def test_fp8_block_gemm_split_over_k_equals_one_pass():
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(48, 200, generator=g) * 50).to(torch.float8_e4m3fn)
@@ -92,11 +113,60 @@ def test_fp8_block_gemm_split_over_k_equals_one_pass():
     torch.testing.assert_close(layer.linear(x, bias, split_k=3), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g32-actorder", "int8-channel", "fp8-b128"])
+def test_prefill_rows_take_the_dequantized_weights(fmt):
+    """From DEQUANT_MIN_ROWS rows W^T is dequantized (a Triton kernel) for torch's GEMM:
+    fp32 equal to the reference; the dequantized weights exactly the reference's
+    rounded to the dtype; bf16 close to a bf16 model's F.linear."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 72, 256
+    if fmt.startswith("fp8"):
+        w = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+        s = torch.rand(1, 2, generator=g) * 0.01 + 1e-3
+        layer, ref_w = tq.Fp8WeightTriton(w, s, (128, 128)), dequantize_block_fp8(w, s, (128, 128))
+    else:
+        qw = _qw(n, k, 4, 32, perm=True) if fmt.startswith("int4") else _qw(n, k, 8, k)
+        layer, ref_w = tq.IntWeightTriton(qw, "cpu"), qw.dequantize()
+    x = torch.randn(tq.DEQUANT_MIN_ROWS + 3, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    torch.testing.assert_close(layer.linear(x, bias), F.linear(x, ref_w, bias),
+                               rtol=1e-5, atol=1e-4)
+    perm = getattr(layer, "perm", None)
+    ref_wt = (ref_w if perm is None else ref_w[:, perm]).t()  # (act-order: the codes' order)
+    wt = torch.empty(k, n)
+    layer._dequantize_into(wt)
+    assert torch.equal(wt, ref_wt)
+    # bf16: the interpreter's fp32 -> bf16 conversion truncates (a GPU's rounds to
+    # nearest even: exact there, tests/gpu/test_cuda_quant.py), so within one bf16 step
+    wt = torch.empty(k, n, dtype=torch.bfloat16)
+    layer._dequantize_into(wt)
+    assert ((wt.float() - ref_wt).abs() <= ref_wt.abs() * 2 ** -7).all()
+    xb = x.to(torch.bfloat16)
+    want = F.linear(xb, ref_w.to(torch.bfloat16), bias.to(torch.bfloat16)).float()
+    torch.testing.assert_close(layer.linear(xb, bias).float(), want, rtol=1e-2,
+                               atol=1e-2 * want.abs().max().item())
+
+
+def test_fp8_decode_tile_within_a_block_reads_one_scale_row():
+    """bf16 decode rows over 128 x 128 blocks (the tile inside one block column: its
+    scales loaded as a row), split over K, against a bf16 model's weights."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(96, 384, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(1, 3, generator=g) * 0.01 + 1e-3
+    xb = torch.randn(2, 384, generator=g).to(torch.bfloat16)
+    want = F.linear(xb.float(), dequantize_block_fp8(w, s, (128, 128)).to(torch.bfloat16).float())
+    for split in (1, 3):
+        got = tq.Fp8WeightTriton(w, s, (128, 128)).linear(xb, None, split_k=split)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2,
+                                   atol=1e-2 * want.abs().max().item())
+
+
 def test_split_k_fills_the_sms_at_decode_rows_only():
-    # Qwen3-0.6B's down_proj at one row (16 tiles of 64 columns, 48 K blocks) on 132 SMs
-    assert tq.pick_split_k(16, 48, 132) == 8
-    assert tq.pick_split_k(16, 12, 132) == 2   # each split keeps >= 4 K blocks
-    assert tq.pick_split_k(64 * 16, 48, 132) == 1  # a prefill's tiles fill the SMs
+    # Qwen3-0.6B's down_proj at one row (16 tiles of 64 columns, 24 K blocks of 128) on
+    # 132 SMs, 4 programs per SM asked: 8 splits of 3 K blocks (16 would leave 1.5)
+    assert tq.pick_split_k(16, 24, 132, 4) == 8
+    assert tq.pick_split_k(16, 3, 132, 4) == 1   # each split keeps >= 2 K blocks
+    assert tq.pick_split_k(64 * 16, 48, 132) == 1  # a batch's tiles fill the SMs
     assert tq.pick_split_k(16, 48, 1) == 1
 
 

@@ -5,6 +5,11 @@ row counts: us per call, the weights' bytes read per second against the measured
 bandwidth, and the speed over bf16.
 
     python -m tokenmill.bench.quant_gemm --shapes 4096x1024,1024x3072,4096x4096 --rows 1,16,64
+    python -m tokenmill.bench.quant_gemm --sweep --shapes 4096x4096,1024x3072
+
+--sweep tries the decode tile settings (ops/triton_quant_linear.DECODE_TILES: K tile,
+programs per SM, pipeline stages) at one row, and the fused kernel against the
+dequantized weights + torch's GEMM at 64 and 128 rows (DEQUANT_MIN_ROWS).
 
 Shapes are NxK (out x in features; the defaults: Qwen3-0.6B's qkv / down and an 8B
 model's square and gate_up layers). Weights are random codes (speed does not depend on
@@ -109,6 +114,49 @@ def run(shapes, rows, formats, device, iters: int, bandwidth_gbps: float | None)
     return results
 
 
+# --sweep: the decode tile settings tried at one row (ops/triton_quant_linear.DECODE_TILES)
+# and the row counts where the fused kernel and the dequantized path are compared.
+SWEEP_TILES = [dict(block_n=64, block_k=bk, programs_per_sm=pps, num_warps=4, num_stages=st)
+               for bk in (128, 256) for pps in (2, 8) for st in (3, 4)]
+SWEEP_ROWS = (64, 128)
+
+
+def sweep(shapes, formats, device, iters: int, bandwidth_gbps: float | None) -> dict:
+    """The decode tiles of SWEEP_TILES at one row, and the fused kernel against the
+    dequantized weights + torch's GEMM at SWEEP_ROWS: rows of results, and the best
+    tile setting by the geometric mean of its speed over the formats and shapes."""
+    import math
+
+    from tokenmill.ops import triton_quant_linear as tq
+    saved = dict(tq.DECODE_TILES), tq.DEQUANT_MIN_ROWS
+    quantized = [f for f in formats if f != "bf16"]
+    tiles, paths = [], []
+    try:
+        for i, cfg in enumerate(SWEEP_TILES):
+            tq.DECODE_TILES.update(cfg)
+            print(f"decode tiles {i}: {cfg}", flush=True)
+            for row in run(shapes, [1], quantized, device, iters, bandwidth_gbps):
+                tiles.append({**row, "tiles": dict(cfg)})
+        tq.DECODE_TILES.update(saved[0])
+        for path, min_rows in (("fused", 1 << 30), ("dequantized", 1)):
+            tq.DEQUANT_MIN_ROWS = min_rows
+            print(f"path {path}", flush=True)
+            for row in run(shapes[:1], list(SWEEP_ROWS), quantized, device, iters,
+                           bandwidth_gbps):
+                paths.append({**row, "path": path})
+    finally:
+        tq.DECODE_TILES.update(saved[0])
+        tq.DEQUANT_MIN_ROWS = saved[1]
+
+    def score(cfg):
+        us = [r["us"] for r in tiles if r["tiles"] == cfg]
+        return math.exp(sum(math.log(u) for u in us) / len(us))
+
+    best = min(SWEEP_TILES, key=score)
+    print(f"best decode tiles (geometric mean us over formats and shapes): {best}", flush=True)
+    return {"tiles": tiles, "paths": paths, "best_tiles": best}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenmill.bench.quant_gemm")
     p.add_argument("--shapes", type=parse_shapes,
@@ -117,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sweep", action="store_true",
+                   help="try the decode tile settings (SWEEP_TILES) at one row and the fused "
+                        "kernel against the dequantized path at SWEEP_ROWS rows")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     import torch
@@ -131,8 +182,11 @@ def main(argv=None) -> int:
         # copies count bytes read + written; a GEMM's weights are only read
         bandwidth = measure_bandwidth(args.device)["gbps"]
         print(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)
-    results = run(args.shapes, [int(r) for r in args.rows.split(",")], formats,
-                  args.device, args.iters, bandwidth)
+    if args.sweep:
+        results = sweep(args.shapes, formats, args.device, args.iters, bandwidth)
+    else:
+        results = run(args.shapes, [int(r) for r in args.rows.split(",")], formats,
+                      args.device, args.iters, bandwidth)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0) if bandwidth else args.device,

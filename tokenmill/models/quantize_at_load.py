@@ -120,10 +120,11 @@ def _quantize_linear_fp8(layer: Linear, amax: torch.Tensor | None = None) -> Non
     q, scale = fp8_per_channel(w, amax)
     del w
     # The fp8 method registers its e4m3 weight and scales (and a zero bias: the
-    # loaded one is put back).
-    layer.use_method(Fp8BlockLinearMethod(per_channel_block(layer.in_features),
-                                          per_channel=True),
-                     layer.weight.dtype)
+    # loaded one is put back), on the device the weights were loaded to.
+    with torch.device(q.device):
+        layer.use_method(Fp8BlockLinearMethod(per_channel_block(layer.in_features),
+                                              per_channel=True),
+                         layer.weight.dtype)
     layer.bias = bias
     with torch.no_grad():
         layer.weight.copy_(q)
@@ -132,10 +133,11 @@ def _quantize_linear_fp8(layer: Linear, amax: torch.Tensor | None = None) -> Non
 
 def _quantize_experts_fp8(layer: FusedMoE, amax: dict[str, torch.Tensor]) -> None:
     loaded = {name: getattr(layer, name).detach() for name in ("gate_up_proj", "down_proj")}
-    layer.use_method(Fp8BlockFusedMoEMethod(per_channel_block(layer.hidden_size,
-                                                              layer.intermediate_size),
-                                            per_channel=True),
-                     loaded["gate_up_proj"].dtype)
+    with torch.device(loaded["gate_up_proj"].device):
+        layer.use_method(Fp8BlockFusedMoEMethod(per_channel_block(layer.hidden_size,
+                                                                  layer.intermediate_size),
+                                                per_channel=True),
+                         loaded["gate_up_proj"].dtype)
     with torch.no_grad():
         for name, w in loaded.items():
             for e in range(w.shape[0]):  # one expert at a time: a small fp32 transient

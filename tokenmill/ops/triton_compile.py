@@ -172,11 +172,12 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 
 # The quantized-weight GEMMs (ops/triton_quant_linear.py): a layer of each format in
-# the activation dtypes a GPU serves, at a decode-sized input (whole and split over K)
-# and a prefill-sized one.
-QUANT_KERNELS = ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel")
-QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int8 per channel",
-                                                    "fp8 block 128")
+# the activation dtypes a GPU serves, at a decode-sized input (whole and split over K),
+# a batch's (the fused 64-row tiles) and a prefill's (dequantized for torch's GEMM).
+QUANT_KERNELS = ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel", "_int_dequant_kernel",
+                 "_fp8_dequant_kernel")
+QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int4 group 32",
+                                                    "int8 per channel", "fp8 block 128")
                      for dtype in ("bfloat16", "float16", "float32"))
 
 
@@ -184,13 +185,14 @@ def _launch_quant(module, label: str) -> None:
     from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
     n, k = 256, 512
     dtype = getattr(torch, label.rsplit(" ", 1)[1])
-    for rows in (1, 64):
+    for rows in (1, 64, module.DEQUANT_MIN_ROWS):  # decode, fused tiles, dequantized
         x = torch.zeros(rows, k, dtype=dtype)
         if label.startswith("fp8"):
             w = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
             layer = module.Fp8WeightTriton(w, torch.ones(n // 128, k // 128), (128, 128))
         else:
-            bits, group = (4, 128) if label.startswith("int4") else (8, k)
+            bits, group = ((4, int(label.split()[2])) if label.startswith("int4")
+                           else (8, k))
             qw = QuantizedWeight(torch.zeros(n, k, dtype=torch.uint8),
                                  torch.ones(n, k // group),
                                  torch.zeros(n, k // group, dtype=torch.uint8), bits, group)

@@ -75,13 +75,43 @@ def _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym,
 
 
 @triton.jit
+def _int_weights(s_ptr, z_ptr, rows, k0, offs_n, n_ok, N, K, row_ok, GROUP: tl.constexpr,
+                 SCALES: tl.constexpr, TILE_ROWS: tl.constexpr, ROW_STEP: tl.constexpr):
+    """(scale, zero) of a tile's TILE_ROWS codes, at K rows `rows` (k0 + ROW_STEP * i:
+    every row for 8 bits, every other one for a 4-bit nibble), for each code. SCALES:
+    1, the tile within one group (GROUP a multiple of BLOCK_K): one [1, BLOCK_N] row;
+    2, whole groups (BLOCK_K a multiple of GROUP, a power of two): a row per group,
+    widened over its rows; 0, any other group size: loaded code by code."""
+    if SCALES == 1:
+        g = k0 // GROUP
+        ok = n_ok & (k0 + 0 * offs_n < K)  # (a split's last tiles can lie past K)
+        s = tl.load(s_ptr + g * N + offs_n, mask=ok, other=0.0)[None, :]
+        z = tl.load(z_ptr + g * N + offs_n, mask=ok, other=0).to(tl.int32)[None, :]
+    elif SCALES == 2:
+        NUM_G: tl.constexpr = TILE_ROWS * ROW_STEP // GROUP
+        g = k0 // GROUP + tl.arange(0, NUM_G)
+        ok = (g * GROUP < K)[:, None] & n_ok[None, :]
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+        shape: tl.constexpr = (NUM_G, TILE_ROWS // NUM_G, s.shape[1])
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], shape), (TILE_ROWS, s.shape[1]))
+        z = tl.reshape(tl.broadcast_to(z[:, None, :], shape), (TILE_ROWS, z.shape[1]))
+    else:
+        g = rows // GROUP
+        ok = row_ok[:, None] & n_ok[None, :]
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+    return s, z
+
+
+@triton.jit
 def _int_weight_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                             stride_xm, stride_ym,
                             GROUP: tl.constexpr, BITS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            k_per_split, SPLIT: tl.constexpr):
+                            k_per_split, SPLIT: tl.constexpr, SCALES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -91,24 +121,40 @@ def _int_weight_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        tile_ok = k_ok[:, None] & n_ok[None, :]
+    for kk in range(0, k_per_split, BLOCK_K):
+        k0 = k_start + kk
         if BITS == 4:
-            byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :],
-                           mask=tile_ok, other=0)
-            code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
+            # Each byte once: its low nibbles are the tile's even K rows, its high ones
+            # the odd rows, each dotted with x's matching columns (two half-K dots).
+            half = tl.arange(0, BLOCK_K // 2)
+            k_even = k0 + 2 * half
+            even_ok = k_even < K
+            odd_ok = k_even + 1 < K
+            byte = tl.load(w_ptr + (k0 // 2 + half)[:, None] * N + offs_n[None, :],
+                           mask=even_ok[:, None] & n_ok[None, :], other=0).to(tl.int32)
+            s, z = _int_weights(s_ptr, z_ptr, k_even, k0, offs_n, n_ok, N, K, even_ok,
+                                GROUP, SCALES, BLOCK_K // 2, 2)
+            w_lo = ((byte & 15) - z).to(tl.float32) * s
+            if SCALES == 0:  # the odd rows' groups, where a group edge can split a pair
+                s, z = _int_weights(s_ptr, z_ptr, k_even + 1, k0, offs_n, n_ok, N, K, odd_ok,
+                                    GROUP, SCALES, BLOCK_K // 2, 2)
+            w_hi = ((byte >> 4) - z).to(tl.float32) * s
+            x_lo = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_even[None, :],
+                           mask=m_ok[:, None] & even_ok[None, :], other=0.0)
+            x_hi = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_even + 1)[None, :],
+                           mask=m_ok[:, None] & odd_ok[None, :], other=0.0)
+            acc = _dot(acc, x_lo, w_lo, DOT_DTYPE, IEEE, EMULATE)
+            acc = _dot(acc, x_hi, w_hi, DOT_DTYPE, IEEE, EMULATE)
         else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
             code = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :],
-                           mask=tile_ok, other=0).to(tl.int32)
-        g = offs_k // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0.0)
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0)
-        w = (code - z.to(tl.int32)).to(tl.float32) * s
-        acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
+                           mask=k_ok[:, None] & n_ok[None, :], other=0).to(tl.int32)
+            s, z = _int_weights(s_ptr, z_ptr, offs_k, k0, offs_n, n_ok, N, K, k_ok,
+                                GROUP, SCALES, BLOCK_K, 1)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(acc, x, (code - z).to(tl.float32) * s, DOT_DTYPE, IEEE, EMULATE)
     _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym, HAS_BIAS,
            SPLIT)
 
@@ -120,7 +166,7 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
                            HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
                            IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           k_per_split, SPLIT: tl.constexpr):
+                           k_per_split, SPLIT: tl.constexpr, SCALES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -130,29 +176,83 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
+    for kk in range(0, k_per_split, BLOCK_K):
+        offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         tile_ok = k_ok[:, None] & n_ok[None, :]
         # weight [N, K] row-major, read as the [BLOCK_K, BLOCK_N] tile of W^T
         b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=tile_ok, other=0)
-        s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
-                    mask=tile_ok, other=0.0)
+        if SCALES == 1:  # the tile within one block column: a scale per output column
+            s = tl.load(s_ptr + (offs_n // BN) * stride_sn + (k_start + kk) // BK,
+                        mask=n_ok & (k_start + kk + 0 * offs_n < K), other=0.0)[None, :]
+        else:
+            s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
+                        mask=tile_ok, other=0.0)
         w = _e4m3_to_f32(b) * s
         acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
     _store(acc, b_ptr, y_ptr, offs_m, offs_n, m_ok, n_ok, pid_k, M, stride_ym, HAS_BIAS,
            SPLIT)
 
 
-def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized inputs take 16-row tiles (tl.dot's
-    least); fp32 tiles are smaller (64 x 64 fp32 tiles spill registers on sm_80 / 90:
-    `python -m tokenmill.ops.triton_compile --quantized`)."""
+@triton.jit
+def _int_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr,
+                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W^T [K, N] in out's dtype from the K-major codes: (code - zero) * scale in fp32,
+    rounded once (the weights a model of that dtype holds)."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    if BITS == 4:
+        byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :], mask=ok, other=0)
+        code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
+    else:
+        code = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :], mask=ok,
+                       other=0).to(tl.int32)
+    g = offs_k // GROUP
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
+    z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+    w = (code - z).to(tl.float32) * s
+    tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_sn, BN: tl.constexpr,
+                        BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W^T [K, N] in out's dtype from e4m3 [N, K] and its block scale_inv."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=ok, other=0)
+    s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
+                mask=ok, other=0.0)
+    tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :],
+             (_e4m3_to_f32(b) * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Decode-sized inputs (up to 16 rows, tl.dot's least M): the weights stream once, so
+# what counts is bytes in flight per SM: wide K tiles, enough programs per SM (split
+# over K when the output's tiles are too few), a deep load pipeline. Set from
+# `python -m tokenmill.bench.quant_gemm --sweep` on an H200 (docs/benchmarks.md).
+DECODE_TILES = dict(block_n=64, block_k=128, programs_per_sm=4, num_warps=4, num_stages=4)
+# From this many rows the weights are dequantized to the activations' dtype (W^T in a
+# scratch buffer: one write and read of N*K elements) for torch's GEMM (cuBLAS): the
+# fused kernels' 64-row tiles are far from a tuned GEMM's at prefill sizes.
+DEQUANT_MIN_ROWS = 128
+
+
+def _tiles(m: int, dtype: torch.dtype, grouped: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized inputs take 16-row tiles (DECODE_TILES);
+    fp32 tiles are smaller (64 x 64 fp32 tiles spill registers on sm_80 / 90; the
+    integer kernel's decode tile takes K 64, the fp8 one's 32, the sizes neither
+    spills at: `python -m tokenmill.ops.triton_compile --quantized`)."""
     if dtype == torch.float32:
-        return (16, 32, 32) if m <= 16 else (32, 32, 32)
-    return (16, 64, 64) if m <= 16 else (64, 64, 64)
+        return (16, 32, 64 if grouped else 32) if m <= 16 else (32, 32, 32)
+    if m <= 16:
+        return 16, DECODE_TILES["block_n"], DECODE_TILES["block_k"]
+    return 64, 64, 64
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -167,27 +267,43 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
+def pick_split_k(tiles: int, k_blocks: int, sms: int, programs_per_sm: int = 2) -> int:
     """How many K ranges a GEMM of `tiles` output tiles is cut into: decode-sized rows
     give few tiles (N / 64 for a layer), which leave most SMs idle while the weights
-    stream; splits until about two programs per SM, each keeping at least 4 K blocks
-    (a split's partials cost an fp32 [M, N] write and read)."""
+    stream; splits (powers of two) until about `programs_per_sm` programs per SM, each
+    keeping at least 2 K blocks (a split's partials cost an fp32 [M, N] write and
+    read)."""
     split = 1
-    while tiles * split * 2 <= 2 * sms and k_blocks // (split * 2) >= 4:
+    while tiles * split * 2 <= programs_per_sm * sms and k_blocks // (split * 2) >= 2:
         split *= 2
     return split
 
 
+def _scales_mode(span: int, block_k: int, grouped: bool) -> int:
+    """The kernels' SCALES (_int_weights): 1 where a K tile lies within the `span` of
+    K one scale row covers, 2 (`grouped`: the integer kernel) where the tile holds
+    whole spans of a power-of-two size, 0 otherwise."""
+    if span % block_k == 0:
+        return 1
+    if grouped and block_k % span == 0 and span & (span - 1) == 0 and span >= 2:
+        return 2
+    return 0
+
+
 def _launch(kernel, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, dtype,
-            args: tuple, split_k: int | None, **consts) -> torch.Tensor:
+            args: tuple, split_k: int | None, scale_span: int, grouped: bool,
+            **consts) -> torch.Tensor:
     """Run `kernel` over x [..., k] -> [..., n] in `dtype`: tiles by row count, split
-    over K by pick_split_k (or `split_k`), the splits' partials summed here."""
+    over K by pick_split_k (or `split_k`), the splits' partials summed here.
+    `scale_span`: the K span one scale row covers (a group, an fp8 block column)."""
     x2 = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     m = x2.shape[0]
-    bm, bn, bk = _tiles(m, dtype)
+    bm, bn, bk = _tiles(m, dtype, grouped)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, bk)
-    split = split_k or pick_split_k(tiles, k_blocks, _num_sms(x.device))
+    decode = bm == 16 and dtype != torch.float32
+    split = split_k or pick_split_k(tiles, k_blocks, _num_sms(x.device),
+                                    DECODE_TILES["programs_per_sm"] if decode else 2)
     split = max(1, min(split, k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * bk
     split = triton.cdiv(k, k_per_split)
@@ -197,17 +313,34 @@ def _launch(kernel, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, 
         y = torch.empty(m, n, dtype=dtype, device=x.device)
     b = bias.to(torch.float32).contiguous() if bias is not None else y
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    launch = ({"num_warps": DECODE_TILES["num_warps"], "num_stages": DECODE_TILES["num_stages"]}
+              if decode else {})
     kernel[grid](x2, *args, b, y, m, n, k, x2.stride(0), n, **consts,
                  HAS_BIAS=bias is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
                  IEEE=dtype == torch.float32,
                  EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS,
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, k_per_split=k_per_split, SPLIT=split)
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, k_per_split=k_per_split, SPLIT=split,
+                 SCALES=_scales_mode(scale_span, bk, grouped), **launch)
     if split > 1:
         y = y.sum(0)
         if bias is not None:
             y += b
         y = y.to(dtype)
     return y.view(*x.shape[:-1], n)
+
+
+def _dequant_linear(dequantize, x: torch.Tensor, n: int, bias: torch.Tensor | None,
+                    dtype) -> torch.Tensor:
+    """x W^T + b through W^T dequantized to `dtype` (`dequantize(out)` fills it)."""
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    wt = torch.empty(x2.shape[1], n, dtype=dtype, device=x.device)
+    dequantize(wt)
+    y = x2 @ wt if bias is None else torch.addmm(bias.to(dtype), x2, wt)  # as F.linear
+    return y.view(*x.shape[:-1], n)
+
+
+def _dequant_grid(k: int, n: int) -> tuple[int, int]:
+    return triton.cdiv(k, 64), triton.cdiv(n, 64)
 
 
 class IntWeightTriton:
@@ -233,11 +366,18 @@ class IntWeightTriton:
         dtype = dtype or x.dtype
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if x.numel() // x.shape[-1] >= DEQUANT_MIN_ROWS:
+            return _dequant_linear(self._dequantize_into, x, self.n, bias, dtype).to(x.dtype)
         y = _launch(_int_weight_gemm_kernel, x, self.n, self.k, bias, dtype,
-                    (self.w, self.scales, self.zeros), split_k,
+                    (self.w, self.scales, self.zeros), split_k, self.group, True,
                     GROUP=self.group, BITS=self.bits)
         return y.to(x.dtype)
 
+    def _dequantize_into(self, wt: torch.Tensor) -> None:
+        """W^T [K, N] (the codes' order: act-order applies to x) in wt's dtype."""
+        _int_dequant_kernel[_dequant_grid(self.k, self.n)](
+            self.w, self.scales, self.zeros, wt, self.n, self.k, GROUP=self.group,
+            BITS=self.bits, BLOCK_N=64, BLOCK_K=64)
 
     @property
     def group_size(self) -> int:
@@ -275,7 +415,15 @@ class Fp8WeightTriton:
                dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
         dtype = dtype or x.dtype
         bn, bk = self.block_size
+        if x.numel() // x.shape[-1] >= DEQUANT_MIN_ROWS:
+            return _dequant_linear(self._dequantize_into, x, self.n, bias, dtype).to(x.dtype)
         y = _launch(_fp8_block_gemm_kernel, x, self.n, self.k, bias, dtype,
-                    (self.w, self.scale_inv), split_k,
+                    (self.w, self.scale_inv), split_k, bk, False,
                     stride_sn=self.scale_inv.stride(0), BN=bn, BK=bk)
         return y.to(x.dtype)
+
+    def _dequantize_into(self, wt: torch.Tensor) -> None:
+        bn, bk = self.block_size
+        _fp8_dequant_kernel[_dequant_grid(self.k, self.n)](
+            self.w, self.scale_inv, wt, self.n, self.k, self.scale_inv.stride(0), BN=bn,
+            BK=bk, BLOCK_N=64, BLOCK_K=64)
