@@ -25,6 +25,11 @@ from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWei
 HIDDEN, INTER = 45, 23  # odd K for both GEMMs (a half-filled last 4-bit byte)
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # (the inputs drawn without a generator: the same every run)
+
+
 def _qw(n, k, bits, group, perm=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     group = k if group == -1 else group
@@ -196,9 +201,10 @@ def test_the_cuda_platform_gives_quantized_experts_the_triton_gemms(monkeypatch)
     assert platform.moe_method(layer) is chosen  # a second prepare_model keeps it
 
     int8 = FusedMoE(4, HIDDEN, INTER)
-    with torch.no_grad():
-        int8.gate_up_proj.normal_()
-        int8.down_proj.normal_()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # (weights of 0.2: outputs of O(1), as in test_moe.py)
+        int8.gate_up_proj.copy_(torch.randn(int8.gate_up_proj.shape, generator=g) * 0.2)
+        int8.down_proj.copy_(torch.randn(int8.down_proj.shape, generator=g) * 0.2)
     Int8AtLoadFusedMoEMethod.quantize_fused_moe(int8)
     want = int8(x, weights, ids)
     int8.set_method(platform.moe_method(int8))

@@ -224,7 +224,7 @@ def fused_experts_triton(x: torch.Tensor, w13: IntExpertsTriton, w2: IntExpertsT
     gate rows then up rows [2I, H], w2 [H, I]; the GEMMs in `compute_dtype` (None:
     x's), each result rounded to x's dtype; topk weights applied, pairs summed into
     their tokens."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     pairs = topk_ids.numel()
     if pairs == 0:
         return torch.zeros_like(x)
