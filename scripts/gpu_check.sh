@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: the GPU tests, then a short GPU benchmark, results
 # into OUTDIR. Meant to finish within about 10 minutes on one H200 (each stage has its own
-# time limit, 565 s in all; a failing stage does not stop the next ones).
+# time limit, 585 s in all; a failing stage does not stop the next ones).
 #
 #   scripts/gpu_check.sh OUTDIR        (PYTHON=... to pick the interpreter)
 #
@@ -54,8 +54,10 @@ cat "$OUT/env.txt" >> "$SUMMARY"
 stage gpu_tests 140 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
     --timeout 60 --junitxml "$OUT/gpu_tests.xml"
 tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
-# 1b. Quantized weights and the fp8 KV cache (the GEMMs compile on first use: its own limit).
-stage gpu_quant_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_quant.py \
+# 1b. Quantized weights (dense and MoE experts) and the fp8 KV cache (the GEMMs compile
+# on first use: its own limit).
+stage gpu_quant_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_quant.py \
+    tests/gpu/test_cuda_quant_moe.py \
     --timeout 60 --junitxml "$OUT/gpu_quant_tests.xml"
 tail -n 3 "$OUT/gpu_quant_tests.log" >> "$SUMMARY"
 

@@ -173,16 +173,26 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 # The quantized-weight GEMMs (ops/triton_quant_linear.py): a layer of each format in
 # the activation dtypes a GPU serves, at a decode-sized input (whole and split over K),
-# a batch's (the fused 64-row tiles) and a prefill's (dequantized for torch's GEMM).
-QUANT_KERNELS = ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel", "_int_dequant_kernel",
-                 "_fp8_dequant_kernel")
+# a batch's (the fused 64-row tiles) and a prefill's (dequantized for torch's GEMM); the
+# integer experts' grouped GEMMs (ops/triton_quant_moe.py) likewise, at a decode step's
+# routing and a prefill's.
+QUANT_MODULES = {"triton_quant_linear.py": ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel",
+                                            "_int_dequant_kernel", "_fp8_dequant_kernel"),
+                 "triton_quant_moe.py": ("_int_moe_gemm_kernel",)}
+QUANT_KERNELS = tuple(name for names in QUANT_MODULES.values() for name in names)
 QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int4 group 32",
-                                                    "int8 per channel", "fp8 block 128")
+                                                    "int8 per channel", "fp8 block 128",
+                                                    "moe int4 group 128",
+                                                    "moe int4 group 128 act-order",
+                                                    "moe int8 per channel")
                      for dtype in ("bfloat16", "float16", "float32"))
 
 
-def _launch_quant(module, label: str) -> None:
+def _launch_quant(modules: dict, label: str) -> None:
     from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    if label.startswith("moe"):
+        return _launch_quant_moe(modules["triton_quant_moe.py"], label)
+    module = modules["triton_quant_linear.py"]
     n, k = 256, 512
     dtype = getattr(torch, label.rsplit(" ", 1)[1])
     for rows in (1, 64, module.DEQUANT_MIN_ROWS):  # decode, fused tiles, dequantized
@@ -202,6 +212,28 @@ def _launch_quant(module, label: str) -> None:
             layer.linear(x, torch.zeros(n), split_k=2)
 
 
+def _launch_quant_moe(module, label: str) -> None:
+    """Both GEMMs of a 64-expert block (H 512, I 256, top 8): one token (decode tiles)
+    and 256 (prefill tiles)."""
+    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    experts, hidden, inter, top_k = 64, 512, 256, 8
+    dtype = getattr(torch, label.rsplit(" ", 1)[1])
+    bits, group = (4, 128) if "int4" in label else (8, None)
+
+    def stack(n, k):
+        g = group or k
+        perm = torch.arange(k) if "act-order" in label else None
+        return module.IntExpertsTriton(
+            [QuantizedWeight(torch.zeros(n, k, dtype=torch.uint8), torch.ones(n, k // g),
+                             torch.zeros(n, k // g, dtype=torch.uint8), bits, g, perm)] * experts,
+            "cpu")
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    for tokens in (1, 256):
+        topk_ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
+        module.fused_experts_triton(torch.zeros(tokens, hidden, dtype=dtype), w13, w2,
+                                    torch.ones(tokens, top_k, dtype=dtype), topk_ids)
+
+
 def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES,
                      quantized: bool = False) -> list[CompiledKernel]:
     """Each distinct kernel of each shape compiled for each architecture: the attention
@@ -209,22 +241,25 @@ def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES,
     from triton.backends.compiler import GPUTarget
 
     if quantized:
-        module, names, shapes = load_kernels("triton_quant_linear.py"), QUANT_KERNELS, QUANT_SHAPES
+        modules = {f: load_kernels(f) for f in QUANT_MODULES}
+        names, shapes = QUANT_MODULES, QUANT_SHAPES
     else:
-        module, names = load_kernels(), KERNELS
-    jit = {name: getattr(module, name) for name in names}
+        modules = {"triton_attention.py": load_kernels()}
+        names = {"triton_attention.py": KERNELS}
+    # (module, kernel name, jit function): swapped for compilers per shape
+    jit = [(modules[f], name, getattr(modules[f], name)) for f in modules for name in names[f]]
     results = []
     try:
         for arch in archs:
             target = GPUTarget("cuda", arch, 32)
             for shape in shapes:
                 compiled: dict = {}
-                for name, fn in jit.items():
+                for module, name, fn in jit:
                     setattr(module, name, _Compile(fn, target, compiled))
                 if quantized:
-                    _launch_quant(module, shape)
+                    _launch_quant(modules, shape)
                 else:
-                    _launch_all(module, shape)
+                    _launch_all(modules["triton_attention.py"], shape)
                 for kernel in compiled.values():
                     regs, spill = _resources(kernel.asm["cubin"])
                     meta = kernel.metadata
@@ -232,7 +267,7 @@ def compile_launches(archs=tuple(MAX_SHARED), shapes=SHAPES,
                         arch, shape if quantized else shape.label, meta.name, meta.num_warps, meta.num_stages,
                         meta.shared, MAX_SHARED[arch], regs, spill))
     finally:
-        for name, fn in jit.items():
+        for module, name, fn in jit:
             setattr(module, name, fn)
     return results
 
@@ -244,8 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-sizes", help="only the shapes with these head sizes, e.g. "
                         "256,512 (default: all of SHAPES)")
     parser.add_argument("--quantized", action="store_true",
-                        help="the quantized-weight GEMMs (ops/triton_quant_linear.py) "
-                             "instead of the attention kernels")
+                        help="the quantized-weight GEMMs (ops/triton_quant_linear.py, "
+                             "triton_quant_moe.py) instead of the attention kernels")
     parser.add_argument("--output-json", help="write every compiled kernel's resources here")
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.arch.split(",")]

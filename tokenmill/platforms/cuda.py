@@ -17,7 +17,9 @@ whether decode steps replay CUDA graphs. Decided from what imports, so the decis
 - GEMMs in the model's dtype through PyTorch (cuBLAS); MoE experts grouped without a
   host sync per expert (graphs and async scheduling need none); quantized layers
   (GPTQ / AWQ / int8, fp8) through the Triton W4A16 / W8A16 / FP8 GEMMs
-  (ops/triton_quant_linear.py: the weights read at their stored width).
+  (ops/triton_quant_linear.py: the weights read at their stored width); integer
+  experts through its grouped form (ops/triton_quant_moe.py, also without a host
+  sync).
 """
 from __future__ import annotations
 
@@ -65,10 +67,15 @@ class CudaPlatform(Platform):
 
     def moe_method(self, layer):
         """The experts' grouped GEMMs without a host sync on the expert groups (CUDA
-        graphs, async scheduling); a non-default method is kept."""
+        graphs, async scheduling): integer-quantized experts (GPTQ, AWQ,
+        compressed-tensors, int8 at load) through the Triton grouped GEMMs where
+        triton imports; another non-default method (fp8's) is kept."""
         from tokenmill.models.layers.linear_methods import (SyncFreeFusedMoEMethod,
                                                             UnquantizedFusedMoEMethod)
         current = layer.method
+        with_triton = getattr(current, "with_triton", None)
+        if with_triton is not None and self.quantized_gemm == "triton":
+            return current if current.triton else with_triton()
         if type(current) is not UnquantizedFusedMoEMethod or current.compute_dtype is not None:
             return current
         return SyncFreeFusedMoEMethod()

@@ -17,7 +17,8 @@ unquantized (W8A16). Quantizing is the whole format: the checkpoint is a plain o
   matrix as a `QuantizedWeight` view (no copy) for a kernel that takes that form.
   With the platform's native CPU kernels (`for_platform`) each expert is packed once
   for `linear_quant` instead (quantized_cpu.PackedQuantizedExperts) and the stacked
-  codes dropped.
+  codes dropped. On CUDA (`with_triton`) they are stacked into
+  ops/triton_quant_moe.py's layout for its grouped GEMMs instead, likewise the only copy.
 
 Used by models/quantize_at_load.py after the weights are loaded.
 """
@@ -107,6 +108,10 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         # The platform's native kernels (for_platform): packed when the layer sets it.
         self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
         self.packed: PackedQuantizedExperts | None = None
+        # CUDA (with_triton): (w13, w2) as triton_quant_moe.IntExpertsTriton, then the
+        # only copy
+        self.triton = False
+        self.gpu = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
         raise ValueError("int8 experts are made from loaded float experts "
@@ -131,6 +136,7 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         method = Int8AtLoadFusedMoEMethod(dtype)
         method.ops, method.max_rows, method.quad_max_rows = (self.ops, self.max_rows,
                                                              self.quad_max_rows)
+        method.triton, method.gpu = self.triton, self.gpu
         if self.packed is not None:
             method.packed = self.packed.with_compute_dtype(dtype)
         return method
@@ -143,7 +149,23 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
         return method
 
+    def with_triton(self) -> "Int8AtLoadFusedMoEMethod":
+        """This method running the Triton grouped GEMMs (CUDA): the experts moved into
+        their layout when the layer sets it."""
+        method = self.with_compute_dtype(self.compute_dtype)
+        method.triton = True
+        return method
+
     def process_weights_after_loading(self, layer) -> None:
+        if self.triton and self.gpu is None:
+            from tokenmill.ops.triton_quant_moe import IntExpertsTriton
+            experts = range(layer.gate_up_proj.shape[0])
+            self.gpu = tuple(
+                IntExpertsTriton([self.expert_weight(layer, name, e) for e in experts],
+                                 getattr(layer, name).device)
+                for name in ("gate_up_proj", "down_proj"))
+            drop_stacked_experts(layer, "_scale")
+            return
         if (self.packed is not None or self.ops is None or self.max_rows <= 0
                 or not hasattr(self.ops, "linear_quant")):
             return
@@ -155,8 +177,10 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         drop_stacked_experts(layer, "_scale")
 
     def nbytes(self) -> int:
-        """Resident bytes of the packed experts (0 before packing: the stacked codes are
-        the layer's own parameters then)."""
+        """Resident bytes of the Triton layout or the packed experts (0 before: the
+        stacked codes are the layer's own parameters then)."""
+        if self.gpu is not None:
+            return sum(w.nbytes() for w in self.gpu)
         return 0 if self.packed is None else self.packed.nbytes()
 
     @staticmethod
@@ -167,6 +191,10 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         return QuantizedWeight(codes, scales, zeros, 8, codes.shape[1])
 
     def apply(self, layer, x, topk_weights, topk_ids):
+        if self.gpu is not None:
+            from tokenmill.ops.triton_quant_moe import fused_experts_triton
+            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
+                                        self.compute_dtype, layer.activation)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -179,4 +207,6 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
     def describe(self) -> str:
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         native = "" if self.packed is None else self.packed.describe()
+        if self.gpu is not None:
+            native = ", Triton grouped GEMMs (no host sync)"
         return f"{type(self).__name__}(int8 per-channel{native}{wide})"

@@ -15,6 +15,11 @@ On the CPU with the native kernels (`for_platform`), each expert is packed once 
 for it), the canonical codes dropped: an expert's slice of up to `max_rows` rows (every
 decode step's) reads its packed codes once, the larger slices dequantize tiles of it
 for the library GEMM. Decode no longer dequantizes every touched expert every step.
+
+On CUDA with Triton (`with_triton`, the CUDA platform's choice), the experts are
+stacked once into ops/triton_quant_moe.py's device layout (the canonical copies
+dropped) and run its grouped GEMMs: no host sync on the expert groups, so a decode
+step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -62,6 +67,10 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         # The platform's native kernels (for_platform): packed at conversion.
         self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
         self.packed: PackedQuantizedExperts | None = None
+        # CUDA (with_triton): (w13, w2) as triton_quant_moe.IntExpertsTriton, then the
+        # only copy
+        self.triton = False
+        self.gpu = None
 
     def _matrices(self, hidden: int, inter: int):
         """(target, K, checkpoint matrices' rows, groups_k) of each stacked projection."""
@@ -88,8 +97,14 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
                              for t in self.TARGETS})
 
     def process_weights_after_loading(self, layer) -> None:
-        if self.w13 is None and self.packed is None:  # (once: the loader's call)
-            self._convert(layer)
+        if self.w13 is None and self.packed is None and self.gpu is None:
+            self._convert(layer)  # (once: the loader's call)
+        if self.triton and self.gpu is None:
+            from tokenmill.ops.triton_quant_moe import IntExpertsTriton
+            device = self.w13[0].codes.device
+            self.gpu = (IntExpertsTriton(self.w13, device), IntExpertsTriton(self.w2, device))
+            self.w13 = self.w2 = None  # the stacked device copy is the only one kept
+            return
         if (self.packed is None and self.ops is not None and self.max_rows > 0
                 and hasattr(self.ops, "linear_quant")):
             self.packed = PackedQuantizedExperts.from_quantized(
@@ -136,7 +151,18 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
         return method
 
+    def with_triton(self) -> "QuantizedFusedMoEMethod":
+        """This method running the Triton grouped GEMMs (CUDA): the experts moved into
+        their layout when the layer sets it."""
+        method = copy.copy(self)
+        method.triton = True
+        return method
+
     def apply(self, layer, x, topk_weights, topk_ids):
+        if self.gpu is not None:
+            from tokenmill.ops.triton_quant_moe import fused_experts_triton
+            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
+                                        self.compute_dtype, layer.activation)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -146,7 +172,10 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
                              dtype, activation=layer.activation)
 
     def nbytes(self) -> int:
-        """Resident bytes of the experts' weights (packed, or the canonical codes)."""
+        """Resident bytes of the experts' weights (the Triton layout, packed, or the
+        canonical codes)."""
+        if self.gpu is not None:
+            return sum(w.nbytes() for w in self.gpu)
         if self.packed is not None:
             return self.packed.nbytes()
         return sum(qw.nbytes() for qw in (self.w13 or []) + (self.w2 or []))
@@ -154,4 +183,6 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
     def describe(self) -> str:
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         native = "" if self.packed is None else self.packed.describe()
+        if self.gpu is not None:
+            native = ", Triton grouped GEMMs (no host sync)"
         return f"{type(self).__name__}({self.layout.describe()}{native}{wide})"

@@ -1,0 +1,241 @@
+"""MoE experts in an integer format (GPTQ, AWQ, compressed-tensors, int8 made at load)
+as Triton grouped GEMMs that read each expert's codes at their stored width: the CUDA
+path of `QuantizedFusedMoEMethod`, with no host read of a device value and no shape
+that depends on the routing, so a decode step's MoE layers can be captured in a CUDA
+graph (fused_experts' default path reads the expert groups with `.tolist()`).
+
+The (token, slot) pairs of a batch, p = token * top_k + slot, are sorted by expert on
+the device and each expert's run padded to a multiple of BLOCK_M (`align_pairs`): a
+program takes BLOCK_M slots of one expert, so its weight tiles are that expert's. The
+padded buffer is sized by the worst case the shapes allow (every expert with work
+wastes at most BLOCK_M - 1 slots), the blocks beyond the used ones hold no expert and
+exit at once. Each GEMM writes its rows back in pair order: the first reads the
+pair's token row of x (p // top_k), the second the pair's own row.
+
+Device layout (`IntExpertsTriton`): the dense kernel's (ops/triton_quant_linear.py),
+stacked over experts: codes [E, K', N] uint8 (4-bit: two K rows per byte, row k in
+byte k // 2's low nibble when k is even), scales [E, G, N] fp32, zeros [E, G, N]
+uint8. Act-order: perms [E, K] int32, each expert's own, applied in the kernel by
+gathering x's columns; experts whose codes have fewer columns (a tensor-parallel
+rank's padded act-order share, act_order_share.py) are padded with perm -1, whose
+x is read as 0. The numbers are the dense kernel's: (code - zero) * scale in fp32,
+rounded to the activations' dtype before the dot, fp32 accumulation, IEEE fp32 dots
+for fp32 models. Imported only on the CUDA path or under TRITON_INTERPRET: it
+imports triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.models.layers.linear_methods.fused_moe import act_and_mul
+from tokenmill.ops.triton_quant_linear import _DOT_DTYPES, _EMULATE_HALF_DOTS, _dot
+
+
+@triton.jit
+def _int_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, y_ptr,
+                         sorted_token_ids_ptr, expert_ids_ptr, num_pairs, N, K,
+                         stride_xm, stride_ym, stride_we, stride_se, stride_pe,
+                         X_DIV: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                         HAS_PERM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[p] = x[p // X_DIV] @ W_e^T for the BLOCK_M sorted pairs of block pid_m, all of
+    expert e = expert_ids[pid_m] (-1: a block past the used ones, nothing to do)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_m)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)  # (E x a matrix's bytes can pass 2^31)
+    pair = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = pair < num_pairs  # padding slots hold num_pairs
+    row = (pair // X_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_ptr += e * stride_we
+    s_ptr += e * stride_se
+    z_ptr += e * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        if HAS_PERM:  # act-order: code column k multiplies x's column perm[e, k]
+            col = tl.load(perm_ptr + e * stride_pe + offs_k, mask=k_ok, other=-1)
+            x_col_ok = col >= 0  # -1: padding or past K (x read as 0, whatever the weight)
+        else:
+            col = offs_k
+            x_col_ok = k_ok
+        x = tl.load(x_ptr + row[:, None] * stride_xm + col[None, :],
+                    mask=m_ok[:, None] & x_col_ok[None, :], other=0.0)
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        if BITS == 4:
+            byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :],
+                           mask=tile_ok, other=0)
+            code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
+        else:
+            code = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :],
+                           mask=tile_ok, other=0).to(tl.int32)
+        g = offs_k // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0.0)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0)
+        w = (code - z.to(tl.int32)).to(tl.float32) * s
+        acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
+    tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+class IntExpertsTriton:
+    """An MoE projection's experts (one `QuantizedWeight` each, same bits, group size
+    and shape) stacked in the kernel's device layout (module docstring)."""
+
+    def __init__(self, weights, device):
+        first = weights[0]
+        self.bits, self.group = first.bits, first.group_size
+        self.n, self.in_features = first.shape
+        for qw in weights:
+            if (qw.bits, qw.group_size, qw.shape) != (self.bits, self.group, first.shape):
+                raise ValueError("the experts differ in bits, group size or shape")
+        # Code columns: the widest expert's (only padded act-order shares differ).
+        self.k = max(qw.codes.shape[1] for qw in weights)
+        groups = -(-self.k // self.group)
+        codes, scales, zeros = [], [], []
+        for qw in weights:
+            pad_k, pad_g = self.k - qw.codes.shape[1], groups - qw.scales.shape[1]
+            # Padding columns: code 0, scale 0, and perm -1 (x read as 0) below.
+            codes.append(_k_major(torch.nn.functional.pad(qw.codes, (0, pad_k)), qw.bits))
+            scales.append(torch.nn.functional.pad(qw.scales, (0, pad_g)).t())
+            zeros.append(torch.nn.functional.pad(qw.zeros, (0, pad_g)).t())
+        self.w = torch.stack(codes).contiguous().to(device)
+        self.scales = torch.stack(scales).contiguous().to(device)
+        self.zeros = torch.stack(zeros).contiguous().to(device)
+        self.perms = None
+        if any(qw.perm is not None for qw in weights):
+            perms = torch.full((len(weights), self.k), -1, dtype=torch.int32)
+            for e, qw in enumerate(weights):
+                k = qw.codes.shape[1]
+                perms[e, :k] = (qw.perm if qw.perm is not None else torch.arange(k)).cpu()
+            self.perms = perms.to(device)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.group
+
+    def nbytes(self) -> int:
+        """Resident bytes on the device."""
+        t = [self.w, self.scales, self.zeros] + ([self.perms] if self.perms is not None else [])
+        return sum(x.numel() * x.element_size() for x in t)
+
+    def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's W [N, in_features] in the checkpoint's column order (debugging,
+        tests)."""
+        codes = self.w[e]
+        if self.bits == 4:  # byte r holds rows 2r (low nibble) and 2r + 1
+            codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1, self.n)[:self.k]
+        g = torch.arange(self.k, device=codes.device) // self.group
+        w = (codes.to(torch.int32) - self.zeros[e][g].to(torch.int32)).to(torch.float32)
+        w = (w * self.scales[e][g]).t()
+        if self.perms is None:
+            return w.to(dtype)
+        perm = self.perms[e].long()
+        real = perm >= 0  # (padding columns: left out; a padded share's repeats add 0)
+        return w.new_zeros(self.n, self.in_features).index_add_(
+            1, perm[real], w[:, real]).to(dtype)
+
+
+def _k_major(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] -> [K, N], 4-bit: two K rows per byte (an odd K padded by a zero row)."""
+    codes = codes.t()
+    if bits == 4:
+        if codes.shape[0] % 2:
+            codes = torch.cat([codes, codes.new_zeros(1, codes.shape[1])])
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return codes
+
+
+def _tiles(pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from the mean rows per expert (static: the shapes'):
+    decode-sized runs take 16-row tiles (tl.dot's least), fp32 smaller tiles (as the
+    dense kernel's, whose 64 x 64 fp32 tiles spill registers)."""
+    small = pairs <= 16 * num_experts
+    if dtype == torch.float32:
+        return (16, 32, 32) if small else (32, 32, 32)
+    return (16, 64, 64) if small else (64, 64, 64)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's run padded to a multiple of `block_m`,
+    on the device with shapes from topk_ids' shape alone: (sorted_token_ids [S] int32,
+    the pair in each slot or P for padding; expert_ids [S / block_m] int32, each
+    block's expert or -1 past the used blocks)."""
+    flat_ids = topk_ids.reshape(-1).long()
+    pairs, device = flat_ids.numel(), flat_ids.device
+    # (bincount reads the largest id on the host: an index_add instead)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    # a pair's rank within its expert's run, then its slot in the padded buffer
+    rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
+    slots = (padded_ends - padded)[sorted_ids] + rank
+    # At most min(E, P) experts have work, each wasting under block_m slots.
+    num_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    sorted_token_ids = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32,
+                                  device=device)
+    sorted_token_ids[slots] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_token_ids, expert_ids
+
+
+def grouped_gemm(x: torch.Tensor, experts: IntExpertsTriton, sorted_token_ids, expert_ids,
+                 pairs: int, x_div: int, dtype: torch.dtype, tiles) -> torch.Tensor:
+    """y [pairs, N] in `dtype`: y[p] = x[p // x_div] @ W_{expert of p}^T."""
+    bm, bn, bk = tiles
+    x = x.to(dtype).contiguous()
+    y = torch.empty(pairs, experts.n, dtype=dtype, device=x.device)
+    perms = experts.perms if experts.perms is not None else expert_ids  # (unread)
+    grid = (expert_ids.numel(), triton.cdiv(experts.n, bn))
+    _int_moe_gemm_kernel[grid](
+        x, experts.w, experts.scales, experts.zeros, perms, y, sorted_token_ids, expert_ids,
+        pairs, experts.n, experts.k, x.stride(0), y.stride(0), experts.w.stride(0),
+        experts.scales.stride(0), experts.perms.stride(0) if experts.perms is not None else 0,
+        X_DIV=x_div, GROUP=experts.group, BITS=experts.bits,
+        HAS_PERM=experts.perms is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
+        IEEE=dtype == torch.float32, EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+def fused_experts_triton(x: torch.Tensor, w13: IntExpertsTriton, w2: IntExpertsTriton,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         compute_dtype: torch.dtype | None = None,
+                         activation: str = "silu") -> torch.Tensor:
+    """`fused_experts` (fused_moe.py) over integer experts, without a host sync: w13
+    gate rows then up rows [2I, H], w2 [H, I]; the GEMMs in `compute_dtype` (None:
+    x's), each result rounded to x's dtype; topk weights applied, pairs summed into
+    their tokens."""
+    top_k = topk_ids.shape[1]
+    pairs = topk_ids.numel()
+    if pairs == 0:
+        return torch.zeros_like(x)
+    dtype = compute_dtype or x.dtype
+    tiles = _tiles(pairs, w13.num_experts, dtype)
+    sorted_token_ids, expert_ids = align_pairs(topk_ids, w13.num_experts, tiles[0])
+    gate_up = grouped_gemm(x, w13, sorted_token_ids, expert_ids, pairs, top_k, dtype,
+                           tiles).to(x.dtype)
+    act = act_and_mul(gate_up, activation)
+    down = grouped_gemm(act, w2, sorted_token_ids, expert_ids, pairs, 1, dtype,
+                        tiles).to(x.dtype)
+    down = down * topk_weights.reshape(-1).unsqueeze(-1)
+    token_idx = torch.arange(pairs, device=x.device) // top_k
+    return torch.zeros_like(x).index_add_(0, token_idx, down)
