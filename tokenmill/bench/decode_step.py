@@ -54,11 +54,13 @@ def quantized_weight_bytes(llm, args) -> int | None:
     model = llm.llm_engine.engine_core.runner.model
     if not facts["quantization"] or facts["resident_weight_bytes"] is None:
         return None
+    from tokenmill.bench.roofline import _checkpoint_shapes
     embed = getattr(model, "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    table = 0
-    if embed is not None and getattr(head, "weight", None) is not getattr(embed, "weight", 0):
-        table = sum(t.nbytes for t in embed.parameters())
+    # (tied: the checkpoint has no lm_head of its own; the model's modules cannot
+    # tell, the platform may give the head its own copy)
+    tied = not any(name.endswith("lm_head.weight")
+                   for name in _checkpoint_shapes(llm.llm_engine.model_config.path))
+    table = 0 if embed is None or tied else sum(t.nbytes for t in embed.parameters())
     return facts["resident_weight_bytes"] - table
 
 
