@@ -83,10 +83,11 @@ def _int_weights(s_ptr, z_ptr, rows, k0, offs_n, n_ok, N, K, row_ok, GROUP: tl.c
     2, whole groups (BLOCK_K a multiple of GROUP, a power of two): a row per group,
     widened over its rows; 0, any other group size: loaded code by code."""
     if SCALES == 1:
-        g = k0 // GROUP
-        ok = n_ok & (k0 + 0 * offs_n < K)  # (a split's last tiles can lie past K)
-        s = tl.load(s_ptr + g * N + offs_n, mask=ok, other=0.0)[None, :]
-        z = tl.load(z_ptr + g * N + offs_n, mask=ok, other=0).to(tl.int32)[None, :]
+        # (a split's last tiles can lie past K: their codes and x are masked, so the
+        # last group's row serves them, read instead of whatever lies past it)
+        g = tl.minimum(k0, K - 1) // GROUP
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)[None, :]
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.int32)[None, :]
     elif SCALES == 2:
         NUM_G: tl.constexpr = TILE_ROWS * ROW_STEP // GROUP
         g = k0 // GROUP + tl.arange(0, NUM_G)
@@ -185,8 +186,8 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
         # weight [N, K] row-major, read as the [BLOCK_K, BLOCK_N] tile of W^T
         b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=tile_ok, other=0)
         if SCALES == 1:  # the tile within one block column: a scale per output column
-            s = tl.load(s_ptr + (offs_n // BN) * stride_sn + (k_start + kk) // BK,
-                        mask=n_ok & (k_start + kk + 0 * offs_n < K), other=0.0)[None, :]
+            kb = tl.minimum(k_start + kk, K - 1) // BK  # (past K: the last block's)
+            s = tl.load(s_ptr + (offs_n // BN) * stride_sn + kb, mask=n_ok, other=0.0)[None, :]
         else:
             s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
                         mask=tile_ok, other=0.0)
