@@ -1,28 +1,38 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine: the GPU tests, then a short GPU benchmark, results
-# into OUTDIR. Meant to finish within about 10 minutes on one H200 (each stage has its own
-# time limit, 585 s in all; a failing stage does not stop the next ones).
+# One command for a CUDA machine: the GPU tests, then short GPU timings, results into
+# OUTDIR. Two parts, each stage under its own time limit (a failing stage does not
+# stop the next ones):
 #
-#   scripts/gpu_check.sh OUTDIR        (PYTHON=... to pick the interpreter)
+#   scripts/gpu_check.sh OUTDIR          the tests and the short timings: 350 s of stage
+#                                        limits, about 4.5 minutes on one H200 (room for
+#                                        a rerun in a session's 15 device minutes)
+#   scripts/gpu_check.sh OUTDIR long     the long stages: nano-vllm's throughput workload,
+#                                        the eager and fp8 decode steps, fla's kernels
+#                                        (their autotuning alone passes 45 s), the
+#                                        quantized GEMMs' tile sweep: 490 s of limits
+#   (PYTHON=... to pick the interpreter)
 #
-# OUTDIR gets: env.txt (torch / CUDA / triton / GPU), gpu_tests.log + .xml and
-# gpu_quant_tests.log + .xml (tests/gpu:
-# CUDA greedy == CPU fp32 for dense, sliding, multi-group, MoE, hybrid models, with and
-# without CUDA graphs, chunked prefill, preemption, head sizes 96 and 512 and soft-capped
-# attention; the Triton kernels compiled, bf16 included, over head sizes 80 / 96 / 128 /
-# 512 and soft-capping; the quantized GEMMs compiled, fp32 and bf16, and GPTQ / AWQ /
-# FP8 / MoE-GPTQ / --quantization int8 and fp8 / fp8 KV-cache models on CUDA equal to
-# the CPU, tokens and logprobs), attn_kernels.json/.log (the paged-decode kernel at head sizes
-# 96 / 128 / 512 and soft-capped: us per call, GB/s of K/V read), throughput.json/.log
-# (nano-vllm's workload on a Qwen3-0.6B-architecture model with random bf16 weights:
-# 256 requests, prompt and output lengths uniform in [100, 1024], ignore_eos;
-# tokenmill vs HF generate on its first 16 requests; roofline),
-# decode_step*.json/.log (decode-step time vs the HBM bandwidth bound, CUDA graphs and
-# eager; --quantization int8 and fp8 against their resident bytes), quant_gemm.json/.log
-# (the Triton W8A16 / W4A16 / FP8 GEMMs against bf16 cuBLAS at decode rows),
-# summary.txt (each stage's exit status and headline lines).
+# OUTDIR gets: env.txt (torch / CUDA / triton / GPU); gpu_tests.log + .xml (tests/gpu/
+# test_cuda_parity.py: CUDA greedy == CPU fp32 for dense, sliding, multi-group, MoE,
+# hybrid models, with and without CUDA graphs, chunked prefill, preemption, head sizes
+# 96 and 512 and soft-capped attention; the Triton attention kernels compiled, bf16
+# included, over head sizes 80 / 96 / 128 / 512 and soft-capping; the sync-free MoE);
+# gpu_quant_tests.log + .xml (test_cuda_quant*.py: the quantized GEMMs compiled, fp32
+# and bf16, GPTQ / AWQ / FP8 / MoE-GPTQ / --quantization int8 and fp8 / fp8 KV-cache
+# models on CUDA equal to the CPU, tokens and logprobs; the experts' grouped GEMMs
+# replayed from a CUDA graph); attn_kernels.json/.log (the paged-decode kernel at head
+# sizes 96 / 128 / 512 and soft-capped: us per call, GB/s of K/V read);
+# quant_gemm.json/.log (the Triton W8A16 / W4A16 / FP8 GEMMs against bf16 cuBLAS at
+# decode rows); decode_step*.json/.log (decode-step time vs the HBM bandwidth bound:
+# bf16 with CUDA graphs, --quantization int8 against its resident bytes; long: eager,
+# fp8); long: throughput.json/.log (nano-vllm's workload on a Qwen3-0.6B-architecture
+# model with random bf16 weights: 256 requests, prompt and output lengths uniform in
+# [100, 1024], ignore_eos; tokenmill vs HF generate on its first 16 requests;
+# roofline), gpu_fla_tests.log, quant_sweep.json/.log; summary.txt (each stage's exit
+# status and headline lines).
 set -u
-OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [long]}
+PART=${2:-quick}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -50,9 +60,10 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, record the s
 } > "$OUT/env.txt"
 cat "$OUT/env.txt" >> "$SUMMARY"
 
+if [ "$PART" = quick ]; then
 # 1. The GPU tests (alone in their process: the interpreter tests set TRITON_INTERPRET).
-stage gpu_tests 140 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
-    --timeout 60 --junitxml "$OUT/gpu_tests.xml"
+stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
+    -k "not fla" --timeout 60 --junitxml "$OUT/gpu_tests.xml"
 tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
 # 1b. Quantized weights (dense and MoE experts) and the fp8 KV cache (the GEMMs compile
 # on first use: its own limit).
@@ -73,26 +84,38 @@ stage quant_gemm 40 "$PY" -m tokenmill.bench.quant_gemm --rows 1,16,64,256 \
     --output-json "$OUT/quant_gemm.json"
 grep "us/call" "$OUT/quant_gemm.log" | grep -v "bf16 " >> "$SUMMARY"
 
-# 3. Throughput: nano-vllm's workload (the model is built on first use, ~1 min).
-stage throughput 150 "$PY" -m tokenmill.entrypoints.cli bench throughput \
+# 3. Decode-step time against the HBM bound (CUDA graphs; the bench model is built on
+#    first use), bf16 and int8 weights.
+stage decode_step 30 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+    --device cuda --batch 1,32,256 --context 512 --steps 32 \
+    --output-json "$OUT/decode_step.json"
+stage decode_step_int8 40 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+    --device cuda --batch 1,32 --context 512 --steps 32 --quantization int8 \
+    --output-json "$OUT/decode_step_int8.json"
+else
+# 4. Throughput: nano-vllm's workload (the model is built on first use, ~1 min).
+stage throughput 170 "$PY" -m tokenmill.entrypoints.cli bench throughput \
     --model bench-qwen3-0.6b --device cuda --dtype bfloat16 --num-prompts 256 \
     --input-len 100:1024 --output-len 100:1024 --seed 0 --max-num-seqs 256 \
     --hf-num-prompts 16 --hf-batch-size 16 --skip-hf-cb --output-json "$OUT/throughput.json"
 grep -E "tok/s|tokenmill|HF generate|roofline" "$OUT/throughput.log" | tail -n 8 >> "$SUMMARY"
-
-# 4. Decode-step time against the HBM bound, with CUDA graphs and eager.
-stage decode_step 30 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
-    --device cuda --batch 1,32,256 --context 512 --steps 32 \
-    --output-json "$OUT/decode_step.json"
+# 5. Eager decode steps, fp8 weights.
 stage decode_step_eager 15 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
     --device cuda --batch 1,32 --context 512 --steps 16 --enforce-eager \
     --output-json "$OUT/decode_step_eager.json"
-for q in int8 fp8; do
-    stage decode_step_$q 35 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
-        --device cuda --batch 1,32 --context 512 --steps 32 --quantization $q \
-        --output-json "$OUT/decode_step_$q.json"
-done
-grep -H "ms/step" "$OUT"/decode_step*.log | sed "s|^$OUT/||" >> "$SUMMARY"
+stage decode_step_fp8 40 "$PY" -m tokenmill.bench.decode_step --model bench-qwen3-0.6b \
+    --device cuda --batch 1,32 --context 512 --steps 32 --quantization fp8 \
+    --output-json "$OUT/decode_step_fp8.json"
+# 6. fla's Gated DeltaNet kernels against the PyTorch rule (autotuned on first use).
+stage gpu_fla_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
+    -k fla --timeout 140
+tail -n 3 "$OUT/gpu_fla_tests.log" >> "$SUMMARY"
+# 7. The quantized GEMMs' decode tile settings and the dequantized path's crossover.
+stage quant_sweep 115 "$PY" -m tokenmill.bench.quant_gemm --sweep \
+    --shapes 4096x4096,1024x3072 --iters 10 --output-json "$OUT/quant_sweep.json"
+grep best "$OUT/quant_sweep.log" >> "$SUMMARY"
+fi
+grep -H "ms/step" "$OUT"/decode_step*.log 2>/dev/null | sed "s|^$OUT/||" >> "$SUMMARY"
 cat "$SUMMARY"
 grep -q "rc=[^0]" "$SUMMARY" && exit 1
 exit 0

@@ -190,6 +190,7 @@ def test_triton_kernels_on_the_gpu_match_the_interpreter_reference(d, softcap):
                 torch.testing.assert_close(out[s0:e0].float(), ref, atol=tol, rtol=tol)
 
 
+@torch.inference_mode()  # (as the engine runs: the layers' parameters require grad)
 def test_sync_free_moe_on_the_gpu():
     """The CUDA experts (torch._grouped_mm in bf16 on compute capability 9.0+, else the
     gathered bmm) against the fp32 stacked-expert path on the CPU."""

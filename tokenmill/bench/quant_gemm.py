@@ -9,7 +9,8 @@ bandwidth, and the speed over bf16.
 
 --sweep tries the decode tile settings (ops/triton_quant_linear.DECODE_TILES: K tile,
 programs per SM, pipeline stages) at one row, and the fused kernel against the
-dequantized weights + torch's GEMM at 64 and 128 rows (DEQUANT_MIN_ROWS).
+dequantized weights + torch's GEMM at 64 and 128 rows (DEQUANT_MIN_ROWS,
+DEQUANT_MIN_ROWS_4BIT); a setting that cannot run (out of shared memory) is noted.
 
 Shapes are NxK (out x in features; the defaults: Qwen3-0.6B's qkv / down and an 8B
 model's square and gate_up layers). Weights are random codes (speed does not depend on
@@ -128,33 +129,40 @@ def sweep(shapes, formats, device, iters: int, bandwidth_gbps: float | None) -> 
     import math
 
     from tokenmill.ops import triton_quant_linear as tq
-    saved = dict(tq.DECODE_TILES), tq.DEQUANT_MIN_ROWS
+    saved = dict(tq.DECODE_TILES), tq.DEQUANT_MIN_ROWS, tq.DEQUANT_MIN_ROWS_4BIT
     quantized = [f for f in formats if f != "bf16"]
-    tiles, paths = [], []
+    tiles, paths, failed = [], [], []
     try:
         for i, cfg in enumerate(SWEEP_TILES):
             tq.DECODE_TILES.update(cfg)
             print(f"decode tiles {i}: {cfg}", flush=True)
-            for row in run(shapes, [1], quantized, device, iters, bandwidth_gbps):
-                tiles.append({**row, "tiles": dict(cfg)})
+            for f in quantized:  # one format at a time: a setting one cannot run is noted
+                try:
+                    for row in run(shapes, [1], [f], device, iters, bandwidth_gbps):
+                        tiles.append({**row, "tiles": dict(cfg)})
+                except Exception as e:  # noqa: BLE001 (e.g. Triton's OutOfResources)
+                    print(f"  {f}: {type(e).__name__}: {e}", flush=True)
+                    failed.append({"tiles": dict(cfg), "format": f, "error": str(e)})
         tq.DECODE_TILES.update(saved[0])
         for path, min_rows in (("fused", 1 << 30), ("dequantized", 1)):
-            tq.DEQUANT_MIN_ROWS = min_rows
+            tq.DEQUANT_MIN_ROWS = tq.DEQUANT_MIN_ROWS_4BIT = min_rows
             print(f"path {path}", flush=True)
             for row in run(shapes[:1], list(SWEEP_ROWS), quantized, device, iters,
                            bandwidth_gbps):
                 paths.append({**row, "path": path})
     finally:
         tq.DECODE_TILES.update(saved[0])
-        tq.DEQUANT_MIN_ROWS = saved[1]
+        tq.DEQUANT_MIN_ROWS, tq.DEQUANT_MIN_ROWS_4BIT = saved[1:]
 
     def score(cfg):
+        if any(f["tiles"] == cfg for f in failed):
+            return float("inf")
         us = [r["us"] for r in tiles if r["tiles"] == cfg]
         return math.exp(sum(math.log(u) for u in us) / len(us))
 
     best = min(SWEEP_TILES, key=score)
     print(f"best decode tiles (geometric mean us over formats and shapes): {best}", flush=True)
-    return {"tiles": tiles, "paths": paths, "best_tiles": best}
+    return {"tiles": tiles, "paths": paths, "failed": failed, "best_tiles": best}
 
 
 def main(argv=None) -> int:

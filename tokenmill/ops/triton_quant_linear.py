@@ -235,13 +235,19 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_sn, BN: tl.constexpr
 
 # Decode-sized inputs (up to 16 rows, tl.dot's least M): the weights stream once, so
 # what counts is bytes in flight per SM: wide K tiles, enough programs per SM (split
-# over K when the output's tiles are too few), a deep load pipeline. Set from
-# `python -m tokenmill.bench.quant_gemm --sweep` on an H200 (docs/benchmarks.md).
-DECODE_TILES = dict(block_n=64, block_k=128, programs_per_sm=4, num_warps=4, num_stages=4)
+# over K when the output's tiles are too few). The best of
+# `python -m tokenmill.bench.quant_gemm --sweep` on an H200 (docs/benchmarks.md: K 256
+# tiles ran out of shared memory for fp8 at 4 stages and ran 6x slower at 3; 8
+# programs per SM and 4 stages each cost 5-25%).
+DECODE_TILES = dict(block_n=64, block_k=128, programs_per_sm=2, num_warps=4, num_stages=3)
 # From this many rows the weights are dequantized to the activations' dtype (W^T in a
 # scratch buffer: one write and read of N*K elements) for torch's GEMM (cuBLAS): the
-# fused kernels' 64-row tiles are far from a tuned GEMM's at prefill sizes.
+# fused kernels' 64-row tiles are far from a tuned GEMM's at prefill sizes. 4-bit
+# codes leave the fused kernel above the decode tile: its two half-K dots over
+# 64-row tiles ran 4-12x slower than dequantizing on an H200 (a 4096 x 4096 layer at
+# 64 rows: 97 us fused, about 23 us dequantized + cuBLAS).
 DEQUANT_MIN_ROWS = 128
+DEQUANT_MIN_ROWS_4BIT = 17
 
 
 def _tiles(m: int, dtype: torch.dtype, grouped: bool) -> tuple[int, int, int]:
@@ -367,7 +373,8 @@ class IntWeightTriton:
         dtype = dtype or x.dtype
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        if x.numel() // x.shape[-1] >= DEQUANT_MIN_ROWS:
+        rows = x.numel() // x.shape[-1]
+        if rows >= (DEQUANT_MIN_ROWS_4BIT if self.bits == 4 else DEQUANT_MIN_ROWS):
             return _dequant_linear(self._dequantize_into, x, self.n, bias, dtype).to(x.dtype)
         y = _launch(_int_weight_gemm_kernel, x, self.n, self.k, bias, dtype,
                     (self.w, self.scales, self.zeros), split_k, self.group, True,
