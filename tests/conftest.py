@@ -372,6 +372,34 @@ def word_tokens(tok) -> list[int]:
     return ids
 
 
+def interpret_triton_or_skip(module_name: str):
+    """For a test module of Triton kernels on CPU tensors: TRITON_INTERPRET=1 before
+    triton is imported (Triton reads it at import), or the module skipped when an
+    earlier module imported triton without it. Returns triton (skips without it)."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(f"{module_name}: triton was imported without TRITON_INTERPRET (an "
+                    f"earlier module): run this file on its own or after one that "
+                    f"interprets", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+    return pytest.importorskip("triton")
+
+
+def random_quantized_weight(n: int, k: int, bits: int, group: int, perm: bool = False,
+                            seed: int = 0, scale: float = 0.02, floor: float = 1e-3):
+    """A canonical QuantizedWeight of random codes and zero points, scales uniform in
+    [floor, floor + scale), in groups of `group` columns (-1: one group), act-order
+    (`perm`) a random permutation."""
+    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+    g = torch.Generator().manual_seed(seed)
+    group = k if group == -1 else group
+    groups = -(-k // group)
+    top = 1 << bits
+    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
+                           torch.rand(n, groups, generator=g) * scale + floor,
+                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
+                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+
+
 def make_llm(path: str, **kw):
     """An LLM on CPU in fp32 with small defaults (callers override)."""
     from tokenmill import LLM

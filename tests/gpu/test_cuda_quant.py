@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, build_checkpoint, make_llm, make_prompts, runner_of
+from conftest import (TINY, build_checkpoint, make_llm, make_prompts, random_quantized_weight,
+                      runner_of)
 from tokenmill import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,14 +43,7 @@ def ieee_fp32():
 
 
 def _qw(n, k, bits, group, perm, seed):
-    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
-    top = 1 << bits
-    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
-                           torch.rand(n, groups, generator=g) * 0.02 + 1e-3,
-                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
-                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+    return random_quantized_weight(n, k, bits, group, perm, seed)
 
 
 # (bits, N, K, group, act-order): N off the 64-wide tile, K off the group and odd (a

@@ -8,20 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_quantized_weight
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 E, H, I, TOP_K = 16, 256, 192, 4
 
 
 def _qw(n, k, bits, group, perm, seed):
-    from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
     top = 1 << bits
-    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
-                           (torch.rand(n, groups, generator=g) * 0.3 + 0.02) / top,
-                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
-                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+    return random_quantized_weight(n, k, bits, group, perm, seed, 0.3 / top, 0.02 / top)
 
 
 def _experts(bits, perm):

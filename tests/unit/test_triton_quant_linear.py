@@ -2,35 +2,23 @@
 PyTorch reference of each format, on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1 must be set before triton is imported). Tiny shapes: the
 interpreter runs each program in Python."""
-import os
-import sys
-
 import pytest
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET (an earlier module): run "
-                "this file on its own or after one that interprets", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
+from conftest import interpret_triton_or_skip, random_quantized_weight
+
+triton = interpret_triton_or_skip(__name__)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-triton = pytest.importorskip("triton")
 tq = pytest.importorskip("tokenmill.ops.triton_quant_linear")
 
 from tokenmill.models.layers.linear_methods.fp8 import dequantize_block_fp8  # noqa: E402
-from tokenmill.models.layers.linear_methods.quantized_weight import (  # noqa: E402
-    QuantizedWeight, reference_linear)
+from tokenmill.models.layers.linear_methods.quantized_weight import reference_linear  # noqa: E402
 
 
 def _qw(n, k, bits, group, perm=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // group)
-    top = 1 << bits
-    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
-                           torch.rand(n, groups, generator=g) * 0.02 + 1e-3,
-                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
-                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+    return random_quantized_weight(n, k, bits, group, perm, seed)
 
 
 @pytest.mark.parametrize("bits,n,k,group,rows,perm", [

@@ -3,19 +3,14 @@
 reference (`QuantizedExperts`), on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1 must be set before triton is imported), and the CUDA platform's
 choice of them. Tiny shapes: the interpreter runs each program in Python."""
-import os
-import sys
-
 import pytest
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET (an earlier module): run "
-                "this file on its own or after one that interprets", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
+from conftest import interpret_triton_or_skip, random_quantized_weight
+
+triton = interpret_triton_or_skip(__name__)
 
 import torch  # noqa: E402
 
-triton = pytest.importorskip("triton")
 tm = pytest.importorskip("tokenmill.ops.triton_quant_moe")
 
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts  # noqa: E402
@@ -31,15 +26,8 @@ def _seeded():
 
 
 def _qw(n, k, bits, group, perm=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    group = k if group == -1 else group
-    groups = -(-k // group)
-    top = 1 << bits
-    return QuantizedWeight(torch.randint(0, top, (n, k), generator=g).to(torch.uint8),
-                           # (weights of like size whatever the bits: outputs of O(1))
-                           (torch.rand(n, groups, generator=g) * 0.3 + 0.02) / top,
-                           torch.randint(0, top, (n, groups), generator=g).to(torch.uint8),
-                           bits, group, torch.randperm(k, generator=g) if perm else None).check()
+    top = 1 << bits  # (weights of like size whatever the bits: outputs of O(1))
+    return random_quantized_weight(n, k, bits, group, perm, seed, 0.3 / top, 0.02 / top)
 
 
 def _experts(num_experts, bits, group, perm=False, seed=0):
