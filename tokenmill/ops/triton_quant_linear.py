@@ -9,6 +9,14 @@ is the one the PyTorch reference computes ((code - zero) * scale, or e4m3 * scal
 in fp32), rounded to the activations' dtype before the dot (as a model holding the
 dequantized weights in that dtype would); fp32 models' dots use IEEE fp32 (no TF32).
 
+By row count: decode rows (up to 16) take 16-row tiles and, where the output's tiles
+are too few for the SMs, a split over K (`pick_split_k`: fp32 partials summed by the
+caller, deterministic); batches take 64-row tiles; from DEQUANT_MIN_ROWS rows (4-bit
+codes: DEQUANT_MIN_ROWS_4BIT) W^T is dequantized once into a scratch buffer by a
+Triton kernel and multiplied by torch's GEMM (the same rounded weights; cuBLAS's
+tiles beat these kernels' at prefill sizes). Figures: docs/benchmarks.md, "On an
+NVIDIA H200".
+
 Device layouts, made once at load (`IntWeightTriton`, `Fp8WeightTriton`):
 - integer codes K-major: 8-bit [K, N] uint8; 4-bit [ceil(K/2), N] uint8, the code of
   row k in byte k // 2's low nibble when k is even, its high nibble when odd;
