@@ -2,9 +2,9 @@
 or block-scaled FP8 (DeepSeek-V3 / Qwen -FP8, fp8 made at load) as Triton grouped
 GEMMs that read each expert's weights at their stored width: the CUDA path of
 `QuantizedFusedMoEMethod`, `Int8AtLoadFusedMoEMethod` and `Fp8BlockFusedMoEMethod`,
-with no host read of a device value and no shape
-that depends on the routing, so a decode step's MoE layers can be captured in a CUDA
-graph (fused_experts' default path reads the expert groups with `.tolist()`).
+with no host read of a device value and no shape that depends on the routing, so a
+decode step's MoE layers can be captured in a CUDA graph (fused_experts' default path
+reads the expert groups with `.tolist()`).
 
 The (token, slot) pairs of a batch, p = token * top_k + slot, are sorted by expert on
 the device and each expert's run padded to a multiple of BLOCK_M (`align_pairs`): a
