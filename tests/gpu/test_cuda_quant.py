@@ -2,9 +2,9 @@
 W8A16 / FP8-block GEMMs compiled for the GPU (bf16 included, which the interpreter
 tests of tests/unit/test_triton_quant_linear.py cannot check) against the PyTorch
 reference of each format, and whole models (GPTQ 4 / 8 bits with act-order, AWQ,
-block FP8, MoE experts in GPTQ, --quantization int8 / fp8, an fp8 KV cache) whose
-CUDA greedy tokens and logprobs (fp32) equal the CPU's PyTorch path on the same
-checkpoint. Skipped without CUDA (scripts/gpu_check.sh runs them on a GPU)."""
+block FP8, MoE experts in GPTQ and fp8 (DeepSeek-V3 style, and made at load),
+--quantization int8 / fp8, an fp8 KV cache) whose CUDA greedy tokens and logprobs
+(fp32) equal the CPU's PyTorch path on the same checkpoint. Skipped without CUDA (scripts/gpu_check.sh runs them on a GPU)."""
 from __future__ import annotations
 
 import os
@@ -15,14 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (TINY, build_checkpoint, make_llm, make_prompts, random_quantized_weight,
-                      runner_of)
+from conftest import (MODEL_SPECS, TINY, build_checkpoint, make_llm, make_prompts,
+                      random_quantized_weight, runner_of)
 from tokenmill import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models"))
 from test_fp8_checkpoint import fp8_variant  # noqa: E402
+from test_fp8_moe import mlp_only_fp8_variant  # noqa: E402
 from test_moe_parity import MOE_SPECS  # noqa: E402
 
 NUM_NEW = 10
@@ -117,6 +118,10 @@ MODELS = {
     "fp8_block16": (*QWEN3, ("fp8", (16, 16)), {}),
     "gptq4_moe": (*MOE_SPECS["qwen3_moe_norm"], ("gptq", dict(bits=4, group_size=32,
                                                              sym=True)), {}),
+    # MoE experts fp8 as DeepSeek-V3 publishes them (only the MLPs: MLA's projections
+    # stay plain), through the Triton grouped GEMMs; and fp8 made at load (per-channel)
+    "fp8_moe_deepseek": (*MODEL_SPECS["deepseek_v3"], ("fp8_mlp", None), {}),
+    "fp8_moe_at_load": (*MOE_SPECS["qwen3_moe_norm"], None, dict(quantization="fp8")),
     "int8_at_load": (*QWEN3, None, dict(quantization="int8")),
     "fp8_at_load": (*LLAMA_TIED, None, dict(quantization="fp8")),
     "fp8_kv_cache": (*QWEN3, None, dict(kv_cache_dtype="fp8")),
@@ -145,6 +150,8 @@ def model_path(tmp_path_factory):
                 kind, kw = fmt
                 if kind == "fp8":
                     fp8_variant(src, path, kw)
+                elif kind == "fp8_mlp":  # (its own block, [16, 16])
+                    mlp_only_fp8_variant(src, path)
                 else:
                     write = write_gptq_checkpoint if kind == "gptq" else write_awq_checkpoint
                     write(src, path, return_dequantized=False, **kw)
@@ -176,6 +183,11 @@ def test_quantized_model_on_cuda_equals_cpu(model_path, name):
         described = " ".join(m.method.describe() for m in runner.model.modules()
                              if hasattr(getattr(m, "method", None), "describe"))
         assert "Triton" in described, described[:500]
+    if "moe" in name:  # the experts too: the sync-free grouped GEMMs, not dequantized
+        from tokenmill.models.layers.moe import FusedMoE
+        experts = [m.method.describe() for m in runner.model.modules()
+                   if isinstance(m, FusedMoE)]
+        assert experts and all("Triton grouped GEMMs" in d for d in experts), experts
     if kw.get("kv_cache_dtype") == "fp8":
         assert all(c.dtype == torch.float8_e4m3fn for c in runner.kv_caches.values())
     tol = FP8_KV_LOGPROB_TOL if kw.get("kv_cache_dtype") == "fp8" else LOGPROB_TOL

@@ -163,7 +163,7 @@ def _cuda_platform(monkeypatch):
 def test_the_cuda_platform_gives_quantized_experts_the_triton_gemms(monkeypatch):
     """GPTQ experts and int8-at-load experts through the CUDA platform's choice: the
     Triton layout holds the weights (no other copy) and computes what the PyTorch
-    method computes; fp8 experts keep their method; the CPU platform's stays."""
+    method computes; fp8 experts get theirs too; the CPU platform's stays."""
     from tokenmill.models.layers.linear_methods.fp8 import Fp8BlockFusedMoEMethod
     from tokenmill.models.layers.linear_methods.gptq import GptqLayout
     from tokenmill.models.layers.linear_methods.int8_at_load import Int8AtLoadFusedMoEMethod
@@ -200,8 +200,10 @@ def test_the_cuda_platform_gives_quantized_experts_the_triton_gemms(monkeypatch)
     assert int8.gate_up_proj.is_meta and not hasattr(int8, "gate_up_proj_scale")
     torch.testing.assert_close(int8(x, weights, ids), want, rtol=1e-5, atol=1e-5)
 
+    # fp8 experts too (tests/unit/test_triton_fp8_moe.py checks their numbers)
     fp8 = FusedMoE(4, 64, 32, method=Fp8BlockFusedMoEMethod((16, 32)))
-    assert platform.moe_method(fp8) is fp8.method
+    fp8_method = platform.moe_method(fp8)
+    assert isinstance(fp8_method, Fp8BlockFusedMoEMethod) and fp8_method.triton
 
     from tokenmill.platforms.cpu import CpuPlatform
     cpu_layer = FusedMoE(4, HIDDEN, INTER)

@@ -174,17 +174,19 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 # The quantized-weight GEMMs (ops/triton_quant_linear.py): a layer of each format in
 # the activation dtypes a GPU serves, at a decode-sized input (whole and split over K),
 # a batch's (the fused 64-row tiles) and a prefill's (dequantized for torch's GEMM); the
-# integer experts' grouped GEMMs (ops/triton_quant_moe.py) likewise, at a decode step's
-# routing and a prefill's.
+# integer and fp8 experts' grouped GEMMs (ops/triton_quant_moe.py) likewise, at a decode
+# step's routing and a prefill's.
 QUANT_MODULES = {"triton_quant_linear.py": ("_int_weight_gemm_kernel", "_fp8_block_gemm_kernel",
                                             "_int_dequant_kernel", "_fp8_dequant_kernel"),
-                 "triton_quant_moe.py": ("_int_moe_gemm_kernel",)}
+                 "triton_quant_moe.py": ("_int_moe_gemm_kernel", "_fp8_moe_gemm_kernel")}
 QUANT_KERNELS = tuple(name for names in QUANT_MODULES.values() for name in names)
 QUANT_SHAPES = tuple(f"{fmt} {dtype}" for fmt in ("int4 group 128", "int4 group 32",
                                                     "int8 per channel", "fp8 block 128",
                                                     "moe int4 group 128",
                                                     "moe int4 group 128 act-order",
-                                                    "moe int8 per channel")
+                                                    "moe int8 per channel",
+                                                    "moe fp8 block 128",
+                                                    "moe fp8 per channel")
                      for dtype in ("bfloat16", "float16", "float32"))
 
 
@@ -220,7 +222,16 @@ def _launch_quant_moe(module, label: str) -> None:
     dtype = getattr(torch, label.rsplit(" ", 1)[1])
     bits, group = (4, 128) if "int4" in label else (8, None)
 
+    def stack_fp8(n, k):
+        # block 128, or per-channel as --quantization fp8 makes it: (1, max(H, I))
+        bn, bk = (128, 128) if "block" in label else (1, max(hidden, inter))
+        return module.Fp8ExpertsTriton(
+            torch.zeros(experts, n, k, dtype=torch.float8_e4m3fn),
+            torch.ones(experts, -(-n // bn), -(-k // bk)), (bn, bk), "cpu")
+
     def stack(n, k):
+        if "fp8" in label:
+            return stack_fp8(n, k)
         g = group or k
         perm = torch.arange(k) if "act-order" in label else None
         return module.IntExpertsTriton(

@@ -1,8 +1,10 @@
 """MoE experts in an integer format (GPTQ, AWQ, compressed-tensors, int8 made at load)
-as Triton grouped GEMMs that read each expert's codes at their stored width: the CUDA
-path of `QuantizedFusedMoEMethod`, with no host read of a device value and no shape
-that depends on the routing, so a decode step's MoE layers can be captured in a CUDA
-graph (fused_experts' default path reads the expert groups with `.tolist()`).
+or block-scaled FP8 (DeepSeek-V3 / Qwen -FP8, fp8 made at load) as Triton grouped
+GEMMs that read each expert's weights at their stored width: the CUDA path of
+`QuantizedFusedMoEMethod`, `Int8AtLoadFusedMoEMethod` and `Fp8BlockFusedMoEMethod`,
+with no host read of a device value and no shape that depends on the routing, so a
+decode step's MoE layers can be captured in a CUDA graph (fused_experts' default path
+reads the expert groups with `.tolist()`).
 
 The (token, slot) pairs of a batch, p = token * top_k + slot, are sorted by expert on
 the device and each expert's run padded to a multiple of BLOCK_M (`align_pairs`): a
@@ -20,8 +22,16 @@ gathering x's columns; experts whose codes have fewer columns (a tensor-parallel
 rank's padded act-order share, act_order_share.py) are padded with perm -1, whose
 x is read as 0. The numbers are the dense kernel's: (code - zero) * scale in fp32,
 rounded to the activations' dtype before the dot, fp32 accumulation, IEEE fp32 dots
-for fp32 models. Imported only on the CUDA path or under TRITON_INTERPRET: it
-imports triton.
+for fp32 models.
+
+FP8 (`Fp8ExpertsTriton`): the checkpoint's stacked e4m3 [E, N, K] read as bytes and
+its scale_inv [E, ceil(N/bn), ceil(K/bk)] fp32, decoded as the dense FP8 kernel does
+(`_e4m3_to_f32`: integer ops, so sm_80 runs it too): e4m3 * scale_inv in fp32,
+rounded to the activations' dtype before the dot. Per-channel scales are blocks
+(1, K' >= K). Each weights object launches its own kernel (`launch`); the routing,
+the driver and the two GEMMs around the activation are shared.
+
+Imported only on the CUDA path or under TRITON_INTERPRET: it imports triton.
 """
 from __future__ import annotations
 
@@ -30,7 +40,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.models.layers.linear_methods.fused_moe import act_and_mul
-from tokenmill.ops.triton_quant_linear import _DOT_DTYPES, _EMULATE_HALF_DOTS, _dot
+from tokenmill.ops.triton_quant_linear import (_DOT_DTYPES, _EMULATE_HALF_DOTS, _dot,
+                                               _e4m3_to_f32)
 
 
 @triton.jit
@@ -86,6 +97,49 @@ def _int_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, y_ptr,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                         num_pairs, N, K, stride_xm, stride_ym, stride_we, stride_se,
+                         stride_sn, X_DIV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         SCALES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         IEEE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As `_int_moe_gemm_kernel`, over expert e's e4m3 [N, K] bytes and block scales.
+    SCALES 1: every K tile within one block column (a scale per output column);
+    0: a scale per weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_m)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)
+    pair = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = pair < num_pairs
+    row = (pair // X_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_ptr += e * stride_we
+    s_ptr += e * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        # weight [N, K] row-major, read as the [BLOCK_K, BLOCK_N] tile of W^T
+        b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=tile_ok, other=0)
+        if SCALES == 1:
+            kb = tl.minimum(k0, K - 1) // BK  # (K's last tile: its block column)
+            s = tl.load(s_ptr + (offs_n // BN) * stride_sn + kb, mask=n_ok, other=0.0)[None, :]
+        else:
+            s = tl.load(s_ptr + (offs_n // BN)[None, :] * stride_sn + (offs_k // BK)[:, None],
+                        mask=tile_ok, other=0.0)
+        acc = _dot(acc, x, _e4m3_to_f32(b) * s, DOT_DTYPE, IEEE, EMULATE)
+    tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 class IntExpertsTriton:
     """An MoE projection's experts (one `QuantizedWeight` each, same bits, group size
     and shape) stacked in the kernel's device layout (module docstring)."""
@@ -126,6 +180,16 @@ class IntExpertsTriton:
     def group_size(self) -> int:
         return self.group
 
+    def launch(self, grid, x, y, sorted_token_ids, expert_ids, pairs, x_div, **consts):
+        """The grouped kernel over these experts (grouped_gemm's `consts`: dtype, tiles)."""
+        perms = self.perms if self.perms is not None else expert_ids  # (unread)
+        _int_moe_gemm_kernel[grid](
+            x, self.w, self.scales, self.zeros, perms, y, sorted_token_ids, expert_ids,
+            pairs, self.n, self.k, x.stride(0), y.stride(0), self.w.stride(0),
+            self.scales.stride(0), perms.stride(0) if self.perms is not None else 0,
+            X_DIV=x_div, GROUP=self.group, BITS=self.bits, HAS_PERM=self.perms is not None,
+            **consts)
+
     def nbytes(self) -> int:
         """Resident bytes on the device."""
         t = [self.w, self.scales, self.zeros] + ([self.perms] if self.perms is not None else [])
@@ -146,6 +210,45 @@ class IntExpertsTriton:
         real = perm >= 0  # (padding columns: left out; a padded share's repeats add 0)
         return w.new_zeros(self.n, self.in_features).index_add_(
             1, perm[real], w[:, real]).to(dtype)
+
+
+class Fp8ExpertsTriton:
+    """An MoE projection's stacked e4m3 experts [E, N, K] and their block scale_inv
+    [E, ceil(N/bn), ceil(K/bk)] on `device`: the weight's bytes viewed, not copied,
+    where it is there already (the caller drops its own reference)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 block_size: tuple[int, int], device):
+        self.w = weight.contiguous().view(torch.uint8).to(device)
+        self.scale_inv = scale_inv.to(device=device, dtype=torch.float32).contiguous()
+        _, self.n, self.k = weight.shape
+        self.block_size = (int(block_size[0]), int(block_size[1]))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w.shape[0]
+
+    def nbytes(self) -> int:
+        """Resident bytes on the device."""
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale_inv))
+
+    def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's W [N, K] (debugging, tests): fp8.py's dequantization."""
+        from tokenmill.models.layers.linear_methods.fp8 import dequantize_block_fp8
+        return dequantize_block_fp8(self.w[e].view(torch.float8_e4m3fn), self.scale_inv[e],
+                                    self.block_size, dtype)
+
+    def launch(self, grid, x, y, sorted_token_ids, expert_ids, pairs, x_div, **consts):
+        """The grouped kernel over these experts (grouped_gemm's `consts`: dtype, tiles).
+        A scale per output column per K tile where each tile lies in one block column:
+        bk a multiple of the tile, or one column spanning K (per-channel)."""
+        bn, bk = self.block_size
+        one_column = bk % consts["BLOCK_K"] == 0 or bk >= self.k
+        _fp8_moe_gemm_kernel[grid](
+            x, self.w, self.scale_inv, y, sorted_token_ids, expert_ids, pairs, self.n,
+            self.k, x.stride(0), y.stride(0), self.w.stride(0), self.scale_inv.stride(0),
+            self.scale_inv.stride(1), X_DIV=x_div, BN=bn, BK=bk, SCALES=int(one_column),
+            **consts)
 
 
 def _k_major(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -197,33 +300,28 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int,
     return sorted_token_ids, expert_ids
 
 
-def grouped_gemm(x: torch.Tensor, experts: IntExpertsTriton, sorted_token_ids, expert_ids,
-                 pairs: int, x_div: int, dtype: torch.dtype, tiles) -> torch.Tensor:
-    """y [pairs, N] in `dtype`: y[p] = x[p // x_div] @ W_{expert of p}^T."""
+def grouped_gemm(x: torch.Tensor, experts, sorted_token_ids, expert_ids, pairs: int,
+                 x_div: int, dtype: torch.dtype, tiles) -> torch.Tensor:
+    """y [pairs, N] in `dtype`: y[p] = x[p // x_div] @ W_{expert of p}^T (`experts`: an
+    IntExpertsTriton or Fp8ExpertsTriton, which launches its kernel)."""
     bm, bn, bk = tiles
     x = x.to(dtype).contiguous()
     y = torch.empty(pairs, experts.n, dtype=dtype, device=x.device)
-    perms = experts.perms if experts.perms is not None else expert_ids  # (unread)
     grid = (expert_ids.numel(), triton.cdiv(experts.n, bn))
-    _int_moe_gemm_kernel[grid](
-        x, experts.w, experts.scales, experts.zeros, perms, y, sorted_token_ids, expert_ids,
-        pairs, experts.n, experts.k, x.stride(0), y.stride(0), experts.w.stride(0),
-        experts.scales.stride(0), experts.perms.stride(0) if experts.perms is not None else 0,
-        X_DIV=x_div, GROUP=experts.group, BITS=experts.bits,
-        HAS_PERM=experts.perms is not None, DOT_DTYPE=_DOT_DTYPES[dtype],
-        IEEE=dtype == torch.float32, EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    experts.launch(grid, x, y, sorted_token_ids, expert_ids, pairs, x_div,
+                   DOT_DTYPE=_DOT_DTYPES[dtype], IEEE=dtype == torch.float32,
+                   EMULATE=dtype != torch.float32 and _EMULATE_HALF_DOTS,
+                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
-def fused_experts_triton(x: torch.Tensor, w13: IntExpertsTriton, w2: IntExpertsTriton,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         compute_dtype: torch.dtype | None = None,
+def fused_experts_triton(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, compute_dtype: torch.dtype | None = None,
                          activation: str = "silu") -> torch.Tensor:
-    """`fused_experts` (fused_moe.py) over integer experts, without a host sync: w13
-    gate rows then up rows [2I, H], w2 [H, I]; the GEMMs in `compute_dtype` (None:
-    x's), each result rounded to x's dtype; topk weights applied, pairs summed into
-    their tokens."""
+    """`fused_experts` (fused_moe.py) over integer or FP8 experts (IntExpertsTriton /
+    Fp8ExpertsTriton), without a host sync: w13 gate rows then up rows [2I, H], w2
+    [H, I]; the GEMMs in `compute_dtype` (None: x's), each result rounded to x's
+    dtype; topk weights applied, pairs summed into their tokens."""
     top_k = topk_ids.shape[1]
     pairs = topk_ids.numel()
     if pairs == 0:

@@ -18,8 +18,8 @@ whether decode steps replay CUDA graphs. Decided from what imports, so the decis
   host sync per expert (graphs and async scheduling need none); quantized layers
   (GPTQ / AWQ / int8, fp8) through the Triton W4A16 / W8A16 / FP8 GEMMs
   (ops/triton_quant_linear.py: the weights read at their stored width); integer
-  experts through its grouped form (ops/triton_quant_moe.py, also without a host
-  sync).
+  and fp8 experts through its grouped form (ops/triton_quant_moe.py, also without a
+  host sync).
 """
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ class CudaPlatform(Platform):
 
     def moe_method(self, layer):
         """The experts' grouped GEMMs without a host sync on the expert groups (CUDA
-        graphs, async scheduling): integer-quantized experts (GPTQ, AWQ,
-        compressed-tensors, int8 at load) through the Triton grouped GEMMs where
-        triton imports; another non-default method (fp8's) is kept."""
+        graphs, async scheduling): quantized experts (GPTQ, AWQ, compressed-tensors,
+        int8 at load, block / per-channel fp8: any method with `with_triton`) through
+        the Triton grouped GEMMs where triton imports; another non-default method is
+        kept."""
         from tokenmill.models.layers.linear_methods import (SyncFreeFusedMoEMethod,
                                                             UnquantizedFusedMoEMethod)
         current = layer.method

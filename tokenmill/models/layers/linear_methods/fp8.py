@@ -27,7 +27,10 @@ The kernels, chosen by the platform (`for_platform`, as the integer formats'):
   shapes and dtypes readable). Inputs of up to `max_rows` rows take `linear_quant`
   (the codes widened in registers, fp32 math), larger ones dequantized tiles of
   weight rows and the library GEMM in the compute dtype;
-- on CUDA, the Triton FP8 GEMM (`with_triton`: ops/triton_quant_linear.py);
+- on CUDA, the Triton FP8 GEMM (`with_triton`: ops/triton_quant_linear.py); MoE
+  experts through its grouped form (ops/triton_quant_moe.py `Fp8ExpertsTriton`:
+  no host sync on the expert groups, so decode steps can be captured in a CUDA
+  graph);
 - otherwise (no kernels) `apply` dequantizes per call, in tiles of whole block rows of
   W (ROW_TILE_ELEMENTS elements at most, ~16 MiB in fp32), each multiplied and
   dropped before the next: a dequantized copy of the whole matrix is never kept, nor
@@ -300,14 +303,26 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
     ops = None     # the native CPU kernels (for_platform): packed when the layer sets it
     max_rows = 0
     packed = None  # quantized_cpu.PackedQuantizedExperts: the experts' only copy then
+    # CUDA (with_triton): (w13, w2) as triton_quant_moe.Fp8ExpertsTriton once the layer
+    # sets the method, then the experts' only copy
+    triton = False
+    gpu = None
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
         method = Fp8BlockFusedMoEMethod(self.block_size, dtype, self.per_channel)
         method.in_features = self.in_features
         method.ops, method.max_rows = self.ops, self.max_rows
+        method.triton, method.gpu = self.triton, self.gpu
         if self.packed is not None:
             method.packed = self.packed.with_compute_dtype(dtype)
+        return method
+
+    def with_triton(self) -> "Fp8BlockFusedMoEMethod":
+        """This method running the Triton grouped GEMMs (CUDA): the e4m3 experts moved
+        into their layout when the layer sets it, read as stored."""
+        method = self.with_compute_dtype(self.compute_dtype)
+        method.triton = True
         return method
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
@@ -320,11 +335,20 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         return method
 
     def process_weights_after_loading(self, layer) -> None:
+        from tokenmill.models.layers.linear_methods.quantized_cpu import (
+            PackedQuantizedExperts, drop_stacked_experts)
+        if self.triton and self.gpu is None:
+            from tokenmill.ops.triton_quant_moe import Fp8ExpertsTriton
+            self.gpu = tuple(
+                Fp8ExpertsTriton(getattr(layer, name).detach(),
+                                 getattr(layer, name + "_scale_inv").detach(),
+                                 self.block_size, getattr(layer, name).device)
+                for name in ("gate_up_proj", "down_proj"))
+            drop_stacked_experts(layer, "_scale_inv")  # (the bytes stay: viewed above)
+            return
         if (self.packed is not None or self.ops is None or self.max_rows <= 0
                 or not hasattr(self.ops, "QUANT_E4M3")):
             return
-        from tokenmill.models.layers.linear_methods.quantized_cpu import (
-            PackedQuantizedExperts, drop_stacked_experts)
         self.packed = PackedQuantizedExperts.from_e4m3(
             self.ops, layer.gate_up_proj.detach(), layer.gate_up_proj_scale_inv.detach(),
             layer.down_proj.detach(), layer.down_proj_scale_inv.detach(), self.block_size,
@@ -332,11 +356,17 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         drop_stacked_experts(layer, "_scale_inv")
 
     def nbytes(self) -> int:
-        """Resident bytes of the packed experts (0 before packing: the e4m3 stacks are
-        the layer's own parameters then)."""
+        """Resident bytes of the Triton layout or the packed experts (0 before: the
+        e4m3 stacks are the layer's own parameters then)."""
+        if self.gpu is not None:
+            return sum(w.nbytes() for w in self.gpu)
         return 0 if self.packed is None else self.packed.nbytes()
 
     def apply(self, layer, x, topk_weights, topk_ids):
+        if self.gpu is not None:
+            from tokenmill.ops.triton_quant_moe import fused_experts_triton
+            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
+                                        self.compute_dtype, layer.activation)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -350,6 +380,8 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
 
     def describe(self) -> str:
         native = "" if self.packed is None else self.packed.describe()
+        if self.gpu is not None:
+            native = ", Triton grouped GEMMs (no host sync)"
         return (f"{type(self).__name__}("
                 f"{describe_block(self.block_size, self.in_features, self.compute_dtype)}"
                 f"{native})")
