@@ -58,36 +58,6 @@ def test_int_experts_compiled_equal_the_reference(bits, perm, tokens):
     assert err <= 4 * 2 ** -8 * want_b.float().abs().amax()
 
 
-def test_int_experts_replay_in_a_cuda_graph_with_new_routing():
-    from tokenmill.ops.triton_quant_moe import IntExpertsTriton, fused_experts_triton
-    w13, w2 = _experts(4, True)
-    g13, g2 = IntExpertsTriton(w13, "cuda"), IntExpertsTriton(w2, "cuda")
-    tokens = 8
-    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
-    weights, ids = _routing(tokens, 0)
-    weights = weights.bfloat16()
-    fused_experts_triton(x, g13, g2, weights, ids)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_experts_triton(x, g13, g2, weights, ids)
-    for seed in (1, 2, 3):  # new routing each replay (the first: one expert for all)
-        new_w, new_ids = _routing(tokens, seed)
-        if seed == 1:  # every token's first slot to expert 5
-            new_ids[:, 0] = 5
-            new_ids[:, 1:] = torch.arange(6, 5 + TOP_K, device="cuda")
-        ids.copy_(new_ids)
-        weights.copy_(new_w.bfloat16())
-        x.normal_()
-        graph.replay()
-        # (index_add_'s atomics may sum a token's slots in another order, each add
-        # rounded to bf16: seen 0.0078 on outputs of about 2 on an H200; a wrong routing
-        # is off by the outputs' size)
-        want = fused_experts_triton(x, g13, g2, weights, ids).float()
-        torch.testing.assert_close(out.float(), want, rtol=0,
-                                   atol=2 ** -6 * want.abs().max().item())
-
-
 # fp8: block 128 (N, K off its multiples: partial blocks), 16 x 48 (a block edge inside
 # a K tile) and per-channel (one column spanning K, as --quantization fp8 makes it)
 FP8_BLOCKS = [(128, 128), (16, 48), (1, max(H, I))]
@@ -138,10 +108,16 @@ def test_fp8_experts_compiled_equal_the_reference(block, tokens):
     assert err <= 4 * 2 ** -8 * want_b.float().abs().amax()
 
 
-def test_fp8_experts_replay_in_a_cuda_graph_with_new_routing():
-    from tokenmill.ops.triton_quant_moe import fused_experts_triton
-    block = (128, 128)
-    g13, g2 = _fp8_on_cuda(*_fp8_experts(block), block)
+@pytest.mark.parametrize("fmt", ["int4-actorder", "fp8-b128"])
+def test_experts_replay_in_a_cuda_graph_with_new_routing(fmt):
+    """The sync-free path's point: one capture, replayed with new routing (the first
+    replay sends every token's first slot to one expert), equal to eager runs."""
+    from tokenmill.ops.triton_quant_moe import IntExpertsTriton, fused_experts_triton
+    if fmt == "fp8-b128":
+        g13, g2 = _fp8_on_cuda(*_fp8_experts((128, 128)), (128, 128))
+    else:
+        w13, w2 = _experts(4, True)
+        g13, g2 = IntExpertsTriton(w13, "cuda"), IntExpertsTriton(w2, "cuda")
     tokens = 8
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(tokens, 0)
@@ -151,16 +127,18 @@ def test_fp8_experts_replay_in_a_cuda_graph_with_new_routing():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts_triton(x, g13, g2, weights, ids)
-    for seed in (1, 2, 3):  # new routing each replay (the first: one expert for all)
+    for seed in (1, 2, 3):
         new_w, new_ids = _routing(tokens, seed)
-        if seed == 1:
+        if seed == 1:  # every token's first slot to expert 5
             new_ids[:, 0] = 5
             new_ids[:, 1:] = torch.arange(6, 5 + TOP_K, device="cuda")
         ids.copy_(new_ids)
         weights.copy_(new_w.bfloat16())
         x.normal_()
         graph.replay()
-        # (index_add_ in bf16 sums a token's slots in varying order: as the integer test)
+        # (index_add_'s atomics may sum a token's slots in another order, each add
+        # rounded to bf16: seen 0.0078 on outputs of about 2 on an H200; a wrong routing
+        # is off by the outputs' size)
         want = fused_experts_triton(x, g13, g2, weights, ids).float()
         torch.testing.assert_close(out.float(), want, rtol=0,
                                    atol=2 ** -6 * want.abs().max().item())
