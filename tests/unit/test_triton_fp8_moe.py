@@ -109,17 +109,14 @@ def test_bf16_within_bf16_rounding(block):
     assert (got.float() - want.float()).abs().amax() <= 8 * 2 ** -8 * scale
 
 
-def test_the_stacked_layout_holds_the_bytes_and_dequantizes_each_expert():
+def test_the_stacked_layout_holds_the_bytes_once():
     block = (16, 48)
     (w, s), _ = _experts(3, block)
     experts = tm.Fp8ExpertsTriton(w, s, block, "cpu")
-    # the checkpoint's bytes viewed, not copied
+    # the checkpoint's bytes viewed, not copied; the scales as fp32
     assert experts.w.data_ptr() == w.data_ptr() and experts.w.dtype == torch.uint8
+    assert torch.equal(experts.scale_inv, s.float())
     assert experts.nbytes() == w.numel() + s.numel() * 4
-    for e in range(3):
-        torch.testing.assert_close(experts.dequantize(e),
-                                   DequantizedExperts(w, s, block, torch.float32)[e],
-                                   rtol=0, atol=0)
 
 
 def _cuda_platform(monkeypatch):

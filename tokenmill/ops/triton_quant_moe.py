@@ -232,12 +232,6 @@ class Fp8ExpertsTriton:
         """Resident bytes on the device."""
         return sum(t.numel() * t.element_size() for t in (self.w, self.scale_inv))
 
-    def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Expert e's W [N, K] (debugging, tests): fp8.py's dequantization."""
-        from tokenmill.models.layers.linear_methods.fp8 import dequantize_block_fp8
-        return dequantize_block_fp8(self.w[e].view(torch.float8_e4m3fn), self.scale_inv[e],
-                                    self.block_size, dtype)
-
     def launch(self, grid, x, y, sorted_token_ids, expert_ids, pairs, x_div, **consts):
         """The grouped kernel over these experts (grouped_gemm's `consts`: dtype, tiles).
         A scale per output column per K tile where each tile lies in one block column:
