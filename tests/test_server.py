@@ -176,12 +176,29 @@ def test_concurrent_greedy_equals_offline(client, llm):
 
 
 def test_stats_log_line_while_busy(server, client):
-    # Long enough to span several stats intervals on a fast machine too.
-    client.completions.create(model=MODEL, prompt="keep busy", max_tokens=200,
-                              extra_body={"ignore_eos": True})
-    server.log.flush()
-    with open(server.log.name) as f:
-        text = f.read()
+    # A stats line needs the engine busy for a whole interval (0.2 s), and one
+    # request can finish sooner than that on a fast machine (CI saw it): keep
+    # staggered requests overlapping until the line shows, with a deadline.
+    done = threading.Event()
+
+    def keep_busy(i):
+        while not done.is_set():
+            client.completions.create(model=MODEL, prompt="keep busy", max_tokens=120 + 25 * i,
+                                      extra_body={"ignore_eos": True})
+
+    text = ""
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(keep_busy, i) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(f.done() for f in busy):
+            with open(server.log.name) as f:
+                text = f.read()
+            if "KV cache usage" in text and "generation throughput" in text:
+                break
+            time.sleep(0.1)
+        done.set()
+        for f in busy:
+            f.result()  # a request that failed fails the test with its own error
     assert "KV cache usage" in text and "generation throughput" in text
 
 
