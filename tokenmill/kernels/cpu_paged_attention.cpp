@@ -414,9 +414,16 @@ inline void attend_bf16(const bf16* q, const Cache<bf16>& c, int64_t r, int64_t 
   auto lookup_in = [&](int64_t rr, int64_t hh, int64_t rlen, int64_t c0, bool value,
                        const bf16** ptr) {
     const int64_t n = std::min<int64_t>(kChunk, rlen - c0);
+    // Walk the blocks: one division a chunk, not one a token (a 64-bit division
+    // costs more than a token's products at d 64).
+    int64_t b = c0 / c.bs, o = c0 - b * c.bs;
+    const bf16* base = c.at(rr, b, hh, value);
     for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = c0 + t;
-      ptr[t] = c.at(rr, pos / c.bs, hh, value) + (pos % c.bs) * c.s_tok;
+      ptr[t] = base + o * c.s_tok;
+      if (++o == c.bs && t + 1 < n) {
+        o = 0;
+        base = c.at(rr, ++b, hh, value);
+      }
     }
     for (int64_t t = n; t < kChunk; ++t) ptr[t] = w.zeros.data();
     return static_cast<int>(n);
