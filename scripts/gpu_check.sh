@@ -3,7 +3,7 @@
 # OUTDIR. Two parts, each stage under its own time limit (a failing stage does not
 # stop the next ones):
 #
-#   scripts/gpu_check.sh OUTDIR          the tests and the short timings: 380 s of stage
+#   scripts/gpu_check.sh OUTDIR          the tests and the short timings: 470 s of stage
 #                                        limits, about 5 minutes on one H200 (room for
 #                                        a rerun in a session's 15 device minutes)
 #   scripts/gpu_check.sh OUTDIR long     the long stages: nano-vllm's throughput workload,
@@ -17,6 +17,8 @@
 # hybrid models, with and without CUDA graphs, chunked prefill, preemption, head sizes
 # 96 and 512 and soft-capped attention; the Triton attention kernels compiled, bf16
 # included, over head sizes 80 / 96 / 128 / 512 and soft-capping; the sync-free MoE);
+# gpu_spec_tests.log + .xml (test_cuda_spec_graphs.py: n-gram / EAGLE-3 / DFlash verify
+# steps replayed from the decode graphs, tokens equal to the CPU's without drafts);
 # gpu_quant_tests.log + .xml (test_cuda_quant*.py: the quantized GEMMs compiled, fp32
 # and bf16, GPTQ / AWQ / FP8 / MoE-GPTQ / --quantization int8 and fp8 / fp8 KV-cache
 # models on CUDA equal to the CPU, tokens and logprobs; the experts' grouped GEMMs
@@ -65,6 +67,10 @@ if [ "$PART" = quick ]; then
 stage gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_parity.py \
     -k "not fla" --timeout 60 --junitxml "$OUT/gpu_tests.xml"
 tail -n 3 "$OUT/gpu_tests.log" >> "$SUMMARY"
+# 1a. Speculative decoding inside the decode graphs (n-gram, EAGLE-3, DFlash).
+stage gpu_spec_tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_spec_graphs.py \
+    --timeout 60 --junitxml "$OUT/gpu_spec_tests.xml"
+tail -n 3 "$OUT/gpu_spec_tests.log" >> "$SUMMARY"
 # 1b. Quantized weights (dense and MoE experts) and the fp8 KV cache (the GEMMs compile
 # on first use: its own limit).
 stage gpu_quant_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_quant.py \

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from conftest import (HEAD_SHAPE_SPECS, TINY, TinyModel, build_checkpoint,  # noqa: E402
-                      hf_greedy, make_llm, make_prompts, runner_of)
+                      hf_greedy, make_llm, make_prompts, record_model_drafts, runner_of)
 from tokenmill import SamplingParams, platforms  # noqa: E402
 from tokenmill.platforms.cpu import CpuPlatform  # noqa: E402
 
@@ -91,16 +91,22 @@ class NoHostReads(TorchFunctionMode):
 
 class _EagerGraph:
     """Stands in for a captured graph: replay runs the model over the static buffers,
-    refusing any host read of a value, as a capture would."""
+    refusing any host read of a value, as a capture would, into static outputs (the
+    hidden states and, for a drafter, the taps)."""
 
-    def __init__(self, model, ids, pos, meta, out):
+    def __init__(self, model, ids, pos, meta, out, taps=None):
         self.model, self.ids, self.pos, self.meta, self.out = model, ids, pos, meta, out
+        self.taps = taps
         self.replays = 0
+        self.rows_used = []  # the real rows of each replay (the rest pad rows)
 
     def replay(self):
         self.replays += 1
         with NoHostReads():
             self.out.copy_(self.model(self.ids, self.pos, self.meta))
+        if self.taps is not None:
+            self.taps.copy_(self.model.aux_hidden)
+        self.model.aux_hidden = None  # the runner must hand the drafter the static taps
 
 
 @pytest.fixture
@@ -114,8 +120,20 @@ def eager_graphs(monkeypatch, triton_platform):
         for size in self.sizes:
             meta = buf.metadata(size)
             out = torch.empty(size, hidden, dtype=self.model.embed_tokens.weight.dtype)
+            taps = None
+            if getattr(self.model, "aux_layer_ids", ()):  # a drafter's: as record_taps
+                buf.make_inert(size)
+                self.model(buf.input_ids[:size], buf.positions[:size], meta)
+                taps = self.model.aux_hidden.clone()
+                self.taps[size] = taps
             self.graphs[size] = (_EagerGraph(self.model, buf.input_ids[:size],
-                                             buf.positions[:size], meta, out), out)
+                                             buf.positions[:size], meta, out, taps), out)
+        real_fill = buf.fill
+
+        def fill(size, input_ids, *a):
+            self.graphs[size][0].rows_used.append(input_ids.shape[0])
+            return real_fill(size, input_ids, *a)
+        buf.fill = fill
 
     monkeypatch.setattr(cuda_graph.DecodeGraphRunner, "capture", capture)
     monkeypatch.setattr(ModelRunner, "_cuda_graphs_apply", lambda self: True)
@@ -181,6 +199,129 @@ def test_triton_decode_serves_rows_verifying_drafts(tiny_model_factory, triton_p
     assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == tm.reference(p, 10)
+
+
+def _replayed_rows(runner) -> list[int]:
+    """The real rows of every replay, over every graph size."""
+    return [n for graph, _ in runner.cuda_graphs.graphs.values() for n in graph.rows_used]
+
+
+def test_verify_steps_replay_the_decode_graphs(tiny_model_factory, eager_graphs):
+    """n-gram speculation with decode graphs: a verify step's tokens are decode queries
+    of their own, so a step of T tokens (1 + k a verifying row) replays the graph of
+    the smallest size >= T, its pad rows inert. The sizes cover max_num_seqs x (1 + k);
+    tokens equal HF's, and tokens and logprobs equal the eager PyTorch path's."""
+    eager_graphs.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    tm = tiny_model_factory("llama_gqa_tied")
+    motif = tm.prompts[3][:3]
+    prompts = [tm.prompts[0][:4] + motif * 3, tm.prompts[1][:6], tm.prompts[2][:2] + motif * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3,
+                prompt_lookup_min=1)
+
+    def run():
+        llm = make_llm(tm.path, cpu_kernels="torch", max_num_seqs=4, speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+        return [o.outputs[0] for o in outs], runner_of(llm)
+
+    got, runner = run()
+    assert runner.cuda_graphs.sizes == [1, 2, 4, 8, 16]  # 4 seqs x (1 + 3)
+    rows = _replayed_rows(runner)
+    assert max(rows) > len(prompts)  # verify steps (more queries than requests) replayed
+    for p, o in zip(prompts, got):
+        assert o.token_ids == tm.reference(p, 10)
+    eager_graphs.undo()  # the PyTorch path, no Triton, no graphs
+    eager_graphs.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    want, runner = run()
+    assert runner.cuda_graphs is None
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for lg, lw in zip(g.logprobs, w.logprobs):
+            assert lg.keys() == lw.keys()
+            for t in lg:
+                assert abs(lg[t].logprob - lw[t].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_drafters_read_their_taps_from_the_graphs(tiny_model_factory, eager_graphs, tmp_path,
+                                                  method):
+    """EAGLE-3 and DFlash read the target's taps (model.aux_hidden) of each step: with
+    the steps replayed from graphs they come from the graphs' static tap outputs (the
+    stand-in clears model.aux_hidden after a replay, so a runner that forgot them
+    fails). Every proposal equals the eager path's, and so do the tokens."""
+    import json
+
+    from tokenmill.spec_decode import random_drafters as rd
+    eager_graphs.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    tm = tiny_model_factory("llama_gqa_tied")
+    config = json.load(open(os.path.join(tm.path, "config.json")))
+    draft = str(tmp_path / method)
+    os.makedirs(draft)
+    if method == "eagle3":
+        rd.build_eagle3_checkpoint(draft, config)
+    else:
+        rd.build_dflash_checkpoint(draft, config, target_layer_ids=(0, 1), block_size=4)
+    spec = dict(method=method, num_speculative_tokens=3, model=draft, adaptive=False)
+    prompts = [tm.prompts[0][:7], tm.prompts[1][:5], tm.prompts[2][:9]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run():
+        llm = make_llm(tm.path, cpu_kernels="torch", max_num_seqs=4, speculative_config=spec)
+        drafts = record_model_drafts(runner_of(llm), strict=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], drafts, runner_of(llm)
+
+    got, drafts, runner = run()
+    assert runner.cuda_graphs.taps  # the graphs write the taps
+    assert max(_replayed_rows(runner)) > len(prompts)  # verify steps replayed
+    assert drafts
+    for p, g in zip(prompts, got):
+        assert g == tm.reference(p, 8)
+    eager_graphs.undo()
+    eager_graphs.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    want, want_drafts, runner = run()
+    assert runner.cuda_graphs is None
+    assert got == want and drafts == want_drafts
+
+
+def test_hybrid_verify_steps_run_eagerly_beside_graphed_decodes(tmp_path, eager_graphs):
+    """Qwen3.5 with n-gram drafts: a verify step's recurrent layers take each row's
+    tokens in order, a state slot each (host lists): such steps run eagerly, steps
+    without drafts replay; same tokens as the PyTorch path without graphs."""
+    from test_hybrid_parity import HYBRID_SPECS, build_hybrid
+    arch, overrides = HYBRID_SPECS["qwen3_5"]
+    build_hybrid(str(tmp_path), arch, overrides)
+    motif = make_prompts([3], TINY["vocab_size"], seed=12)[0]
+    prompts = [p + motif * 3 for p in make_prompts([4, 6], TINY["vocab_size"], seed=11)]
+    prompts.append(make_prompts([5], TINY["vocab_size"], seed=13)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    spec = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3,
+                prompt_lookup_min=1)
+    eager = []
+
+    def run():
+        llm = make_llm(str(tmp_path), cpu_kernels="torch", max_num_seqs=4,
+                       speculative_config=spec)
+        runner = runner_of(llm)
+        real = runner.model.forward
+
+        def forward(ids, pos, meta, **kw):  # the eager forwards of verify steps
+            if meta.state is not None and meta.state.decode_steps is not None:
+                eager.append(ids.shape[0])
+            return real(ids, pos, meta, **kw)
+        runner.model.forward = forward
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.scheduler.spec_stats.num_drafts > 0
+        return [o.outputs[0].token_ids for o in outs], runner
+
+    got, runner = run()
+    assert eager and _replayed_rows(runner)  # both kinds of step ran
+    assert max(_replayed_rows(runner)) <= len(prompts)  # no verify step in a graph
+    eager_graphs.undo()
+    want, runner = run()
+    assert runner.cuda_graphs is None
+    assert got == want
 
 
 def test_eagle3_drafter_runs_the_triton_kernels(tiny_model_factory, triton_platform,

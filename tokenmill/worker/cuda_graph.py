@@ -11,13 +11,22 @@ position 0, and in a hybrid model the scratch state slot after the real ones
 (allocated for them, never a request's); their hidden rows come out of the
 graph and are never read (the runner keeps rows [:n]).
 
-Prefill and mixed steps, steps verifying drafts and batches above the largest
-size run eagerly; so does every step where the
-platform says no (CPU, `enforce_eager`, no Triton). The capture sizes follow
-vLLM's: 1, 2, 4, then every multiple of 8 up to 256, then of 16, up to
-max_num_seqs (at most MAX_CAPTURE_SIZE). Capture goes largest first into one
-memory pool: a replay's output is consumed (lm_head rows gathered) before the
-next replay, so the graphs may share it.
+Steps verifying drafts replay the same graphs: the attention builder already
+lays a verifying row's 1 + k tokens out as decode queries of their own (the
+row's block table repeated, seq_len = position + 1: causal among the drafts),
+so a verify step of T tokens is a decode step of T rows. With a drafter the
+sizes go up to max_num_seqs x (1 + k), and the taps a drafter reads
+(`model.aux_hidden`) are graph outputs too. A hybrid model's verify steps run
+eagerly (their recurrent layers take the tokens of a row in order, each into a
+state slot of its own: StateMetadata.decode_steps, host lists).
+
+Prefill and mixed steps and batches above the largest size run eagerly; so does
+every step where the platform says no (CPU, `enforce_eager`, no Triton). The
+capture sizes follow vLLM's: 1, 2, 4, then every multiple of 8 up to 256, then
+of 16, up to max_num_seqs (at most MAX_CAPTURE_SIZE). Capture goes largest first
+into one memory pool: a replay's outputs are consumed (lm_head rows gathered,
+the drafter's proposals made: both within the step) before the next replay, so
+the graphs may share it.
 """
 from __future__ import annotations
 
@@ -148,6 +157,8 @@ class DecodeGraphRunner:
         self.buffers = buffers
         self.sizes = sizes
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # size -> the drafter's taps the graph writes ([size, width]); empty: no taps
+        self.taps: dict[int, torch.Tensor] = {}
         self.metas = {}
 
     @classmethod
@@ -158,7 +169,9 @@ class DecodeGraphRunner:
         batch = runner.input_batch
         widths = {gid: batch.block_tables[gid].max_num_blocks_per_req
                   for gid in runner.attn_group_ids}
-        sizes = capture_sizes(runner.max_num_reqs)
+        # A verify step's rows are its tokens: up to 1 + k a request.
+        per_req = 1 + (runner.drafter.k if runner.drafter is not None else 0)
+        sizes = capture_sizes(runner.max_num_reqs * per_req)
         # (the scratch slot allocate_state_caches added after the config's slots)
         pad_slot = runner.kv_cache_config.num_state_slots if runner.state_caches else None
         buffers = DecodeGraphBuffers(sizes[-1], widths, runner.device, pad_slot)
@@ -190,12 +203,23 @@ class DecodeGraphRunner:
                 out = self.model(ids, pos, meta)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = (graph, out)
+            self.record_taps(size)
             self.metas[size] = meta
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for decode steps of 1 to %d rows",
                     len(self.graphs), self.sizes[-1])
 
-    def can_run(self, num_rows: int) -> bool:
+    def record_taps(self, size: int) -> None:
+        """After the forward a graph of `size` was captured with: the taps it wrote
+        (model.aux_hidden, in the graph's memory) are what each replay rewrites."""
+        if getattr(self.model, "aux_layer_ids", ()):
+            self.taps[size] = self.model.aux_hidden
+
+    def can_run(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        """A step of `num_rows` decode queries (one token a row, or a verifying row's
+        tokens each a query) fits a graph; a hybrid's verify step does not."""
+        if meta.prefills or (meta.state is not None and meta.state.decode_steps is not None):
+            return False
         return padded_size(num_rows, self.sizes) is not None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -207,4 +231,7 @@ class DecodeGraphRunner:
         self.buffers.fill(size, input_ids, positions, meta)
         graph, out = self.graphs[size]
         graph.replay()
+        taps = self.taps.get(size)
+        if taps is not None:  # what the drafter reads, as an eager forward leaves it
+            self.model.aux_hidden = taps[:n]
         return out[:n]

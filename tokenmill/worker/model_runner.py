@@ -308,10 +308,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             positions = self._mrope_positions(positions)
         pos_t = self._to_device(positions)
         embeds = self._multimodal_embeds(so, ids_t) if self.has_encoder else None
-        if (embeds is None and self.cuda_graphs is not None and not meta.prefills
-                and self.last_step.cu_num_logits is None
-                and self.cuda_graphs.can_run(len(input_ids))):
-            hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # a pure-decode step
+        if (embeds is None and self.cuda_graphs is not None
+                and self.cuda_graphs.can_run(len(input_ids), meta)):
+            hidden = self.cuda_graphs.run(ids_t, pos_t, meta)  # decode / verify queries only
             if meta.state is not None and meta.state.decode_snapshots:
                 # (the graph copies no snapshot: the slots hold the step's end state)
                 for tensors in self.state_caches.values():

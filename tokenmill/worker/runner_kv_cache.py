@@ -166,14 +166,15 @@ class KVCacheMixin:
             self.cuda_graphs = DecodeGraphRunner.build(self)
 
     def _cuda_graphs_apply(self) -> bool:
-        """Decode steps replay CUDA graphs where the platform says so (CUDA, Triton
-        attention, not enforce_eager), for models whose decode step is all in the graph:
-        no drafter (its proposals read the step's hidden states after the next replay),
-        every attention group on a backend whose decode steps replay (Triton: the
-        PyTorch decode path sizes its mask per step). Recurrent layers are in the graph:
-        their pad rows use a scratch state slot."""
+        """Decode (and draft-verifying) steps replay CUDA graphs where the platform says
+        so (CUDA, Triton attention, not enforce_eager), for models whose decode step is
+        all in the graph: every attention group on a backend whose decode steps replay
+        (Triton: the PyTorch decode path sizes its mask per step). Recurrent layers are
+        in the graph: their pad rows use a scratch state slot. A drafter reads the
+        step's hidden states and taps within the step (sample_tokens), before the next
+        replay rewrites them."""
         return (self.platform.cuda_graphs and self.device.type == "cuda"
-                and self.drafter is None and bool(self.attn_backends)
+                and bool(self.attn_backends)
                 and all(b.cuda_graphs for b in self.attn_backends.values()))
 
 
