@@ -40,6 +40,11 @@ constexpr int64_t NB = 32;   // columns per packed block (cpu_linear.cpp)
 constexpr int DMR = 12;      // rows per micro-kernel: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t MIN_ROWS = 9;             // decode (<= 8 rows) keeps linear_bf16's own path
 constexpr int64_t MAX_GROUP = 8;
+// Layers up to this many blocks (N <= 2048) re-interleave in registers at any row count
+// when more than one thread runs: through the scratch, two threads ran the narrow
+// layers 1.3-1.5x slower than oneDNN (512 x 512 at 2048 rows: 3.67 ms, in registers 2.72,
+// oneDNN 2.41) while one thread ran both ways alike (scratch 4.99, registers 5.33 ms).
+constexpr int64_t DIRECT_MAX_BLOCKS = 64;
 // Cache blocking (linear_bf16_dot_tuning changes them, for the benchmark's sweeps):
 // x rows of one row chunk (L2); the pair scratch of one column-block group (L2);
 // pairs per K chunk when K has more than 2 * kc2 pairs; rows up to which the
@@ -230,11 +235,12 @@ void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
   const Tuning tn = tuning;
   // Few rows re-interleave a bf16 block in registers; other sources always fill a scratch.
   const uint16_t* packed = w.bf16_blocks();
-  const bool direct = packed != nullptr && M <= tn.direct_rows;
+  const int64_t nthreads = at::get_num_threads();
+  const bool direct = packed != nullptr &&
+                      (M <= tn.direct_rows || (nthreads > 1 && nblocks <= DIRECT_MAX_BLOCKS));
   std::vector<uint32_t> hold;
   int64_t ldx;
   const uint32_t* xp = pair_rows(x, M, K, !direct, hold, ldx);
-  const int64_t nthreads = at::get_num_threads();
   // Long K goes in chunks of kc2 pairs: the group's scratch and a row chunk's x stay in
   // L2; the partial sums wait in an fp32 tile of the item's rows.
   const int64_t kc = K2 > 2 * tn.kc2 && !direct ? tn.kc2 : K2, nchunks = (K2 + kc - 1) / kc;
