@@ -15,6 +15,7 @@ import torch
 from conftest import TINY, build_checkpoint, make_llm, make_prompts, runner_of, scheduler_of
 from tokenmill import SamplingParams
 from tokenmill.spec_decode import random_drafters as rd
+from test_cuda_parity import GPU_SPECS, ieee_fp32  # noqa: F401 (IEEE fp32 matmuls: autouse)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -23,14 +24,6 @@ CASES = [("llama_gqa_tied", "ngram"), ("llama_gqa_tied", "eagle3"),
          ("qwen3_5", "ngram")]
 K = 3
 NUM_NEW = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ieee_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -64,7 +57,6 @@ def _greedy(llm, prompts):
 
 @pytest.mark.parametrize("name,method", CASES)
 def test_cuda_speculation_from_decode_graphs_equals_cpu(tmp_path, name, method):
-    from test_cuda_parity import GPU_SPECS
     arch, overrides = GPU_SPECS[name]
     path = str(tmp_path / name)
     with torch.device("cpu"):
