@@ -176,10 +176,6 @@ class IntExpertsTriton:
     def num_experts(self) -> int:
         return self.w.shape[0]
 
-    @property
-    def group_size(self) -> int:
-        return self.group
-
     def launch(self, grid, x, y, sorted_token_ids, expert_ids, pairs, x_div, **consts):
         """The grouped kernel over these experts (grouped_gemm's `consts`: dtype, tiles)."""
         perms = self.perms if self.perms is not None else expert_ids  # (unread)

@@ -17,7 +17,9 @@ call it.
   `IntLinearMethod` over a format's layout (gptq.py, awq.py, compressed_tensors.py;
   packing in int_packing.py), `QuantizedFusedMoEMethod` (quantized_moe.py) for the
   experts, all converting into quantized_weight.py's canonical form; given before
-  loading by models/int_quant_layers.py.
+  loading by models/int_quant_layers.py;
+- triton_experts.py: `TritonExpertsMixin`, the quantized experts' CUDA path
+  (ops/triton_quant_moe.py's grouped GEMMs), shared by their three methods.
 
 A quantized format plugs in as another method pair: its `create_weights` registers
 what its checkpoint holds (packed integers, scales), its `apply` runs its kernel.

@@ -48,6 +48,7 @@ from torch import nn
 from tokenmill.models.layers.linear_methods.base import FusedMoEMethod, LinearMethod
 from tokenmill.models.layers.linear_methods.fused_moe import fused_experts
 from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
+from tokenmill.models.layers.linear_methods.triton_experts import TritonExpertsMixin
 
 FP8_DTYPE = torch.float8_e4m3fn
 # Elements of W dequantized at once (rounded down to whole block rows, at least one).
@@ -261,7 +262,7 @@ class DequantizedExperts:
                                     self.dtype)
 
 
-class Fp8BlockFusedMoEMethod(FusedMoEMethod):
+class Fp8BlockFusedMoEMethod(TritonExpertsMixin, FusedMoEMethod):
     """The experts' grouped GEMMs over block-scaled e4m3 weights (W8A16, as
     Fp8BlockLinearMethod). `gate_up_proj` [E, 2I, H] stacks gate rows then up rows,
     each whole block rows (I a multiple of bn), so one scale tensor
@@ -303,10 +304,6 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
     ops = None     # the native CPU kernels (for_platform): packed when the layer sets it
     max_rows = 0
     packed = None  # quantized_cpu.PackedQuantizedExperts: the experts' only copy then
-    # CUDA (with_triton): (w13, w2) as triton_quant_moe.Fp8ExpertsTriton once the layer
-    # sets the method, then the experts' only copy
-    triton = False
-    gpu = None
 
     def with_compute_dtype(self, dtype: torch.dtype | None) -> "Fp8BlockFusedMoEMethod":
         """The same method (weights untouched) with its GEMMs in `dtype`."""
@@ -316,13 +313,6 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         method.triton, method.gpu = self.triton, self.gpu
         if self.packed is not None:
             method.packed = self.packed.with_compute_dtype(dtype)
-        return method
-
-    def with_triton(self) -> "Fp8BlockFusedMoEMethod":
-        """This method running the Triton grouped GEMMs (CUDA): the e4m3 experts moved
-        into their layout when the layer sets it, read as stored."""
-        method = self.with_compute_dtype(self.compute_dtype)
-        method.triton = True
         return method
 
     def for_platform(self, ops, compute_dtype: torch.dtype | None, max_rows: int,
@@ -359,14 +349,12 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
         """Resident bytes of the Triton layout or the packed experts (0 before: the
         e4m3 stacks are the layer's own parameters then)."""
         if self.gpu is not None:
-            return sum(w.nbytes() for w in self.gpu)
+            return self.triton_nbytes()
         return 0 if self.packed is None else self.packed.nbytes()
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.gpu is not None:
-            from tokenmill.ops.triton_quant_moe import fused_experts_triton
-            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
-                                        self.compute_dtype, layer.activation)
+            return self.apply_triton(layer, x, topk_weights, topk_ids)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -381,7 +369,7 @@ class Fp8BlockFusedMoEMethod(FusedMoEMethod):
     def describe(self) -> str:
         native = "" if self.packed is None else self.packed.describe()
         if self.gpu is not None:
-            native = ", Triton grouped GEMMs (no host sync)"
+            native = self.TRITON_DESCRIPTION
         return (f"{type(self).__name__}("
                 f"{describe_block(self.block_size, self.in_features, self.compute_dtype)}"
                 f"{native})")

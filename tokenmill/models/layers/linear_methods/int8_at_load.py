@@ -34,6 +34,7 @@ from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantize
 from tokenmill.models.layers.linear_methods.quantized_linear import QuantizedLinearMethod
 from tokenmill.models.layers.linear_methods.quantized_weight import (
     QuantizedWeight, quantize_int8_per_channel)
+from tokenmill.models.layers.linear_methods.triton_experts import TritonExpertsMixin
 
 INT8_ZERO = 128  # the code that stands for 0.0 (the canonical form's codes are unsigned)
 
@@ -98,7 +99,7 @@ class _DequantizedInt8Experts:
         return dequantize_int8_rows(self.codes[e], self.scales[e], self.dtype)
 
 
-class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
+class Int8AtLoadFusedMoEMethod(TritonExpertsMixin, FusedMoEMethod):
     """The experts' grouped GEMMs over per-channel int8 experts made at load (module
     docstring). `compute_dtype`: the GEMMs' dtype where the platform widens; None:
     the activations'."""
@@ -108,10 +109,6 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         # The platform's native kernels (for_platform): packed when the layer sets it.
         self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
         self.packed: PackedQuantizedExperts | None = None
-        # CUDA (with_triton): (w13, w2) as triton_quant_moe.IntExpertsTriton, then the
-        # only copy
-        self.triton = False
-        self.gpu = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype=None):
         raise ValueError("int8 experts are made from loaded float experts "
@@ -149,13 +146,6 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
         return method
 
-    def with_triton(self) -> "Int8AtLoadFusedMoEMethod":
-        """This method running the Triton grouped GEMMs (CUDA): the experts moved into
-        their layout when the layer sets it."""
-        method = self.with_compute_dtype(self.compute_dtype)
-        method.triton = True
-        return method
-
     def process_weights_after_loading(self, layer) -> None:
         if self.triton and self.gpu is None:
             from tokenmill.ops.triton_quant_moe import IntExpertsTriton
@@ -180,7 +170,7 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         """Resident bytes of the Triton layout or the packed experts (0 before: the
         stacked codes are the layer's own parameters then)."""
         if self.gpu is not None:
-            return sum(w.nbytes() for w in self.gpu)
+            return self.triton_nbytes()
         return 0 if self.packed is None else self.packed.nbytes()
 
     @staticmethod
@@ -192,9 +182,7 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.gpu is not None:
-            from tokenmill.ops.triton_quant_moe import fused_experts_triton
-            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
-                                        self.compute_dtype, layer.activation)
+            return self.apply_triton(layer, x, topk_weights, topk_ids)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -208,5 +196,5 @@ class Int8AtLoadFusedMoEMethod(FusedMoEMethod):
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         native = "" if self.packed is None else self.packed.describe()
         if self.gpu is not None:
-            native = ", Triton grouped GEMMs (no host sync)"
+            native = self.TRITON_DESCRIPTION
         return f"{type(self).__name__}(int8 per-channel{native}{wide})"

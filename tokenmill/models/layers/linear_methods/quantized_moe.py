@@ -34,6 +34,7 @@ from tokenmill.models.layers.linear_methods.int_layout import (IntLayout, int_tp
                                                                make_params)
 from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedExperts
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+from tokenmill.models.layers.linear_methods.triton_experts import TritonExpertsMixin
 
 
 class QuantizedExperts:
@@ -49,7 +50,7 @@ class QuantizedExperts:
         return self.weights[e].dequantize(self.dtype)
 
 
-class QuantizedFusedMoEMethod(FusedMoEMethod):
+class QuantizedFusedMoEMethod(TritonExpertsMixin, FusedMoEMethod):
     """The experts' grouped GEMMs over integer-quantized weights in `layout`'s format
     (W4A16 / W8A16: activations unquantized). `compute_dtype`: the GEMMs' dtype where
     the platform widens; None: the activations'. `down_groups_k`: a tensor-parallel
@@ -67,10 +68,6 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         # The platform's native kernels (for_platform): packed at conversion.
         self.ops, self.max_rows, self.quad_max_rows = None, 0, 0
         self.packed: PackedQuantizedExperts | None = None
-        # CUDA (with_triton): (w13, w2) as triton_quant_moe.IntExpertsTriton, then the
-        # only copy
-        self.triton = False
-        self.gpu = None
 
     def _matrices(self, hidden: int, inter: int):
         """(target, K, checkpoint matrices' rows, groups_k) of each stacked projection."""
@@ -151,18 +148,9 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         method.ops, method.max_rows, method.quad_max_rows = ops, max_rows, quad_max_rows
         return method
 
-    def with_triton(self) -> "QuantizedFusedMoEMethod":
-        """This method running the Triton grouped GEMMs (CUDA): the experts moved into
-        their layout when the layer sets it."""
-        method = copy.copy(self)
-        method.triton = True
-        return method
-
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.gpu is not None:
-            from tokenmill.ops.triton_quant_moe import fused_experts_triton
-            return fused_experts_triton(x, *self.gpu, topk_weights, topk_ids,
-                                        self.compute_dtype, layer.activation)
+            return self.apply_triton(layer, x, topk_weights, topk_ids)
         dtype = self.compute_dtype or x.dtype
         if self.packed is not None:
             return fused_experts(x, layer.gate_up_proj, layer.down_proj, topk_weights,
@@ -175,7 +163,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         """Resident bytes of the experts' weights (the Triton layout, packed, or the
         canonical codes)."""
         if self.gpu is not None:
-            return sum(w.nbytes() for w in self.gpu)
+            return self.triton_nbytes()
         if self.packed is not None:
             return self.packed.nbytes()
         return sum(qw.nbytes() for qw in (self.w13 or []) + (self.w2 or []))
@@ -184,5 +172,5 @@ class QuantizedFusedMoEMethod(FusedMoEMethod):
         wide = "" if self.compute_dtype is None else f", in {self.compute_dtype}"
         native = "" if self.packed is None else self.packed.describe()
         if self.gpu is not None:
-            native = ", Triton grouped GEMMs (no host sync)"
+            native = self.TRITON_DESCRIPTION
         return f"{type(self).__name__}({self.layout.describe()}{native}{wide})"
