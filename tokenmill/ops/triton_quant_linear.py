@@ -206,13 +206,11 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
 
 
 @triton.jit
-def _int_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr,
-                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W^T [K, N] in out's dtype from the K-major codes: (code - zero) * scale in fp32,
-    rounded once (the weights a model of that dtype holds)."""
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+def _int_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, N, ok, GROUP: tl.constexpr,
+              BITS: tl.constexpr):
+    """The [len(offs_k), len(offs_n)] tile of W^T in fp32 from K-major codes (4-bit: row
+    k in byte k // 2, the low nibble when k is even) and group scales / zeros [G, N]:
+    (code - zero) * scale, each loaded code by code (`ok`: the tile's mask)."""
     if BITS == 4:
         byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :], mask=ok, other=0)
         code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
@@ -222,7 +220,18 @@ def _int_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr,
     g = offs_k // GROUP
     s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0)
     z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
-    w = (code - z).to(tl.float32) * s
+    return (code - z).to(tl.float32) * s
+
+
+@triton.jit
+def _int_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr,
+                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W^T [K, N] in out's dtype from the K-major codes: (code - zero) * scale in fp32,
+    rounded once (the weights a model of that dtype holds)."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    w = _int_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, N, ok, GROUP, BITS)
     tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=ok)
 

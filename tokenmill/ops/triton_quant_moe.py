@@ -41,7 +41,16 @@ import triton.language as tl
 
 from tokenmill.models.layers.linear_methods.fused_moe import act_and_mul
 from tokenmill.ops.triton_quant_linear import (_DOT_DTYPES, _EMULATE_HALF_DOTS, _dot,
-                                               _e4m3_to_f32)
+                                               _e4m3_to_f32, _int_tile)
+
+
+@triton.jit
+def _block_pairs(sorted_token_ids_ptr, pid_m, num_pairs, X_DIV: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """The pairs in block pid_m's BLOCK_M slots, which of them are real (padding slots
+    hold num_pairs) and the x row each reads (pair // X_DIV)."""
+    pair = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < num_pairs, (pair // X_DIV).to(tl.int64)
 
 
 @triton.jit
@@ -60,9 +69,7 @@ def _int_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, y_ptr,
     if expert < 0:
         return
     e = expert.to(tl.int64)  # (E x a matrix's bytes can pass 2^31)
-    pair = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_ok = pair < num_pairs  # padding slots hold num_pairs
-    row = (pair // X_DIV).to(tl.int64)
+    pair, m_ok, row = _block_pairs(sorted_token_ids_ptr, pid_m, num_pairs, X_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_ptr += e * stride_we
@@ -80,18 +87,8 @@ def _int_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, y_ptr,
             x_col_ok = k_ok
         x = tl.load(x_ptr + row[:, None] * stride_xm + col[None, :],
                     mask=m_ok[:, None] & x_col_ok[None, :], other=0.0)
-        tile_ok = k_ok[:, None] & n_ok[None, :]
-        if BITS == 4:
-            byte = tl.load(w_ptr + (offs_k // 2)[:, None] * N + offs_n[None, :],
-                           mask=tile_ok, other=0)
-            code = (byte.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 15
-        else:
-            code = tl.load(w_ptr + offs_k[:, None] * N + offs_n[None, :],
-                           mask=tile_ok, other=0).to(tl.int32)
-        g = offs_k // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0.0)
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=tile_ok, other=0)
-        w = (code - z.to(tl.int32)).to(tl.float32) * s
+        w = _int_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, N, k_ok[:, None] & n_ok[None, :],
+                      GROUP, BITS)
         acc = _dot(acc, x, w, DOT_DTYPE, IEEE, EMULATE)
     tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -113,9 +110,7 @@ def _fp8_moe_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, sorted_token_ids_ptr, exper
     if expert < 0:
         return
     e = expert.to(tl.int64)
-    pair = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_ok = pair < num_pairs
-    row = (pair // X_DIV).to(tl.int64)
+    pair, m_ok, row = _block_pairs(sorted_token_ids_ptr, pid_m, num_pairs, X_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_ptr += e * stride_we
