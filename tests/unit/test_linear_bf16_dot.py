@@ -54,13 +54,13 @@ def test_lower_levels_do_not(ops):
 # (13, 23), the in-register path's edge (24 / 25), more than one row chunk (129, 300
 # with short K; 200 with K = 1100: 192-row chunks of 512-k pieces). K odd (a padded
 # pair), not a multiple of 32, and long enough for K chunks (1100, 2049); N partial
-# 32-column blocks and a single block (split by rows over the threads). With two
-# threads, layers of up to 64 blocks stay in registers at any row count: N = 2100
-# keeps the scratch path there too.
+# 32-column blocks and a single block (split by rows over the threads). K = 1024 / 2048
+# (rows 2 / 4 KB apart): x copied to a spread-out stride first, in the reused buffer.
 @pytest.mark.parametrize("m,n,k", [(9, 70, 20), (13, 300, 63), (23, 33, 19), (24, 64, 100),
                                    (25, 47, 75), (31, 96, 33), (64, 1024, 512), (129, 47, 24),
                                    (300, 100, 9), (200, 65, 1100), (37, 20, 2049),
-                                   (48, 31, 1), (26, 130, 1536), (40, 2100, 70)])
+                                   (48, 31, 1), (26, 130, 1536), (40, 2100, 70), (50, 40, 1024),
+                                   (27, 33, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_float64_reference(ops, m, n, k, bias, threads):
@@ -83,12 +83,14 @@ def test_matches_float64_reference(ops, m, n, k, bias, threads):
     assert torch.equal(out, again)
 
 
-def test_results_do_not_depend_on_threads_or_row_split(ops):
+@pytest.mark.parametrize("k", [1300, 2048])
+def test_results_do_not_depend_on_threads_or_row_split(ops, k):
     """Each value is one fp32 accumulator over the same pairs in the same order, whatever
     the row groups, K chunks and threads: a row's result is the same computed alone
-    (from 9 rows), in a batch, or by another thread count."""
+    (from 9 rows), in a batch, or by another thread count (K 2048: x copied, into a
+    buffer reused from call to call at every row count)."""
     g = torch.Generator().manual_seed(3)
-    n, k = 200, 1300
+    n = 200
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(300, k, generator=g).bfloat16()
     packed = ops.pack_bf16_weight(w)

@@ -40,11 +40,6 @@ constexpr int64_t NB = 32;   // columns per packed block (cpu_linear.cpp)
 constexpr int DMR = 12;      // rows per micro-kernel: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t MIN_ROWS = 9;             // decode (<= 8 rows) keeps linear_bf16's own path
 constexpr int64_t MAX_GROUP = 8;
-// Layers up to this many blocks (N <= 2048) re-interleave in registers at any row count
-// when more than one thread runs: through the scratch, two threads ran the narrow
-// layers 1.3-1.5x slower than oneDNN (512 x 512 at 2048 rows: 3.67 ms, in registers 2.72,
-// oneDNN 2.41) while one thread ran both ways alike (scratch 4.99, registers 5.33 ms).
-constexpr int64_t DIRECT_MAX_BLOCKS = 64;
 // Cache blocking (linear_bf16_dot_tuning changes them, for the benchmark's sweeps):
 // x rows of one row chunk (L2); the pair scratch of one column-block group (L2);
 // pairs per K chunk when K has more than 2 * kc2 pairs; rows up to which the
@@ -182,34 +177,39 @@ inline void dot_rows(const uint32_t* x, int64_t ldx, const void* w, int64_t np, 
   }
 }
 
-// x [M, K] bf16 as pair words [M, ldx >= ceil(K/2)]: the tensor's own memory when K is
-// even and `copy` is false, else a copy (`hold` keeps it) whose rows are 64-byte
-// aligned and whose row stride is not a multiple of 2 KB (a micro-kernel reads 12 rows
-// at once: at a stride of 4 KB or 8 KB they would all fall in one L1 set), each row's
-// last word (x[K-1], 0) for an odd K.
-inline const uint32_t* pair_rows(const c10::BFloat16* x, int64_t M, int64_t K, bool copy,
-                                 std::vector<uint32_t>& hold, int64_t& ldx) {
-  const int64_t K2 = (K + 1) / 2;
-  ldx = K2;
-  if (K % 2 == 0 && !copy) return reinterpret_cast<const uint32_t*>(x);
-  ldx = (K2 + 15) / 16 * 16;
-  if (ldx * 4 % 2048 == 0) ldx += 16;
-  hold.assign(M * ldx + 16, 0u);
-  uint32_t* base = hold.data();
-  base += (16 - reinterpret_cast<uintptr_t>(base) / 4 % 16) % 16;  // 64-byte aligned
-  for (int64_t m = 0; m < M; ++m) {
-    std::memcpy(base + m * ldx, x + m * K, K * sizeof(uint16_t));
-    if (K & 1) base[m * ldx + K2 - 1] = x[m * K + K - 1].x;
-  }
-  return base;
-}
-
 // A per-thread buffer of at least n values (SLOT: separate buffers of one type).
 template <typename T, int SLOT>
 T* thread_buffer(int64_t n) {
   thread_local std::vector<T> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
+}
+
+// x [M, K] bf16 as pair words [M, ldx >= ceil(K/2)]: the tensor's own memory, unless K
+// is odd (each row's last word must be (x[K-1], 0)) or `spread` is asked for and the row
+// stride is a multiple of 2 KB (a micro-kernel reads 12 rows at once: at 2, 4 or 8 KB
+// apart they crowd into one or two L1 sets, with the other hyperthread's rows too).
+// A copy goes into the calling thread's reused buffer (a fresh allocation of a few MB
+// a call page-faulted on every call: with the serial copy, that made the scratch path
+// 1.3x slower than the in-register one at 2 threads), 64-byte aligned rows, copied by
+// every thread.
+inline const uint32_t* pair_rows(const c10::BFloat16* x, int64_t M, int64_t K, bool spread,
+                                 int64_t& ldx) {
+  const int64_t K2 = (K + 1) / 2;
+  ldx = K2;
+  if (K % 2 == 0 && !(spread && K2 * 4 % 2048 == 0)) return reinterpret_cast<const uint32_t*>(x);
+  ldx = (K2 + 15) / 16 * 16;
+  if (ldx * 4 % 2048 == 0) ldx += 16;
+  uint32_t* base = thread_buffer<uint32_t, 2>(M * ldx + 16);
+  base += (16 - reinterpret_cast<uintptr_t>(base) / 4 % 16) % 16;  // 64-byte aligned
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      uint32_t* row = base + m * ldx;
+      std::memcpy(row, x + m * K, K * sizeof(uint16_t));
+      if (K & 1) row[K2 - 1] = x[m * K + K - 1].x;
+    }
+  });
+  return base;
 }
 
 }  // namespace
@@ -236,11 +236,9 @@ void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
   // Few rows re-interleave a bf16 block in registers; other sources always fill a scratch.
   const uint16_t* packed = w.bf16_blocks();
   const int64_t nthreads = at::get_num_threads();
-  const bool direct = packed != nullptr &&
-                      (M <= tn.direct_rows || (nthreads > 1 && nblocks <= DIRECT_MAX_BLOCKS));
-  std::vector<uint32_t> hold;
+  const bool direct = packed != nullptr && M <= tn.direct_rows;
   int64_t ldx;
-  const uint32_t* xp = pair_rows(x, M, K, !direct, hold, ldx);
+  const uint32_t* xp = pair_rows(x, M, K, !direct, ldx);
   // Long K goes in chunks of kc2 pairs: the group's scratch and a row chunk's x stay in
   // L2; the partial sums wait in an fp32 tile of the item's rows.
   const int64_t kc = K2 > 2 * tn.kc2 && !direct ? tn.kc2 : K2, nchunks = (K2 + kc - 1) / kc;
@@ -327,9 +325,9 @@ void linear_bf16_dot_block(const c10::BFloat16* x, int64_t rows, int64_t K,
   // One block, all of K at once: the same sums in the same order as linear_bf16_dot's
   // chunks (a chunk's fp32 partial sums carry over exactly).
   const int64_t K2 = (K + 1) / 2;
-  std::vector<uint32_t> hold, scratch(K2 * NB);
+  std::vector<uint32_t> scratch(K2 * NB);
   int64_t ldx;
-  const uint32_t* xp = pair_rows(x, rows, K, false, hold, ldx);
+  const uint32_t* xp = pair_rows(x, rows, K, false, ldx);
   pair_block(wblock, K, 0, K2, scratch.data());
   dot_rows<false>(xp, ldx, scratch.data(), K2, K, Out{nullptr, 0, nullptr, y, nullptr, ldy},
                   rows, ncols);
