@@ -15,7 +15,8 @@ from tokenmill.models.layers.linear_methods import PackedBf16LinearMethod, Unqua
 
 # Row counts cover the one-row kernel, the remainders of the 12-row micro-kernel,
 # the pre-widened path (24+ rows, K over one 256 chunk) and more than one 128-row
-# cache block; column counts cover partial 32-column blocks; K covers odd sizes.
+# cache block (200 x 300: a block's bf16 rows widened by both threads); column counts
+# cover partial 32-column blocks; K covers odd sizes.
 # (The fp32 kernel's K chunks of 256 are covered by k = 300 and 512.)
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
                                    (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
@@ -44,7 +45,8 @@ def test_linear_f32_matches_fp32_matmul(ops, m, n, k, bias):
 @pytest.mark.parametrize("m,n,k", [(1, 64, 32), (2, 37, 19), (3, 130, 48), (4, 8, 16),
                                    (5, 33, 100), (7, 31, 7), (8, 256, 512), (1, 3, 1),
                                    (9, 70, 20), (11, 40, 16), (13, 300, 64), (24, 65, 40),
-                                   (31, 96, 33), (35, 64, 300), (130, 47, 24), (300, 100, 8)])
+                                   (31, 96, 33), (35, 64, 300), (130, 47, 24), (300, 100, 8),
+                                   (200, 40, 300)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_matches_fp32_matmul(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)

@@ -270,32 +270,43 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
                     out.data_ptr<c10::BFloat16>());
     return out;
   }
-  // bf16 rows are widened here, without an ATen op (a decode step has 33 of these).
+  // bf16 rows are widened here, without an ATen op (a decode step has 33 of these), a
+  // row chunk at a time, into the calling thread's buffer of MC x K floats reused from
+  // call to call (a whole prefill-sized input widened into a fresh allocation by one
+  // thread page-faulted on every call).
   torch::Tensor xc = x.contiguous();
-  std::vector<float> xbuf;
-  const float* xp;
-  if (out_dtype == at::kFloat) {
-    xp = xc.data_ptr<float>();
-  } else {
-    xbuf.resize(M * K);
-    from_bf16(xc.data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
-    xp = xbuf.data();
-  }
+  thread_local std::vector<float> xbuf;
+  if (out_dtype != at::kFloat && static_cast<int64_t>(xbuf.size()) < std::min(M, MC) * K)
+    xbuf.resize(std::min(M, MC) * K);
   torch::Tensor out = torch::empty({M, N}, x.options());
   // fp32 results go straight to `out`; bf16 ones through a per-block fp32 tile.
   float* yp = out_dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
+    const float* xp;
+    if (out_dtype == at::kFloat) {
+      xp = xc.data_ptr<float>() + m0 * K;
+    } else {
+      const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>() + m0 * K;
+      float* dst = xbuf.data();
+      at::parallel_for(0, rows * K, 1 << 15, [&](int64_t i0, int64_t i1) {
+        from_bf16(xb + i0, dst + i0, i1 - i0);
+      });
+      xp = dst;
+    }
     at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> tile(yp == nullptr ? rows * NB : 0), scratch;
+      // (per thread, reused: the widened block of K = 1536 is 192 KB, past malloc's
+      // threshold for a fresh mapping)
+      thread_local std::vector<float> tile, scratch;
+      if (yp == nullptr && static_cast<int64_t>(tile.size()) < rows * NB) tile.resize(rows * NB);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
         const float* bias_b = bp != nullptr ? bp + n0 : nullptr;
         if (yp != nullptr) {
-          block_rows(xp + m0 * K, K, wp + b * K * NB, bias_b, yp + m0 * N + n0, N, rows, ncols,
+          block_rows(xp, K, wp + b * K * NB, bias_b, yp + m0 * N + n0, N, rows, ncols,
                      scratch);
         } else {
-          block_rows(xp + m0 * K, K, wp + b * K * NB, bias_b, tile.data(), NB, rows, ncols, scratch);
+          block_rows(xp, K, wp + b * K * NB, bias_b, tile.data(), NB, rows, ncols, scratch);
           auto* ob = out.data_ptr<c10::BFloat16>() + m0 * N + n0;
           for (int64_t r = 0; r < rows; ++r) to_bf16(tile.data() + r * NB, ob + r * N, ncols);
         }
