@@ -1116,20 +1116,25 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const int64_t M = x.size(0), K = p.K, G = p.G;
   // bf16 rows are widened here, without an ATen op (a decode step makes many calls).
   torch::Tensor xc = x.contiguous();
-  // (decode-sized rows reuse the thread's buffer: no allocation per call)
-  thread_local std::vector<float> xbuf_small;
+  // Into the calling thread's buffer, reused from call to call up to 16 MB (a decode
+  // step makes dozens of calls; 32 rows of K = 4096 in a fresh allocation page-faulted
+  // on every call), by every thread when there are many values.
+  thread_local std::vector<float> xbuf_kept;
   std::vector<float> xbuf_big;
-  std::vector<float>& xbuf = M * K <= (1 << 16) ? xbuf_small : xbuf_big;
+  std::vector<float>& xbuf = M * K <= (1 << 22) ? xbuf_kept : xbuf_big;
   const float* xp;
   if (out_dtype == at::kFloat) {
     xp = xc.data_ptr<float>();
   } else {
-    xbuf.resize(M * K);
+    if (static_cast<int64_t>(xbuf.size()) < M * K) xbuf.resize(M * K);
     const auto* xb = xc.data_ptr<c10::BFloat16>();
-    int64_t i = 0;
-    for (; i + Vec::W <= M * K; i += Vec::W) Vec::load(xb + i).store(xbuf.data() + i);
-    for (; i < M * K; ++i) xbuf[i] = static_cast<float>(xb[i]);
-    xp = xbuf.data();
+    float* dst = xbuf.data();
+    at::parallel_for(0, M * K, 1 << 15, [&](int64_t i0, int64_t i1) {
+      int64_t i = i0;
+      for (; i + Vec::W <= i1; i += Vec::W) Vec::load(xb + i).store(dst + i);
+      for (; i < i1; ++i) dst[i] = static_cast<float>(xb[i]);
+    });
+    xp = dst;
   }
   torch::Tensor bias_hold;
   const float* bp = nullptr;
@@ -1183,7 +1188,9 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     constexpr int BITS = decltype(bits_tag)::value;
     using S = decltype(scale_tag);
     at::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> tile(yp == nullptr ? M * NB : 0), scratch;
+      // (per thread, reused: a dequantized block of K = 4096 is 512 KB)
+      thread_local std::vector<float> tile, scratch;
+      if (yp == nullptr && static_cast<int64_t>(tile.size()) < M * NB) tile.resize(M * NB);
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = blk * NB, ncols = std::min(NB, N - n0);
         const QBlock<S> qb = p.block<S>(blk, BITS);
