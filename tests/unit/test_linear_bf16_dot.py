@@ -51,7 +51,7 @@ def test_lower_levels_do_not(ops):
 
 
 # Rows: the threshold (9), the 12-row micro-kernel's remainders and balanced groups
-# (13, 23), the in-register path's edge (24 / 25), more than one row chunk (129, 300
+# (13, 23), the in-register path's edge (40 / 41), more than one row chunk (129, 300
 # with short K; 200 with K = 1100: 192-row chunks of 512-k pieces). K odd (a padded
 # pair), not a multiple of 32, and long enough for K chunks (1100, 2049); N partial
 # 32-column blocks and a single block (split by rows over the threads). K = 1024 / 2048
@@ -59,8 +59,8 @@ def test_lower_levels_do_not(ops):
 @pytest.mark.parametrize("m,n,k", [(9, 70, 20), (13, 300, 63), (23, 33, 19), (24, 64, 100),
                                    (25, 47, 75), (31, 96, 33), (64, 1024, 512), (129, 47, 24),
                                    (300, 100, 9), (200, 65, 1100), (37, 20, 2049),
-                                   (48, 31, 1), (26, 130, 1536), (40, 2100, 70), (50, 40, 1024),
-                                   (27, 33, 2048)])
+                                   (48, 31, 1), (26, 130, 1536), (40, 2100, 70), (41, 70, 300),
+                                   (50, 40, 1024), (27, 33, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_float64_reference(ops, m, n, k, bias, threads):
