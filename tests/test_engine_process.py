@@ -101,6 +101,27 @@ def test_process_mode_abort_frees_everything(proc_llm):
                              use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_aborting_requests_whose_outputs_queued_up_leaves_nothing_unfinished(proc_llm):
+    """The core runs ahead: outputs of running requests wait in the client's queue when
+    they are aborted. Those outputs are stale: right after aborting everything nothing
+    is unfinished (a caller looping on has_unfinished_requests() stops), and stepping
+    hands nothing out for the aborted requests."""
+    engine = proc_llm.llm_engine
+    for i in range(2):
+        engine.add_request(f"queued{i}", PROMPTS[i], SamplingParams(
+            temperature=0, max_tokens=250, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while not engine.engine_core._outputs:  # a step's message waits, not handed out
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+        engine.engine_core.stats()
+    queued = [out for batch in engine.engine_core._outputs for out in batch]
+    assert queued and not any(out.finished for out in queued)
+    engine.abort_request(["queued0", "queued1"])
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
 def test_outputs_that_queued_up_come_one_core_step_at_a_time(proc_llm):
     """The core runs ahead of a busy front end: its steps' messages queue, and each
     step() hands out one of them, so a request never gets two entries in one output

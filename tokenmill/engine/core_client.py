@@ -346,7 +346,15 @@ class MPEngineCoreClient:
 
     # ---- state --------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._replica_of) or bool(self._outputs)
+        """A request still runs on a core, or a finished one's last output waits in the
+        queue for step(). Queued outputs of requests this side has already let go of
+        (aborted, finished by a stop string) are stale: they do not count, or a caller
+        that aborts everything would still see work until it stepped them away."""
+        if self._replica_of:
+            return True
+        # (a copy: list() of a deque is one C call, so another thread's step() cannot
+        # change it mid-iteration)
+        return any(out.finished for batch in list(self._outputs) for out in batch)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._replica_of
