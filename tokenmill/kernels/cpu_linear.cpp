@@ -215,6 +215,12 @@ inline void from_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
 
 }  // namespace
 
+void widen_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
+  at::parallel_for(0, n, 1 << 15, [&](int64_t i0, int64_t i1) {
+    from_bf16(src + i0, dst + i0, i1 - i0);
+  });
+}
+
 // One packed column block for `rows` rows, computed exactly as linear_bf16 computes
 // it for a cache block of that many rows (the greedy lm_head recomputes its
 // candidate blocks with this, so its logits are bit-identical). No bias.
@@ -287,12 +293,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
     if (out_dtype == at::kFloat) {
       xp = xc.data_ptr<float>() + m0 * K;
     } else {
-      const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>() + m0 * K;
-      float* dst = xbuf.data();
-      at::parallel_for(0, rows * K, 1 << 15, [&](int64_t i0, int64_t i1) {
-        from_bf16(xb + i0, dst + i0, i1 - i0);
-      });
-      xp = dst;
+      widen_bf16(xc.data_ptr<c10::BFloat16>() + m0 * K, xbuf.data(), rows * K);
+      xp = xbuf.data();
     }
     at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
       // (per thread, reused: the widened block of K = 1536 is 192 KB, past malloc's

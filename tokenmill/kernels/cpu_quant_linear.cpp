@@ -1127,14 +1127,8 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     xp = xc.data_ptr<float>();
   } else {
     if (static_cast<int64_t>(xbuf.size()) < M * K) xbuf.resize(M * K);
-    const auto* xb = xc.data_ptr<c10::BFloat16>();
-    float* dst = xbuf.data();
-    at::parallel_for(0, M * K, 1 << 15, [&](int64_t i0, int64_t i1) {
-      int64_t i = i0;
-      for (; i + Vec::W <= i1; i += Vec::W) Vec::load(xb + i).store(dst + i);
-      for (; i < i1; ++i) dst[i] = static_cast<float>(xb[i]);
-    });
-    xp = dst;
+    widen_bf16(xc.data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
+    xp = xbuf.data();
   }
   torch::Tensor bias_hold;
   const float* bp = nullptr;

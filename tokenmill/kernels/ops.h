@@ -48,6 +48,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
 // The same for fp32 weights: packed [ceil(N/32), K, 32] fp32, x fp32.
 torch::Tensor pack_f32_weight(torch::Tensor w);
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
+// src [n] bf16 -> dst [n] fp32 (cpu_linear.cpp), by every thread when n is large (a
+// linear's prefill-sized input), inline otherwise.
+void widen_bf16(const c10::BFloat16* src, float* dst, int64_t n);
 // One packed 32-column block for `rows` rows, exactly as linear_bf16 computes it (no bias);
 // `x_bf16`: x holds bf16 values (linear_bf16 was given bf16 x: its many-row path differs).
 void linear_bf16_block(const float* x, int64_t K, const uint16_t* wblock, float* y, int64_t ldy,
