@@ -395,7 +395,17 @@ QuadX quad_x_for(int64_t M, int64_t K, int64_t group, int64_t G) {
 // x [M, K] fp32 -> QuadX. K and the block bounds are multiples of 8.
 QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
   const QuadX q = quad_x_for(M, K, group, G);
-  QuadScratch& sc = quad_scratch();
+  // The scratch's pointers, taken once: read through the thread_local inside the loops,
+  // each access was a __tls_get_addr call (this module's TLS model), and with it a
+  // vzeroupper and the vectors spilled, per 16 values (~8% of a one-row int4 decode).
+  float* const scales = const_cast<float*>(q.scale);
+  int32_t* const xsums = const_cast<int32_t*>(q.xsum);
+#if defined(TM_QUANT_QUAD_VNNI)
+  auto* const hi_all = reinterpret_cast<int8_t*>(const_cast<int32_t*>(q.hi));
+  auto* const lo_all = reinterpret_cast<int8_t*>(const_cast<int32_t*>(q.lo));
+#else
+  int16_t* const x16_all = const_cast<int16_t*>(q.x16);
+#endif
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     __m512 vbad = _mm512_setzero_ps();  // x * 0: NaN where x is inf / NaN
@@ -424,17 +434,17 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
               _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv));
           vsum = _mm512_add_epi32(vsum, xq);  // (masked lanes: 0)
 #if defined(TM_QUANT_QUAD_VNNI)
-          auto* hi = reinterpret_cast<int8_t*>(sc.hi.data() + m * q.nq);
-          auto* lo = reinterpret_cast<int8_t*>(sc.lo.data() + m * q.nq);
+          int8_t* hi = hi_all + m * q.nq * 4;
+          int8_t* lo = lo_all + m * q.nq * 4;
           _mm_mask_storeu_epi8(hi + k, mk, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xq, 7)));
           _mm_mask_storeu_epi8(lo + k, mk, _mm512_cvtepi32_epi8(
               _mm512_and_si512(xq, _mm512_set1_epi32(127))));
 #else
-          _mm256_mask_storeu_epi16(sc.x16.data() + m * K + k, mk, _mm512_cvtepi32_epi16(xq));
+          _mm256_mask_storeu_epi16(x16_all + m * K + k, mk, _mm512_cvtepi32_epi16(xq));
 #endif
         }
-        sc.scale[q.at(m, g, j)] = scale;
-        sc.xsum[q.at(m, g, j)] = _mm512_reduce_add_epi32(vsum);
+        scales[q.at(m, g, j)] = scale;
+        xsums[q.at(m, g, j)] = _mm512_reduce_add_epi32(vsum);
       }
     }
   }
@@ -443,7 +453,9 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
 #else  // AVX2: the same values, 8 k at a time (blocks are multiples of 8)
 QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
   const QuadX q = quad_x_for(M, K, group, G);
-  QuadScratch& sc = quad_scratch();
+  float* const scales = const_cast<float*>(q.scale);  // (taken once: see above)
+  int32_t* const xsums = const_cast<int32_t*>(q.xsum);
+  int16_t* const x16_all = const_cast<int16_t*>(q.x16);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
@@ -467,15 +479,15 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
           vsum = _mm256_add_epi32(vsum, xq);
           // 8 dwords -> 8 words (pack within lanes, then lanes 0 and 2; |xq| <= 16383)
           const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(xq, xq), 0x08);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(sc.x16.data() + m * K + k),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(x16_all + m * K + k),
                            _mm256_castsi256_si128(w));
         }
         alignas(32) uint32_t lanes8[8];  // (unsigned: a NaN row's sums wrap, harmlessly)
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes8), vsum);
         uint32_t isum = 0;
         for (int i = 0; i < 8; ++i) isum += lanes8[i];
-        sc.scale[q.at(m, g, j)] = scale;
-        sc.xsum[q.at(m, g, j)] = static_cast<int32_t>(isum);
+        scales[q.at(m, g, j)] = scale;
+        xsums[q.at(m, g, j)] = static_cast<int32_t>(isum);
       }
     }
   }
