@@ -6,6 +6,12 @@ row count where the two quantized columns cross on the machines measured.
 
     .venv/bin/python -m tokenmill.bench.quant_rows
     .venv/bin/python -m tokenmill.bench.quant_rows --shapes 4096x4096 --rows 8,16,32,64
+    .venv/bin/python -m tokenmill.bench.quant_rows --layers 8 --formats int4-g32 \
+        --shapes 1024x512,512x512,3072x512,512x1536
+
+--layers L: instead, one row through L distinct copies of the shapes in order (as a
+decode step streams its layers' weights, most of them from memory), timed as a whole:
+ms per pass and the packed bytes read over that time.
 
 Weights are random codes (the speed does not depend on their values); inputs are in
 --dtype (bf16 on a CPU with native bf16, where the tiles are dequantized straight to
@@ -31,6 +37,36 @@ def random_quantized_weight(n: int, k: int, bits: int, group: int, gen):
                            torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
                            bits, group)
 
+def parse_format(fmt: str) -> tuple[int, int | None]:
+    """'int8' (per channel), 'int4-g128', 'int8-g32' -> (bits, group or None)."""
+    bits = 4 if fmt.startswith("int4") else 8
+    return bits, (int(fmt.split("-g")[1]) if "-g" in fmt else None)
+
+
+def stream_layers(ops, fmt: str, shapes, layers: int, dtype, gen, timed):
+    """One row through `layers` distinct copies of `shapes` (the kernel's own layout,
+    the quad one where this CPU's kernels have it) -> (ms per pass, packed MB)."""
+    import torch
+
+    from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
+    bits, group = parse_format(fmt)
+    linears = []
+    for _ in range(layers):
+        for n, k in shapes:
+            qw = random_quantized_weight(n, k, bits, group or k, gen)
+            packed = PackedQuantizedWeight(ops, qw, quad=True)
+            linears.append((packed, k))
+    nbytes = sum(t.numel() * t.element_size() for packed, _ in linears
+                 for t in (packed.codes, packed.scales, packed.zeros))
+    xs = {k: torch.randn(1, k, generator=gen).to(dtype) for _, k in shapes}
+
+    def one_pass():
+        for packed, k in linears:
+            packed.linear(xs[k], None, 1 << 30, None)
+    with torch.inference_mode():
+        return timed(one_pass), nbytes / 1e6
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -51,7 +87,11 @@ def main(argv=None) -> int:
                    help="comma list of int8 (per channel), int4-gGROUP, int8-gGROUP")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--min-run-time", type=float, default=0.4)
+    p.add_argument("--layers", type=int, default=0,
+                   help="time one row through this many copies of the shapes instead")
     args = p.parse_args(argv)
+    if args.layers < 0:
+        p.error(f"--layers must be >= 0, got {args.layers}")
 
     import torch
     from torch.utils import benchmark
@@ -73,13 +113,20 @@ def main(argv=None) -> int:
           + (" / quad-layout kernel" if getattr(ops, "has_quant_quad", False) else ""))
 
     def timed(fn) -> float:
-        return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(
+        # (num_threads: the Timer runs on one thread unless told, whatever torch's count)
+        return benchmark.Timer("fn()", globals={"fn": fn},
+                               num_threads=torch.get_num_threads()).blocked_autorange(
             min_run_time=args.min_run_time).median * 1e3
 
     gen = torch.Generator().manual_seed(0)
+    if args.layers:
+        for fmt in args.formats.split(","):
+            ms, mb = stream_layers(ops, fmt, args.shapes, args.layers, dtype, gen, timed)
+            print(f"{fmt} one row through {args.layers} x {len(args.shapes)} linears: "
+                  f"{ms:.3f} ms, {mb:.2f} MB packed, {mb / ms:.1f} GB/s", flush=True)
+        return 0
     for fmt in args.formats.split(","):
-        bits = 4 if fmt.startswith("int4") else 8
-        group = int(fmt.split("-g")[1]) if "-g" in fmt else None
+        bits, group = parse_format(fmt)
         for n, k in args.shapes:
             qw = random_quantized_weight(n, k, bits, group or k, gen)
             packed = PackedQuantizedWeight(ops, qw)
