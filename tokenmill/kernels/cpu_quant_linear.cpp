@@ -397,7 +397,7 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
   const QuadX q = quad_x_for(M, K, group, G);
   // The scratch's pointers, taken once: read through the thread_local inside the loops,
   // each access was a __tls_get_addr call (this module's TLS model), and with it a
-  // vzeroupper and the vectors spilled, per 16 values (~8% of a one-row int4 decode).
+  // vzeroupper and the vectors spilled, per 16 values (one row, K 4096: 8.9 -> 7.8 us).
   float* const scales = const_cast<float*>(q.scale);
   int32_t* const xsums = const_cast<int32_t*>(q.xsum);
 #if defined(TM_QUANT_QUAD_VNNI)
