@@ -37,6 +37,7 @@ def random_quantized_weight(n: int, k: int, bits: int, group: int, gen):
                            torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8),
                            bits, group)
 
+
 def parse_format(fmt: str) -> tuple[int, int | None]:
     """'int8' (per channel), 'int4-g128', 'int8-g32' -> (bits, group or None)."""
     bits = 4 if fmt.startswith("int4") else 8
@@ -44,8 +45,9 @@ def parse_format(fmt: str) -> tuple[int, int | None]:
 
 
 def stream_layers(ops, fmt: str, shapes, layers: int, dtype, gen, timed):
-    """One row through `layers` distinct copies of `shapes` (the kernel's own layout,
-    the quad one where this CPU's kernels have it) -> (ms per pass, packed MB)."""
+    """One row through `layers` distinct copies of `shapes`, in the layout a model of
+    `dtype` keeps (bf16: the quad one where this CPU's kernels have it; fp32 models keep
+    the exact widening kernels) -> (ms per pass, packed MB)."""
     import torch
 
     from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
@@ -54,7 +56,7 @@ def stream_layers(ops, fmt: str, shapes, layers: int, dtype, gen, timed):
     for _ in range(layers):
         for n, k in shapes:
             qw = random_quantized_weight(n, k, bits, group or k, gen)
-            packed = PackedQuantizedWeight(ops, qw, quad=True)
+            packed = PackedQuantizedWeight(ops, qw, quad=dtype == torch.bfloat16)
             linears.append((packed, k))
     nbytes = sum(t.numel() * t.element_size() for packed, _ in linears
                  for t in (packed.codes, packed.scales, packed.zeros))
