@@ -66,3 +66,22 @@ def test_quant_rows_refuses_negative_layers():
     from tokenmill.bench.quant_rows import main
     with pytest.raises(SystemExit):
         main(["--layers", "-1"])
+
+
+@pytest.mark.parametrize("dtype,quad", [(torch.bfloat16, True), (torch.float32, False)])
+def test_quant_rows_layers_keep_the_models_layout(monkeypatch, dtype, quad):
+    """--layers packs as a model of --dtype does: the quad layout for bf16 models only."""
+    needs_kernels()
+    from tokenmill.bench import quant_rows
+    from tokenmill.models.layers.linear_methods import quantized_cpu
+    asked = []
+    real = quantized_cpu.PackedQuantizedWeight
+
+    def spy(ops, qw, **kwargs):
+        asked.append(kwargs.get("quad", False))
+        return real(ops, qw, **kwargs)
+    monkeypatch.setattr(quantized_cpu, "PackedQuantizedWeight", spy)
+    gen = torch.Generator().manual_seed(0)
+    ms, mb = quant_rows.stream_layers(kernels.cpu_ops(), "int4-g32", [(64, 64)], 2, dtype, gen,
+                                      lambda fn: (fn(), 1.0)[1])
+    assert asked == [quad, quad] and ms == 1.0 and mb > 0
