@@ -398,13 +398,14 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
   // The scratch's pointers, taken once: read through the thread_local inside the loops,
   // each access was a __tls_get_addr call (this module's TLS model), and with it a
   // vzeroupper and the vectors spilled, per 16 values (one row, K 4096: 8.9 -> 7.8 us).
-  float* const scales = const_cast<float*>(q.scale);
-  int32_t* const xsums = const_cast<int32_t*>(q.xsum);
+  QuadScratch& sc = quad_scratch();
+  float* const scales = sc.scale.data();
+  int32_t* const xsums = sc.xsum.data();
 #if defined(TM_QUANT_QUAD_VNNI)
-  auto* const hi_all = reinterpret_cast<int8_t*>(const_cast<int32_t*>(q.hi));
-  auto* const lo_all = reinterpret_cast<int8_t*>(const_cast<int32_t*>(q.lo));
+  auto* const hi_all = reinterpret_cast<int8_t*>(sc.hi.data());
+  auto* const lo_all = reinterpret_cast<int8_t*>(sc.lo.data());
 #else
-  int16_t* const x16_all = const_cast<int16_t*>(q.x16);
+  int16_t* const x16_all = sc.x16.data();
 #endif
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
@@ -453,9 +454,10 @@ QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G)
 #else  // AVX2: the same values, 8 k at a time (blocks are multiples of 8)
 QuadX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t G) {
   const QuadX q = quad_x_for(M, K, group, G);
-  float* const scales = const_cast<float*>(q.scale);  // (taken once: see above)
-  int32_t* const xsums = const_cast<int32_t*>(q.xsum);
-  int16_t* const x16_all = const_cast<int16_t*>(q.x16);
+  QuadScratch& sc = quad_scratch();  // (its pointers taken once: see above)
+  float* const scales = sc.scale.data();
+  int32_t* const xsums = sc.xsum.data();
+  int16_t* const x16_all = sc.x16.data();
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
