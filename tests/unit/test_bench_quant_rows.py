@@ -85,3 +85,16 @@ def test_quant_rows_layers_keep_the_models_layout(monkeypatch, dtype, quad):
     ms, mb = quant_rows.stream_layers(kernels.cpu_ops(), "int4-g32", [(64, 64)], 2, dtype, gen,
                                       lambda fn: (fn(), 1.0)[1])
     assert asked == [quad, quad] and ms == 1.0 and mb > 0
+
+
+def test_quant_rows_formats_parsed_or_refused_by_name(capsys):
+    from tokenmill.bench.quant_rows import main, parse_format
+    assert parse_format("int8") == (8, None)
+    assert parse_format("int4-g128") == (4, 128)
+    assert parse_format("int8-g32") == (8, 32)
+    for bad in ("fp8", "int3", "int4-g0", "int4-gx", "int8-g"):
+        with pytest.raises(ValueError, match="--formats"):
+            parse_format(bad)
+    with pytest.raises(SystemExit):  # refused before any weight is made
+        main(["--formats", "int8,fp8"])
+    assert "'fp8' is not int8" in capsys.readouterr().err

@@ -20,6 +20,7 @@ bf16). Medians of torch.utils.benchmark, ms per call, at the torch thread count.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -39,9 +40,12 @@ def random_quantized_weight(n: int, k: int, bits: int, group: int, gen):
 
 
 def parse_format(fmt: str) -> tuple[int, int | None]:
-    """'int8' (per channel), 'int4-g128', 'int8-g32' -> (bits, group or None)."""
-    bits = 4 if fmt.startswith("int4") else 8
-    return bits, (int(fmt.split("-g")[1]) if "-g" in fmt else None)
+    """'int8' (per channel), 'int4-g128', 'int8-g32' -> (bits, group or None); any other
+    name is refused (it would otherwise be timed as something it is not)."""
+    m = re.fullmatch(r"int([48])(?:-g([1-9][0-9]*))?", fmt)
+    if m is None:
+        raise ValueError(f"--formats: {fmt!r} is not int8, int4, int8-gGROUP or int4-gGROUP")
+    return int(m.group(1)), (int(m.group(2)) if m.group(2) else None)
 
 
 def stream_layers(ops, fmt: str, shapes, layers: int, dtype, gen, timed):
@@ -94,6 +98,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.layers < 0:
         p.error(f"--layers must be >= 0, got {args.layers}")
+    try:
+        for fmt in args.formats.split(","):
+            parse_format(fmt)
+    except ValueError as e:
+        p.error(str(e))
 
     import torch
     from torch.utils import benchmark
