@@ -4,6 +4,7 @@
 #include <torch/python.h>  // pybind11 and its Tensor casters, without the C++ frontend
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -81,6 +82,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("kv_scales") = std::vector<double>{},
         pybind11::arg("taps") = pybind11::none(),
         pybind11::arg("tap_layers") = std::vector<int64_t>{});
+  m.def("set_teams", &tmpar::set_teams,
+        "one parallel region per decode_layers call (True, the default) or a region per "
+        "loop (False); returns the previous setting", pybind11::arg("on"));
+  m.def("team_loops", &tmpar::team_loops, "parallel loops handed to a team so far (tests)");
   m.def("gemma_decode_layers", &gemma_decode_layers,
         "all decoder layers of a Gemma 3 model for a decode-only step, in one call");
   m.def("gemma4_decode_layers", &gemma4_decode_layers,

@@ -9,6 +9,7 @@
 // stays in Python, which also decides when this path applies
 // (tokenmill/models/layers/decode_layers.py).
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -90,30 +91,34 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     const torch::Tensor in = lin[PERM].numel() > 0 ? v.index_select(1, lin[PERM]) : v;
     return linear_quant(in, lin[W], lin[SCALES], lin[ZEROS], n, bits, bits_group[1], lin[BIAS]);
   };
-  for (size_t l = 0; l < num_layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
-    const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;
-    for (int64_t j = 0; j < num_taps; ++j)
-      if (tap_layers[j] == static_cast<int64_t>(l)) taps->narrow(1, j * hidden, hidden).copy_(x);
-    // Attention block: DecoderLayer.input_layernorm, Attention.forward.
-    torch::Tensor h = norm(x, w[INPUT_NORM]);
-    torch::Tensor qkv = linear(h, w + QKV, q_size + 2 * kv_size, lq + 2 * Q_QKV);
-    torch::Tensor q = qk_norm_rope(qkv, w[Q_NORM], w[K_NORM], cos, sin, hq, hkv, d, rd,
-                                   w[Q_NORM].numel() > 0 ? eps : 0.0);
-    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, hkv, d});
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, hkv, d});
-    // PagedAttention.forward, decode-only (CpuNativeAttentionImpl's calls).
-    const double ks = kv_scales.empty() ? 1.0 : kv_scales[2 * l],
-                 vs = kv_scales.empty() ? 1.0 : kv_scales[2 * l + 1];
-    kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset, ks, vs);
-    torch::Tensor attn = paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens,
-                                      scale, window, 0.0, ks, vs)
-                             .view({t, -1});
-    torch::Tensor o = linear(attn, w + O_PROJ, hidden, lq + 2 * Q_O);
-    // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
-    h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);
-    torch::Tensor act = silu_mul(linear(h, w + GATE_UP, 2 * inter, lq + 2 * Q_GATE_UP));
-    x.add_(linear(act, w + DOWN, hidden, lq + 2 * Q_DOWN));
-  }
+  // One parallel region for every layer: the linears' and attention's loops are handed
+  // to its waiting threads (parallel.h) instead of each forking its own.
+  tmpar::with_team([&] {
+    for (size_t l = 0; l < num_layers; ++l) {
+      const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
+      const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;
+      for (int64_t j = 0; j < num_taps; ++j)
+        if (tap_layers[j] == static_cast<int64_t>(l)) taps->narrow(1, j * hidden, hidden).copy_(x);
+      // Attention block: DecoderLayer.input_layernorm, Attention.forward.
+      torch::Tensor h = norm(x, w[INPUT_NORM]);
+      torch::Tensor qkv = linear(h, w + QKV, q_size + 2 * kv_size, lq + 2 * Q_QKV);
+      torch::Tensor q = qk_norm_rope(qkv, w[Q_NORM], w[K_NORM], cos, sin, hq, hkv, d, rd,
+                                     w[Q_NORM].numel() > 0 ? eps : 0.0);
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, hkv, d});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, hkv, d});
+      // PagedAttention.forward, decode-only (CpuNativeAttentionImpl's calls).
+      const double ks = kv_scales.empty() ? 1.0 : kv_scales[2 * l],
+                   vs = kv_scales.empty() ? 1.0 : kv_scales[2 * l + 1];
+      kv_cache_write(w[KV_CACHE], k, v, slot_block, slot_offset, ks, vs);
+      torch::Tensor attn = paged_decode(q.contiguous(), w[KV_CACHE], block_table, seq_lens,
+                                        scale, window, 0.0, ks, vs)
+                               .view({t, -1});
+      torch::Tensor o = linear(attn, w + O_PROJ, hidden, lq + 2 * Q_O);
+      // MLP block: post_attention_layernorm.add_forward, GatedMLP.forward, the residual add.
+      h = f32 ? norm(x.add_(o), w[POST_NORM]) : add_rms_norm_(x, o, w[POST_NORM], eps);
+      torch::Tensor act = silu_mul(linear(h, w + GATE_UP, 2 * inter, lq + 2 * Q_GATE_UP));
+      x.add_(linear(act, w + DOWN, hidden, lq + 2 * Q_DOWN));
+    }
+  });
   return x;
 }

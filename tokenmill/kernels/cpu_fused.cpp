@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 #include "vec_fp8.h"
 
@@ -161,7 +162,7 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
     // Decode rows are few and long: split each row into chunks of whole vectors.
     constexpr int64_t kChunk = 1024;
     const int64_t per_row = (I + kChunk - 1) / kChunk;
-    at::parallel_for(0, T * per_row, 1, [&](int64_t j0, int64_t j1) {
+    tmpar::parallel_for(0, T * per_row, 1, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t t = j / per_row, c0 = j % per_row * kChunk;
         const int64_t n = std::min(kChunk, I - c0);

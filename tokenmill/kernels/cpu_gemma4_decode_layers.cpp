@@ -13,6 +13,7 @@
 // branch follows the MLP, and the layer's output is scaled by its layer_scalar.
 // MoE layers are not here: such models keep their Python layers.
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -65,51 +66,54 @@ torch::Tensor gemma4_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
     return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
   };
   const torch::Tensor none;
-  for (size_t l = 0; l < num_layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
-    const int64_t* info = layer_info.data() + l * NUM_INFO;
-    const int64_t hkv = info[KV_HEADS], d = info[HEAD_DIM], inter = info[INTER];
-    const bool k_eq_v = info[K_EQ_V] != 0, shared = info[SHARED] != 0;
-    TORCH_CHECK(4 * info[GROUP] + 3 < static_cast<int64_t>(tables.size()) &&
-                    2 * info[KIND] + 1 < static_cast<int64_t>(ropes.size()),
-                "gemma4_decode_layers: layer ", l, " names a missing table or rope");
-    TORCH_CHECK(!info[PLE] || (per_layer.dim() == 3 && per_layer.size(1) ==
-                               static_cast<int64_t>(num_layers)),
-                "gemma4_decode_layers: per_layer must be [T, num_layers, P]");
-    const torch::Tensor& cos = ropes[2 * info[KIND]];
-    const torch::Tensor& sin = ropes[2 * info[KIND] + 1];
-    const torch::Tensor* tab = tables.data() + 4 * info[GROUP];
-    const int64_t q_size = hq * d, k_size = shared ? 0 : hkv * d;
-    const int64_t v_size = k_eq_v ? 0 : k_size;
-    // Gemma4Attention.forward
-    torch::Tensor h = norm(x, w[INPUT_NORM]);
-    torch::Tensor qkv = linear(h, w[QKV], q_size + k_size + v_size, w[QKV_BIAS]);
-    torch::Tensor q = rope(norm(qkv.narrow(1, 0, q_size).reshape({t, hq, d}), w[Q_NORM]),
-                           cos, sin);
-    if (!shared) {  // (a shared layer's source wrote this step's K/V already)
-      torch::Tensor k = qkv.narrow(1, q_size, k_size);
-      torch::Tensor v = k_eq_v ? k : qkv.narrow(1, q_size + k_size, v_size);
-      v = norm(v.reshape({t, hkv, d}), none);
-      k = rope(norm(k.reshape({t, hkv, d}), w[K_NORM]), cos, sin);
-      kv_cache_write(w[KV_CACHE], k, v, tab[0], tab[1]);
+  // One parallel region for every layer (parallel.h), as decode_layers.
+  tmpar::with_team([&] {
+    for (size_t l = 0; l < num_layers; ++l) {
+      const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
+      const int64_t* info = layer_info.data() + l * NUM_INFO;
+      const int64_t hkv = info[KV_HEADS], d = info[HEAD_DIM], inter = info[INTER];
+      const bool k_eq_v = info[K_EQ_V] != 0, shared = info[SHARED] != 0;
+      TORCH_CHECK(4 * info[GROUP] + 3 < static_cast<int64_t>(tables.size()) &&
+                      2 * info[KIND] + 1 < static_cast<int64_t>(ropes.size()),
+                  "gemma4_decode_layers: layer ", l, " names a missing table or rope");
+      TORCH_CHECK(!info[PLE] || (per_layer.dim() == 3 && per_layer.size(1) ==
+                                 static_cast<int64_t>(num_layers)),
+                  "gemma4_decode_layers: per_layer must be [T, num_layers, P]");
+      const torch::Tensor& cos = ropes[2 * info[KIND]];
+      const torch::Tensor& sin = ropes[2 * info[KIND] + 1];
+      const torch::Tensor* tab = tables.data() + 4 * info[GROUP];
+      const int64_t q_size = hq * d, k_size = shared ? 0 : hkv * d;
+      const int64_t v_size = k_eq_v ? 0 : k_size;
+      // Gemma4Attention.forward
+      torch::Tensor h = norm(x, w[INPUT_NORM]);
+      torch::Tensor qkv = linear(h, w[QKV], q_size + k_size + v_size, w[QKV_BIAS]);
+      torch::Tensor q = rope(norm(qkv.narrow(1, 0, q_size).reshape({t, hq, d}), w[Q_NORM]),
+                             cos, sin);
+      if (!shared) {  // (a shared layer's source wrote this step's K/V already)
+        torch::Tensor k = qkv.narrow(1, q_size, k_size);
+        torch::Tensor v = k_eq_v ? k : qkv.narrow(1, q_size + k_size, v_size);
+        v = norm(v.reshape({t, hkv, d}), none);
+        k = rope(norm(k.reshape({t, hkv, d}), w[K_NORM]), cos, sin);
+        kv_cache_write(w[KV_CACHE], k, v, tab[0], tab[1]);
+      }
+      torch::Tensor attn =
+          paged_decode(q.contiguous(), w[KV_CACHE], tab[2], tab[3], 1.0, info[WINDOW], 0.0)
+              .view({t, -1});
+      torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
+      // Gemma4DecoderLayer.forward: the dense MLP between its norms, the per-layer input
+      // branch, the layer scalar.
+      x.add_(norm(o, w[POST_ATTN_NORM]));
+      h = norm(x, w[PRE_FF_NORM]);
+      torch::Tensor act = gelu_tanh_mul(linear(h, w[GATE_UP], 2 * inter, none));
+      x.add_(norm(linear(act, w[DOWN], hidden, none), w[POST_FF_NORM]));
+      if (info[PLE]) {
+        const int64_t p = per_layer.size(2);
+        torch::Tensor g = at::gelu(linear(x, w[PLE_GATE], p, none), "tanh") *
+                          per_layer.select(1, static_cast<int64_t>(l));
+        x.add_(norm(linear(g, w[PLE_PROJ], hidden, none), w[PLE_NORM]));
+      }
+      x.mul_(w[LAYER_SCALAR]);
     }
-    torch::Tensor attn =
-        paged_decode(q.contiguous(), w[KV_CACHE], tab[2], tab[3], 1.0, info[WINDOW], 0.0)
-            .view({t, -1});
-    torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
-    // Gemma4DecoderLayer.forward: the dense MLP between its norms, the per-layer input
-    // branch, the layer scalar.
-    x.add_(norm(o, w[POST_ATTN_NORM]));
-    h = norm(x, w[PRE_FF_NORM]);
-    torch::Tensor act = gelu_tanh_mul(linear(h, w[GATE_UP], 2 * inter, none));
-    x.add_(norm(linear(act, w[DOWN], hidden, none), w[POST_FF_NORM]));
-    if (info[PLE]) {
-      const int64_t p = per_layer.size(2);
-      torch::Tensor g = at::gelu(linear(x, w[PLE_GATE], p, none), "tanh") *
-                        per_layer.select(1, static_cast<int64_t>(l));
-      x.add_(norm(linear(g, w[PLE_PROJ], hidden, none), w[PLE_NORM]));
-    }
-    x.mul_(w[LAYER_SCALAR]);
-  }
+  });
   return x;
 }

@@ -10,6 +10,7 @@
 // +1 folded in at load (`w1`, fp32), rounded once; four norms per layer (after
 // attention, around the MLP); gelu-tanh MLP; optional attention soft-capping.
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -56,37 +57,40 @@ torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> we
     return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
   };
   const torch::Tensor none;
-  for (size_t l = 0; l < num_layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
-    const int64_t group = layer_info[kInfo * l], kind = layer_info[kInfo * l + 1],
-                  window = layer_info[kInfo * l + 2];
-    TORCH_CHECK(4 * group + 3 < static_cast<int64_t>(tables.size()) &&
-                    2 * kind + 1 < static_cast<int64_t>(ropes.size()),
-                "gemma_decode_layers: layer ", l, " names a missing table or rope");
-    const torch::Tensor& cos = ropes[2 * kind];
-    const torch::Tensor& sin = ropes[2 * kind + 1];
-    const torch::Tensor* tab = tables.data() + 4 * group;
-    // Gemma3Attention.forward: q/k Gemma norms per head, written back, then rope.
-    torch::Tensor h = norm(x, w[INPUT_NORM]);
-    torch::Tensor qkv = linear(h, w[QKV], q_size + 2 * kv_size, w[QKV_BIAS]);
-    torch::Tensor qv = qkv.narrow(1, 0, q_size);
-    torch::Tensor kv = qkv.narrow(1, q_size, kv_size);
-    qv.copy_(norm(qv.reshape({t, hq, d}), w[Q_NORM]).view({t, q_size}));
-    kv.copy_(norm(kv.reshape({t, hkv, d}), w[K_NORM]).view({t, kv_size}));
-    torch::Tensor q = qk_norm_rope(qkv, none, none, cos, sin, hq, hkv, d, d, 0.0);
-    torch::Tensor k = kv.view({t, hkv, d});
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, hkv, d});
-    // PagedAttention.forward, decode-only, on the layer's group.
-    kv_cache_write(w[KV_CACHE], k, v, tab[0], tab[1]);
-    torch::Tensor attn =
-        paged_decode(q.contiguous(), w[KV_CACHE], tab[2], tab[3], scale, window, softcap)
-            .view({t, -1});
-    torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
-    // Gemma3DecoderLayer.forward: x + post_attn(o), then the MLP between its norms.
-    x.add_(norm(o, w[POST_ATTN_NORM]));
-    h = norm(x, w[PRE_FF_NORM]);
-    torch::Tensor act = gelu_tanh_mul(linear(h, w[GATE_UP], 2 * inter, none));
-    x.add_(norm(linear(act, w[DOWN], hidden, none), w[POST_FF_NORM]));
-  }
+  // One parallel region for every layer (parallel.h), as decode_layers.
+  tmpar::with_team([&] {
+    for (size_t l = 0; l < num_layers; ++l) {
+      const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
+      const int64_t group = layer_info[kInfo * l], kind = layer_info[kInfo * l + 1],
+                    window = layer_info[kInfo * l + 2];
+      TORCH_CHECK(4 * group + 3 < static_cast<int64_t>(tables.size()) &&
+                      2 * kind + 1 < static_cast<int64_t>(ropes.size()),
+                  "gemma_decode_layers: layer ", l, " names a missing table or rope");
+      const torch::Tensor& cos = ropes[2 * kind];
+      const torch::Tensor& sin = ropes[2 * kind + 1];
+      const torch::Tensor* tab = tables.data() + 4 * group;
+      // Gemma3Attention.forward: q/k Gemma norms per head, written back, then rope.
+      torch::Tensor h = norm(x, w[INPUT_NORM]);
+      torch::Tensor qkv = linear(h, w[QKV], q_size + 2 * kv_size, w[QKV_BIAS]);
+      torch::Tensor qv = qkv.narrow(1, 0, q_size);
+      torch::Tensor kv = qkv.narrow(1, q_size, kv_size);
+      qv.copy_(norm(qv.reshape({t, hq, d}), w[Q_NORM]).view({t, q_size}));
+      kv.copy_(norm(kv.reshape({t, hkv, d}), w[K_NORM]).view({t, kv_size}));
+      torch::Tensor q = qk_norm_rope(qkv, none, none, cos, sin, hq, hkv, d, d, 0.0);
+      torch::Tensor k = kv.view({t, hkv, d});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, hkv, d});
+      // PagedAttention.forward, decode-only, on the layer's group.
+      kv_cache_write(w[KV_CACHE], k, v, tab[0], tab[1]);
+      torch::Tensor attn =
+          paged_decode(q.contiguous(), w[KV_CACHE], tab[2], tab[3], scale, window, softcap)
+              .view({t, -1});
+      torch::Tensor o = linear(attn, w[O_PROJ], hidden, w[O_BIAS]);
+      // Gemma3DecoderLayer.forward: x + post_attn(o), then the MLP between its norms.
+      x.add_(norm(o, w[POST_ATTN_NORM]));
+      h = norm(x, w[PRE_FF_NORM]);
+      torch::Tensor act = gelu_tanh_mul(linear(h, w[GATE_UP], 2 * inter, none));
+      x.add_(norm(linear(act, w[DOWN], hidden, none), w[POST_FF_NORM]));
+    }
+  });
   return x;
 }

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -296,7 +297,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torc
       widen_bf16(xc.data_ptr<c10::BFloat16>() + m0 * K, xbuf.data(), rows * K);
       xp = xbuf.data();
     }
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    tmpar::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
       // (per thread, reused: the widened block of K = 1536 is 192 KB, past malloc's
       // threshold for a fresh mapping)
       thread_local std::vector<float> tile, scratch;
@@ -348,7 +349,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, torch
   const float* wp = packed.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t rows = std::min(MC, M - m0);
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    tmpar::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
         block_rows_f32(xp + m0 * K, K, wp + b * K * NB, bp != nullptr ? bp + n0 : nullptr,

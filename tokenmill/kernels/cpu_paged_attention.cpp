@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 #include "vec_fp8.h"
 
@@ -539,7 +540,7 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
   constexpr bool pairs_type = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
                               std::is_same_v<C, c10::BFloat16>;
   const bool pairs = pairs_type && d % 32 == 0;
-  at::parallel_for(0, nd * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
+  tmpar::parallel_for(0, nd * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(pairs ? 0 : width), acc(pairs ? 0 : width), scores;
     PairScratch pw;
     for (int64_t job = begin; job < end; ++job) {

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 #include "vec_fp8.h"
 #include "vec_int.h"
@@ -788,10 +789,15 @@ void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, T* 
 
 // Column blocks per thread at least (at::parallel_for's grain): a split whose share is
 // under kQuadMinSplitWeights weights x rows costs more in fork and join than it saves
-// (measured: one 512 x 512 int4 row took longer on two threads than on one).
+// (measured: one 512 x 512 int4 row took longer on two threads than on one). Inside a
+// team (parallel.h) a split costs a tenth as much: TEAM_SPLIT_WEIGHTS there.
 constexpr int64_t kQuadMinSplitWeights = 256 * 1024;
+#ifndef TEAM_SPLIT_WEIGHTS
+#define TEAM_SPLIT_WEIGHTS (32 * 1024)
+#endif
 inline int64_t quad_grain(int64_t K, int64_t rows) {
-  return std::max<int64_t>(1, (kQuadMinSplitWeights + K * NB * rows - 1) / (K * NB * rows));
+  const int64_t least = tmpar::team_size() > 0 ? TEAM_SPLIT_WEIGHTS : kQuadMinSplitWeights;
+  return std::max<int64_t>(1, (least + K * NB * rows - 1) / (K * NB * rows));
 }
 
 // W dwords of the quad layout from p (W columns of one line), byte / nibble `shift / 4`
@@ -1162,7 +1168,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
       using S = decltype(scale_tag);
       if constexpr (BITS != kQuantE4m3) {
         auto run = [&](auto* yp) {  // fp32 or bf16 outputs, written in place
-          at::parallel_for(0, p.nblocks, grain, [&](int64_t b0, int64_t b1) {
+          tmpar::parallel_for(0, p.nblocks, grain, [&](int64_t b0, int64_t b1) {
             for (int64_t blk = b0; blk < b1; ++blk) {
               const int64_t n0 = blk * NB;
               quad_block_rows<BITS>(xq, p.block<S>(blk, BITS),
@@ -1195,7 +1201,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   dispatch(bits, scales.scalar_type(), [&](auto bits_tag, auto scale_tag) {
     constexpr int BITS = decltype(bits_tag)::value;
     using S = decltype(scale_tag);
-    at::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
+    tmpar::parallel_for(0, p.nblocks, 1, [&](int64_t b0, int64_t b1) {
       // (per thread, reused: a dequantized block of K = 4096 is 512 KB)
       thread_local std::vector<float> tile, scratch;
       if (yp == nullptr && static_cast<int64_t>(tile.size()) < M * NB) tile.resize(M * NB);
