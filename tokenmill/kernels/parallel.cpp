@@ -2,6 +2,7 @@
 // wait, spinning, for the caller's loops.
 #include "parallel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <thread>
@@ -128,7 +129,11 @@ void run_team(void (*body)(void*), void* ctx) {
       serve(t, tid);
       return;
     }
-    t.size = omp_get_num_threads();
+    // The threads that serve: all of the region's, unless it has fewer than `threads`
+    // (at::parallel_for then gives some several indices and may leave the last without
+    // any); at most what a job word counts (kChunkBits: the others only wait).
+    const int n = omp_get_num_threads(), per = (threads + n - 1) / n;
+    t.size = std::min({n, (threads + per - 1) / per, static_cast<int>(kStop) - 1});
     led = &t;
     try {
       body(ctx);
