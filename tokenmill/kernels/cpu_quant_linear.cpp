@@ -790,13 +790,10 @@ void quad_block_rows(const QuadX& xq, const QBlock<S>& b, const float* bias, T* 
 // Column blocks per thread at least (at::parallel_for's grain): a split whose share is
 // under kQuadMinSplitWeights weights x rows costs more in fork and join than it saves
 // (measured: one 512 x 512 int4 row took longer on two threads than on one). Inside a
-// team (parallel.h) a split costs a tenth as much: TEAM_SPLIT_WEIGHTS there.
-constexpr int64_t kQuadMinSplitWeights = 256 * 1024;
-#ifndef TEAM_SPLIT_WEIGHTS
-#define TEAM_SPLIT_WEIGHTS (32 * 1024)
-#endif
+// team (parallel.h) a split costs about a tenth as much: kTeamMinSplitWeights there.
+constexpr int64_t kQuadMinSplitWeights = 256 * 1024, kTeamMinSplitWeights = 32 * 1024;
 inline int64_t quad_grain(int64_t K, int64_t rows) {
-  const int64_t least = tmpar::team_size() > 0 ? TEAM_SPLIT_WEIGHTS : kQuadMinSplitWeights;
+  const int64_t least = tmpar::team_size() > 0 ? kTeamMinSplitWeights : kQuadMinSplitWeights;
   return std::max<int64_t>(1, (least + K * NB * rows - 1) / (K * NB * rows));
 }
 
