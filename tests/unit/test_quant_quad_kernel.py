@@ -166,6 +166,34 @@ def test_quad_kernel_catches_a_wrong_code_or_zero_point(quad_ops):
         assert not bool(((y.double() - xr @ w.T).abs() <= 1e-5 * mag).all())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128, 512])
+@pytest.mark.parametrize("sign", [1.0, -1.0, 0.0])
+def test_quad_sums_at_their_largest(quad_ops, bits, group, sign):
+    """The largest integer sums the layout can make: every code at its top, every zero
+    point 0, every activation of a block at +-amax (xq = +-16383: VNNI's hi -128 / 127,
+    lo 1 / 127), one row and two, activation blocks of 32 to 128 k; sign 0: runs of 8 k
+    at +1 and -1 by turns. An accumulator that overflowed (a narrower lane, a longer run
+    between widenings: a vpmaddubsw kernel summing 8 lines in int16 failed here) would
+    be off by far more than fp32 rounding."""
+    n, k = 48, 512
+    top = (1 << bits) - 1
+    groups = k // group
+    qw = QuantizedWeight(torch.full((n, k), top, dtype=torch.uint8),
+                         torch.rand(n, groups, generator=torch.Generator().manual_seed(4)) + 0.5,
+                         torch.zeros(n, groups, dtype=torch.uint8), bits, group).check()
+    packed = _pack(quad_ops, qw)
+    w = qw.dequantize_rows(0, n).double()
+    for rows in (1, 2):
+        x = torch.full((rows, k), sign if sign else 1.0)
+        if not sign:
+            x.view(rows, -1, 8)[:, 1::2] = -1.0
+        x[rows - 1] *= 3.0  # another amax, the same codes
+        y = quad_ops.linear_quant(x, *packed, n, bits, group, torch.empty(0))
+        want = x.double() @ w.T  # x is its own rounding: every |x| is its block's amax
+        assert bool(((y.double() - want).abs() <= 1e-6 * (x.double().abs() @ w.T)).all()), rows
+
+
 @pytest.mark.parametrize("bits,group", [(8, 512), (4, 32), (4, 128)])
 def test_non_finite_activations_stay_in_their_row(quad_ops, bits, group):
     """A NaN / inf anywhere in a row (here in one group of many) makes every output of
