@@ -46,21 +46,22 @@ def wide_checkpoints(tmp_path_factory):
     return paths
 
 
-def _prompts():
-    """Staggered requests: decode steps of 4 rows down to 1."""
+def _prompts(n: int = 6):
+    """Staggered requests: decode steps of min(n, max_num_seqs) rows down to 1."""
     g = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(1, 384, (n,), generator=g).tolist()}
-               for n in (5, 17, 33, 8, 40, 12)]
+    lens = [5, 17, 33, 8, 40, 12] * (n // 6 + 1)
+    prompts = [{"prompt_token_ids": torch.randint(1, 384, (k,), generator=g).tolist()}
+               for k in lens[:n]]
     params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True)
-              for i in range(6)]
+              for i in range(n)]
     return prompts, params
 
 
-def _tokens_both_ways(llm, ops, rows: list):
+def _tokens_both_ways(llm, ops, rows: list, n: int = 6):
     """Token ids with teams (the default), then with a region per loop, required equal;
     returns the loops handed to teams and the native calls (the spy's `rows`) of the
     first run."""
-    prompts, params = _prompts()
+    prompts, params = _prompts(n)
     before = ops.team_loops()
     with_teams = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                use_tqdm=False)]
@@ -94,6 +95,29 @@ def test_team_loop_is_bit_identical(wide_checkpoints, monkeypatch, widened, ops,
     # one thread: no team opens; more: five loops a layer (qkv, attention, o_proj,
     # gate_up, down), two layers, every call
     assert handed == (10 * calls if threads > 1 else 0)
+
+
+def test_steps_past_the_team_rows_fork_per_loop(wide_checkpoints, monkeypatch, widened, ops):
+    """Decode steps of more than kTeamMaxRows (8) rows open no team: some of their
+    kernels (the vdpbf16ps many-row linears) run at::parallel_for themselves, which
+    inside a team's region would run on one thread (1.4x slower at 16-64 rows). Up to 8
+    rows, ten loops a call go to the team, as above; the same bits either way."""
+    rows = _spy(monkeypatch, compare=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # (no prefix caching: both runs must schedule the same steps, as past 8 rows a
+        # step's row count changes the bf16 GEMMs' rounding)
+        llm = make_llm(wide_checkpoints["float"], dtype="bfloat16", max_num_seqs=12,
+                       enable_prefix_caching=False)
+        if runner_of(llm).model.decode_layers is None:
+            pytest.skip(f"no native decode loop at the {ops.capability} level")
+        handed, calls = _tokens_both_ways(llm, ops, rows, n=12)
+    finally:
+        torch.set_num_threads(old)
+    small = sum(1 for r in rows[:calls] if r <= 8)
+    assert max(rows[:calls]) == 12 and 0 < small < calls
+    assert handed == 10 * small
 
 
 @pytest.mark.parametrize("model", ["gemma3", "gemma4"])

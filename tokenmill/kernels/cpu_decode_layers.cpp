@@ -91,9 +91,9 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
     const torch::Tensor in = lin[PERM].numel() > 0 ? v.index_select(1, lin[PERM]) : v;
     return linear_quant(in, lin[W], lin[SCALES], lin[ZEROS], n, bits, bits_group[1], lin[BIAS]);
   };
-  // One parallel region for every layer: the linears' and attention's loops are handed
-  // to its waiting threads (parallel.h) instead of each forking its own.
-  tmpar::with_team([&] {
+  // One parallel region for every layer of a small step: the linears' and attention's
+  // loops are handed to its waiting threads (parallel.h) instead of each forking its own.
+  tmpar::with_team_for_rows(t, [&] {
     for (size_t l = 0; l < num_layers; ++l) {
       const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
       const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;

@@ -66,8 +66,8 @@ torch::Tensor gemma4_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
     return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
   };
   const torch::Tensor none;
-  // One parallel region for every layer (parallel.h), as decode_layers.
-  tmpar::with_team([&] {
+  // One parallel region for every layer of a small step (parallel.h), as decode_layers.
+  tmpar::with_team_for_rows(t, [&] {
     for (size_t l = 0; l < num_layers; ++l) {
       const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
       const int64_t* info = layer_info.data() + l * NUM_INFO;

@@ -57,8 +57,8 @@ torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> we
     return f32 ? linear_f32(v, packed, n, bias) : linear_bf16(v, packed, n, bias);
   };
   const torch::Tensor none;
-  // One parallel region for every layer (parallel.h), as decode_layers.
-  tmpar::with_team([&] {
+  // One parallel region for every layer of a small step (parallel.h), as decode_layers.
+  tmpar::with_team_for_rows(t, [&] {
     for (size_t l = 0; l < num_layers; ++l) {
       const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
       const int64_t group = layer_info[kInfo * l], kind = layer_info[kInfo * l + 1],

@@ -50,6 +50,24 @@ void with_team(Body&& body) {
   run_team([](void* b) { (*static_cast<std::remove_reference_t<Body>*>(b))(); }, &body);
 }
 
+// Steps of up to this many rows run their decode loop in a team: there every kernel the
+// loops call splits its work through parallel_for below (or is serial at that size).
+// Past it some call at::parallel_for themselves (the vdpbf16ps many-row linears from 9
+// rows, cpu_linear_dot.cpp), which inside the team's region runs on the leader alone:
+// a 16-64-row decode at avx512_bf16 took 1.4x as long in a team. Those steps fork per
+// loop, whose cost their larger loops hide.
+constexpr int64_t kTeamMaxRows = 8;
+
+// body() in a team when a step of `rows` rows may have one, else as it is.
+template <typename Body>
+void with_team_for_rows(int64_t rows, Body&& body) {
+  if (rows <= kTeamMaxRows) {
+    with_team(body);
+  } else {
+    body();
+  }
+}
+
 // at::parallel_for(begin, end, grain, f), through the calling thread's team when it
 // leads one.
 template <typename F>
