@@ -3,8 +3,11 @@ parallel.h), in one process, taking turns: the ratio of their output tok/s.
 
     .venv/bin/python scripts/teams_ab.py --model bench-qwen3-512-gptq-int4 --rounds 16
     .venv/bin/python scripts/teams_ab.py --model bench-qwen3-512 --cpu-capability avx2
+    .venv/bin/python scripts/teams_ab.py --batch 16 --tokens 48 --rounds 4
 
-One request (a 64-token prompt of fixed ids, greedy, `--tokens` new tokens) per turn;
+`--batch` requests (64-token prompts of fixed ids, greedy, `--tokens` new tokens each;
+default one) per turn; decode steps of more than 8 rows open no team (parallel.h's
+kTeamMaxRows), so at a larger batch the two sides should be level;
 the same LLM serves both sides, `set_teams` switching between one OpenMP region per
 decode call and one per kernel loop. Prints the mean tok/s of each side, the ratio of
 the means and the median of the rounds' ratios, and whether both sides gave the same
@@ -29,28 +32,30 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--tokens", type=int, default=384)
+    p.add_argument("--batch", type=int, default=1, help="requests per turn")
     args = p.parse_args()
     path = ensure_bench_model(args.model) if is_bench_model(args.model) else args.model
     kw = {"cpu_capability": args.cpu_capability} if args.cpu_capability else {}
-    llm = LLM(path, dtype=args.dtype, **kw)
+    llm = LLM(path, dtype=args.dtype, max_num_seqs=max(args.batch, 1), **kw)
     ops = kernels.cpu_ops(args.cpu_capability)
     if ops is None or not hasattr(ops, "set_teams"):
         raise SystemExit("no native kernels with teams at this level")
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 164))}
+    prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(args.batch)]
     rates: dict[bool, list[float]] = {True: [], False: []}
-    tokens: dict[bool, list[int]] = {}
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    tokens: dict[bool, list[list[int]]] = {}
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
     for _ in range(args.rounds):
         for on in (True, False):
             ops.set_teams(on)
             t0 = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-            rates[on].append(len(out) / (time.perf_counter() - t0))
-            tokens[on] = list(out)
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+            rates[on].append(sum(map(len, outs)) / (time.perf_counter() - t0))
+            tokens[on] = [list(t) for t in outs]
     ops.set_teams(True)
     pairs = [a / b for a, b in zip(rates[True], rates[False])]
-    print(f"level {ops.capability}, {args.rounds} rounds of {args.tokens} tokens")
+    print(f"level {ops.capability}, {args.rounds} rounds of {args.batch} x {args.tokens} tokens")
     for on in (True, False):
         print(f"{'teams' if on else 'a region per loop':>18}: mean "
               f"{statistics.mean(rates[on]):.1f} tok/s")
