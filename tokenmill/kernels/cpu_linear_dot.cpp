@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
@@ -39,6 +40,9 @@ namespace {
 constexpr int64_t NB = 32;   // columns per packed block (cpu_linear.cpp)
 constexpr int DMR = 12;      // rows per micro-kernel: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t MIN_ROWS = 9;             // decode (<= 8 rows) keeps linear_bf16's own path
+// This path forks through at::parallel_for, which inside a decode loop's team would run on
+// one thread (parallel.h): the teams stop where it starts.
+static_assert(MIN_ROWS > tmpar::kTeamMaxRows, "steps that reach this path must open no team");
 constexpr int64_t MAX_GROUP = 8;
 // Cache blocking (linear_bf16_dot_tuning changes them, for the benchmark's sweeps):
 // x rows of one row chunk (L2); the pair scratch of one column-block group (L2);
