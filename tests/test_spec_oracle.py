@@ -50,7 +50,7 @@ from conftest import make_llm, runner_of, scheduler_of
 from test_spec_decode import (assert_no_leaks, generate, greedy,  # noqa: F401
                               mtp_checkpoint, spec_stats)
 
-from tokenmill.spec_decode.drafter import MAX_BACKOFF
+from tokenmill.spec_decode.drafter import MAX_BACKOFF, MIN_RECORD_DRAFTS, PRIOR_MISSES
 
 MAX_TOKENS = 24
 
@@ -266,17 +266,21 @@ def record_verifications(llm) -> list[tuple[tuple, int, list[int]]]:
     return seen
 
 
-def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = MAX_TOKENS):
+def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = MAX_TOKENS,
+             poor_record: bool = False):
     """The verifications a run must make with no budget limit: per request, after its
     prompt's step (one token), each step verifies the drafts proposed after the step
     before, cut so an all-accepted run stays within max_tokens, and emits accepted + 1
     tokens. The adaptive drafter (spec_decode/drafter.py) asks next for one more than
     it accepted (k after a full acceptance), and after the second verification in a
-    row with nothing accepted skips 4, then 16, then 64 steps.
+    row with nothing accepted skips 4, then 16, then 64 steps. `poor_record`: the
+    requests start under a poor server-wide record (one draft, PRIOR_MISSES misses).
     -> [(prompt, tokens before the drafts, drafts)] in each request's order."""
     out = []
     for prompt in prompts:
         num_out, next_k, misses, skip = 1, k, 0, 0
+        if poor_record:
+            next_k, misses = 1, PRIOR_MISSES
         while num_out < max_tokens:
             if skip:
                 skip, want = skip - 1, 0
@@ -447,3 +451,39 @@ def test_oracle_acceptance_with_chunked_prefill_and_preemption(setups, method, p
             else s["num_accepted_tokens"] < s["num_draft_tokens"])
     if pattern == "none":
         assert s["num_accepted_tokens"] == 0
+
+
+@pytest.mark.parametrize("pattern", ["partial", "none"])
+@pytest.mark.parametrize("method", METHODS)
+def test_oracle_new_requests_start_from_the_record(setups, method, pattern):
+    """The same prompts three times in one engine: once the verifications of earlier
+    requests accepted almost nothing ("none"), new ones start at one draft with the
+    longer back-off (spec_decode/drafter.py's record), and make exactly the fewer
+    verifications that implies; where drafts pass ("partial") they start as before.
+    The plain tokens every time, nothing leaked."""
+    setup = setups(method)
+    llm = make_llm(setup.path, speculative_config=dict(setup.spec, adaptive=True))
+    oracle = Oracle(setup.seqs, pattern, setup.vocab)
+    install_oracle(llm, setup.spec["method"], oracle, setup.k)
+    seen = record_verifications(llm)
+    drafter = runner_of(llm).drafter
+    cold = simulate(setup.prompts, oracle, setup.k, True)
+    batches = 0
+    while drafter._drafted < MIN_RECORD_DRAFTS:  # the record fills with cold requests
+        before = len(seen)
+        assert generate(llm, setup.prompts, greedy(MAX_TOKENS)) == setup.plain
+        assert sorted((p, n, len(d)) for p, n, d in seen[before:]) == sorted(cold)
+        batches += 1
+    assert drafter.poor_record() == (pattern == "none") and batches <= 3
+    before = len(seen)
+    assert generate(llm, setup.prompts, greedy(MAX_TOKENS)) == setup.plain
+    got = sorted((p, n, len(d)) for p, n, d in seen[before:])
+    want = sorted(simulate(setup.prompts, oracle, setup.k, True,
+                           poor_record=pattern == "none"))
+    assert got == want
+    if pattern == "none":
+        assert sum(d for _, _, d in want) < sum(d for _, _, d in cold)
+    for prompt, n, drafts in seen:
+        assert drafts == oracle.drafts(setup.seqs[prompt], n, len(drafts)), (prompt[:3], n)
+    assert not oracle.errors, oracle.errors[:5]
+    assert_no_leaks(llm)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.drafter import MAX_BACKOFF, Drafter
+from tokenmill.spec_decode.drafter import (MAX_BACKOFF, MIN_RECORD_DRAFTS, POOR_ACCEPTANCE,
+                                          RECORD_DRAFTS, Drafter)
 
 PERIODIC = np.tile(np.arange(3, dtype=np.int32), 20)[None, :]  # always a match
 
@@ -82,3 +83,62 @@ def test_row_budget_shares_the_free_rows():
     assert drafts(d, 3, [True, False, False]) == [4, 0, 0]  # one asks: it takes k
     assert drafts(d, 8) == [0] * 8
     assert Drafter(drafter(adaptive=False).config, row_budget=8).row_budget is None
+
+
+def skipped_after_miss(d: Drafter, rid: str) -> int:
+    """Verify `rid`'s drafts as all rejected; -> the steps it then goes without."""
+    d.observe([rid], np.array([wanted(d, rid)]), np.array([0]))
+    n = 0
+    while wanted(d, rid) == 0:
+        n += 1
+    return n
+
+
+def test_new_requests_start_from_the_server_record():
+    """Once the recent verifications of all requests accepted almost nothing, a new
+    request starts at one draft and its first miss skips 16 steps (not: k drafts, a
+    retry at one, then 4); requests already running keep their state; a hit resets
+    the new request as usual."""
+    d = drafter()
+    assert wanted(d, "old") == 4
+    d.observe(["old"], np.array([4]), np.array([2]))  # running, at k 3: it stays there
+    for i in range(MIN_RECORD_DRAFTS // 4):
+        assert not d.poor_record() and wanted(d, f"r{i}") == 4  # cold: k
+        d.observe([f"r{i}"], np.array([4]), np.array([0]))
+    assert d.poor_record()
+    assert wanted(d, "old") == 3
+    assert wanted(d, "new") == 1
+    d.observe(["new"], np.array([1]), np.array([0]))
+    n = 0
+    while wanted(d, "new") == 0:
+        n += 1
+    assert n == 16
+    d.add_seeded("seeded")  # its random draws follow its drafts: no record for it
+    assert wanted(d, "seeded") == 4
+    d.remove("seeded")
+    assert "seeded" not in d._seeded
+    assert wanted(d, "lucky") == 1
+    d.observe(["lucky"], np.array([1]), np.array([1]))  # a hit: k grows, no back-off
+    assert wanted(d, "lucky") == 2
+    assert skipped_after_miss(d, "lucky") == 0  # one miss: a retry, as for any request
+
+
+def test_record_needs_evidence_and_forgets():
+    """No judgement before MIN_RECORD_DRAFTS drafts; the record halves past
+    RECORD_DRAFTS, so a run of accepted drafts turns it good again; acceptance at the
+    threshold is not poor; adaptive off keeps no record."""
+    d = drafter()
+    d.observe(["a"], np.array([MIN_RECORD_DRAFTS - 1]), np.array([0]))
+    assert not d.poor_record() and wanted(d, "b") == 4
+    d.observe(["a"], np.array([1]), np.array([0]))
+    assert d.poor_record()
+    for _ in range(4 * RECORD_DRAFTS // 4):
+        d.observe(["a"], np.array([4]), np.array([4]))
+    assert d._drafted <= RECORD_DRAFTS and not d.poor_record()
+    assert wanted(d, "c") == 4
+    d = drafter()
+    d.observe(["a"], np.array([64]), np.array([int(64 * POOR_ACCEPTANCE)]))
+    assert not d.poor_record()
+    d = drafter(adaptive=False)
+    d.observe(["a"], np.array([64]), np.array([0]))
+    assert not d.poor_record() and wanted(d, "b") == 4

@@ -23,6 +23,14 @@ MAX_BACKOFF steps (a verifying row and a draft model's proposal cost time even w
 every draft is rejected; a trained drafter seldom misses twice in a row, an n-gram
 lookup in text that does not repeat keeps missing), and tries again after. Its
 decode rows meanwhile wait for the draft model (spec_decode/deferred.py).
+
+A new request starts from what the server has seen: while the recent verifications
+of all requests accepted almost none of their drafts (fewer than POOR_ACCEPTANCE of
+the last ~RECORD_DRAFTS), it starts at one draft, counted as PRIOR_MISSES misses in a
+row, so a miss sends it straight to the longer back-off (a drafter that does not fit
+the workload costs a few probes a request, not five); a hit resets it as usual. Not
+a seeded request: its random draws follow its drafts, so its drafts must depend on
+it (and its batch) alone for a rerun to give the same tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +40,12 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
 
 MAX_BACKOFF = 64  # steps a request whose drafts keep failing goes without drafting
+# The server-wide record a new request starts from: drafts verified and accepted,
+# halved whenever it passes RECORD_DRAFTS (recent requests weigh most).
+RECORD_DRAFTS = 512
+MIN_RECORD_DRAFTS = 32  # no judgement before this many drafts were verified
+POOR_ACCEPTANCE = 1 / 16  # below this share accepted, new requests start backed off
+PRIOR_MISSES = 2  # a new request's misses under a poor record: its first miss skips 16
 
 
 class Drafter:
@@ -51,6 +65,9 @@ class Drafter:
         self._next_k: dict[str, int] = {}  # adaptive k per request
         self._misses: dict[str, int] = {}  # verifications in a row that accepted nothing
         self._skip: dict[str, int] = {}  # steps left without drafts
+        self._seeded: set[str] = set()  # requests the record does not apply to
+        self._drafted = 0.0  # the record: drafts verified, decayed (RECORD_DRAFTS)
+        self._accepted = 0.0  # ... and accepted
 
     def observe(self, req_ids: list[str], num_drafts: np.ndarray,
                 num_accepted: np.ndarray) -> None:
@@ -67,6 +84,21 @@ class Drafter:
                 misses = self._misses[rid] = self._misses.get(rid, 0) + 1
                 if misses >= 2:
                     self._skip[rid] = min(4 ** (misses - 1), MAX_BACKOFF)
+        verified = num_drafts > 0
+        self._drafted += float(num_drafts[verified].sum())
+        self._accepted += float(num_accepted[verified].sum())
+        if self._drafted > RECORD_DRAFTS:
+            self._drafted *= 0.5
+            self._accepted *= 0.5
+
+    def add_seeded(self, req_id: str) -> None:
+        """A seeded sampling request: it starts at k whatever the record says."""
+        self._seeded.add(req_id)
+
+    def poor_record(self) -> bool:
+        """Whether recent verifications accepted almost none of their drafts."""
+        return (self._drafted >= MIN_RECORD_DRAFTS
+                and self._accepted < POOR_ACCEPTANCE * self._drafted)
 
     def _wanted(self, rid: str) -> int:
         """Drafts this request asks for now (0 while it backs off)."""
@@ -74,7 +106,14 @@ class Drafter:
         if left:
             self._skip[rid] = left - 1
             return 0
-        return self._next_k.get(rid, self.k)
+        k = self._next_k.get(rid)
+        if k is None:  # the request's first drafts
+            k = self._next_k[rid] = self.k
+            # (never with adaptive off: observe keeps no record)
+            if rid not in self._seeded and self.poor_record():
+                k = self._next_k[rid] = 1
+                self._misses[rid] = PRIOR_MISSES
+        return k
 
     def _max_drafts(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
         """Drafts each row asks for this step (0: none): off for a large batch, else
@@ -143,3 +182,4 @@ class Drafter:
         self._next_k.pop(req_id, None)
         self._misses.pop(req_id, None)
         self._skip.pop(req_id, None)
+        self._seeded.discard(req_id)

@@ -132,6 +132,8 @@ class InputPrepMixin:
                     [(f.offset, f.length, tuple(f.image_grid_thw)) for f in state.mm_features])
             self.requests[new.req_id] = state
             batch.add_request(state)
+            if gen is not None and self.drafter is not None:
+                self.drafter.add_seeded(new.req_id)
             if sp.prompt_logprobs is not None:
                 self._prompt_logprobs_reqs.add(new.req_id)
             if new.pooling_params is not None:
