@@ -2,10 +2,11 @@
 by kind, plain engine against each draft-model method (random-weight drafters, so
 nearly every draft is rejected), one process, the engines taking turns.
 
-    .venv/bin/python scripts/spec_step_kinds.py --rounds 12 --methods eagle3,dflash
+    .venv/bin/python scripts/spec_step_kinds.py --rounds 24 --methods eagle3,dflash [--no-prior]
 
 Each round gives every engine the same fresh random prompt (--input-len ids, greedy,
---output-len tokens, k = 3). A step is `prefill`, `decode` (one token) or `verifyN`
+--output-len tokens, k = 3); a variant has two engines (see below), so its figures
+cover 2 x --rounds requests. A step is `prefill`, `decode` (one token) or `verifyN`
 (N tokens: the request's token and its drafts), `+propose` when the runner drafted
 from it. Prints per engine the wall time per request, the ratio of the plain engine's
 mean to its own (bench spec's ratio, from many rounds in one process), and per step
@@ -52,38 +53,61 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmup-rounds", type=int, default=8,
+                   help="untimed rounds first (default 8: the drafters' server-wide record "
+                        "needs about five requests)")
+    p.add_argument("--no-prior", action="store_true",
+                   help="also run each method with its drafter's server-wide record off "
+                        "(every request starts at k and five probes)")
     args = p.parse_args()
     path = ensure_bench_model(args.model)
     common = dict(dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
                   max_num_seqs=1)
-    engines = {"plain": LLM(path, **common)}
+    variants = {"plain": (path, None, True)}  # name -> (model, speculative config, record)
     for method in args.methods.split(","):
         target, spec = random_drafter({"method": method, "num_speculative_tokens": 3}, path)
-        engines[method] = LLM(target, speculative_config=SpeculativeConfig.from_any(spec),
-                              **common)
-    steps = {name: defaultdict(list) for name in engines}
-    for name, llm in engines.items():
+        variants[method] = (target, spec, True)
+        if args.no_prior:
+            variants[f"{method}-no-prior"] = (target, spec, False)
+    # Two engines a variant, built in palindromic order (A B C C B A): in one process an
+    # engine built earlier decodes measurably slower than one built later (up to ~10%
+    # from the first to the fourth here, placement of its memory), which a single
+    # engine a variant would charge to whichever variant was built first.
+    names = list(variants) + list(variants)[::-1]
+    engines = []
+    for name in names:
+        model, spec, record = variants[name]
+        llm = LLM(model, **common) if spec is None else LLM(
+            model, speculative_config=SpeculativeConfig.from_any(spec), **common)
+        if not record:
+            llm.llm_engine.engine_core.runner.drafter.poor_record = lambda: False
+        engines.append((name, llm))
+    steps = {name: defaultdict(list) for name in variants}
+    for name, llm in engines:
         timed_steps(llm.llm_engine.engine_core, steps[name])
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             detokenize=False)
     rng = np.random.default_rng(0)
     wall = defaultdict(list)
-    for r in range(args.rounds + 1):  # round 0 warms up
+    warm = max(1, args.warmup_rounds)
+    for r in range(args.rounds + warm):
         prompt = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}]
-        for name, llm in engines.items():
-            if r == 1:
-                steps[name].clear()
+        if r == warm:
+            for kinds in steps.values():
+                kinds.clear()
+        for name, llm in (engines if r % 2 else engines[::-1]):  # each engine first in turn
             t0 = time.perf_counter()
             llm.generate(prompt, params, use_tqdm=False)
-            if r:
+            if r >= warm:
                 wall[name].append(time.perf_counter() - t0)
+    runs = 2 * args.rounds  # requests a variant ran (two engines)
     plain = statistics.mean(wall["plain"])
-    for name in engines:
+    for name in variants:
         mean = statistics.mean(wall[name])
         print(f"{name}: {mean * 1e3:.1f} ms a request, plain / {name} {plain / mean:.3f}x")
         for kind, times in sorted(steps[name].items()):
-            print(f"  {kind:>16}: {len(times) / args.rounds:6.1f} a request, median "
-                  f"{statistics.median(times) * 1e3:7.3f} ms, {sum(times) / args.rounds * 1e3:7.2f}"
+            print(f"  {kind:>16}: {len(times) / runs:6.1f} a request, median "
+                  f"{statistics.median(times) * 1e3:7.3f} ms, {sum(times) / runs * 1e3:7.2f}"
                   f" ms a request")
 
 

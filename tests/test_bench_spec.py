@@ -31,3 +31,30 @@ def test_bench_spec_bad_arguments(capsys):
     assert main(["bench", "spec", "--concurrency", "0"]) == 2
     assert main(["bench", "spec", "--speculative-config", '{"method": "nope"}']) == 2
     assert "method" in capsys.readouterr().out
+
+
+def test_bench_spec_builds_the_sides_in_palindromic_order(llama_tiny, tmp_path, monkeypatch):
+    """Two engines a side, built plain, spec, spec, plain (an engine built later runs
+    faster in the same process: neither side gets the first build); one a side on
+    request. The figures of a side come from its engines alone."""
+    import tokenmill
+    built = []
+    real = tokenmill.LLM
+
+    def counting(*args, **kwargs):
+        built.append("spec" if kwargs.get("speculative_config") is not None else "plain")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tokenmill, "LLM", counting)
+    argv = ["bench", "spec", "--model", llama_tiny.path, "--dtype", "float32",
+            "--concurrency", "2", "--input-len", "8", "--loop-len", "24", "--output-len", "12",
+            "--num-iters", "2", "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
+    for per_side, want in ((2, ["plain", "spec", "spec", "plain"]), (1, ["plain", "spec"])):
+        built.clear()
+        out = tmp_path / f"spec{per_side}.json"
+        assert main(argv + ["--engines-per-side", str(per_side), "--output-json", str(out)]) == 0
+        assert built == want
+        r = json.loads(out.read_text())
+        assert r["engines_per_side"] == per_side
+        row = r["results"][0]
+        assert row["same_tokens"] == 1.0 and row["ratio"] == row["spec_tok_s"] / row["plain_tok_s"]

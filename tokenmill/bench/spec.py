@@ -3,9 +3,16 @@
 One run, one workload, both sides: for each --concurrency C, C requests are
 generated with --speculative-config and without, greedy, ignore_eos, exactly
 --output-len new tokens each; output tok/s is the best of --num-iters timed runs
-(after a warm-up; the two engines take turns, so a slow spell of a shared machine
-hits both), the ratio compares those, and the acceptance counters are taken over
+(after a warm-up; the engines take turns, so a slow spell of a shared machine hits
+both sides), the ratio compares those, and the acceptance counters are taken over
 the timed runs only (the warm-up request's are in too).
+
+Two engines a side (--engines-per-side), built plain, spec, spec, plain, and a side's
+figure the mean of its engines': in one process an engine built later decodes faster
+than one built before it (where its memory lies; 5-10% between the first and the
+last of three on the 2-core EPYC), which with one engine a side credited speculation
+with the plain engine's handicap: a speculative config that never drafts measured
+1.02x and 1.10x that way.
 
 Workloads (--workload):
 - loop: drafts can be right. A random-weight model's greedy output falls into
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from statistics import mean
 
 from tokenmill.bench.throughput import (BENCH_MODEL_NAME, BENCH_MODELS, DTYPES,
                                         ensure_bench_model, format_platform, platform_kwargs,
@@ -52,6 +60,9 @@ def add_spec_bench_args(p: argparse.ArgumentParser) -> None:
                    help="loop workload: tokens of the model's own output in each prompt")
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--num-iters", type=positive_int, default=3)
+    p.add_argument("--engines-per-side", type=int, choices=(1, 2), default=2,
+                   help="2 (default): engines built plain, spec, spec, plain, so the order "
+                        "they were built in favours neither side; 1 halves the memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, metavar="PATH")
     from tokenmill.engine.arg_utils import add_cpu_platform_args
@@ -106,10 +117,10 @@ def make_prompts(llm, args, n: int, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def timed_pair(engines, prompts, output_len: int, num_iters: int):
-    """Best output tok/s of each engine over num_iters runs, the engines taking turns
-    (so a slow spell of the machine hits both alike), after one warm-up each; and each
-    engine's last tokens."""
+def timed_runs(engines, prompts, output_len: int, num_iters: int):
+    """Best output tok/s of each engine over num_iters runs, the engines taking turns (in
+    build order, then reversed, and so on: a slow spell of the machine hits all alike),
+    after one warm-up each; and each engine's last tokens."""
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
                             detokenize=False)
@@ -118,16 +129,27 @@ def timed_pair(engines, prompts, output_len: int, num_iters: int):
         llm.generate(reqs[:1], params, use_tqdm=False)
     best = [0.0] * len(engines)
     tokens = [None] * len(engines)
-    for _ in range(num_iters):
-        for i, llm in enumerate(engines):
+    order = list(range(len(engines)))
+    for it in range(num_iters):
+        for i in (order if it % 2 == 0 else order[::-1]):
             start = time.perf_counter()
-            outs = llm.generate(reqs, params, use_tqdm=False)
+            outs = engines[i].generate(reqs, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             tokens[i] = [list(o.outputs[0].token_ids) for o in outs]
             if any(len(t) != output_len for t in tokens[i]):
                 raise RuntimeError("a request did not get exactly --output-len tokens")
             best[i] = max(best[i], len(prompts) * output_len / seconds)
     return best, tokens
+
+
+def _stats(llms) -> dict:
+    """The speculative engines' acceptance counters, summed."""
+    stats = [llm.llm_engine.engine_core.scheduler.spec_stats for llm in llms]
+    total = {key: sum(getattr(s, key) for s in stats)
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    total["accepted_per_position"] = [sum(col) for col in
+                                      zip(*(s.accepted_per_position for s in stats))]
+    return total
 
 
 def run_spec_bench(args: argparse.Namespace) -> int:
@@ -152,16 +174,21 @@ def run_spec_bench(args: argparse.Namespace) -> int:
         + args.output_len + 8
     common = dict(dtype=args.dtype, seed=args.seed, max_model_len=max_len,
                   max_num_seqs=max(levels), **platform_kwargs(args))
-    plain = LLM(path, **common)
-    fast = LLM(path, speculative_config=spec, **common)
-    sched = fast.llm_engine.engine_core.scheduler
+    sides = [False, True] if args.engines_per_side == 1 else [False, True, True, False]
+    engines = [LLM(path, speculative_config=spec, **common) if fast else LLM(path, **common)
+               for fast in sides]
+    plain = engines[0]
+    fast_engines = [e for e, fast in zip(engines, sides) if fast]
     rows = []
     for c in levels:
         prompts = make_prompts(plain, args, c, vocab)
-        before = sched.spec_stats.as_dict()
-        (plain_tok_s, spec_tok_s), (plain_tokens, spec_tokens) = timed_pair(
-            (plain, fast), prompts, args.output_len, args.num_iters)
-        after = sched.spec_stats.as_dict()
+        before = _stats(fast_engines)
+        best, tokens = timed_runs(engines, prompts, args.output_len, args.num_iters)
+        plain_tok_s = mean([b for b, fast in zip(best, sides) if not fast])
+        spec_tok_s = mean([b for b, fast in zip(best, sides) if fast])
+        plain_tokens = tokens[0]
+        spec_tokens = [t for t, fast in zip(tokens, sides) if fast]
+        after = _stats(fast_engines)
         drafts = after["num_drafts"] - before["num_drafts"]
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
@@ -172,11 +199,13 @@ def run_spec_bench(args: argparse.Namespace) -> int:
             acceptance_rate=accepted / proposed if proposed else 0.0,
             accepted_per_position=[a - b for a, b in zip(after["accepted_per_position"],
                                                          before["accepted_per_position"])],
-            same_tokens=sum(a == b for a, b in zip(plain_tokens, spec_tokens)) / c))
-    platform = fast.llm_engine.platform.as_dict()
+            same_tokens=mean([sum(a == b for a, b in zip(plain_tokens, side)) / c
+                              for side in spec_tokens])))
+    platform = fast_engines[0].llm_engine.platform.as_dict()
     print(format_platform(platform))
     print(f"speculative decoding: {spec.describe()}; workload {args.workload}, "
-          f"{args.output_len} new tokens a request, {args.dtype}, best of {args.num_iters}")
+          f"{args.output_len} new tokens a request, {args.dtype}, best of {args.num_iters}, "
+          f"{args.engines_per_side} engine(s) a side")
     print(f"{'concurrency':>11} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7} "
           f"{'accept len':>10} {'accept rate':>11} {'same out':>8}")
     for r in rows:
@@ -186,6 +215,7 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model": model, "dtype": args.dtype, "workload": args.workload,
+                       "engines_per_side": args.engines_per_side,
                        "speculative_config": spec.__dict__, "platform": platform,
                        "output_len": args.output_len, "results": rows}, f, indent=2)
     return 0
