@@ -4,6 +4,8 @@ thread_time pair around each native kernel call and each stage).
 
     PYTHONPATH=. .venv/bin/python scripts/host_cpu_stages.py --batch-size 1 --steps 600
     PYTHONPATH=. .venv/bin/python scripts/host_cpu_stages.py --batch-size 128 --steps 64
+    PYTHONPATH=. .venv/bin/python scripts/host_cpu_stages.py --speculative-config \
+        '{"method": "eagle3", "num_speculative_tokens": 3}'
 
 `rest` is the step's CPU time outside the native kernels: the host time, plus at batch
 sizes past the native linears' row limit the aten GEMMs and the logits' argmax (which
@@ -14,6 +16,7 @@ step: cold caches included (docs/benchmarks.md, "Host time per step").
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 
@@ -52,6 +55,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="e.g. '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}' "
+                        "(a draft-model method without a model gets bench spec's random "
+                        "drafter: its drafts rejected, the requests backing off)")
     args = p.parse_args()
     acc: Counter = Counter()
     ops = kernels.cpu_ops(None)
@@ -59,7 +66,13 @@ def main() -> None:
         if hasattr(ops, name):
             wrap_thread_time(acc, ops, name, "native kernels")
     steps, bs = args.steps, args.batch_size
-    llm = LLM(ensure_bench_model(args.model), dtype="bfloat16", seed=0,
+    path, spec = ensure_bench_model(args.model), None
+    if args.speculative_config:
+        from tokenmill.bench.spec import random_drafter
+        from tokenmill.spec_decode.config import SpeculativeConfig
+        path, spec = random_drafter(json.loads(args.speculative_config), path)
+        spec = SpeculativeConfig.from_any(spec)
+    llm = LLM(path, dtype="bfloat16", seed=0, speculative_config=spec,
               max_model_len=args.input_len + steps + 64, max_num_seqs=bs,
               async_scheduling=False)
     torch.set_num_threads(1)
@@ -72,6 +85,9 @@ def main() -> None:
                              (runner, "sample_tokens", "ModelRunner.sample_tokens"),
                              (engine.output_processor, "process", "OutputProcessor.process")):
         wrap_thread_time(acc, obj, name, label)
+    if runner.drafter is not None:
+        name = "propose_with_model" if runner.drafter.model_proposer is not None else "propose"
+        wrap_thread_time(acc, runner.drafter, name, f"Drafter.{name}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)

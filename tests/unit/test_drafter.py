@@ -142,3 +142,25 @@ def test_record_needs_evidence_and_forgets():
     d = drafter(adaptive=False)
     d.observe(["a"], np.array([64]), np.array([0]))
     assert not d.poor_record() and wanted(d, "b") == 4
+
+
+def test_none_proposes_counts_the_eligible_rows_only():
+    """A step from which nobody proposes: every eligible row backs off, each counts one
+    step off; an ineligible row is not counted; one eligible row not backing off means
+    the step proposes and nothing is counted. Small (Python lists) and large batches."""
+    from tokenmill.spec_decode.drafter import SMALL_BATCH
+    for n in (3, SMALL_BATCH + 3):
+        d = drafter()
+        ids = [f"r{i}" for i in range(n)]
+        assert not d._none_proposes(ids, np.ones(n, dtype=bool))  # nobody backs off
+        eligible = np.ones(n, dtype=bool)
+        eligible[1] = False
+        for i in range(n):
+            if i != 1:
+                d._skip[ids[i]] = 2
+        assert d._none_proposes(ids, eligible)
+        assert [d._skip.get(r) for r in ids] == [1, None] + [1] * (n - 2)
+        d._skip[ids[-1]] = 0  # its back-off is over: it proposes this step
+        assert not d._none_proposes(ids, eligible)
+        assert [d._skip.get(r) for r in ids] == [1, None] + [1] * (n - 3) + [0]
+        assert d._none_proposes(ids, np.zeros(n, dtype=bool))  # nobody eligible

@@ -89,11 +89,15 @@ class DeferredRows:
         waits if every request can keep one more contiguous row; -> False (nothing
         changed) otherwise, and the caller takes `step`. A loop over requests in plain
         Python: at batch 1 a fraction of the numpy calls `step` makes."""
+        count, start, max_rows = self.count, self.start, self.max_rows
         slots = []
         for rid, pos in zip(req_ids, positions.tolist()):
-            s = self._slot_of(rid)
-            c = int(self.count[s])
-            if c >= self.max_rows or (c and int(self.start[s]) + c != pos):
+            s = self._slot.get(rid)
+            if s is None:  # (a new slot may grow the arrays)
+                s = self._slot_of(rid)
+                count, start = self.count, self.start
+            c = count.item(s)  # (a Python int: no numpy scalar)
+            if c >= max_rows or (c and start.item(s) + c != pos):
                 return False
             slots.append((s, c, pos))
         if self.buf is None:

@@ -46,6 +46,7 @@ RECORD_DRAFTS = 512
 MIN_RECORD_DRAFTS = 32  # no judgement before this many drafts were verified
 POOR_ACCEPTANCE = 1 / 16  # below this share accepted, new requests start backed off
 PRIOR_MISSES = 2  # a new request's misses under a poor record: its first miss skips 16
+SMALL_BATCH = 8  # up to this many rows, a backing-off step's checks run on Python lists
 
 
 class Drafter:
@@ -149,11 +150,18 @@ class Drafter:
     def _none_proposes(self, req_ids: list[str], eligible: np.ndarray) -> bool:
         """Whether no request asks for drafts this step; if so, as _max_drafts would, it
         counts a step off each eligible request's back-off. Otherwise nothing changed."""
+        n = len(req_ids)
         d = self.config.disable_by_batch_size
-        if d is not None and len(req_ids) >= d:
+        if d is not None and n >= d:
             return True
         skip = self._skip
-        rows = range(len(req_ids)) if eligible.all() else np.nonzero(eligible)[0].tolist()
+        if not skip:  # nobody backs off
+            return False
+        if n <= SMALL_BATCH:  # a numpy reduction costs ~15 us here (cold after the forward)
+            flags = eligible.tolist()
+            rows = range(n) if False not in flags else [r for r in range(n) if flags[r]]
+        else:
+            rows = range(n) if eligible.all() else np.nonzero(eligible)[0].tolist()
         if not all(skip.get(req_ids[r]) for r in rows):
             return False
         for r in rows:
