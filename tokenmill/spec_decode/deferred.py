@@ -10,6 +10,11 @@ proposes from, or once MAX_DEFERRED_ROWS have gathered. At batch 1 that pass ove
 a handful of rows costs what one row costs (it reads the same weights); run every
 step it is most of what a rejected draft costs.
 
+On the CPU a waiting row is kept by reference to the step's tapped hidden states (the
+tensor the layer loop allocates afresh each step) and copied into the buffer only when
+its rows run: read right after the forward, a row costs ~20 us (the forward wrote it
+before streaming its later layers), read later with the others ~1 us.
+
 Only single-row (decode) steps wait: a prompt chunk or a verification runs at once.
 A request whose positions do not continue its waiting rows (resumed after
 preemption, a prefix-cache hit) keeps the rows before its new first position; those
@@ -37,6 +42,13 @@ MIN_DEFERRED_ROWS = 16
 _NONE = np.zeros(0, dtype=np.int64)
 
 
+def holds(runner, hidden: torch.Tensor) -> bool:
+    """Whether a step's rows of `hidden` may wait by reference: the target's taps on the
+    CPU, which run_layers allocates afresh every step (a CUDA graph's replays rewrite
+    theirs; other hidden states may be reused buffers)."""
+    return hidden.device.type == "cpu" and hidden is getattr(runner.model, "aux_hidden", None)
+
+
 class DeferredRows:
     def __init__(self, max_rows: int = MAX_DEFERRED_ROWS):
         self.max_rows = max_rows
@@ -46,6 +58,9 @@ class DeferredRows:
         self.count = np.zeros(0, dtype=np.int64)  # per slot: rows waiting
         self.buf: torch.Tensor | None = None  # [slots, max_rows, width] target hidden
         self._rows: list[torch.Tensor] | None = None  # buf's rows, as views (wait_all)
+        # slot -> (its row of the first, [(step tensor, row)]): rows held by reference,
+        # not yet in buf (wait_all with hold); they follow the slot's rows in buf.
+        self._held: dict[int, tuple[int, list[tuple[torch.Tensor, int]]]] = {}
 
     def _allocate(self, hidden: torch.Tensor) -> None:
         """The buffer, at the first row that waits (no slot holds rows yet): its rows per
@@ -83,12 +98,14 @@ class DeferredRows:
             self._rows = None
         self._free.extend(range(new - 1, old - 1, -1))
 
-    def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor) -> bool:
+    def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor,
+                 hold: bool = False) -> bool:
         """The common step of a request that backs off: a decode-only step (row i is
         request i's one row, at positions[i]) from which nothing is proposed. Every row
         waits if every request can keep one more contiguous row; -> False (nothing
         changed) otherwise, and the caller takes `step`. A loop over requests in plain
-        Python: at batch 1 a fraction of the numpy calls `step` makes."""
+        Python: at batch 1 a fraction of the numpy calls `step` makes. `hold`: keep the
+        rows as references to `hidden` (see `holds`), which nobody may change."""
         count, start, max_rows = self.count, self.start, self.max_rows
         slots = []
         for rid, pos in zip(req_ids, positions.tolist()):
@@ -102,15 +119,33 @@ class DeferredRows:
             slots.append((s, c, pos))
         if self.buf is None:
             self._allocate(hidden)
+        if hold:
+            held = self._held
+            for i, (s, c, pos) in enumerate(slots):
+                entry = held.get(s)
+                if entry is None:
+                    held[s] = (c, [(hidden, i)])
+                else:
+                    entry[1].append((hidden, i))
+                if c == 0:
+                    start[s] = pos
+                count[s] = c + 1
+            return True
         if self._rows is None:  # each row's view, made once: indexing costs more than the copy
             self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
         rows, per_slot = self._rows, self.buf.shape[1]
         for i, (s, c, pos) in enumerate(slots):
             rows[s * per_slot + c].copy_(hidden[i])
             if c == 0:
-                self.start[s] = pos
-            self.count[s] = c + 1
+                start[s] = pos
+            count[s] = c + 1
         return True
+
+    def _settle(self) -> None:
+        """Copy the rows held by reference into the buffer, a slot at a time."""
+        for s, (c0, rows) in self._held.items():
+            self.buf[s, c0:c0 + len(rows)] = torch.stack([t[i] for t, i in rows])
+        self._held.clear()
 
     def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor
                      ) -> list[list[int]] | None:
@@ -123,7 +158,7 @@ class DeferredRows:
         if positions.size != n or (n > 1 and not (np.diff(step.query_start_loc[:n + 1])
                                                   == 1).all()):
             return None
-        if not self.wait_all(req_ids, positions, hidden):
+        if not self.wait_all(req_ids, positions, hidden, holds(runner, hidden)):
             return None
         return [[] for _ in range(n)]
 
@@ -137,6 +172,8 @@ class DeferredRows:
         -> (waits [n] bool: requests whose step row was kept here, not to be run now;
             req [m], positions [m], hidden [m, W]: earlier rows to run now, before the
             step's rows of the same request)."""
+        if self._held:
+            self._settle()
         slots = self._slots(req_ids)
         st, cnt = self.start[slots], self.count[slots]
         active = counts > 0
@@ -174,5 +211,6 @@ class DeferredRows:
     def remove(self, req_id: str) -> None:
         slot = self._slot.pop(req_id, None)
         if slot is not None:
+            self._held.pop(slot, None)
             self.count[slot] = 0
             self._free.append(slot)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.spec_decode.deferred import DeferredRows
+from tokenmill.spec_decode.deferred import DeferredRows, holds
 from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
@@ -50,7 +50,7 @@ class DFlashProposer:
         if not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing: each request's one row (kept:
             # its successor was just sampled) waits, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], positions, aux):
+            if self.deferred.wait_all(batch.req_ids[:n], positions, aux, holds(runner, aux)):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         num_tokens = batch.num_tokens_no_spec[:n].astype(np.int64)

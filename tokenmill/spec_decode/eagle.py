@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.spec_decode.deferred import DeferredRows
+from tokenmill.spec_decode.deferred import DeferredRows, holds
 from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
@@ -63,7 +63,8 @@ class EagleProposer:
         if hasattr(model, "write_kv") and not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing (requests backing off, or a
             # batch too large to speculate): the rows wait, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target):
+            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target,
+                                      holds(runner, target)):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         positions = step.positions
