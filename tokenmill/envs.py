@@ -12,9 +12,6 @@ deployment can set (the README's "Environment variables" repeats it):
   machine without a C++ compiler.
 - TRITON_INTERPRET=1: Triton's interpreter (kernels run on the CPU, for tests); the
   ahead-of-time compile check refuses to run under it.
-- TOKENMILL_WEIGHT_HUGE_PAGES=0: the weights stay in the allocator's pages (by default
-  a CPU model's large tensors move into memory advised for transparent huge pages on
-  Linux: worker/huge_pages.py).
 
 Read at call time, not at import: a test that sets one sees it (the kernel module
 caches its choice; `tokenmill.kernels._forget_choice` makes it choose again).
@@ -43,8 +40,3 @@ def no_native_kernels() -> bool:
 
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def weight_huge_pages() -> bool:
-    """False with TOKENMILL_WEIGHT_HUGE_PAGES=0."""
-    return os.environ.get("TOKENMILL_WEIGHT_HUGE_PAGES", "1").strip() != "0"

@@ -26,8 +26,6 @@ import sys
 
 import torch
 
-from tokenmill import envs
-
 logger = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -110,9 +108,8 @@ def rehome_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     their method objects hold) whose storage spans at least `min_bytes` into memory
     advised for huge pages, in place: each tensor viewing that storage is pointed at
     the copy (views and ties stay shared). Call it before anything outside Python keeps
-    a tensor's address. -> bytes moved (0 where huge pages are not available, or with
-    TOKENMILL_WEIGHT_HUGE_PAGES=0)."""
-    if not sys.platform.startswith("linux") or not envs.weight_huge_pages():
+    a tensor's address. -> bytes moved (0 where huge pages are not available)."""
+    if not sys.platform.startswith("linux"):
         return 0
     found: list[torch.Tensor] = []
     for module in model.modules():
@@ -149,11 +146,9 @@ def rehome_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
 
 
 def huge_paged_copy(t: torch.Tensor, min_bytes: int = HUGE_PAGE) -> torch.Tensor:
-    """A contiguous copy of a large CPU weight in huge-page memory; `t` itself where it
-    is small, not on the CPU, huge pages are not available or the weights stay put
-    (TOKENMILL_WEIGHT_HUGE_PAGES=0)."""
-    if (not sys.platform.startswith("linux") or not envs.weight_huge_pages()
-            or t.device.type != "cpu"
+    """A contiguous copy of a large CPU tensor in huge-page memory; `t` itself where it
+    is small, not on the CPU, or huge pages are not available."""
+    if (not sys.platform.startswith("linux") or t.device.type != "cpu"
             or t.numel() * t.element_size() < min_bytes):
         return t
     new = huge_paged_empty_like(t)
