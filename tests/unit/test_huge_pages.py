@@ -1,13 +1,11 @@
-"""The KV cache's buffers and the weights are advised for transparent huge pages
-(worker/huge_pages.py)."""
+"""The KV cache's buffers are advised for transparent huge pages (worker/huge_pages.py)."""
 import re
 import sys
 
 import pytest
 import torch
 
-from tokenmill.worker.huge_pages import (HUGE_PAGE, advise_huge_pages, huge_paged_copy,
-                                         rehome_weights, zeros_huge_paged)
+from tokenmill.worker.huge_pages import HUGE_PAGE, advise_huge_pages, zeros_huge_paged
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -77,51 +75,3 @@ def test_kv_cache_buffers_are_advised():
 
 def test_small_or_foreign_tensors_are_left_alone():
     assert advise_huge_pages(torch.empty(1000)) is False  # no 2 MiB page inside
-
-
-
-class _Method:
-    """A layer's method object, as the linear methods are: tensors outside the module."""
-
-    def __init__(self, packed):
-        self.packed_weight = packed
-
-
-class _Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.big = torch.nn.Parameter(torch.randn(1536, 1024), requires_grad=False)  # 6 MiB
-        self.register_buffer("table", torch.randn(3 * 1024 * 1024 // 4 + 5))  # 3 MiB + 20 B
-        self.small = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
-        self.method = _Method(torch.randn(2048, 1024).to(torch.bfloat16))  # 4 MiB
-        self.tied = self.big.data[100:200]  # a view of big's storage, held elsewhere
-        self.head = torch.nn.Linear(1, 1)
-        self.head.weight = self.big  # the same Parameter in two modules
-
-
-@needs_thp
-def test_rehome_weights_moves_large_tensors_and_keeps_views():
-    """Every large tensor a model holds (parameters, buffers, a method object's packed
-    copy) lands on a 2 MiB boundary in advised memory with its values; a view of a
-    moved storage (a tie) follows it; small tensors stay."""
-    m = _Model()
-    before = {name: t.clone() for name, t in (("big", m.big), ("table", m.table),
-                                              ("small", m.small),
-                                              ("packed", m.method.packed_weight))}
-    small_ptr = m.small.data_ptr()
-    moved = rehome_weights(m)
-    assert moved == sum(t.numel() * t.element_size() for k, t in before.items() if k != "small")
-    for name, t in (("big", m.big), ("table", m.table), ("packed", m.method.packed_weight)):
-        assert t.data_ptr() % HUGE_PAGE == 0, name
-        assert _smaps_field(t.data_ptr(), "THPeligible") == 1, name
-        assert torch.equal(t, before[name]), name
-    assert m.small.data_ptr() == small_ptr
-    assert m.head.weight is m.big
-    assert m.tied.data_ptr() == m.big.data_ptr() + 100 * 1024 * 4  # still a view of big
-    m.big.data[150, 3] = 7.0
-    assert m.tied[50, 3] == 7.0
-
-
-def test_huge_paged_copy_leaves_small_tensors():
-    t = torch.randn(10)
-    assert huge_paged_copy(t) is t

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
-from tokenmill.worker.huge_pages import rehome_weights
-
 logger = logging.getLogger(__name__)
 
 
@@ -111,10 +109,6 @@ class Platform:
         decided per forward call afterwards. (The attention layers get their
         implementation when the runner binds the KV caches: `attention_backend`.)"""
         self.prepare_gemm_layers(model)
-        # Every weight in huge pages, before the decode loop keeps their addresses.
-        moved = rehome_weights(model)
-        if moved:
-            logger.info("weights in huge pages: %.1f MiB", moved / 2**20)
         norm_ops = self.ops if self.norm == "native" else None
         act_ops = self.ops if self.activation == "native" else None
         # The fused q/k norm + rotary goes with the native attention kernels (the native

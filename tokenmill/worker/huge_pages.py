@@ -1,4 +1,4 @@
-"""Transparent huge pages for the KV cache and the weights on Linux CPUs.
+"""Transparent huge pages for the KV cache on Linux CPUs.
 
 Decode attention reads each request's K/V from blocks scattered over a cache of
 gigabytes: with 4 KiB pages nearly every block read is a TLB miss (a CPU's TLB
@@ -10,12 +10,6 @@ cache's buffers are advised before their pages are first touched.
 Measured (python -m tokenmill.bench.attention_kernels --kernel native, bf16, head 64,
 GQA 2, one thread, 1 GiB pool, AMD EPYC Zen 4 class): batch 128 at 2,048 tokens
 23.0-23.7 ms a call with 4 KiB pages, 18.8-19.3 ms with 2 MiB pages.
-
-The weights too: a decode step streams all of them, and with 4 KiB pages it walks a
-page table for every 4 KiB it reads (and leaves the TLB cold for the host code after
-it). `rehome_weights` moves a loaded model's large tensors into advised memory: the
-bench model's decode step (one request, bf16) 2.06-2.20 -> 1.73-2.02 ms, its forward
-1.50-1.63 -> 1.30-1.46 ms (moving them without huge pages: no gain).
 """
 from __future__ import annotations
 
@@ -70,88 +64,3 @@ def zeros_huge_paged(shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
     if t.device.type == "cpu":
         advise_huge_pages(t)
     return t.zero_()
-
-
-def huge_paged_empty_like(t: torch.Tensor) -> torch.Tensor | None:
-    """An uninitialised tensor shaped and typed as `t` (contiguous), starting on a 2 MiB
-    boundary, its whole 2 MiB pages advised for huge pages (the tail keeps 4 KiB pages:
-    a huge page half used would be resident whole); None where the advice is refused
-    or `t` is smaller than a huge page."""
-    nbytes = t.numel() * t.element_size()
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    if whole == 0:
-        return None
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device=t.device)
-    start = (-raw.data_ptr()) % HUGE_PAGE
-    if not advise_huge_pages(raw[start:start + whole]):
-        return None
-    return raw[start:start + nbytes].view(t.dtype).view(t.shape)
-
-
-def _tensors_of(obj, out: list, depth: int) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors_of(v, out, depth)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors_of(v, out, depth)
-    elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(
-            obj, (torch.nn.Module, type)) and not callable(obj):
-        for v in vars(obj).values():  # a layer's method object (packed weights, scales)
-            _tensors_of(v, out, depth - 1)
-
-
-def rehome_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
-    """Copy every CPU tensor of `model` (parameters, buffers, tensors its modules and
-    their method objects hold) whose storage spans at least `min_bytes` into memory
-    advised for huge pages, in place: each tensor viewing that storage is pointed at
-    the copy (views and ties stay shared). Call it before anything outside Python keeps
-    a tensor's address. -> bytes moved (0 where huge pages are not available)."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    found: list[torch.Tensor] = []
-    for module in model.modules():
-        for v in vars(module).values():
-            _tensors_of(v, found, depth=2)
-    groups: dict[int, list[torch.Tensor]] = {}
-    for t in found:
-        # (not an opaque one, as oneDNN's prepacked weights: no storage to move)
-        if t.device.type == "cpu" and t.numel() and t.layout == torch.strided \
-                and not t.is_mkldnn and not t.is_quantized:
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    moved = 0
-    with torch.inference_mode():
-        for views in groups.values():
-            storage = views[0].untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes < min_bytes:
-                continue
-            old = torch.empty(0, dtype=torch.uint8).set_(storage)
-            new = huge_paged_empty_like(old)
-            if new is None:
-                return moved
-            new.copy_(old)
-            new_storage, base = new.untyped_storage(), new.storage_offset()
-            seen = set()
-            for t in views:
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                size = t.element_size()
-                t.set_(new_storage, base // size + t.storage_offset(), t.size(), t.stride())
-            moved += nbytes
-    return moved
-
-
-def huge_paged_copy(t: torch.Tensor, min_bytes: int = HUGE_PAGE) -> torch.Tensor:
-    """A contiguous copy of a large CPU tensor in huge-page memory; `t` itself where it
-    is small, not on the CPU, or huge pages are not available."""
-    if (not sys.platform.startswith("linux") or t.device.type != "cpu"
-            or t.numel() * t.element_size() < min_bytes):
-        return t
-    new = huge_paged_empty_like(t)
-    if new is None:
-        return t
-    return new.copy_(t)

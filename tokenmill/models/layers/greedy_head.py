@@ -14,8 +14,6 @@ import logging
 
 import torch
 
-from tokenmill.worker.huge_pages import huge_paged_copy
-
 logger = logging.getLogger(__name__)
 
 QB = 64  # int8 columns per block in the kernel's layout
@@ -75,7 +73,6 @@ class GreedyHead:
         self.dtype = lm_head.method.packed_dtype
         weight = lm_head.dense_weight().to(self.dtype)
         self.q, self.scale, self.coef, self.l1 = pack_int8_screen(weight)
-        self.q = huge_paged_copy(self.q)  # read whole every greedy step, as the weights
         self.blocks_recomputed = 0  # last call's exact 32-column blocks (tests, profiling)
         self.num_blocks = -(-lm_head.out_features // 32)
 
