@@ -3,6 +3,7 @@ while it proposes nothing, handed back in position order when it next must run t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tokenmill.spec_decode.deferred import DeferredRows
@@ -73,13 +74,14 @@ def test_unscheduled_request_keeps_its_rows():
     assert d.num_waiting("a") == 1 and d.num_waiting("b") == 2
 
 
-def test_wait_all_is_all_or_nothing():
+@pytest.mark.parametrize("hold", [False, True], ids=["copied", "held"])
+def test_wait_all_is_all_or_nothing(hold):
     d = DeferredRows(max_rows=2)
-    assert d.wait_all(["a", "b"], np.array([4, 9]), hidden_at([4, 9]))
-    assert d.wait_all(["a", "b"], np.array([5, 10]), hidden_at([5, 10]))
-    assert not d.wait_all(["a", "b"], np.array([6, 11]), hidden_at([6, 11]))  # full
+    assert d.wait_all(["a", "b"], np.array([4, 9]), hidden_at([4, 9]), hold)
+    assert d.wait_all(["a", "b"], np.array([5, 10]), hidden_at([5, 10]), hold)
+    assert not d.wait_all(["a", "b"], np.array([6, 11]), hidden_at([6, 11]), hold)  # full
     assert d.num_waiting("a") == d.num_waiting("b") == 2
-    assert not d.wait_all(["c", "a"], np.array([0, 9]), hidden_at([0, 9]))
+    assert not d.wait_all(["c", "a"], np.array([0, 9]), hidden_at([0, 9]), hold)
     assert d.num_waiting("c") == 0
     waits, req, positions, earlier = step(d, ["a", "b"], [6, 11], [1, 1], [False, False])
     assert req.tolist() == [0, 0, 1, 1] and positions.tolist() == [4, 5, 9, 10]
@@ -118,3 +120,26 @@ def test_a_wide_state_gathers_fewer_rows_per_slot():
     width = deferred.SLOT_BYTES // (4 * 32)  # 32 rows fit exactly
     middle.wait_all(["a"], np.array([0]), hidden_at([0], width=width))
     assert middle.max_rows == 32
+
+
+def test_held_rows_land_in_order_after_copied_ones_and_leave_with_their_request():
+    """Rows held by reference (the CPU taps) join rows copied earlier in position order
+    when the request's rows run, a resumed request keeps only those before its new
+    first position, and a removed request's held rows go with it (its slot comes back
+    empty for the next request)."""
+    d = DeferredRows(max_rows=8)
+    assert d.wait_all(["a", "b"], np.array([10, 30]), hidden_at([10, 30]))  # copied
+    for pos in (11, 12, 13):
+        assert d.wait_all(["a", "b"], np.array([pos, pos + 20]),
+                          hidden_at([pos, pos + 20]), hold=True)
+    assert d.num_waiting("a") == d.num_waiting("b") == 4
+    waits, req, positions, earlier = step(d, ["a"], [14], [1], [False])
+    assert positions.tolist() == [10, 11, 12, 13]
+    assert earlier[:, 0].tolist() == [10.0, 11.0, 12.0, 13.0]
+    waits, req, positions, earlier = step(d, ["b"], [32], [1], [False])  # resumed at 32
+    assert positions.tolist() == [30, 31] and earlier[:, 0].tolist() == [30.0, 31.0]
+    assert d.wait_all(["c"], np.array([5]), hidden_at([5]), hold=True)
+    d.remove("c")
+    assert d.wait_all(["e"], np.array([40]), hidden_at([40]), hold=True)
+    waits, req, positions, earlier = step(d, ["e"], [41], [1], [False])
+    assert positions.tolist() == [40] and earlier[:, 0].tolist() == [40.0]
