@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -229,9 +230,13 @@ def test_request_log_line_without_the_prompt(guarded, trusting):
 # ---- admission -------------------------------------------------------------------------
 def test_full_queue_is_503_with_retry_after(trusting):
     before = rejected(trusting.url)
+    # All six sent at once, each long enough to still run when the others arrive (on a
+    # loaded machine, 40-token requests sent as threads started could each finish first).
+    start = threading.Barrier(6)
 
     def one(i):
-        return completion(trusting.url, ENV_AUTH, f"request {i} goes", max_tokens=40,
+        start.wait(timeout=30)
+        return completion(trusting.url, ENV_AUTH, f"request {i} goes", max_tokens=160,
                           ignore_eos=True)
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, range(6)))
@@ -243,7 +248,7 @@ def test_full_queue_is_503_with_retry_after(trusting):
         assert r.headers["Retry-After"].isdigit() and int(r.headers["Retry-After"]) >= 1
     for r in results:
         if r.status_code != 503:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 160
     assert rejected(trusting.url)["overloaded"] - before["overloaded"] == len(busy)
     assert completion(trusting.url, ENV_AUTH).status_code == 200  # and it serves on
 
