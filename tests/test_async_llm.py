@@ -79,9 +79,12 @@ def test_dropped_consumer_aborts_and_frees_blocks(async_llm):
             n += 1
             if n == 2:
                 break  # the generator is closed by the async for: abort
-        # cancelled consumer
-        task = asyncio.create_task(_consume(async_llm.generate("another", params, "cancel-me")))
-        await asyncio.sleep(0.2)
+        # cancelled consumer: cancelled once its first output has come (a fixed sleep
+        # let a fast machine finish all 200 tokens first, and nothing was cancelled)
+        started = asyncio.Event()
+        task = asyncio.create_task(_consume(async_llm.generate("another", params, "cancel-me"),
+                                            started))
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -90,9 +93,10 @@ def test_dropped_consumer_aborts_and_frees_blocks(async_llm):
     assert async_llm.stats.requests_finished_total == 0
 
 
-async def _consume(gen):
+async def _consume(gen, started: asyncio.Event | None = None):
     async for _ in gen:
-        pass
+        if started is not None:
+            started.set()
 
 
 def test_after_shutdown_new_requests_fail(async_llm):
