@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.spec_decode.deferred import DeferredRows
+from tokenmill.spec_decode.deferred import DeferredRows, holds
 
 
 def hidden_at(positions, width=4):
@@ -143,3 +143,12 @@ def test_held_rows_land_in_order_after_copied_ones_and_leave_with_their_request(
     assert d.wait_all(["e"], np.array([40]), hidden_at([40]), hold=True)
     waits, req, positions, earlier = step(d, ["e"], [41], [1], [False])
     assert positions.tolist() == [40] and earlier[:, 0].tolist() == [40.0]
+
+
+def test_rows_are_held_by_reference_only_for_cpu_taps():
+    """Decided once per proposer: the target's taps on the CPU are a fresh tensor every
+    step; a CUDA graph's taps are rewritten by each replay, and a drafter reading the
+    final hidden state (MTP) gets a buffer that may be reused."""
+    assert holds(torch.device("cpu"), True)
+    assert not holds(torch.device("cpu"), False)
+    assert not holds(torch.device("cuda", 0), True)

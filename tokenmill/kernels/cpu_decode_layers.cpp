@@ -8,6 +8,8 @@
 // GatedMLP), so its output is bit-identical to theirs. The model definition
 // stays in Python, which also decides when this path applies
 // (tokenmill/models/layers/decode_layers.py).
+#include <cstring>
+
 #include "ops.h"
 #include "parallel.h"
 
@@ -49,6 +51,15 @@ enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // (models/layers/taps.py); column block j gets a copy of x as it enters layer
 // tap_layers[j] of this call (entries outside [0, layers) are left alone). Taken here,
 // one call serves a step whose taps would otherwise split the loop into several.
+// Column block j of taps [T, n * hidden] = x [T, hidden], as row copies: an ATen narrow
+// and copy_ cost microseconds of dispatch each, every step of a drafting engine.
+static void copy_tap(const torch::Tensor& x, torch::Tensor& taps, int64_t j, int64_t n) {
+  const int64_t t = x.size(0), row = x.size(1) * x.element_size();
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(taps.data_ptr()) + j * row;
+  for (int64_t r = 0; r < t; ++r) std::memcpy(dst + r * n * row, src + r * row, row);
+}
+
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<int64_t> dims, std::vector<int64_t> quant,
                             double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
@@ -68,8 +79,8 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   if (num_taps > 0) {
     TORCH_CHECK(taps.has_value() && taps->dim() == 2 && taps->size(0) == t &&
                     taps->size(1) == num_taps * hidden &&
-                    taps->scalar_type() == x.scalar_type(),
-                "decode_layers: taps must be [T, len(tap_layers) * hidden] in x's dtype");
+                    taps->scalar_type() == x.scalar_type() && taps->is_contiguous(),
+                "decode_layers: taps must be contiguous [T, len(tap_layers) * hidden] in x's dtype");
   }
   TORCH_CHECK(quant.size() == num_layers * NUM_LINEARS * 2, "decode_layers: ",
               NUM_LINEARS * 2, " quant entries per layer");
@@ -98,7 +109,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
       const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
       const int64_t* lq = quant.data() + l * NUM_LINEARS * 2;
       for (int64_t j = 0; j < num_taps; ++j)
-        if (tap_layers[j] == static_cast<int64_t>(l)) taps->narrow(1, j * hidden, hidden).copy_(x);
+        if (tap_layers[j] == static_cast<int64_t>(l)) copy_tap(x, *taps, j, num_taps);
       // Attention block: DecoderLayer.input_layernorm, Attention.forward.
       torch::Tensor h = norm(x, w[INPUT_NORM]);
       torch::Tensor qkv = linear(h, w + QKV, q_size + 2 * kv_size, lq + 2 * Q_QKV);

@@ -42,11 +42,13 @@ MIN_DEFERRED_ROWS = 16
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def holds(runner, hidden: torch.Tensor) -> bool:
-    """Whether a step's rows of `hidden` may wait by reference: the target's taps on the
-    CPU, which run_layers allocates afresh every step (a CUDA graph's replays rewrite
-    theirs; other hidden states may be reused buffers)."""
-    return hidden.device.type == "cpu" and hidden is getattr(runner.model, "aux_hidden", None)
+def holds(device: torch.device, taps: bool) -> bool:
+    """Whether a step's rows may wait by reference: the target's taps (`taps`: the rows
+    are runner.model.aux_hidden's) on the CPU, which run_layers allocates afresh every
+    step (a CUDA graph's replays rewrite theirs; other hidden states may be reused
+    buffers). Decided once per proposer: asked each step, after the forward, the test
+    cost ~8 us in cache misses."""
+    return device.type == "cpu" and taps
 
 
 class DeferredRows:
@@ -147,18 +149,19 @@ class DeferredRows:
             self.buf[s, c0:c0 + len(rows)] = torch.stack([t[i] for t, i in rows])
         self._held.clear()
 
-    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor
+    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor, hold: bool
                      ) -> list[list[int]] | None:
         """A proposer's step that proposes nothing: if it was decode-only (one row per
-        request, row i request i's), every row waits (wait_all) and -> no drafts for
-        each; None (nothing changed) otherwise, and the proposer takes its full path."""
+        request, row i request i's), every row waits (wait_all; `hold`: as its `hold`)
+        and -> no drafts for each; None (nothing changed) otherwise, and the proposer
+        takes its full path."""
         step = runner.last_step
         n = len(req_ids)
         positions = step.positions
         if positions.size != n or (n > 1 and not (np.diff(step.query_start_loc[:n + 1])
                                                   == 1).all()):
             return None
-        if not self.wait_all(req_ids, positions, hidden, holds(runner, hidden)):
+        if not self.wait_all(req_ids, positions, hidden, hold):
             return None
         return [[] for _ in range(n)]
 

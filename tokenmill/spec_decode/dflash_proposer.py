@@ -27,6 +27,7 @@ class DFlashProposer:
         self.max_model_len = max_model_len
         self.max_k = model.config.block_size - 1
         self.deferred = DeferredRows()
+        self.hold = holds(device, True)  # (its rows are always the target's taps)
         # Per request: the position after its last written context row. A block is
         # drafted only from a context that reaches its first position.
         self.context_end: dict[str, int] = {}
@@ -35,7 +36,7 @@ class DFlashProposer:
              ) -> list[list[int]] | None:
         """A step from which no request proposes: its decode rows wait (DeferredRows.
         wait_decodes); None: not such a step, and `propose` runs it."""
-        return self.deferred.wait_decodes(runner, req_ids, runner.model.aux_hidden)
+        return self.deferred.wait_decodes(runner, req_ids, runner.model.aux_hidden, self.hold)
 
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta, max_drafts: np.ndarray
@@ -50,7 +51,7 @@ class DFlashProposer:
         if not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing: each request's one row (kept:
             # its successor was just sampled) waits, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], positions, aux, holds(runner, aux)):
+            if self.deferred.wait_all(batch.req_ids[:n], positions, aux, self.hold):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         num_tokens = batch.num_tokens_no_spec[:n].astype(np.int64)

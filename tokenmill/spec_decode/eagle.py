@@ -28,6 +28,8 @@ class EagleProposer:
         self.device = device
         self.max_model_len = max_model_len
         self.deferred = DeferredRows()
+        # Rows wait by reference where they are the target's taps, on the CPU.
+        self.hold = holds(device, bool(model.aux_layer_ids))
 
     def _draft_ids(self, runner, out: torch.Tensor) -> torch.Tensor:
         """Greedy drafts; through the runner's int8-screened greedy head (the same
@@ -44,7 +46,7 @@ class EagleProposer:
         if not hasattr(model, "write_kv"):
             return None
         target = runner.model.aux_hidden if model.aux_layer_ids else hidden
-        return self.deferred.wait_decodes(runner, req_ids, target)
+        return self.deferred.wait_decodes(runner, req_ids, target, self.hold)
 
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta: AttentionMetadata,
@@ -63,8 +65,7 @@ class EagleProposer:
         if hasattr(model, "write_kv") and not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing (requests backing off, or a
             # batch too large to speculate): the rows wait, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target,
-                                      holds(runner, target)):
+            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target, self.hold):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         positions = step.positions

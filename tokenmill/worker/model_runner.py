@@ -108,6 +108,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._pooled_ready: dict[str, torch.Tensor] = {}
         self._arange = np.arange(max(max_num_batched_tokens, max_model_len) + 1, dtype=np.int64)
         self._ones = np.ones(max_num_reqs, dtype=np.int64)  # (read only: see _ones_upto)
+        self._all_rows = np.ones(max_num_reqs, dtype=bool)  # (every row may draft)
+        self._all_rows.flags.writeable = False
         # Speculative decoding: the drafter and the verifier of its drafts.
         self.draft_model = draft_model
         proposer = None

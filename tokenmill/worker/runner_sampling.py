@@ -207,9 +207,12 @@ class SamplingMixin:
         if self.drafter is not None:
             # Processors read the tokens before each position; verifying drafts would
             # need them per position: such requests go without drafts.
-            eligible = ~batch.needs_processors[:n]
-            if keep is not None:
-                eligible &= keep
+            if keep is None and n <= self._all_rows.size and batch.all_plain_greedy():
+                eligible = self._all_rows[:n]  # (the cached answer: numpy costs us here)
+            else:
+                eligible = ~batch.needs_processors[:n]
+                if keep is not None:
+                    eligible &= keep
             if self.drafter.model_proposer is not None:
                 spec_token_ids = self.drafter.propose_with_model(
                     self, self._step_hidden, self._step_meta, req_ids, eligible)

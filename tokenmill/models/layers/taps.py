@@ -47,13 +47,16 @@ class HiddenStateTaps:
                 x = step(i, x)
             return norm(x)
         if tapped is not None:
+            # (every step of a drafting engine, right after the weights were streamed:
+            # each Python object touched here is a cache miss, so as few as can be)
             width = x.shape[1]
             buf = x.new_empty(x.shape[0], len(ids) * width)
             out = norm(tapped(x, buf, ids))
-            for j, i in enumerate(ids):
-                if i == n:  # the final normed output (the loop takes layer inputs only)
-                    buf[:, j * width:(j + 1) * width].copy_(out)
-            self.aux_hidden = buf
+            if n in ids:  # the final normed output (the loop takes layer inputs only)
+                for j, i in enumerate(ids):
+                    if i == n:
+                        buf[:, j * width:(j + 1) * width].copy_(out)
+            self.__dict__["aux_hidden"] = buf  # (not nn.Module's __setattr__: its checks)
             return out
         taps: dict[int, torch.Tensor] = {}
         cuts = sorted({i for i in ids if 0 < i < n})
