@@ -50,7 +50,7 @@ from conftest import make_llm, runner_of, scheduler_of
 from test_spec_decode import (assert_no_leaks, generate, greedy,  # noqa: F401
                               mtp_checkpoint, spec_stats)
 
-from tokenmill.spec_decode.drafter import MAX_BACKOFF, MIN_RECORD_DRAFTS, PRIOR_MISSES
+from tokenmill.spec_decode.drafter import MAX_BACKOFF, MIN_RECORD_DRAFTS, PRIOR_MISSES, backoff
 
 MAX_TOKENS = 24
 
@@ -274,13 +274,14 @@ def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = 
     tokens. The adaptive drafter (spec_decode/drafter.py) asks next for one more than
     it accepted (k after a full acceptance), and after the second verification in a
     row with nothing accepted skips 4, then 16, then 64 steps. `poor_record`: the
-    requests start under a poor server-wide record (one draft, PRIOR_MISSES misses).
+    requests start under a poor server-wide record (PRIOR_MISSES misses: backed off
+    from the prompt's step on, then one draft).
     -> [(prompt, tokens before the drafts, drafts)] in each request's order."""
     out = []
     for prompt in prompts:
         num_out, next_k, misses, skip = 1, k, 0, 0
         if poor_record:
-            next_k, misses = 1, PRIOR_MISSES
+            next_k, misses, skip = 1, PRIOR_MISSES, backoff(PRIOR_MISSES)
         while num_out < max_tokens:
             if skip:
                 skip, want = skip - 1, 0

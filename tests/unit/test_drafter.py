@@ -94,11 +94,20 @@ def skipped_after_miss(d: Drafter, rid: str) -> int:
     return n
 
 
+def steps_until_drafts(d, rid) -> int:
+    """Steps the request asks for no drafts (each asks once: it counts one off)."""
+    n = 0
+    while wanted(d, rid) == 0:
+        n += 1
+    return n
+
+
 def test_new_requests_start_from_the_server_record():
     """Once the recent verifications of all requests accepted almost nothing, a new
-    request starts at one draft and its first miss skips 16 steps (not: k drafts, a
-    retry at one, then 4); requests already running keep their state; a hit resets
-    the new request as usual."""
+    request starts backed off: 16 steps without drafts (its prompt's step the first),
+    then one draft, and its first miss skips 64 steps (not: k drafts at once, a retry
+    at one, then 4); requests already running keep their state; a hit resets the new
+    request as usual."""
     d = drafter()
     assert wanted(d, "old") == 4
     d.observe(["old"], np.array([4]), np.array([2]))  # running, at k 3: it stays there
@@ -107,16 +116,15 @@ def test_new_requests_start_from_the_server_record():
         d.observe([f"r{i}"], np.array([4]), np.array([0]))
     assert d.poor_record()
     assert wanted(d, "old") == 3
+    assert steps_until_drafts(d, "new") == 16
     assert wanted(d, "new") == 1
     d.observe(["new"], np.array([1]), np.array([0]))
-    n = 0
-    while wanted(d, "new") == 0:
-        n += 1
-    assert n == 16
+    assert steps_until_drafts(d, "new") == MAX_BACKOFF
     d.add_seeded("seeded")  # its random draws follow its drafts: no record for it
     assert wanted(d, "seeded") == 4
     d.remove("seeded")
     assert "seeded" not in d._seeded
+    assert steps_until_drafts(d, "lucky") == 16
     assert wanted(d, "lucky") == 1
     d.observe(["lucky"], np.array([1]), np.array([1]))  # a hit: k grows, no back-off
     assert wanted(d, "lucky") == 2

@@ -26,11 +26,13 @@ decode rows meanwhile wait for the draft model (spec_decode/deferred.py).
 
 A new request starts from what the server has seen: while the recent verifications
 of all requests accepted almost none of their drafts (fewer than POOR_ACCEPTANCE of
-the last ~RECORD_DRAFTS), it starts at one draft, counted as PRIOR_MISSES misses in a
-row, so a miss sends it straight to the longer back-off (a drafter that does not fit
-the workload costs a few probes a request, not five); a hit resets it as usual. Not
-a seeded request: its random draws follow its drafts, so its drafts must depend on
-it (and its batch) alone for a rerun to give the same tokens.
+the last ~RECORD_DRAFTS), it starts as one that has just missed PRIOR_MISSES times in
+a row: backed off (16 steps, its prompt's step the first: no draft-model pass and
+no verifying row there), then one draft, and a miss sends it to the longest back-off
+(a drafter that does not fit the workload costs two probes a 128-token request, not
+five); a hit resets it as usual. Not a seeded request: its random draws follow its
+drafts, so its drafts must depend on it (and its batch) alone for a rerun to give
+the same tokens.
 """
 from __future__ import annotations
 
@@ -45,8 +47,14 @@ MAX_BACKOFF = 64  # steps a request whose drafts keep failing goes without draft
 RECORD_DRAFTS = 512
 MIN_RECORD_DRAFTS = 32  # no judgement before this many drafts were verified
 POOR_ACCEPTANCE = 1 / 16  # below this share accepted, new requests start backed off
-PRIOR_MISSES = 2  # a new request's misses under a poor record: its first miss skips 16
+PRIOR_MISSES = 3  # a new request's misses under a poor record (see backoff())
 SMALL_BATCH = 8  # up to this many rows, a backing-off step's checks run on Python lists
+
+
+def backoff(misses: int) -> int:
+    """Steps without drafts after `misses` verifications in a row accepted nothing:
+    none after one (a retry), then 4, 16, then MAX_BACKOFF."""
+    return 0 if misses < 2 else min(4 ** (misses - 1), MAX_BACKOFF)
 
 
 class Drafter:
@@ -84,7 +92,7 @@ class Drafter:
             else:
                 misses = self._misses[rid] = self._misses.get(rid, 0) + 1
                 if misses >= 2:
-                    self._skip[rid] = min(4 ** (misses - 1), MAX_BACKOFF)
+                    self._skip[rid] = backoff(misses)
         verified = num_drafts > 0
         self._drafted += float(num_drafts[verified].sum())
         self._accepted += float(num_accepted[verified].sum())
@@ -112,8 +120,11 @@ class Drafter:
             k = self._next_k[rid] = self.k
             # (never with adaptive off: observe keeps no record)
             if rid not in self._seeded and self.poor_record():
-                k = self._next_k[rid] = 1
+                # As after PRIOR_MISSES misses: backed off from this step, then one draft.
+                self._next_k[rid] = 1
                 self._misses[rid] = PRIOR_MISSES
+                self._skip[rid] = backoff(PRIOR_MISSES) - 1  # (this step is the first)
+                return 0
         return k
 
     def _max_drafts(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
