@@ -575,14 +575,23 @@ def test_waiting_rows_leave_the_drafts_unchanged(tiny_model_factory, tmp_path, m
             _waited.append(ok)
             return ok
         deferred.wait_all = wait_all
+        verified_waits = []  # a verification that accepted nothing: its kept row waits
+        inner_step = deferred.step
+
+        def step(req_ids, first_pos, counts, *args, _inner=inner_step, _seen=verified_waits):
+            out = _inner(req_ids, first_pos, counts, *args)
+            _seen.append(bool((out[0] & (counts > 1)).any()))
+            return out
+        deferred.step = step
         drafts = _record_drafts(llm)
         out = generate(llm, prompts, greedy(40))
-        runs.append((out, drafts, any(waited)))
+        runs.append((out, drafts, any(waited), any(verified_waits)))
         assert_no_leaks(llm)
         assert not deferred._slot  # every request's rows released
-    (out0, drafts0, waited0), (out1, drafts1, waited1) = runs
+    (out0, drafts0, waited0, vwaited0), (out1, drafts1, waited1, vwaited1) = runs
     assert out0 == out1
     assert not waited0 and waited1
+    assert not vwaited0 and vwaited1
     assert sum(map(len, (d for step in drafts1 for d in step))) > 0
     assert drafts1 == drafts0
 

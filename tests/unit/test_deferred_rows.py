@@ -37,11 +37,31 @@ def test_rows_wait_then_run_with_the_next_step_in_order():
     assert d.num_waiting("a") == 0
 
 
-def test_a_prompt_chunk_or_verification_never_waits():
+def test_a_prompt_chunk_or_accepted_verification_never_waits():
     d = DeferredRows()
     step(d, ["a"], [5], [1], [True])
     waits, req, positions, _ = step(d, ["a"], [6], [3], [True])  # 3 rows: run now
     assert not waits.any() and positions.tolist() == [5]
+    step(d, ["a"], [9], [1], [True])
+    # a verification of 2 drafts that accepted one keeps 2 rows: they run, with row 9
+    first_pos, counts = np.array([10]), np.array([3])
+    waits, req, positions, _ = d.step(["a"], first_pos, counts, np.array([True]),
+                                      hidden_at([10, 11, 12]), np.array([0]), np.array([2]))
+    assert not waits.any() and positions.tolist() == [9]
+
+
+def test_a_verification_that_accepted_nothing_waits_with_its_one_kept_row():
+    """Its rejected drafts' positions are computed again by the next steps: only the
+    first row (the verified token's) waits, and the rows go on from it in order."""
+    d = DeferredRows()
+    step(d, ["a"], [5], [1], [True])
+    waits, req, positions, _ = d.step(["a"], np.array([6]), np.array([3]), np.array([True]),
+                                      hidden_at([6, 7, 8]), np.array([0]), np.array([1]))
+    assert waits.all() and req.size == 0 and d.num_waiting("a") == 2
+    step(d, ["a"], [7], [1], [True])  # the corrected token's row: contiguous
+    waits, req, positions, earlier = step(d, ["a"], [8], [1], [False])
+    assert not waits.any() and positions.tolist() == [5, 6, 7]
+    assert earlier[:, 0].tolist() == [5.0, 6.0, 7.0]
 
 
 def test_max_rows_then_the_rows_run():

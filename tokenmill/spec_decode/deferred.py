@@ -15,7 +15,10 @@ tensor the layer loop allocates afresh each step) and copied into the buffer onl
 its rows run: read right after the forward, a row costs ~20 us (the forward wrote it
 before streaming its later layers), read later with the others ~1 us.
 
-Only single-row (decode) steps wait: a prompt chunk or a verification runs at once.
+Only a step that keeps one row of the request waits: a decode row, or a verification
+whose drafts were all rejected (its one kept row is the verified token's; the rejected
+rows' positions are computed again by later steps). A prompt chunk, or a verification
+that accepted drafts, runs at once.
 A request whose positions do not continue its waiting rows (resumed after
 preemption, a prefix-cache hit) keeps the rows before its new first position; those
 run at once, the rest are dropped (the step recomputes them).
@@ -166,11 +169,14 @@ class DeferredRows:
         return [[] for _ in range(n)]
 
     def step(self, req_ids: list[str], first_pos: np.ndarray, counts: np.ndarray,
-             wait_ok: np.ndarray, hidden: torch.Tensor, first_row: np.ndarray
+             wait_ok: np.ndarray, hidden: torch.Tensor, first_row: np.ndarray,
+             kept: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor | None]:
         """One step of n requests: request i has counts[i] rows from position
         first_pos[i], the first at row first_row[i] of the step's target hidden states
-        `hidden` [T, W]; wait_ok[i]: its row may wait (no proposal from it this step).
+        `hidden` [T, W]; wait_ok[i]: its row may wait (no proposal from it this step);
+        kept[i] (default counts): how many of its rows, from the first, continue its
+        sequence (the rest held rejected drafts); it waits only with exactly one.
 
         -> (waits [n] bool: requests whose step row was kept here, not to be run now;
             req [m], positions [m], hidden [m, W]: earlier rows to run now, before the
@@ -184,7 +190,8 @@ class DeferredRows:
         if not contiguous.all():  # keep the rows before the new first position (run now)
             cut = np.minimum(np.maximum(first_pos - st, 0), cnt)
             cnt = np.where(active & ~contiguous, cut, cnt)
-        waits = active & wait_ok & (counts == 1) & contiguous & (cnt < self.max_rows)
+        waits = (active & wait_ok & ((counts if kept is None else kept) == 1) & contiguous
+                 & (cnt < self.max_rows))
         flush = active & ~waits & (cnt > 0)
         dev = hidden.device
         req, positions, earlier = _NONE, _NONE, None

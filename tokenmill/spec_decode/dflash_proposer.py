@@ -62,10 +62,11 @@ class DFlashProposer:
         last_pos = num_tokens - 1
         cap = np.minimum(np.minimum(max_drafts, self.max_k), self.max_model_len - 1 - last_pos)
         first_row = np.minimum(qsl[:n], positions.size - 1)
-        # A request's one kept decode row waits unless it proposes now.
-        one_kept = (counts == 1) & kept[first_row]
+        # A request's one kept row (a decode row, or a verification that accepted
+        # nothing) waits unless it proposes now.
+        num_kept = np.clip(num_tokens - 1 - positions[first_row], 0, counts)
         waits, e_req, e_pos, e_hidden = self.deferred.step(
-            req_ids, positions[first_row], counts, one_kept & (cap <= 0), aux, first_row)
+            req_ids, positions[first_row], counts, cap <= 0, aux, first_row, num_kept)
         rows = np.nonzero(kept & ~waits[req])[0]
         # The rows whose context is written now: each request's earlier (waiting) rows,
         # then its kept rows of this step.

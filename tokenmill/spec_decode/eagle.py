@@ -92,8 +92,10 @@ class EagleProposer:
             # start from, as one decode query each.
             proposing = np.zeros(n, dtype=bool)
             proposing[rows] = True
+            # (a verification that accepted nothing keeps one row: it may wait)
+            kept = np.clip(offset + 1, 0, counts)
             waits, e_req, e_pos, e_hidden = self.deferred.step(
-                batch.req_ids[:n], first_pos, counts, ~proposing, target, first_row)
+                batch.req_ids[:n], first_pos, counts, ~proposing, target, first_row, kept)
             if rows.size == 0 and e_req.size == 0 and waits[req].all():
                 return drafts  # every row waits: nothing to run now
             if not waits.any() and e_req.size == 0:  # the whole step, as it is
