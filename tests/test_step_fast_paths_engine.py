@@ -106,3 +106,34 @@ def test_mixed_batch_equals_the_general_path(demo_path, monkeypatch, async_sched
     fast = _fast_equals_general(demo_path, prompts, params, monkeypatch, async_scheduling)
     assert fast[0][0][0][3] == "stop" and fast[0][0][0][4] == stop  # the stop string hit
     assert len(fast[0][2]) == 2 and fast[0][1][0][6] is not None
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_speculative_verification_equals_the_general_path(demo_path, monkeypatch, batch):
+    """n-gram drafts over repeating prompts (accepted in full, in part, not at all): a
+    small greedy batch's verification on Python lists (`_verify_greedy_small`, up to 8
+    rows; 9 takes `_verify_drafts` either way) against the general path: the same
+    outputs, the same inputs every step, the same acceptance counted."""
+    calls = []
+    inner = ModelRunner._verify_greedy_small
+
+    def counted(self, *a, **kw):
+        out = inner(self, *a, **kw)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(ModelRunner, "_verify_greedy_small", counted)
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(5, 250, int(rng.integers(3, 7))).tolist() * 6 for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "adaptive": False}  # (k drafts at every batch size: no row budget)
+    runs = []
+    for fast in (True, False):
+        calls.clear()
+        got, steps = _run(demo_path, fast, prompts, params, monkeypatch,
+                          speculative_config=spec)
+        runs.append((got, steps, sum(calls)))
+    (fast_out, fast_steps, fast_calls), (slow_out, slow_steps, slow_calls) = runs
+    assert fast_out == slow_out
+    _same_steps(fast_steps, slow_steps)
+    assert slow_calls == 0 and (fast_calls > 0) == (batch <= 8)

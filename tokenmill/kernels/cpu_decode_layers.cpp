@@ -36,6 +36,15 @@ enum Slot {
 // bf16 / fp32).
 enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 
+// Column block j of taps [T, n * hidden] = x [T, hidden], as row copies: an ATen narrow
+// and copy_ cost microseconds of dispatch each, every step of a drafting engine.
+void copy_tap(const torch::Tensor& x, torch::Tensor& taps, int64_t j, int64_t n) {
+  const int64_t t = x.size(0), row = x.size(1) * x.element_size();
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(taps.data_ptr()) + j * row;
+  for (int64_t r = 0; r < t; ++r) std::memcpy(dst + r * n * row, src + r * row, row);
+}
+
 }  // namespace
 
 // x [T, hidden] bf16 (packed bf16 linears) or fp32 (packed fp32 linears): the residual
@@ -51,15 +60,6 @@ enum QuantSlot { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // (models/layers/taps.py); column block j gets a copy of x as it enters layer
 // tap_layers[j] of this call (entries outside [0, layers) are left alone). Taken here,
 // one call serves a step whose taps would otherwise split the loop into several.
-// Column block j of taps [T, n * hidden] = x [T, hidden], as row copies: an ATen narrow
-// and copy_ cost microseconds of dispatch each, every step of a drafting engine.
-static void copy_tap(const torch::Tensor& x, torch::Tensor& taps, int64_t j, int64_t n) {
-  const int64_t t = x.size(0), row = x.size(1) * x.element_size();
-  const char* src = static_cast<const char*>(x.data_ptr());
-  char* dst = static_cast<char*>(taps.data_ptr()) + j * row;
-  for (int64_t r = 0; r < t; ++r) std::memcpy(dst + r * n * row, src + r * row, row);
-}
-
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                             std::vector<int64_t> dims, std::vector<int64_t> quant,
                             double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,

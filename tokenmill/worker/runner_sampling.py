@@ -133,6 +133,11 @@ class SamplingMixin:
                 return self._runner_output(req_ids, req_id_to_index, out, None,
                                            prompt_logprobs, {}, None)
         if step.cu_num_logits is not None:
+            if self.fast_paths and 0 < n <= WRITE_BACK_LOOP_ROWS:
+                out = self._verify_greedy_small(n, logits, sampled, discard, req_ids)
+                if out is not None:
+                    return self._runner_output(req_ids, req_id_to_index, out, None,
+                                               prompt_logprobs, {}, None)
             tokens, num_emitted, logprobs, nan_rows, vocab = self._verify_drafts(
                 logits, sampled, discard)
         else:
