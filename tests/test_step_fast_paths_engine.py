@@ -22,6 +22,7 @@ from tokenmill.worker.model_runner import ModelRunner
 
 STEP_FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "req_indices",
                "logits_indices", "discard_mask", "block_table")
+SPEC_FIELDS = ("cu_num_logits", "num_drafts")  # (None on a step without drafts)
 META_FIELDS = ("slot_block", "slot_offset", "decode_block_table", "decode_seq_lens")
 
 
@@ -37,6 +38,8 @@ def _run(path, fast: bool, prompts, params, monkeypatch, **engine):
         out = inner(*a, **kw)
         step, meta = runner.last_step, out[3]
         steps.append(([getattr(step, f).copy() for f in STEP_FIELDS]
+                      + [None if getattr(step, f) is None else getattr(step, f).copy()
+                         for f in SPEC_FIELDS]
                       + [None if getattr(meta, f) is None else getattr(meta, f).clone()
                          for f in META_FIELDS]
                       + [meta.num_decodes, len(meta.prefills)]))
@@ -111,17 +114,18 @@ def test_mixed_batch_equals_the_general_path(demo_path, monkeypatch, async_sched
 @pytest.mark.parametrize("batch", [1, 3, 9])
 def test_speculative_verification_equals_the_general_path(demo_path, monkeypatch, batch):
     """n-gram drafts over repeating prompts (accepted in full, in part, not at all): a
-    small greedy batch's verification on Python lists (`_verify_greedy_small`, up to 8
-    rows; 9 takes `_verify_drafts` either way) against the general path: the same
-    outputs, the same inputs every step, the same acceptance counted."""
-    calls = []
-    inner = ModelRunner._verify_greedy_small
-
-    def counted(self, *a, **kw):
-        out = inner(self, *a, **kw)
-        calls.append(out is not None)
-        return out
-    monkeypatch.setattr(ModelRunner, "_verify_greedy_small", counted)
+    small greedy batch's verification and its step's inputs on Python lists
+    (`_verify_greedy_small`, `_prepare_verifies`, up to 8 rows; 9 takes the general
+    path either way) against the general path: the same outputs, the same inputs
+    every step, the same acceptance counted."""
+    names = ("_verify_greedy_small", "_prepare_verifies")
+    calls = {name: [] for name in names}  # per short path: whether each call took it
+    for name in names:
+        def counted(self, *a, _inner=getattr(ModelRunner, name), _seen=calls[name], **kw):
+            out = _inner(self, *a, **kw)
+            _seen.append(out is not None)
+            return out
+        monkeypatch.setattr(ModelRunner, name, counted)
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(5, 250, int(rng.integers(3, 7))).tolist() * 6 for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -129,11 +133,12 @@ def test_speculative_verification_equals_the_general_path(demo_path, monkeypatch
             "adaptive": False}  # (k drafts at every batch size: no row budget)
     runs = []
     for fast in (True, False):
-        calls.clear()
+        for seen in calls.values():
+            seen.clear()
         got, steps = _run(demo_path, fast, prompts, params, monkeypatch,
                           speculative_config=spec)
-        runs.append((got, steps, sum(calls)))
+        runs.append((got, steps, [sum(calls[name]) for name in names]))
     (fast_out, fast_steps, fast_calls), (slow_out, slow_steps, slow_calls) = runs
     assert fast_out == slow_out
     _same_steps(fast_steps, slow_steps)
-    assert slow_calls == 0 and (fast_calls > 0) == (batch <= 8)
+    assert slow_calls == [0, 0] and all((c > 0) == (batch <= 8) for c in fast_calls)

@@ -171,6 +171,10 @@ class InputPrepMixin:
         spec = so.scheduled_spec_decode_tokens
         if so.total_num_scheduled_tokens == n and not spec and self.fast_paths:
             return self._prepare_decodes(so, n)  # every row one token
+        if spec and n <= SMALL_DECODE_ROWS and self.fast_paths:
+            out = self._prepare_verifies(so, n, spec)  # every row one token and its drafts
+            if out is not None:
+                return out
         num_sched = np.fromiter(map(so.num_scheduled_tokens.__getitem__,
                                     batch.req_ids[:n]), np.int64, n)
         num_drafts = None
@@ -253,6 +257,41 @@ class InputPrepMixin:
         return self._step_metadata(so, n, n, input_ids, positions, arange, seq_lens,
                                    req_indices, req_indices, discard, computed,
                                    self._ones_upto(n), None, None)
+
+    def _prepare_verifies(self, so: SchedulerOutput, n: int, spec: dict):
+        """_prepare_inputs for a few rows that each run one token and its drafts (a
+        speculative decode step; None: some row runs a prompt chunk): the same arrays,
+        built from Python lists, as _prepare_decodes does for plain decodes. Every
+        token of such a step samples, so the logits rows are all of them and
+        cu_num_logits is the query start locations."""
+        batch = self.input_batch
+        req_ids = batch.req_ids[:n]
+        num_sched_l = [so.num_scheduled_tokens[rid] for rid in req_ids]
+        drafts_l = [spec.get(rid, ()) for rid in req_ids]
+        if any(s != len(d) + 1 for s, d in zip(num_sched_l, drafts_l)):
+            return None
+        token_ids = batch.token_ids_cpu
+        computed_l = batch.num_computed_tokens_cpu[:n].tolist()
+        num_tokens_l = batch.num_tokens_no_spec[:n].tolist()
+        qsl, req_l, pos_l = [0], [], []
+        for r, (c, s, d) in enumerate(zip(computed_l, num_sched_l, drafts_l)):
+            if d:  # the drafts follow the row's real tokens; inputs like any other
+                token_ids[r, num_tokens_l[r]:num_tokens_l[r] + len(d)] = d
+            qsl.append(qsl[-1] + s)
+            req_l += [r] * s
+            pos_l += range(c, c + s)
+        total = qsl[-1]
+        seq_l = [c + s for c, s in zip(computed_l, num_sched_l)]
+        query_start_loc = np.array(qsl, dtype=np.int64)
+        return self._step_metadata(
+            so, n, n, np.array([token_ids[r, p] for r, p in zip(req_l, pos_l)],
+                               dtype=token_ids.dtype),
+            np.array(pos_l, dtype=np.int64), query_start_loc,
+            np.array(seq_l, dtype=np.int64), np.array(req_l, dtype=np.int64),
+            self._arange_upto(total).copy(),
+            np.array([q < t for q, t in zip(seq_l, num_tokens_l)], dtype=bool),
+            np.array(computed_l, dtype=np.int64), np.array(num_sched_l, dtype=np.int64),
+            np.array([s - 1 for s in num_sched_l], dtype=np.int64), query_start_loc.copy())
 
     def _step_metadata(self, so, n, nd, input_ids, positions, query_start_loc, seq_lens,
                        req_indices, logits_indices, discard, computed, num_sched,
