@@ -212,7 +212,7 @@ class SamplingMixin:
         if self.drafter is not None:
             # Processors read the tokens before each position; verifying drafts would
             # need them per position: such requests go without drafts.
-            if keep is None and n <= self._all_rows.size and batch.all_plain_greedy():
+            if keep is None and batch.all_plain_greedy():
                 eligible = self._all_rows[:n]  # (the cached answer: numpy costs us here)
             else:
                 eligible = ~batch.needs_processors[:n]
