@@ -337,19 +337,24 @@ def test_metrics_counters_move(server, client):
 def test_sigterm_finishes_in_flight_request_and_exits_0(server, client):
     """Last: it stops the module's server."""
     result = {}
+    started = threading.Event()
 
     def long_request():
-        stream = client.completions.create(model=MODEL, prompt="Before the end", max_tokens=60,
+        stream = client.completions.create(model=MODEL, prompt="Before the end", max_tokens=200,
                                            stream=True, extra_body={"ignore_eos": True})
-        chunks = [c for c in stream if c.choices]
+        chunks = []
+        for c in stream:
+            if c.choices:
+                chunks.append(c)
+                started.set()
         result["text_chunks"] = chunks
 
     t = threading.Thread(target=long_request)
     t.start()
-    deadline = time.monotonic() + 20
-    while metrics(server)["tokenmill:num_requests_running"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # SIGTERM once the first chunk is out: polling the running gauge every 50 ms missed a
+    # 60-token request that a fast machine finished in between.
+    assert started.wait(20)
+    assert metrics(server)["tokenmill:num_requests_running"] == 1
     os.kill(server.proc.pid, signal.SIGTERM)
     assert server.proc.wait(60) == 0
     t.join(10)
