@@ -165,6 +165,29 @@ def test_held_rows_land_in_order_after_copied_ones_and_leave_with_their_request(
     assert positions.tolist() == [40] and earlier[:, 0].tolist() == [40.0]
 
 
+def test_held_rows_of_inference_steps_mix_batch_sizes_and_survive_a_removal():
+    """As the engine holds them: each step's taps an inference tensor, steps of one row
+    (copied together) and of several (one index_put each) in one slot's order, a
+    request removed outside inference mode (its held rows land in its freed rows)
+    while another keeps its own, and a flush of one request handed back in order."""
+    d = DeferredRows(max_rows=8)
+    with torch.inference_mode():
+        assert d.wait_all(["a"], np.array([0]), hidden_at([0]), hold=True)
+        assert d.wait_all(["a", "b"], np.array([1, 20]), hidden_at([1, 20]), hold=True)
+        assert d.wait_all(["a"], np.array([2]), hidden_at([2]), hold=True)
+        assert d.wait_all(["b", "a"], np.array([21, 3]), hidden_at([21, 3]), hold=True)
+    d.remove("b")
+    with torch.inference_mode():
+        assert d.wait_all(["c"], np.array([7]), hidden_at([7]), hold=True)
+        waits, req, positions, earlier = step(d, ["a"], [4], [1], [False])
+        assert positions.tolist() == [0, 1, 2, 3]
+        assert earlier[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        waits, req, positions, earlier = step(d, ["a", "c"], [5, 8], [1, 1],
+                                              [False, False])
+        assert req.tolist() == [1] and positions.tolist() == [7]
+        assert earlier[:, 0].tolist() == [7.0]
+
+
 def test_rows_are_held_by_reference_only_for_cpu_taps():
     """Decided once per proposer: the target's taps on the CPU are a fresh tensor every
     step; a CUDA graph's taps are rewritten by each replay, and a drafter reading the
