@@ -27,10 +27,11 @@ def make_req(rid, tokens, salt=None, **sp):
     return Request(rid, tokens, SamplingParams(max_tokens=8, **sp), cache_salt=salt)
 
 
-def make_mgr(num_blocks=20, groups=1, caching=True):
+def make_mgr(num_blocks=20, groups=1, caching=True, draft_reads_next_token=False):
     spec = FullAttentionSpec(BS, 1, 8, "float32")
     cfg = KVCacheConfig(num_blocks, [KVCacheGroup([f"l{i}"], spec) for i in range(groups)])
-    return KVCacheManager(cfg, enable_caching=caching)
+    return KVCacheManager(cfg, enable_caching=caching,
+                          draft_reads_next_token=draft_reads_next_token)
 
 
 # ---- hashes -----------------------------------------------------------------------------
@@ -142,6 +143,34 @@ def test_manager_hits_cap_and_accounting():
     assert mgr.pool.num_free_blocks == free_before - 4
     mgr.free(d)
     assert mgr.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_next_token_drafter_hit_ends_at_a_confirmed_block(groups):
+    """EAGLE-3 / MTP keep K/V made at a block's last position from the token after
+    it: a hit's last block counts only where the cached block after it matches too
+    (else that position holds the token another request had there)."""
+    mgr = make_mgr(groups=groups, draft_reads_next_token=True)
+    a = make_req("a", list(range(13)))  # 3 full blocks cached
+    mgr.allocate_slots(a, 13, *mgr.get_computed_blocks(a))
+    # Diverging right after block 1: block 1's last position read a's token 8.
+    b = make_req("b", list(range(8)) + [99, 98, 97, 96, 95])
+    assert mgr.get_computed_blocks(b)[1] == 4
+    # The same prompt: blocks 0 and 1 confirmed by 1 and 2; block 2 has no cached
+    # successor (a's 4th block was never full).
+    hit, n = mgr.get_computed_blocks(make_req("c", list(range(13))))
+    assert n == 8 and [len(h) for h in hit] == [2] * groups
+    # A prompt of exactly 3 blocks: its last block holds its last token (never a hit)
+    # and confirms block 1.
+    assert mgr.get_computed_blocks(make_req("d", list(range(12))))[1] == 8
+    # One block cached: nothing confirms it.
+    e = make_req("e", [7, 7, 7, 7, 7])
+    mgr.allocate_slots(e, 5, *mgr.get_computed_blocks(e))
+    assert mgr.get_computed_blocks(make_req("f", [7, 7, 7, 7, 7, 7]))[1] == 0
+    plain = make_mgr(groups=groups)  # without the rule: as before
+    a2 = make_req("a2", list(range(13)))
+    plain.allocate_slots(a2, 13, *plain.get_computed_blocks(a2))
+    assert plain.get_computed_blocks(b)[1] == 8
 
 
 def test_manager_refuses_when_hits_and_new_blocks_do_not_fit():

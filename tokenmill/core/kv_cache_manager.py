@@ -56,8 +56,14 @@ class KVCacheManager:
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = False,
-                 state_snapshot_interval: int = 256):
+                 state_snapshot_interval: int = 256, draft_reads_next_token: bool = False):
+        """`draft_reads_next_token`: a draft model (EAGLE-3, MTP) keeps K/V in these
+        blocks that it made at each position p from the token at p + 1, so a cached
+        block's last position holds what the request that wrote it had after the
+        block: a hit ends one block short of the longest cached run (vLLM's rule for
+        EAGLE), its last block confirmed by the cached block after it."""
         self.config = kv_cache_config
+        self.draft_reads_next_token = draft_reads_next_token
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.groups)
         self.block_groups = [i for i, g in enumerate(kv_cache_config.groups) if g.is_attention]
@@ -131,7 +137,8 @@ class KVCacheManager:
         # The last token is always computed: its logits give the next token.
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         ids = {gid: [] for gid in self.block_groups}
-        num = max_blocks
+        # (a draft model reading the next token: one block further, to confirm the last)
+        num = len(hashes) if self.draft_reads_next_token else max_blocks
         # Full groups: the longest run of cached blocks from the start (each group
         # can only shorten it).
         for gid in self.block_groups:
@@ -143,6 +150,8 @@ class KVCacheManager:
                     break
                 ids[gid].append(b)
             num = len(ids[gid])
+        if self.draft_reads_next_token:
+            num = min(max_blocks, max(0, num - 1))
         # Sliding groups need only the blocks inside the window of the first token
         # to compute. The rule: a hit of n blocks needs, in each sliding group, blocks
         # first_needed_block(n * block_size) .. n - 1 cached (those before stay null);

@@ -40,6 +40,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Slots past a request's tokens that a draft model writes K/V into while proposing.
     num_lookahead_tokens: int = 0
+    # A draft model whose K/V at p read the token at p + 1 (EAGLE-3, MTP): prefix
+    # hits end a confirmed block short (KVCacheManager).
+    draft_reads_next_token: bool = False
     # Async scheduling (set by the engine core): with speculation, a decode step
     # reserves draft slots the runner fills with its own drafts (_num_spec_slots).
     async_scheduling: bool = False
@@ -79,13 +82,15 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = KVCacheManager(kv_cache_config,
                                                bool(config.enable_prefix_caching),
-                                               config.state_snapshot_interval)
+                                               config.state_snapshot_interval,
+                                               config.draft_reads_next_token)
         # The scheduler half of the KV connector: which blocks to load and store.
         self.connector = None
         if kv_connector is not None:
             from tokenmill.kv_connector.connector import KVConnectorScheduler
             self.connector = KVConnectorScheduler(kv_connector, kv_cache_config.block_size,
-                                                  kv_cache_config.attention_group_id)
+                                                  kv_cache_config.attention_group_id,
+                                                  config.draft_reads_next_token)
             if self.kv_cache_manager.snapshots is not None:  # hybrids: states ride along
                 self.connector.local_snapshot = self.kv_cache_manager.local_snapshot_slot
         self.requests: dict[str, Request] = {}

@@ -230,6 +230,7 @@ class EngineSetup:
                                            args.enable_prefix_caching,
                                            spec.num_speculative_tokens if spec else 0,
                                            spec.num_lookahead_tokens if spec else 0)
+        scheduler_config.draft_reads_next_token = bool(spec and spec.drafter_reads_next_token)
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget

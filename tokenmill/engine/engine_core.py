@@ -143,6 +143,7 @@ class EngineCore:
         # Prefix caching (None: on unless hybrid).
         scheduler_config.enable_prefix_caching = resolve_prefix_caching(
             scheduler_config.enable_prefix_caching, self.kv_cache_config)
+        self.runner.prefix_caching = bool(scheduler_config.enable_prefix_caching)
         # With speculation, async steps reserve draft slots the runner fills.
         scheduler_config.async_scheduling = async_scheduling
         if async_scheduling and speculative_config is not None:  # (TP: rank 0 sends them)

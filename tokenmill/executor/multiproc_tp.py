@@ -377,6 +377,15 @@ class MultiprocTPExecutor:
         self.runner.keep_own_drafts = keep
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.runner.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        """(EngineCore) rank 0 holds the draft model and the rows it keeps waiting."""
+        self.runner.prefix_caching = on
+
+    @property
     def max_num_batched_tokens(self) -> int:
         """(sizing a sliding-window group's blocks per sequence: one step's tokens)"""
         return self.runner.max_num_batched_tokens

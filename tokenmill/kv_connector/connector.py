@@ -172,10 +172,15 @@ class _ReqState:
 
 
 class KVConnectorScheduler:
-    def __init__(self, connector: KVConnector, block_size: int, group_id: int):
+    def __init__(self, connector: KVConnector, block_size: int, group_id: int,
+                 confirm_last_block: bool = False):
+        """`confirm_last_block`: a draft model's K/V at a block's last position read the
+        token after the block (EAGLE-3, MTP: KVCacheManager's draft_reads_next_token),
+        so a hit's last block counts only where the tier holds the block after it."""
         self.connector = connector
         self.block_size = block_size
         self.group_id = group_id
+        self.confirm_last_block = confirm_last_block
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[KVLoad] = []
         # block hash -> indices of stores known to hold it
@@ -274,13 +279,19 @@ class KVConnectorScheduler:
         stats.lookups += 1
         stats.lookup_tokens += (max_load - start) * bs
         geometry = self.connector.geometry
+        confirm = self.confirm_last_block
         if geometry.sliding_window is None:
             end = start
-            while end < max_load and any(p[end] for p in present):
+            limit = num_prompt_blocks if confirm else max_load
+            while end < limit and any(p[end] for p in present):
                 end += 1
+            if confirm:  # (the block after the last: held, or the last is dropped)
+                end = max(start, min(max_load, end - 1))
             load_start = start
         else:
             end, load_start = self._sliding_hit(present, start, max_load)
+            if confirm:  # (no block past max_load is looked at here: drop the last)
+                end = end - 1 if end - 1 > load_start else start
         # A chain entry missing while a later one is there was lost (evicted, deleted).
         if end < max_load:
             for si, found in enumerate(held):

@@ -100,6 +100,13 @@ class SpeculativeConfig:
             return 0
         return self.num_speculative_tokens + (self.method == "dflash")
 
+    @property
+    def drafter_reads_next_token(self) -> bool:
+        """Whether the draft model's K/V at position p is made from the token at p + 1
+        (EAGLE-3 and MTP: the embedding of the next token beside the target's state at
+        p); DFlash's context is the target's state alone."""
+        return self.method in ("eagle3", "mtp")
+
     def describe(self) -> str:
         s = f"{self.method}, k={self.num_speculative_tokens}"
         if self.method == "ngram":

@@ -19,6 +19,9 @@ Only a step that keeps one row of the request waits: a decode row, or a verifica
 whose drafts were all rejected (its one kept row is the verified token's; the rejected
 rows' positions are computed again by later steps). A prompt chunk, or a verification
 that accepted drafts, runs at once.
+With prefix caching, a request that finishes or is preempted has its waiting rows
+in full blocks written at once (`take_cached`): those blocks stay cached, and a
+later request that hits them reads the drafter's data there as a cold run wrote it.
 A request whose positions do not continue its waiting rows (resumed after
 preemption, a prefix-cache hit) keeps the rows before its new first position; those
 run at once, the rest are dropped (the step recomputes them).
@@ -232,6 +235,50 @@ class DeferredRows:
             self.start[slots[w]] = np.where(cnt[w] == 0, first_pos[w], st[w])
             self.count[slots[w]] = cnt[w] + 1
         return waits, req, positions, earlier
+
+    def take(self, req_ids: list[str], rows: list[int]
+             ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """Every waiting row of these requests (batch rows `rows`), no longer waiting:
+        (req [m]: their batch rows, positions [m], hidden [m, W]; None: none wait)."""
+        if self._held:
+            self._settle()
+        got = [(self._slot[rid], r) for rid, r in zip(req_ids, rows)
+               if rid in self._slot and self.count[self._slot[rid]]]
+        if not got:
+            return _NONE, _NONE, None
+        slots = np.array([s for s, _ in got], dtype=np.int64)
+        fc = self.count[slots]
+        req = np.repeat(np.array([r for _, r in got], dtype=np.int64), fc)
+        within = np.arange(req.size) - np.repeat(np.cumsum(fc) - fc, fc)
+        positions = np.repeat(self.start[slots], fc) + within
+        dev = self.buf.device
+        hidden = self.buf[torch.from_numpy(np.repeat(slots, fc)).to(dev),
+                          torch.from_numpy(within).to(dev)]
+        self.count[slots] = 0
+        return req, positions, hidden
+
+    def take_cached(self, runner, req_ids: list[str]
+                    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """`take` for requests that finish or are preempted with prefix caching on: their
+        full blocks stay cached, and a later request (the next turn of a conversation)
+        may hit them, so the drafter's rows there must be written first; the rows of a
+        last, partial block (never cached) are dropped. Requests still in the batch."""
+        batch = runner.input_batch
+        index = batch.req_id_to_index
+        ids = [rid for rid in req_ids if rid in index and self.num_waiting(rid)]
+        if not ids:
+            return _NONE, _NONE, None
+        req, positions, hidden = self.take(ids, [index[rid] for rid in ids])
+        bs = runner.kv_cache_config.block_size
+        # (the target computed every position before the request's last token)
+        full = (batch.num_tokens_no_spec[req].astype(np.int64) - 1) // bs * bs
+        keep = positions < full
+        if keep.all():
+            return req, positions, hidden
+        if not keep.any():
+            return _NONE, _NONE, None
+        rows = np.nonzero(keep)[0]
+        return req[rows], positions[rows], hidden[torch.from_numpy(rows).to(hidden.device)]
 
     def remove(self, req_id: str) -> None:
         slot = self._slot.pop(req_id, None)

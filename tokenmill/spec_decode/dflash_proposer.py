@@ -107,6 +107,21 @@ class DFlashProposer:
         return _by_draft_group(runner, lambda builder, table: self.model.block_metas(
             builder, table, rows, positions, k))
 
+    @torch.inference_mode()
+    def flush(self, runner, req_ids: list[str]) -> None:
+        """Write the context of these requests' waiting rows in full blocks now: they
+        finish or are preempted, and with prefix caching their blocks may be hit
+        (DeferredRows.take_cached). A preempted request's context is rebuilt as it
+        recomputes: its end is forgotten."""
+        req, pos, hidden = self.deferred.take_cached(runner, req_ids)
+        for rid in req_ids:
+            self.context_end.pop(rid, None)
+        if hidden is None:
+            return
+        meta = _by_draft_group(runner, lambda builder, table: {
+            None: builder.write_only(table, req, pos)})[None]
+        self.model.write_context(hidden, torch.from_numpy(pos).to(self.device), meta)
+
     def remove(self, req_id: str) -> None:
         """The context lives in the paged cache; only the bookkeeping and waiting rows."""
         self.context_end.pop(req_id, None)

@@ -166,6 +166,22 @@ class EagleProposer:
         self.model.write_kv(ids, pos, combined, meta)
         return ids, pos, combined, index
 
+    @torch.inference_mode()
+    def flush(self, runner, req_ids: list[str]) -> None:
+        """Write the K/V of these requests' waiting rows in full blocks now: they finish
+        or are preempted, and with prefix caching their blocks may be hit
+        (DeferredRows.take_cached)."""
+        req, pos, hidden = self.deferred.take_cached(runner, req_ids)
+        if hidden is None:
+            return
+        dev = self.device
+        batch = runner.input_batch
+        ids = batch.token_ids_cpu[req, pos + 1].astype(np.int64)  # (pos + 1 was sampled)
+        gid = runner.draft_group_id
+        meta = runner.attn_builders[gid].write_only(batch.block_tables[gid], req, pos)
+        self.model.write_kv(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
+                            self.model.combine_target_hidden(hidden), meta)
+
     def remove(self, req_id: str) -> None:
         """The drafter's K/V lives in the target's paged cache; only the rows that wait."""
         self.deferred.remove(req_id)

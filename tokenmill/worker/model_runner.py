@@ -95,6 +95,9 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         # Set by the engine core under async scheduling with speculation (synchronous
         # steps get their drafts from the scheduler: nothing to keep).
         self.keep_own_drafts = False
+        # Set by the engine core: a finished or preempted request's blocks may stay
+        # cached, so its draft model's waiting rows are written first (_write_drafter_rows).
+        self.prefix_caching = False
         self.step_drafts: dict[str, list[int]] = {}  # the drafts of the step executed last
         self.last_attn_meta: AttentionMetadata | None = None
         # (logits, discard_mask, sampled ids or None) between execute_model and sample_tokens
@@ -257,8 +260,17 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
             else:
                 self._next_drafts.pop(rid, None)
 
+    def _write_drafter_rows(self, req_ids) -> None:
+        """Requests that finish or are preempted (still in the batch): with prefix
+        caching their full blocks stay cached for later hits, so the rows their draft
+        model kept waiting are written there now (spec_decode/deferred.py)."""
+        if (req_ids and self.prefix_caching and self.drafter is not None
+                and self.drafter.model_proposer is not None):
+            self.drafter.model_proposer.flush(self, list(req_ids))
+
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
+        self._write_drafter_rows(req_ids)
         for rid in req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)

@@ -90,6 +90,8 @@ class InputPrepMixin:
         batch = self.input_batch
         for h in so.free_encoder_hashes:
             self.encoder_cache.pop(h, None)
+        if so.finished_req_ids or so.preempted_req_ids:
+            self._write_drafter_rows([*so.finished_req_ids, *so.preempted_req_ids])
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
