@@ -167,6 +167,20 @@ def test_engine_sizes_the_cache_from_the_spec(tm):
     assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.pool.num_blocks == 21
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_cache_holds_the_running_sequences_and_with_prefix_caching_as_much_again(
+        tm, prefix_caching):
+    """A budget larger than needed: blocks for max_num_seqs sequences of max_model_len
+    (plus the null block); with prefix caching twice that, so that finished requests'
+    blocks stay cached beside a full batch (a lone request at max_model_len would
+    otherwise evict the prompt blocks its successor hits)."""
+    llm = make_llm(tm.path, block_size=8, max_model_len=64, max_num_seqs=2,
+                   kv_cache_memory=1 << 30, enable_prefix_caching=prefix_caching)
+    per_seq = 64 // 8
+    want = (2 if prefix_caching else 1) * 2 * per_seq + 1
+    assert runner_of(llm).kv_cache_config.num_blocks == want
+
+
 def test_padded_page_smaller_than_real_is_rejected():
     spec = FullAttentionSpec(BS, 2, 32, "float32", page_size_padded=16)
     with pytest.raises(ValueError, match="page_size_padded"):

@@ -37,12 +37,14 @@ class EngineStepError(EngineDeadError):
 def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: int,
                          max_model_len: int, device: torch.device,
                          state_slots_per_seq: int = 1,
-                         state_snapshots: bool = False) -> KVCacheConfig:
+                         state_snapshots: bool = False,
+                         prefix_caching: bool = False) -> KVCacheConfig:
     """`state_slots_per_seq`: recurrent-state slots each sequence owns (1 + the drafts
     of a step under speculative decoding: one state after each verified token).
     `state_snapshots`: a hybrid with prefix caching: slots for its state snapshots too
     (`cache.num_state_snapshots`, or by default 4 per sequence, at most a quarter of the
-    budget), out of the same budget."""
+    budget), out of the same budget. `prefix_caching`: room for cached blocks beside
+    the running sequences' (see below)."""
     specs = runner.get_kv_cache_spec(cache.block_size)
     # Layers with equal specs share a group and its block table (full attention,
     # each sliding window, the recurrent state: kv_cache_spec.group_layer_specs).
@@ -65,8 +67,11 @@ def make_kv_cache_config(runner: ModelRunner, cache: CacheConfig, max_num_seqs: 
                            cache.block_size) + 1)
         if isinstance(g.spec, SlidingWindowSpec) else full_len
         for g in groups if g.is_attention)
-    # Enough for every sequence at full length, plus the null block: more is waste.
-    useful = max_num_seqs * per_seq + 1
+    # Enough for every sequence at full length, plus the null block; with prefix caching
+    # as much again, where finished requests' blocks stay cached (else every block is
+    # in use by a full batch, and a lone request at max_model_len evicts the prompt
+    # blocks its successor would hit: a speculative engine's lookahead slots did).
+    useful = (2 if prefix_caching else 1) * max_num_seqs * per_seq + 1
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
         if not isinstance(num_blocks, int) or num_blocks < 2:
@@ -131,7 +136,8 @@ class EngineCore:
             self.runner, cache_config, scheduler_config.max_num_seqs,
             model_config.max_model_len, model_config.device,
             1 + (speculative_config.num_speculative_tokens if speculative_config else 0),
-            state_snapshots=scheduler_config.enable_prefix_caching is not False)
+            state_snapshots=scheduler_config.enable_prefix_caching is not False,
+            prefix_caching=scheduler_config.enable_prefix_caching is not False)
         # The external KV tier (tokenmill.kv_connector): its stores, shared by the
         # scheduler's half and the runner's.
         self.kv_connector = make_kv_connector(kv_connector_config, model_config,
