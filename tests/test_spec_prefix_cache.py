@@ -12,12 +12,9 @@ hit must not change them.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
-from test_spec_decode import _random_draft, generate, greedy
+from test_spec_decode import _random_draft, generate, greedy, hybrid  # noqa: F401 (fixture)
 
 from conftest import make_llm, record_model_drafts, runner_of, scheduler_of
 
@@ -37,16 +34,6 @@ def _engine(tm, draft, method, **kw):
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory):
     return tiny_model_factory("qwen3_headdim")
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """A Qwen3.5 (Gated DeltaNet) target: its hits resume from state snapshots."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))
-    from test_hybrid_parity import HYBRID_SPECS, HybridModel, build_hybrid
-    arch, overrides = HYBRID_SPECS["qwen3_5"]
-    path = str(tmp_path_factory.mktemp("hybrid_spec_prefix"))
-    return HybridModel("qwen3_5", path, arch, build_hybrid(path, arch, overrides))
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
