@@ -334,6 +334,9 @@ def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method
     try:
         rank0 = runner_of(llm).runner
         assert rank0.draft_model is not None
+        # (rank 0 writes its waiting drafter rows before cached blocks can be hit)
+        assert rank0.prefix_caching is bool(scheduler_of(llm).config.enable_prefix_caching)
+        assert rank0.prefix_caching
         assert type(rank0.drafter.model_proposer).__name__ in ("EagleProposer",
                                                                "DFlashProposer")
         if drafts == "oracle":
