@@ -148,29 +148,39 @@ def test_manager_hits_cap_and_accounting():
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_next_token_drafter_hit_ends_at_a_confirmed_block(groups):
     """EAGLE-3 / MTP keep K/V made at a block's last position from the token after
-    it: a hit's last block counts only where the cached block after it matches too
-    (else that position holds the token another request had there)."""
+    it: a hit's last block counts only where that token is the one its writer had
+    (the cached block after it matches, or the token recorded with it, once sampled,
+    is the new request's); else the hit ends a block earlier."""
     mgr = make_mgr(groups=groups, draft_reads_next_token=True)
     a = make_req("a", list(range(13)))  # 3 full blocks cached
     mgr.allocate_slots(a, 13, *mgr.get_computed_blocks(a))
     # Diverging right after block 1: block 1's last position read a's token 8.
     b = make_req("b", list(range(8)) + [99, 98, 97, 96, 95])
     assert mgr.get_computed_blocks(b)[1] == 4
-    # The same prompt: blocks 0 and 1 confirmed by 1 and 2; block 2 has no cached
-    # successor (a's 4th block was never full).
-    hit, n = mgr.get_computed_blocks(make_req("c", list(range(13))))
-    assert n == 8 and [len(h) for h in hit] == [2] * groups
-    # A prompt of exactly 3 blocks: its last block holds its last token (never a hit)
-    # and confirms block 1.
-    assert mgr.get_computed_blocks(make_req("d", list(range(12))))[1] == 8
-    # One block cached: nothing confirms it.
-    e = make_req("e", [7, 7, 7, 7, 7])
-    mgr.allocate_slots(e, 5, *mgr.get_computed_blocks(e))
-    assert mgr.get_computed_blocks(make_req("f", [7, 7, 7, 7, 7, 7]))[1] == 0
-    plain = make_mgr(groups=groups)  # without the rule: as before
+    plain = make_mgr(groups=groups)  # without the rule: 8
     a2 = make_req("a2", list(range(13)))
     plain.allocate_slots(a2, 13, *plain.get_computed_blocks(a2))
     assert plain.get_computed_blocks(b)[1] == 8
+    # Diverging inside block 3 (token 12 equal): block 2 confirmed by the recorded 12.
+    hit, n = mgr.get_computed_blocks(make_req("c", list(range(13)) + [77]))
+    assert n == 12 and [len(h) for h in hit] == [3] * groups
+    # A prompt of exactly 3 blocks: its last token is always computed (2 blocks hit).
+    assert mgr.get_computed_blocks(make_req("d", list(range(12))))[1] == 8
+    # The token after a block not sampled yet when the block is registered: recorded
+    # with the request's next step, or when it is freed.
+    for follow, step in ((6, True), (9, True), (6, False)):
+        m = make_mgr(groups=groups, draft_reads_next_token=True)
+        g = make_req("g", [5] * 8)  # exactly 2 blocks: the token after block 1 unknown
+        m.allocate_slots(g, 8, *m.get_computed_blocks(g))
+        g.num_computed_tokens = 8
+        h = make_req("h", [5] * 8 + [6, 1, 2])
+        assert m.get_computed_blocks(h)[1] == 4
+        g.output_token_ids.append(follow)
+        if step:
+            m.allocate_slots(g, 1)
+        else:
+            m.free(g)
+        assert m.get_computed_blocks(h)[1] == (8 if follow == 6 else 4)
 
 
 def test_manager_refuses_when_hits_and_new_blocks_do_not_fit():

@@ -17,6 +17,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_at(request: Request, j: int) -> int:
+    """The request's token at index j (prompt, then output)."""
+    prompt = request.prompt_token_ids
+    return prompt[j] if j < len(prompt) else request.output_token_ids[j - len(prompt)]
+
+
 class KVCacheManager:
     """Attention groups: each request holds a growing list of blocks per group, entry i
     for its positions [i * block_size, (i + 1) * block_size).
@@ -60,10 +66,19 @@ class KVCacheManager:
         """`draft_reads_next_token`: a draft model (EAGLE-3, MTP) keeps K/V in these
         blocks that it made at each position p from the token at p + 1, so a cached
         block's last position holds what the request that wrote it had after the
-        block: a hit ends one block short of the longest cached run (vLLM's rule for
-        EAGLE), its last block confirmed by the cached block after it."""
+        block. A hit's last block counts only where the token after it is the one its
+        writer had: the cached block after it matches too (its hash covers that token),
+        or the token recorded with it (`_next_token`, the writer's, once known) is the
+        new request's. Else the hit ends a block earlier (vLLM drops the last hit block
+        for EAGLE unconditionally)."""
         self.config = kv_cache_config
         self.draft_reads_next_token = draft_reads_next_token
+        # Per block id: the token after the block in the request that registered it
+        # (None: not known yet); per request: its registered blocks still waiting for
+        # that token ((block index, ids in each group)).
+        self._next_token: list[int | None] | None = (
+            [None] * kv_cache_config.num_blocks if draft_reads_next_token else None)
+        self._unconfirmed: dict[str, tuple[int, list[int]]] = {}
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.groups)
         self.block_groups = [i for i, g in enumerate(kv_cache_config.groups) if g.is_attention]
@@ -150,8 +165,13 @@ class KVCacheManager:
                     break
                 ids[gid].append(b)
             num = len(ids[gid])
-        if self.draft_reads_next_token:
-            num = min(max_blocks, max(0, num - 1))
+        if self.draft_reads_next_token and num:
+            # (past max_blocks the next block matched: its hash covers the token)
+            if num <= max_blocks and any(
+                    self._next_token[ids[gid][num - 1]] != _token_at(request, num * self.block_size)
+                    for gid in self.block_groups if gid not in self.sliding):
+                num -= 1
+            num = min(num, max_blocks)
         # Sliding groups need only the blocks inside the window of the first token
         # to compute. The rule: a hit of n blocks needs, in each sliding group, blocks
         # first_needed_block(n * block_size) .. n - 1 cached (those before stay null);
@@ -446,6 +466,8 @@ class KVCacheManager:
         """Register the request's full blocks up to `num_tokens` (written by the
         step being scheduled, or earlier) that are not registered yet."""
         rid = request.request_id
+        if rid in self._unconfirmed:
+            self._record_next_token(request)
         start = self.num_cached_blocks.get(rid, 0)
         if num_tokens // self.block_size <= start:
             return
@@ -455,8 +477,33 @@ class KVCacheManager:
             group_blocks = blocks[gid]
             for i in range(start, end):
                 if group_blocks[i] != BlockPool.NULL_BLOCK:  # (a window left it unwritten)
-                    self.pool.cache_block(group_blocks[i], (gid, hashes[i]))
+                    if self.pool.cache_block(group_blocks[i], (gid, hashes[i])) and \
+                            self._next_token is not None:
+                        self._note_next_token(request, i, group_blocks[i])
         self.num_cached_blocks[rid] = end
+
+    def _note_next_token(self, request: Request, i: int, block: int) -> None:
+        """Block `block` (index i of `request`) was registered: the token after it, or
+        (not sampled yet) a note to record it when it is."""
+        j = (i + 1) * self.block_size
+        if j < request.num_tokens:
+            self._next_token[block] = _token_at(request, j)
+            return
+        self._next_token[block] = None
+        rid = request.request_id
+        index, ids = self._unconfirmed.get(rid, (i, []))
+        self._unconfirmed[rid] = (i, (ids if index == i else []) + [block])
+
+    def _record_next_token(self, request: Request) -> None:
+        """The token after the request's last registered block, if sampled since (the
+        drafter wrote that block's last K/V from it)."""
+        i, ids = self._unconfirmed[request.request_id]
+        j = (i + 1) * self.block_size
+        if j < request.num_tokens:
+            token = _token_at(request, j)
+            for b in ids:
+                self._next_token[b] = token
+            del self._unconfirmed[request.request_id]
 
     # ---- external loads (tokenmill.kv_connector) --------------------------------------
     def mark_loading(self, block_ids: list[int]) -> None:
@@ -549,6 +596,9 @@ class KVCacheManager:
         return num_blocks * self.block_size
 
     def free(self, request: Request) -> None:
+        if request.request_id in self._unconfirmed:  # (its last token may follow a block)
+            self._record_next_token(request)
+            self._unconfirmed.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self._match_end.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
