@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from test_spec_decode import _random_draft, generate, greedy, hybrid  # noqa: F401 (fixture)
 
 from conftest import make_llm, record_model_drafts, runner_of, scheduler_of
@@ -29,6 +30,22 @@ def _engine(tm, draft, method, **kw):
     # warm engine's later requests backed off, the cold one's not).
     runner.drafter.poor_record = lambda: False
     return llm, record_model_drafts(runner)
+
+
+def _record_draft_hidden(llm) -> list:
+    """The draft model's output hidden states at every proposal (what its head takes the
+    argmax of): EAGLE-3's forward, DFlash's block pass."""
+    model = runner_of(llm).drafter.model_proposer.model
+    seen = []
+    name = "draft_hidden" if hasattr(model, "draft_hidden") else "forward"
+    inner = getattr(model, name)
+
+    def call(*args, **kw):
+        out = inner(*args, **kw)
+        seen.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+        return out
+    setattr(model, name, call)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +82,19 @@ def test_the_next_turn_of_a_conversation_drafts_as_in_a_cold_engine(
     assert sum(taken) > 0  # rows that waited were written as turn 1 finished
     second = first + list(reply) + rng.integers(0, tiny.vocab_size, 5).tolist()
     warm_drafts.clear()
+    warm_hidden = _record_draft_hidden(warm)
     out_warm = generate(warm, [second], greedy(12))
     hits = scheduler_of(warm).kv_cache_manager.prefix_cache_stats.hits
     assert hits >= (16 if target == "hybrid" else 40)
     cold, cold_drafts = _engine(tiny, draft, method)
+    cold_hidden = _record_draft_hidden(cold)
     assert generate(cold, [second], greedy(12)) == out_warm
     assert warm_drafts and warm_drafts == cold_drafts
+    # Not only the argmax: the draft model's outputs themselves (fp32; its K/V or
+    # context written in passes of other row counts rounds alike to ~1e-6).
+    assert len(warm_hidden) == len(cold_hidden) > 0
+    for w, c in zip(warm_hidden, cold_hidden):
+        assert torch.allclose(w, c, atol=1e-5, rtol=1e-5), (w - c).abs().max()
 
 
 def test_an_eagle_hit_stops_before_a_block_another_token_followed(tiny, tmp_path):

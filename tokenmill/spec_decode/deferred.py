@@ -212,15 +212,7 @@ class DeferredRows:
         req, positions, earlier = _NONE, _NONE, None
         if flush.any():
             f = np.nonzero(flush)[0]
-            fc = cnt[f]
-            req = np.repeat(f, fc)
-            within = np.arange(req.size) - np.repeat(np.cumsum(fc) - fc, fc)
-            positions = st[req] + within
-            if f.size == 1:  # one request's rows lie together: a view, not a gather
-                earlier = self.buf[int(slots[f[0]]), :int(fc[0])]
-            else:
-                earlier = self.buf[torch.from_numpy(slots[req]).to(dev),
-                                   torch.from_numpy(within).to(dev)]
+            req, positions, earlier = self._rows_of(slots[f], cnt[f], f)
         self.count[slots[active & ~waits]] = 0
         w = np.nonzero(waits)[0]
         if w.size:
@@ -236,6 +228,20 @@ class DeferredRows:
             self.count[slots[w]] = cnt[w] + 1
         return waits, req, positions, earlier
 
+    def _rows_of(self, slots: np.ndarray, counts: np.ndarray, owners: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """The first counts[i] waiting rows of slot slots[i] (settled): (owners[i] for each
+        row, positions, hidden [m, W]); one slot's rows lie together: a view of the
+        buffer, not a gather (valid until the buffer is next written)."""
+        req = np.repeat(owners, counts)
+        within = np.arange(req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(self.start[slots], counts) + within
+        if slots.size == 1:
+            return req, positions, self.buf[int(slots[0]), :int(counts[0])]
+        dev = self.buf.device
+        return req, positions, self.buf[torch.from_numpy(np.repeat(slots, counts)).to(dev),
+                                        torch.from_numpy(within).to(dev)]
+
     def take(self, req_ids: list[str], rows: list[int]
              ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
         """Every waiting row of these requests (batch rows `rows`), no longer waiting:
@@ -247,15 +253,9 @@ class DeferredRows:
         if not got:
             return _NONE, _NONE, None
         slots = np.array([s for s, _ in got], dtype=np.int64)
-        fc = self.count[slots]
-        req = np.repeat(np.array([r for _, r in got], dtype=np.int64), fc)
-        within = np.arange(req.size) - np.repeat(np.cumsum(fc) - fc, fc)
-        positions = np.repeat(self.start[slots], fc) + within
-        dev = self.buf.device
-        hidden = self.buf[torch.from_numpy(np.repeat(slots, fc)).to(dev),
-                          torch.from_numpy(within).to(dev)]
+        out = self._rows_of(slots, self.count[slots], np.array([r for _, r in got]))
         self.count[slots] = 0
-        return req, positions, hidden
+        return out
 
     def take_cached(self, runner, req_ids: list[str]
                     ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
