@@ -59,6 +59,9 @@ PATTERNS = {
     "partial": lambda n, j: j == 1 + n % 3,
     "none": lambda n, j: j == 0,
 }
+# First drafts rejected in alternate 4-token windows: requests back off in a bad window
+# and their (shadow) probe misses or hits, as the window it falls in says.
+CORRUPTIONS = dict(PATTERNS, bursts=lambda n, j: j == 0 and (n // 4) % 2 == 0)
 
 # Chunked prefill (a 16-token budget: long prompts in chunks, drafts cut to fit) and
 # a KV cache too small for every request at once (preemption by recompute).
@@ -81,7 +84,7 @@ class Oracle:
 
     def __init__(self, seqs: dict[tuple, list[int]], pattern: str, vocab: int):
         self.seqs = seqs
-        self.corrupt = PATTERNS[pattern]
+        self.corrupt = CORRUPTIONS[pattern]
         self.vocab = vocab
         self.errors: list[str] = []
         self.calls = 0  # draft rows the oracle answered
@@ -267,15 +270,18 @@ def record_verifications(llm) -> list[tuple[tuple, int, list[int]]]:
 
 
 def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = MAX_TOKENS,
-             poor_record: bool = False):
+             poor_record: bool = False, probes: list | None = None):
     """The verifications a run must make with no budget limit: per request, after its
     prompt's step (one token), each step verifies the drafts proposed after the step
     before, cut so an all-accepted run stays within max_tokens, and emits accepted + 1
     tokens. The adaptive drafter (spec_decode/drafter.py) asks next for one more than
     it accepted (k after a full acceptance), and after the second verification in a
-    row with nothing accepted skips 4, then 16, then 64 steps. `poor_record`: the
+    row with nothing accepted skips 4, then 16, then 64 steps; the probe after a
+    back-off is a shadow (one draft, not verified: the next step's token says hit or
+    miss, and the request drafts from that step on a hit). `poor_record`: the
     requests start under a poor server-wide record (PRIOR_MISSES misses: backed off
-    from the prompt's step on, then one draft).
+    from the prompt's step on, then a probe). `probes`: gets (prompt, tokens before
+    the probe, hit) of each shadow probe.
     -> [(prompt, tokens before the drafts, drafts)] in each request's order."""
     out = []
     for prompt in prompts:
@@ -287,6 +293,15 @@ def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = 
                 skip, want = skip - 1, 0
             else:
                 want = next_k
+            if adaptive and want and misses >= 2:  # a shadow probe
+                hit = oracle.accepted(len(prompt) + num_out, 1)
+                if probes is not None:
+                    probes.append((tuple(prompt), len(prompt) + num_out, hit))
+                num_out += 1
+                next_k, misses = (min(k, 2), 0) if hit else (1, misses + 1)
+                if misses >= 2:  # (the next decision, the step that told, is its first)
+                    skip = backoff(misses)
+                continue
             d = min(want, max_tokens - num_out - 1)
             if d <= 0:
                 num_out += 1
@@ -433,6 +448,23 @@ def test_oracle_acceptance_is_exact(setups, method, pattern, adaptive):
     else:
         assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
         assert s["accepted_per_position"][0] > s["accepted_per_position"][1] > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_oracle_shadow_probes_miss_and_hit(setups, method):
+    """Bursts of rejected first drafts: requests back off, and the probe after a back-off
+    is a shadow (no verification at its position); a miss backs off longer, a hit
+    resumes drafting from the next step: exactly the verifications that implies, with
+    the plain tokens, and no probe left waiting."""
+    setup = setups(method)
+    llm, oracle, seen, got = run_oracle(setup, "bursts", True)
+    probes = []
+    want = simulate(setup.prompts, oracle, setup.k, True, probes=probes)
+    assert {hit for _, _, hit in probes} == {0, 1}  # (the pattern gives both)
+    assert sorted((p, n, len(d)) for p, n, d in seen) == sorted(want)
+    assert not {(p, n) for p, n, _ in probes} & {(p, n) for p, n, _ in seen}
+    check_run(llm, setup, oracle, seen, got)
+    assert not runner_of(llm).drafter._shadow
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))

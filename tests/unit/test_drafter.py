@@ -32,22 +32,52 @@ def test_k_follows_acceptance():
     assert wanted(d) == 4  # never past k
 
 
+def settle(d: Drafter, rid: str, hit: bool) -> None:
+    """The step after `rid`'s shadow probe sampled its token: the draft (hit) or not."""
+    index, draft = d._shadow[rid]
+    tokens = np.zeros((1, index + 1), dtype=np.int32)
+    tokens[0, index] = draft if hit else draft + 1
+    d._settle_shadows({rid: 0}, tokens, np.array([index]))  # not sampled yet: waits
+    assert rid in d._shadow
+    d._settle_shadows({"other": 0}, tokens, np.array([index + 1]))  # not in the batch
+    assert rid in d._shadow
+    d._settle_shadows({rid: 0}, tokens, np.array([index + 1]))
+    assert rid not in d._shadow
+
+
+def steps_until_probe(d: Drafter, rid: str = "a") -> int:
+    """Steps without drafts before `rid` probes (a shadow: no draft to verify); each
+    asks once, counting one off its back-off."""
+    n = 0
+    while rid not in d._shadow:
+        assert wanted(d, rid) == 0
+        n += 1
+    return n - 1  # (the probe's own step asked too)
+
+
 def test_backoff_after_misses_then_retry():
     d = drafter()
     d.observe(["a"], np.array([4]), np.array([0]))
-    assert wanted(d) == 1  # one miss: k shrinks, no back-off yet
+    assert wanted(d) == 1  # one miss: k shrinks, no back-off yet, a verified retry
+    d.observe(["a"], np.array([1]), np.array([0]))
     skipped = []
     for misses in range(2, 8):
-        d.observe(["a"], np.array([1]), np.array([0]))
-        n = 0
-        while wanted(d) == 0:
-            n += 1
-        skipped.append(n)
+        skipped.append(steps_until_probe(d))
+        assert d._shadow["a"] == (30, int(PERIODIC[0, 30]))  # the draft, kept
+        if misses < 7:
+            drafted = d._drafted
+            settle(d, "a", hit=False)
+            assert d._drafted == drafted + 1 and d._misses["a"] == misses + 1
     assert skipped == [4, 16, 64, 64, 64, 64] == [min(4 ** (m - 1), MAX_BACKOFF)
                                                   for m in range(2, 8)]
-    d.observe(["a"], np.array([1]), np.array([1]))  # a hit resets the misses
+    settle(d, "a", hit=True)  # a hit resets the misses, and k grows as after a verification
+    assert "a" not in d._misses and wanted(d) == 2
     d.observe(["a"], np.array([2]), np.array([0]))
     assert wanted(d) == 1
+    d._skip["a"], d._misses["a"] = 0, 2
+    assert wanted(d) == 0 and "a" in d._shadow
+    d.remove("a")
+    assert "a" not in d._shadow
 
 
 def test_not_adaptive_keeps_k():
@@ -94,20 +124,12 @@ def skipped_after_miss(d: Drafter, rid: str) -> int:
     return n
 
 
-def steps_until_drafts(d, rid) -> int:
-    """Steps the request asks for no drafts (each asks once: it counts one off)."""
-    n = 0
-    while wanted(d, rid) == 0:
-        n += 1
-    return n
-
-
 def test_new_requests_start_from_the_server_record():
     """Once the recent verifications of all requests accepted almost nothing, a new
     request starts backed off: 16 steps without drafts (its prompt's step the first),
-    then one draft, and its first miss skips 64 steps (not: k drafts at once, a retry
-    at one, then 4); requests already running keep their state; a hit resets the new
-    request as usual."""
+    then a (shadow) probe, and its first miss skips 64 steps (not: k drafts at once, a
+    retry at one, then 4); requests already running keep their state; a hit resets the
+    new request as usual."""
     d = drafter()
     assert wanted(d, "old") == 4
     d.observe(["old"], np.array([4]), np.array([2]))  # running, at k 3: it stays there
@@ -116,17 +138,15 @@ def test_new_requests_start_from_the_server_record():
         d.observe([f"r{i}"], np.array([4]), np.array([0]))
     assert d.poor_record()
     assert wanted(d, "old") == 3
-    assert steps_until_drafts(d, "new") == 16
-    assert wanted(d, "new") == 1
-    d.observe(["new"], np.array([1]), np.array([0]))
-    assert steps_until_drafts(d, "new") == MAX_BACKOFF
+    assert steps_until_probe(d, "new") == 16
+    settle(d, "new", hit=False)
+    assert steps_until_probe(d, "new") == MAX_BACKOFF
     d.add_seeded("seeded")  # its random draws follow its drafts: no record for it
     assert wanted(d, "seeded") == 4
     d.remove("seeded")
     assert "seeded" not in d._seeded
-    assert steps_until_drafts(d, "lucky") == 16
-    assert wanted(d, "lucky") == 1
-    d.observe(["lucky"], np.array([1]), np.array([1]))  # a hit: k grows, no back-off
+    assert steps_until_probe(d, "lucky") == 16
+    settle(d, "lucky", hit=True)  # a hit: k grows, no back-off
     assert wanted(d, "lucky") == 2
     assert skipped_after_miss(d, "lucky") == 0  # one miss: a retry, as for any request
 

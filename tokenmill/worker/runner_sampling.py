@@ -224,7 +224,8 @@ class SamplingMixin:
                 self._step_hidden = self._step_meta = None
             else:
                 spec_token_ids = self.drafter.propose(req_ids, batch.token_ids_cpu,
-                                                      batch.num_tokens_no_spec[:n], eligible)
+                                                      batch.num_tokens_no_spec[:n], eligible,
+                                                      batch.req_id_to_index)
             if self.keep_own_drafts:  # for an async step's draft slots (the scheduler
                 for r, drafts in enumerate(spec_token_ids):  # never sees them)
                     if drafts:
