@@ -276,29 +276,31 @@ def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = 
     before, cut so an all-accepted run stays within max_tokens, and emits accepted + 1
     tokens. The adaptive drafter (spec_decode/drafter.py) asks next for one more than
     it accepted (k after a full acceptance), and after the second verification in a
-    row with nothing accepted skips 4, then 16, then 64 steps; the probe after a
-    back-off is a shadow (one draft, not verified: the next step's token says hit or
-    miss, and the request drafts from that step on a hit). `poor_record`: the
-    requests start under a poor server-wide record (PRIOR_MISSES misses: backed off
-    from the prompt's step on, then a probe). `probes`: gets (prompt, tokens before
-    the probe, hit) of each shadow probe.
+    row with nothing accepted skips 4, then 16, then 64 steps, then probes with one
+    draft. `poor_record`: the requests start under a poor server-wide record
+    (PRIOR_MISSES misses: backed off from the prompt's step on, then a probe), and
+    their probes are shadows until one hits (one draft, not verified: the next step's
+    token says hit or miss; on a hit the request drafts from that step on).
+    `probes`: gets (prompt, tokens before the probe, hit) of each shadow probe.
     -> [(prompt, tokens before the drafts, drafts)] in each request's order."""
     out = []
     for prompt in prompts:
-        num_out, next_k, misses, skip = 1, k, 0, 0
+        num_out, next_k, misses, skip, doubted = 1, k, 0, 0, False
         if poor_record:
             next_k, misses, skip = 1, PRIOR_MISSES, backoff(PRIOR_MISSES)
+            doubted = adaptive
         while num_out < max_tokens:
             if skip:
                 skip, want = skip - 1, 0
             else:
                 want = next_k
-            if adaptive and want and misses >= 2:  # a shadow probe
+            if doubted and want and misses >= 2:  # a shadow probe
                 hit = oracle.accepted(len(prompt) + num_out, 1)
                 if probes is not None:
                     probes.append((tuple(prompt), len(prompt) + num_out, hit))
                 num_out += 1
-                next_k, misses = (min(k, 2), 0) if hit else (1, misses + 1)
+                next_k, misses, doubted = (min(k, 2), 0, False) if hit else (1, misses + 1,
+                                                                             True)
                 if misses >= 2:  # (the next decision, the step that told, is its first)
                     skip = backoff(misses)
                 continue
@@ -452,15 +454,22 @@ def test_oracle_acceptance_is_exact(setups, method, pattern, adaptive):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_oracle_shadow_probes_miss_and_hit(setups, method):
-    """Bursts of rejected first drafts: requests back off, and the probe after a back-off
-    is a shadow (no verification at its position); a miss backs off longer, a hit
-    resumes drafting from the next step: exactly the verifications that implies, with
-    the plain tokens, and no probe left waiting."""
+    """Requests that start under a poor record, and bursts of rejected first drafts:
+    their probes out of a back-off are shadows (no verification at their positions); a
+    miss backs off longer, a hit resumes drafting from the next step: exactly the
+    verifications that implies, with the plain tokens, and no probe left waiting."""
     setup = setups(method)
-    llm, oracle, seen, got = run_oracle(setup, "bursts", True)
+    llm = make_llm(setup.path, speculative_config=dict(setup.spec, adaptive=True))
+    oracle = Oracle(setup.seqs, "bursts", setup.vocab)
+    install_oracle(llm, setup.spec["method"], oracle, setup.k)
+    runner_of(llm).drafter.poor_record = lambda: True  # requests start doubted
+    seen = record_verifications(llm)
+    got = generate(llm, setup.prompts, greedy(MAX_TOKENS))
     probes = []
-    want = simulate(setup.prompts, oracle, setup.k, True, probes=probes)
+    want = simulate(setup.prompts, oracle, setup.k, True, poor_record=True, probes=probes)
     assert {hit for _, _, hit in probes} == {0, 1}  # (the pattern gives both)
+    hits = [(q, m) for q, m, hit in probes if hit]  # a hit, then verified drafts after it
+    assert any(p == q and n > m for q, m in hits for p, n, _ in want)
     assert sorted((p, n, len(d)) for p, n, d in seen) == sorted(want)
     assert not {(p, n) for p, n, _ in probes} & {(p, n) for p, n, _ in seen}
     check_run(llm, setup, oracle, seen, got)

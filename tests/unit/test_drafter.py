@@ -56,28 +56,24 @@ def steps_until_probe(d: Drafter, rid: str = "a") -> int:
 
 
 def test_backoff_after_misses_then_retry():
+    """A request that started under a good record: back-offs of 4, 16, then 64 steps,
+    each ended by a verified probe of one draft."""
     d = drafter()
     d.observe(["a"], np.array([4]), np.array([0]))
-    assert wanted(d) == 1  # one miss: k shrinks, no back-off yet, a verified retry
-    d.observe(["a"], np.array([1]), np.array([0]))
+    assert wanted(d) == 1  # one miss: k shrinks, no back-off yet
     skipped = []
     for misses in range(2, 8):
-        skipped.append(steps_until_probe(d))
-        assert d._shadow["a"] == (30, int(PERIODIC[0, 30]))  # the draft, kept
-        if misses < 7:
-            drafted = d._drafted
-            settle(d, "a", hit=False)
-            assert d._drafted == drafted + 1 and d._misses["a"] == misses + 1
+        d.observe(["a"], np.array([1]), np.array([0]))
+        n = 0
+        while wanted(d) == 0:
+            n += 1
+        skipped.append(n)
     assert skipped == [4, 16, 64, 64, 64, 64] == [min(4 ** (m - 1), MAX_BACKOFF)
                                                   for m in range(2, 8)]
-    settle(d, "a", hit=True)  # a hit resets the misses, and k grows as after a verification
-    assert "a" not in d._misses and wanted(d) == 2
+    assert not d._shadow
+    d.observe(["a"], np.array([1]), np.array([1]))  # a hit resets the misses
     d.observe(["a"], np.array([2]), np.array([0]))
     assert wanted(d) == 1
-    d._skip["a"], d._misses["a"] = 0, 2
-    assert wanted(d) == 0 and "a" in d._shadow
-    d.remove("a")
-    assert "a" not in d._shadow
 
 
 def test_not_adaptive_keeps_k():
@@ -127,9 +123,10 @@ def skipped_after_miss(d: Drafter, rid: str) -> int:
 def test_new_requests_start_from_the_server_record():
     """Once the recent verifications of all requests accepted almost nothing, a new
     request starts backed off: 16 steps without drafts (its prompt's step the first),
-    then a (shadow) probe, and its first miss skips 64 steps (not: k drafts at once, a
-    retry at one, then 4); requests already running keep their state; a hit resets the
-    new request as usual."""
+    then a probe, and its first miss skips 64 steps (not: k drafts at once, a retry at
+    one, then 4); requests already running keep their state; a hit resets the new
+    request as usual. Its probes are shadows (the draft kept, not verified; the next
+    sampled token says hit or miss, into the record) until one hits; then verified."""
     d = drafter()
     assert wanted(d, "old") == 4
     d.observe(["old"], np.array([4]), np.array([2]))  # running, at k 3: it stays there
@@ -139,8 +136,13 @@ def test_new_requests_start_from_the_server_record():
     assert d.poor_record()
     assert wanted(d, "old") == 3
     assert steps_until_probe(d, "new") == 16
+    assert d._shadow["new"] == (30, int(PERIODIC[0, 30]))  # the draft, for token 30
+    drafted = d._drafted
     settle(d, "new", hit=False)
+    assert d._drafted == drafted + 1 and d._misses["new"] == 4
     assert steps_until_probe(d, "new") == MAX_BACKOFF
+    d.remove("new")
+    assert "new" not in d._shadow and "new" not in d._doubted
     d.add_seeded("seeded")  # its random draws follow its drafts: no record for it
     assert wanted(d, "seeded") == 4
     d.remove("seeded")
@@ -149,6 +151,8 @@ def test_new_requests_start_from_the_server_record():
     settle(d, "lucky", hit=True)  # a hit: k grows, no back-off
     assert wanted(d, "lucky") == 2
     assert skipped_after_miss(d, "lucky") == 0  # one miss: a retry, as for any request
+    assert skipped_after_miss(d, "lucky") == 4  # two: backs off, then a verified probe
+    assert "lucky" not in d._shadow
 
 
 def test_record_needs_evidence_and_forgets():
