@@ -476,6 +476,37 @@ def test_oracle_shadow_probes_miss_and_hit(setups, method):
     assert not runner_of(llm).drafter._shadow
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_shadow_probes_of_sampled_requests(setups, method):
+    """Sampled requests (temperature 1, n = 2, unseeded) that start under a poor record:
+    each probe is a shadow settled against the token the sampler gave the request at
+    that index, once, into the record; none is left when the requests finish."""
+    from tokenmill import SamplingParams
+    setup = setups(method)
+    llm = make_llm(setup.path, speculative_config=dict(setup.spec, adaptive=True))
+    runner = runner_of(llm)
+    drafter = runner.drafter
+    drafter.poor_record = lambda: True
+    settled, inner = [], drafter._settle_shadows
+
+    def settle(index, token_ids, num_tokens):
+        before = dict(drafter._shadow)
+        inner(index, token_ids, num_tokens)
+        for rid in before.keys() - drafter._shadow.keys():
+            i = before[rid][0]
+            req = runner.requests[rid]
+            assert token_ids[index[rid], i] == (req.prompt_token_ids + req.output_token_ids)[i]
+            settled.append(rid)
+    drafter._settle_shadows = settle
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in setup.prompts], params,
+                        use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [MAX_TOKENS] * 8
+    assert len(set(settled)) == 8 <= len(settled)  # every request probed in shadow
+    assert drafter._drafted >= len(settled) and not drafter._shadow
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("method", METHODS)
 def test_oracle_acceptance_with_chunked_prefill_and_preemption(setups, method, pattern):
