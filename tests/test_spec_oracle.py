@@ -294,7 +294,7 @@ def simulate(prompts, oracle: Oracle, k: int, adaptive: bool, max_tokens: int = 
                 skip, want = skip - 1, 0
             else:
                 want = next_k
-            if doubted and want and misses >= 2:  # a shadow probe
+            if doubted and want:  # a shadow probe (a doubted request drafts only to probe)
                 hit = oracle.accepted(len(prompt) + num_out, 1)
                 if probes is not None:
                     probes.append((tuple(prompt), len(prompt) + num_out, hit))

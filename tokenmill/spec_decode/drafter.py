@@ -125,13 +125,12 @@ class Drafter:
 
     def _shadow_probes(self, req_ids: list[str], drafts: list[list[int]],
                        num_tokens: np.ndarray) -> None:
-        """Probes out of a back-off of doubted requests become shadows: their draft
-        kept, not verified."""
-        doubted, misses = self._doubted, self._misses
+        """Drafts of doubted requests become shadows: kept, not verified (a doubted
+        request drafts only as a probe out of a back-off: one draft)."""
+        doubted = self._doubted
         for r, dr in enumerate(drafts):
-            rid = req_ids[r]
-            if dr and rid in doubted and misses.get(rid, 0) >= 2:
-                self._shadow[rid] = (int(num_tokens[r]), dr[0])
+            if dr and req_ids[r] in doubted:
+                self._shadow[req_ids[r]] = (int(num_tokens[r]), dr[0])
                 drafts[r] = []
 
     def _settle_shadows(self, req_index: dict[str, int], token_ids: np.ndarray,
@@ -196,8 +195,8 @@ class Drafter:
         """A draft model's proposals. Its own K/V (or context) must cover every position
         before it drafts: a request that proposes nothing this step keeps its decode row
         waiting for the step it next proposes from (spec_decode/deferred.py)."""
-        batch = runner.input_batch
         if self._shadow:
+            batch = runner.input_batch
             self._settle_shadows(batch.req_id_to_index, batch.token_ids_cpu,
                                  batch.num_tokens_no_spec)
         if self._none_proposes(req_ids, eligible):
@@ -211,7 +210,7 @@ class Drafter:
             max_drafts = self._max_drafts(req_ids, eligible)
         drafts = self.model_proposer.propose(runner, hidden, meta, max_drafts)
         if self._doubted:
-            self._shadow_probes(req_ids, drafts, batch.num_tokens_no_spec)
+            self._shadow_probes(req_ids, drafts, runner.input_batch.num_tokens_no_spec)
         return drafts
 
     def _none_proposes(self, req_ids: list[str], eligible: np.ndarray) -> bool:
