@@ -195,3 +195,22 @@ def test_rows_are_held_by_reference_only_for_cpu_taps():
     assert holds(torch.device("cpu"), True)
     assert not holds(torch.device("cpu"), False)
     assert not holds(torch.device("cuda", 0), True)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_skipped_requests_rows_never_wait(hold):
+    """`skip` (suspended requests): their rows are dropped, the others' wait and land in
+    position order - held by reference too, where the waiting rows are not the step's
+    first rows - and a step of skipped rows only keeps nothing."""
+    d = DeferredRows(max_rows=8)
+    with torch.inference_mode():
+        for pos in (10, 11):  # s first: a's row is the step's second, b's its third
+            assert d.wait_all(["s", "a", "b"], np.array([pos + 40, pos, pos + 20]),
+                              hidden_at([pos + 40, pos, pos + 20]), hold, {"s"})
+        assert d.wait_all(["s", "a"], np.array([52, 12]), hidden_at([52, 12]), hold, {"s"})
+        assert d.wait_all(["s"], np.array([53]), hidden_at([53]), hold, {"s"})
+        assert d.num_waiting("s") == 0 and "s" not in d._slot
+        assert d.num_waiting("a") == 3 and d.num_waiting("b") == 2
+        req, positions, earlier = d.take(["a", "b"], [0, 1])
+    assert positions.tolist() == [10, 11, 12, 30, 31]
+    assert earlier[:, 0].tolist() == [10.0, 11.0, 12.0, 30.0, 31.0]

@@ -196,3 +196,27 @@ def test_none_proposes_counts_the_eligible_rows_only():
         assert not d._none_proposes(ids, eligible)
         assert [d._skip.get(r) for r in ids] == [1, None] + [1] * (n - 3) + [0]
         assert d._none_proposes(ids, np.zeros(n, dtype=bool))  # nobody eligible
+
+
+def test_none_proposes_where_the_row_budget_is_full():
+    """A batch that fills the row budget gets no drafts: the short path takes the step,
+    and each eligible request's k and back-off move as _max_drafts would move them
+    (a first step sets k, or under a poor record the back-off; a back-off counts a step
+    off); the ineligible row is left alone."""
+    from tokenmill.spec_decode.drafter import PRIOR_MISSES, backoff
+    for n in (4, 12):
+        d = Drafter(drafter().config, row_budget=4)
+        ids = [f"r{i}" for i in range(n)]
+        eligible = np.ones(n, dtype=bool)
+        eligible[1] = False
+        d._skip[ids[2]] = 3
+        assert d._none_proposes(ids, eligible)
+        assert d._next_k.get(ids[0]) == 4 and ids[1] not in d._next_k
+        assert d._skip[ids[2]] == 2
+        d.poor_record = lambda: True
+        d.remove(ids[0])
+        assert d._none_proposes(ids, eligible)
+        assert d._misses[ids[0]] == PRIOR_MISSES
+        assert d._skip[ids[0]] == backoff(PRIOR_MISSES) - 1
+        fresh = Drafter(drafter().config, row_budget=4)  # rows left: drafts may come
+        assert not fresh._none_proposes(ids[:3], np.ones(3, dtype=bool))

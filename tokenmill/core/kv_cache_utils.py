@@ -1,13 +1,14 @@
 """Block hashes for prefix caching: one chained hash per full block of tokens.
 
 The hash of block i covers block i's token ids, the hash of block i - 1 (so it
-names the whole prefix up to the end of block i, not just one block), on
-block 0 only, the request's extra keys (its `cache_salt`), so requests with
-different salts never share a block, and the hashes of the images whose
-placeholder tokens it holds (the same placeholder ids stand for any image). It is SHA-256 over a compact, explicit
-encoding: the same tokens give the same 32 bytes in every process and on every
-machine (Python's hash() is salted per process, so it cannot name KV that
-outlives the process, as the external KV tier's entries do).
+names the whole prefix up to the end of block i, not just one block), on block 0
+only, the request's extra keys (its `cache_salt`, and a mark when its drafts are
+suspended), so requests with different keys never share a block, and the hashes of
+the images whose placeholder tokens it holds (the same placeholder ids stand for any
+image). It is SHA-256 over a compact, explicit encoding: the same tokens give the
+same 32 bytes in every process and on every machine (Python's hash() is salted per
+process, so it cannot name KV that outlives the process, as the external KV tier's
+entries do).
 
 Only tokens the scheduler knows are hashed (prompt and sampled outputs, never
 a placeholder for a token still being sampled), and only full blocks.
@@ -66,9 +67,15 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int,
     return out
 
 
+# Block 0's extra key of a request whose drafts are suspended: its blocks lack the draft
+# model's K/V (or DFlash context), so they are shared only with other such requests.
+NO_DRAFTS_KEY = "tokenmill:no-drafts"
+
+
 def request_extra_keys(request: "Request") -> tuple:
     salt = getattr(request, "cache_salt", None)
-    return (salt,) if salt is not None else ()
+    keys = (salt,) if salt is not None else ()
+    return keys + (NO_DRAFTS_KEY,) if getattr(request, "drafts_suspended", False) else keys
 
 
 def image_keys(request: "Request", start: int, end: int) -> tuple:

@@ -60,6 +60,9 @@ class Request:
         self.structured_output = None
         # Speculative decoding: drafts proposed after the last step, verified in the next.
         self.spec_token_ids: list[int] = []
+        # Set by the scheduler when it takes the request in: it runs without drafts and
+        # its draft model keeps no data for it (spec_decode/drafter.py, "suspended").
+        self.drafts_suspended = False
         # Multimodal: its images (sched_output.MultiModalFeature, in prompt order), or None.
         self.mm_features = mm_features or None
         # Pooling (an embedding request): prefill only, finished on its pooled vector;

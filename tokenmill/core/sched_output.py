@@ -40,6 +40,8 @@ class NewRequestData:
     mm_features: list[MultiModalFeature] | None = None
     # An embedding request: its rows pool and sample nothing (None: it generates).
     pooling_params: PoolingParams | None = None
+    # Speculation: the scheduler runs it without drafts (spec_decode/drafter.py).
+    drafts_suspended: bool = False
 
 
 @dataclass
@@ -214,6 +216,10 @@ class ModelRunnerOutput:
     # Pooling: the vector (float32 [hidden]) of each embedding request whose prompt
     # completed this step; the scheduler finishes it with that as its output.
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # A draft model's acceptance record (spec_decode/drafter.py): whether recent
+    # verifications accepted almost nothing; the scheduler suspends new requests' drafts
+    # while it does. None: no such record (no draft model, or adaptive k off).
+    draft_record_poor: bool | None = None
 
 
 def logprobs_row_starts(sampled_token_ids: list[list[int]]) -> list[int]:

@@ -26,6 +26,7 @@ from tokenmill.core.kv_cache_spec import KVCacheConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                          NewRequestData, SchedulerOutput, logprobs_row_starts)
+from tokenmill.spec_decode.drafter import SCOUT_EVERY
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
@@ -43,6 +44,9 @@ class SchedulerConfig:
     # A draft model whose K/V at p read the token at p + 1 (EAGLE-3, MTP): prefix
     # hits end a confirmed block short (KVCacheManager).
     draft_reads_next_token: bool = False
+    # A draft model with adaptive k (EAGLE-3, MTP, DFlash): under a poor acceptance record
+    # most new requests run without drafts (spec_decode/drafter.py, "suspended").
+    suspend_drafts: bool = False
     # Async scheduling (set by the engine core): with speculation, a decode step
     # reserves draft slots the runner fills with its own drafts (_num_spec_slots).
     async_scheduling: bool = False
@@ -115,14 +119,38 @@ class Scheduler:
         self._has_state = kv_cache_config.state_group_id is not None
         self.spec_stats = (SpecDecodingStats(config.num_speculative_tokens)
                            if config.num_speculative_tokens else None)
+        # The draft model's record as the runner last reported it, and the requests taken
+        # in under a poor one (every SCOUT_EVERY-th of them still drafts).
+        self._draft_record_poor = False
+        self._num_admitted_poor = 0
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._suspend_drafts(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _suspend_drafts(self, req: Request) -> None:
+        """Under a poor drafting record, most new requests go without drafts (decided
+        before the request's first block hash, which marks it: spec_decode/drafter.py).
+        Never a seeded sampling request (its draws follow its drafts: a rerun must draft
+        the same); an n > 1 sibling follows the request whose prompt blocks it takes."""
+        if not (self.config.suspend_drafts and self._draft_record_poor) \
+                or req.pooling_params is not None:
+            return
+        sp = req.sampling_params
+        if sp.seed is not None and not sp.greedy:
+            return
+        donor = (self.requests.get(req.share_prompt_with)
+                 if req.share_prompt_with is not None else None)
+        if donor is not None:
+            req.drafts_suspended = donor.drafts_suspended
+            return
+        self._num_admitted_poor += 1
+        req.drafts_suspended = self._num_admitted_poor % SCOUT_EVERY != 1
 
     def abort_requests(self, request_ids) -> list[str]:
         aborted = self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -328,7 +356,7 @@ class Scheduler:
         max_model_len. A grammar request gets them too (its bitmask is built once the
         runner has filled them: EngineCore._grammar_bitmask_after_update); one whose
         logits processors leave it without drafts in the runner gets none."""
-        if num_new != 1 or req.pooling_params is not None \
+        if num_new != 1 or req.pooling_params is not None or req.drafts_suspended \
                 or req.sampling_params.needs_processors:
             return 0
         n = req.num_output_placeholders
@@ -535,7 +563,8 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
-                    mm_features=req.mm_features, pooling_params=req.pooling_params))
+                    mm_features=req.mm_features, pooling_params=req.pooling_params,
+                    drafts_suspended=req.drafts_suspended))
                 self._known_to_runner.add(req.request_id)
                 self._resend_as_new.discard(req.request_id)
             num_scheduled[req.request_id] = num_new
@@ -621,6 +650,8 @@ class Scheduler:
             self._finish_kv_loads(scheduler_output, runner_output)
         if runner_output.errored:
             self.fail_requests(runner_output.errored)
+        if runner_output.draft_record_poor is not None:
+            self._draft_record_poor = runner_output.draft_record_poor
         outputs = []  # (the failed ones: take_failed_outputs, by the engine core)
         for rid, vector in runner_output.pooler_output.items():
             req = self.requests.get(rid)  # (aborted meanwhile: None)

@@ -231,6 +231,7 @@ class EngineSetup:
                                            spec.num_speculative_tokens if spec else 0,
                                            spec.num_lookahead_tokens if spec else 0)
         scheduler_config.draft_reads_next_token = bool(spec and spec.drafter_reads_next_token)
+        scheduler_config.suspend_drafts = bool(spec and spec.method != "ngram" and spec.adaptive)
         enc_budget = args.max_num_encoder_input_tokens or max(batched, max_len)
         scheduler_config.max_num_encoder_input_tokens = enc_budget
         scheduler_config.encoder_cache_size = args.encoder_cache_size or 2 * enc_budget

@@ -57,6 +57,13 @@ def holds(device: torch.device, taps: bool) -> bool:
     return device.type == "cpu" and taps
 
 
+def rows_in(req_ids: list[str], skip: set[str] | None) -> np.ndarray | None:
+    """Per batch row: whether its request is in `skip` (None: no skip set)."""
+    if skip is None:
+        return None
+    return np.fromiter((rid in skip for rid in req_ids), dtype=bool, count=len(req_ids))
+
+
 class DeferredRows:
     def __init__(self, max_rows: int = MAX_DEFERRED_ROWS):
         self.max_rows = max_rows
@@ -108,16 +115,19 @@ class DeferredRows:
         self._free.extend(range(new - 1, old - 1, -1))
 
     def wait_all(self, req_ids: list[str], positions: np.ndarray, hidden: torch.Tensor,
-                 hold: bool = False) -> bool:
+                 hold: bool = False, skip: set[str] | None = None) -> bool:
         """The common step of a request that backs off: a decode-only step (row i is
         request i's one row, at positions[i]) from which nothing is proposed. Every row
         waits if every request can keep one more contiguous row; -> False (nothing
         changed) otherwise, and the caller takes `step`. A loop over requests in plain
         Python: at batch 1 a fraction of the numpy calls `step` makes. `hold`: keep the
-        rows as references to `hidden` (see `holds`), which nobody may change."""
+        rows as references to `hidden` (see `holds`), which nobody may change. `skip`:
+        requests whose rows are dropped, never kept (suspended: spec_decode/drafter.py)."""
         count, start, max_rows = self.count, self.start, self.max_rows
         slots = []
-        for rid, pos in zip(req_ids, positions.tolist()):
+        for i, (rid, pos) in enumerate(zip(req_ids, positions.tolist())):
+            if skip is not None and rid in skip:
+                continue
             s = self._slot.get(rid)
             if s is None:  # (a new slot may grow the arrays)
                 s = self._slot_of(rid)
@@ -125,13 +135,17 @@ class DeferredRows:
             c = count.item(s)  # (a Python int: no numpy scalar)
             if c >= max_rows or (c and start.item(s) + c != pos):
                 return False
-            slots.append((s, c, pos))
+            slots.append((s, c, pos, i))
+        if not slots:
+            return True
         if self.buf is None:
             self._allocate(hidden)
         if hold:
             per_slot = self.buf.shape[1]
-            self._held.append((hidden, [s * per_slot + c for s, c, _ in slots]))
-            for s, c, pos in slots:
+            # (the step rows that wait: None for all of them, in order)
+            rows = None if len(slots) == len(req_ids) else [i for _, _, _, i in slots]
+            self._held.append((hidden, [s * per_slot + c for s, c, _, _ in slots], rows))
+            for s, c, pos, _ in slots:
                 if c == 0:
                     start[s] = pos
                 count[s] = c + 1
@@ -139,7 +153,7 @@ class DeferredRows:
         if self._rows is None:  # each row's view, made once: indexing costs more than the copy
             self._rows = list(self.buf.view(-1, hidden.shape[1]).unbind(0))
         rows, per_slot = self._rows, self.buf.shape[1]
-        for i, (s, c, pos) in enumerate(slots):
+        for s, c, pos, i in slots:
             rows[s * per_slot + c].copy_(hidden[i])
             if c == 0:
                 start[s] = pos
@@ -155,30 +169,32 @@ class DeferredRows:
         if self._rows1 is None:
             self._rows1 = list(buf.view(-1, 1, buf.shape[2]).unbind(0))
         rows1, dst, src = self._rows1, [], []
-        for t, flat in self._held:
+        for t, flat, rows in self._held:
             if len(flat) == 1:
                 dst.append(rows1[flat[0]])
-                src.append(t if t.shape[0] == 1 else t[:1])
+                r = 0 if rows is None else rows[0]
+                src.append(t if t.shape[0] == 1 else t[r:r + 1])
             else:  # (a step's rows are its requests', in order; a padded step has more)
                 index = torch.tensor(flat, device=buf.device)
-                buf.view(-1, buf.shape[2])[index] = t[:len(flat)]
+                buf.view(-1, buf.shape[2])[index] = (
+                    t[:len(flat)] if rows is None else t[torch.tensor(rows, device=t.device)])
         if dst:
             torch._foreach_copy_(dst, src)
         self._held.clear()
 
-    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor, hold: bool
-                     ) -> list[list[int]] | None:
+    def wait_decodes(self, runner, req_ids: list[str], hidden: torch.Tensor, hold: bool,
+                     skip: set[str] | None = None) -> list[list[int]] | None:
         """A proposer's step that proposes nothing: if it was decode-only (one row per
-        request, row i request i's), every row waits (wait_all; `hold`: as its `hold`)
-        and -> no drafts for each; None (nothing changed) otherwise, and the proposer
-        takes its full path."""
+        request, row i request i's), every row waits (wait_all; `hold`, `skip`: as its
+        own) and -> no drafts for each; None (nothing changed) otherwise, and the
+        proposer takes its full path."""
         step = runner.last_step
         n = len(req_ids)
         positions = step.positions
         if positions.size != n or (n > 1 and not (np.diff(step.query_start_loc[:n + 1])
                                                   == 1).all()):
             return None
-        if not self.wait_all(req_ids, positions, hidden, hold):
+        if not self.wait_all(req_ids, positions, hidden, hold, skip):
             return None
         return [[] for _ in range(n)]
 

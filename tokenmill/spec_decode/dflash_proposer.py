@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.spec_decode.deferred import DeferredRows, holds
+from tokenmill.spec_decode.deferred import DeferredRows, holds, rows_in
 from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
@@ -32,15 +32,18 @@ class DFlashProposer:
         # drafted only from a context that reaches its first position.
         self.context_end: dict[str, int] = {}
 
-    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str]
-             ) -> list[list[int]] | None:
+    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str],
+             skip: set[str] | None = None) -> list[list[int]] | None:
         """A step from which no request proposes: its decode rows wait (DeferredRows.
-        wait_decodes); None: not such a step, and `propose` runs it."""
-        return self.deferred.wait_decodes(runner, req_ids, runner.model.aux_hidden, self.hold)
+        wait_decodes; the rows of requests in `skip` are dropped); None: not such a
+        step, and `propose` runs it."""
+        return self.deferred.wait_decodes(runner, req_ids, runner.model.aux_hidden, self.hold,
+                                          skip)
 
     @torch.inference_mode()
-    def propose(self, runner, hidden: torch.Tensor, meta, max_drafts: np.ndarray
-                ) -> list[list[int]]:
+    def propose(self, runner, hidden: torch.Tensor, meta, max_drafts: np.ndarray,
+                skip: set[str] | None = None) -> list[list[int]]:
+        """As EagleProposer.propose: `skip` the requests whose rows are dropped."""
         batch = runner.input_batch
         step = runner.last_step
         n = batch.num_reqs()
@@ -51,7 +54,7 @@ class DFlashProposer:
         if not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing: each request's one row (kept:
             # its successor was just sampled) waits, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], positions, aux, self.hold):
+            if self.deferred.wait_all(batch.req_ids[:n], positions, aux, self.hold, skip):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         num_tokens = batch.num_tokens_no_spec[:n].astype(np.int64)
@@ -65,9 +68,11 @@ class DFlashProposer:
         # A request's one kept row (a decode row, or a verification that accepted
         # nothing) waits unless it proposes now.
         num_kept = np.clip(num_tokens - 1 - positions[first_row], 0, counts)
+        dropped = rows_in(req_ids, skip)
         waits, e_req, e_pos, e_hidden = self.deferred.step(
-            req_ids, positions[first_row], counts, cap <= 0, aux, first_row, num_kept)
-        rows = np.nonzero(kept & ~waits[req])[0]
+            req_ids, positions[first_row], counts if dropped is None else
+            np.where(dropped, 0, counts), cap <= 0, aux, first_row, num_kept)
+        rows = np.nonzero(kept & ~(waits if dropped is None else waits | dropped)[req])[0]
         # The rows whose context is written now: each request's earlier (waiting) rows,
         # then its kept rows of this step.
         all_req = np.concatenate([e_req, req[rows]])

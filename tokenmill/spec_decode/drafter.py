@@ -45,6 +45,19 @@ no verifying row there), then one draft, and a miss sends it to the longest back
 five); a hit resets it as usual. Not a seeded request: its random draws follow its
 drafts, so its drafts must depend on it (and its batch) alone for a rerun to give
 the same tokens.
+
+A draft model's drafter costs a request something even while it backs off: the
+target's taps every step, its decode rows waiting (spec_decode/deferred.py), the
+prompt's rows and two probes through the draft model, the rows written at finish
+(~5% of a 128-token request at batch 1). So under a poor record the scheduler
+suspends most new requests' drafts outright (SCOUT_EVERY: all but one in that many,
+the scouts, which draft as above and keep the record current; never a seeded one):
+a suspended request is never proposed for, its rows never wait, and a step of only
+such requests runs without taps or drafter. Its blocks then lack the draft model's
+K/V, so their hashes carry a mark of their own (core/kv_cache_utils.py): they are
+shared only among suspended requests, and a drafting request that hits the cache
+finds what a cold run wrote. The scheduler decides when it takes the request in
+(before its first block hash), from the record the runner reports each step.
 """
 from __future__ import annotations
 
@@ -60,6 +73,7 @@ RECORD_DRAFTS = 512
 MIN_RECORD_DRAFTS = 32  # no judgement before this many drafts were verified
 POOR_ACCEPTANCE = 1 / 16  # below this share accepted, new requests start backed off
 PRIOR_MISSES = 3  # a new request's misses under a poor record (see backoff())
+SCOUT_EVERY = 8  # under a poor record, 1 new request in this many still drafts
 SMALL_BATCH = 8  # up to this many rows, a backing-off step's checks run on Python lists
 
 
@@ -90,6 +104,7 @@ class Drafter:
         self._drafted = 0.0  # the record: drafts verified, decayed (RECORD_DRAFTS)
         self._accepted = 0.0  # ... and accepted
         self._doubted: set[str] = set()  # started under a poor record, no probe hit yet
+        self._suspended: set[str] = set()  # never drafts (see above); the scheduler's call
         # Shadow probes waiting for their token: request -> (the index in its token ids
         # of the token the draft guesses, the draft).
         self._shadow: dict[str, tuple[int, int]] = {}
@@ -151,6 +166,28 @@ class Drafter:
         """A seeded sampling request: it starts at k whatever the record says."""
         self._seeded.add(req_id)
 
+    def suspend(self, req_id: str) -> None:
+        """A request the scheduler runs without drafts: never proposed for."""
+        self._suspended.add(req_id)
+
+    def all_suspended(self, req_ids: list[str]) -> bool:
+        """Whether every request of a step is suspended: it runs without taps or drafter."""
+        s = self._suspended
+        return bool(s) and all(rid in s for rid in req_ids)
+
+    def not_suspended(self, req_ids) -> list[str]:
+        s = self._suspended
+        return [rid for rid in req_ids if rid not in s]
+
+    def _drop_suspended(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
+        """`eligible` without the suspended requests' rows (a step mixing them with
+        drafting requests)."""
+        if not self._suspended:
+            return eligible
+        s = self._suspended
+        return eligible & np.fromiter((rid not in s for rid in req_ids), dtype=bool,
+                                      count=len(req_ids))
+
     def poor_record(self) -> bool:
         """Whether recent verifications accepted almost none of their drafts."""
         return (self._drafted >= MIN_RECORD_DRAFTS
@@ -199,35 +236,45 @@ class Drafter:
             batch = runner.input_batch
             self._settle_shadows(batch.req_id_to_index, batch.token_ids_cpu,
                                  batch.num_tokens_no_spec)
+        # A step mixing suspended requests with drafting ones: theirs are dropped rows.
+        skip = self._suspended if self._suspended and not self._suspended.isdisjoint(
+            req_ids) else None
+        if skip is not None:
+            eligible = self._drop_suspended(req_ids, eligible)
         if self._none_proposes(req_ids, eligible):
             # The common step of requests that back off: their rows wait, through a
             # path of a few dict and tensor operations (no numpy over the batch).
-            waited = self.model_proposer.wait(runner, hidden, req_ids)
+            waited = self.model_proposer.wait(runner, hidden, req_ids, skip)
             if waited is not None:
                 return waited
             max_drafts = np.zeros(len(req_ids), dtype=np.int64)
         else:
             max_drafts = self._max_drafts(req_ids, eligible)
-        drafts = self.model_proposer.propose(runner, hidden, meta, max_drafts)
+        drafts = self.model_proposer.propose(runner, hidden, meta, max_drafts, skip)
         if self._doubted:
             self._shadow_probes(req_ids, drafts, runner.input_batch.num_tokens_no_spec)
         return drafts
 
     def _none_proposes(self, req_ids: list[str], eligible: np.ndarray) -> bool:
-        """Whether no request asks for drafts this step; if so, as _max_drafts would, it
+        """Whether no request gets drafts this step; if so, as _max_drafts would, it
         counts a step off each eligible request's back-off. Otherwise nothing changed."""
         n = len(req_ids)
         d = self.config.disable_by_batch_size
         if d is not None and n >= d:
             return True
         skip = self._skip
-        if not skip:  # nobody backs off
+        full = self.row_budget is not None and n >= self.row_budget  # no row left for drafts
+        if not skip and not full:  # nobody backs off
             return False
         if n <= SMALL_BATCH:  # a numpy reduction costs ~15 us here (cold after the forward)
             flags = eligible.tolist()
             rows = range(n) if False not in flags else [r for r in range(n) if flags[r]]
         else:
             rows = range(n) if eligible.all() else np.nonzero(eligible)[0].tolist()
+        if full:  # (each request's k and back-off move as where _max_drafts asks it)
+            for r in rows:
+                self._wanted(req_ids[r])
+            return True
         if not all(skip.get(req_ids[r]) for r in rows):
             return False
         for r in rows:
@@ -246,7 +293,7 @@ class Drafter:
                                  {rid: r for r, rid in enumerate(req_ids)},
                                  token_ids, num_tokens)
         out: list[list[int]] = [[] for _ in req_ids]
-        max_drafts = self._max_drafts(req_ids, eligible)
+        max_drafts = self._max_drafts(req_ids, self._drop_suspended(req_ids, eligible))
         rows = np.nonzero(max_drafts)[0].tolist()
         if not rows:
             return out
@@ -267,3 +314,4 @@ class Drafter:
         self._shadow.pop(req_id, None)
         self._doubted.discard(req_id)
         self._seeded.discard(req_id)
+        self._suspended.discard(req_id)

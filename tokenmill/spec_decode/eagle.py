@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.spec_decode.deferred import DeferredRows, holds
+from tokenmill.spec_decode.deferred import DeferredRows, holds, rows_in
 from tokenmill.spec_decode.draft_model import target_greedy_head
 
 
@@ -37,23 +37,26 @@ class EagleProposer:
         head = target_greedy_head(runner, self.model, out.shape[0])
         return head(out).long() if head is not None else self.model.draft_token_ids(out)
 
-    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str]
-             ) -> list[list[int]] | None:
+    def wait(self, runner, hidden: torch.Tensor, req_ids: list[str],
+             skip: set[str] | None = None) -> list[list[int]] | None:
         """A step from which no request proposes: its decode rows wait (DeferredRows.
-        wait_decodes); None: not such a step, or a drafter without write_kv (every
-        token runs its full forward), and `propose` runs it."""
+        wait_decodes; the rows of requests in `skip` are dropped); None: not such a
+        step, or a drafter without write_kv (every token runs its full forward), and
+        `propose` runs it."""
         model = self.model
         if not hasattr(model, "write_kv"):
             return None
         target = runner.model.aux_hidden if model.aux_layer_ids else hidden
-        return self.deferred.wait_decodes(runner, req_ids, target, self.hold)
+        return self.deferred.wait_decodes(runner, req_ids, target, self.hold, skip)
 
     @torch.inference_mode()
     def propose(self, runner, hidden: torch.Tensor, meta: AttentionMetadata,
-                max_drafts: np.ndarray) -> list[list[int]]:
+                max_drafts: np.ndarray, skip: set[str] | None = None) -> list[list[int]]:
         """hidden: the target's output of the step; meta: its attention metadata;
-        max_drafts[r]: drafts wanted for batch row r (0: none). The batch already holds
-        the step's emitted tokens (num_tokens_no_spec counts them)."""
+        max_drafts[r]: drafts wanted for batch row r (0: none); skip: requests whose
+        rows are dropped, neither written nor kept (their drafts are suspended: they
+        want none). The batch already holds the step's emitted tokens
+        (num_tokens_no_spec counts them)."""
         batch = runner.input_batch
         step = runner.last_step
         n = batch.num_reqs()
@@ -65,7 +68,8 @@ class EagleProposer:
         if hasattr(model, "write_kv") and not max_drafts.any() and (counts == 1).all():
             # A decode-only step that proposes nothing (requests backing off, or a
             # batch too large to speculate): the rows wait, as cheaply as can be.
-            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target, self.hold):
+            if self.deferred.wait_all(batch.req_ids[:n], step.positions, target, self.hold,
+                                      skip):
                 return [[] for _ in range(n)]
         req = np.repeat(np.arange(n), counts)
         positions = step.positions
@@ -94,17 +98,20 @@ class EagleProposer:
             proposing[rows] = True
             # (a verification that accepted nothing keeps one row: it may wait)
             kept = np.clip(offset + 1, 0, counts)
+            dropped = rows_in(batch.req_ids[:n], skip)
             waits, e_req, e_pos, e_hidden = self.deferred.step(
-                batch.req_ids[:n], first_pos, counts, ~proposing, target, first_row, kept)
-            if rows.size == 0 and e_req.size == 0 and waits[req].all():
+                batch.req_ids[:n], first_pos, counts if dropped is None else
+                np.where(dropped, 0, counts), ~proposing, target, first_row, kept)
+            done = waits if dropped is None else waits | dropped  # (not to write now)
+            if rows.size == 0 and e_req.size == 0 and done[req].all():
                 return drafts  # every row waits: nothing to run now
-            if not waits.any() and e_req.size == 0:  # the whole step, as it is
+            if not done.any() and e_req.size == 0:  # the whole step, as it is
                 combined = model.combine_target_hidden(target)
                 model.write_kv(ids_t, pos_t, combined, meta)
                 flat = torch.from_numpy(flat_np).to(dev)
             else:
                 ids_t, pos_t, combined, flat = self._write_kv_now(
-                    runner, ~waits[req], req, positions, next_ids, target,
+                    runner, ~done[req], req, positions, next_ids, target,
                     e_req, e_pos, e_hidden, flat_np)
             if rows.size == 0:
                 return drafts
@@ -192,3 +199,4 @@ class EagleProposer:
         gid = runner.draft_group_id
         return runner.attn_builders[gid].decodes(runner.input_batch.block_tables[gid], rows,
                                                  positions)
+

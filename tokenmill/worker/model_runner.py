@@ -130,6 +130,12 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
                         if speculative_config is not None else None)
         self._step_hidden = None  # the target's hidden states and metadata, for the drafter
         self._step_meta = None
+        # The layers the drafter taps (model.aux_layer_ids), and whether the step in
+        # progress runs without them: every request's drafts suspended (Drafter.suspend).
+        self._aux_layer_ids = getattr(model, "aux_layer_ids", ())
+        self._drafter_off = False
+        # A draft model's acceptance record goes to the scheduler with every step.
+        self._reports_record = draft_model is not None and speculative_config.adaptive
         self.rejection_sampler = RejectionSampler()
         # Per attention KV cache group: the backend the platform chose for its spec and
         # the builder of its metadata, through which every attention metadata of a step
@@ -266,7 +272,17 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         model kept waiting are written there now (spec_decode/deferred.py)."""
         if (req_ids and self.prefix_caching and self.drafter is not None
                 and self.drafter.model_proposer is not None):
-            self.drafter.model_proposer.flush(self, list(req_ids))
+            # (a suspended request's blocks are hit only by suspended ones: no rows there)
+            self.drafter.model_proposer.flush(self, self.drafter.not_suspended(req_ids))
+
+    def _drafter_suspension(self) -> None:
+        """Whether the step runs without the drafter: every request in it is suspended
+        (Drafter.suspend); then the target taps no hidden states either."""
+        batch = self.input_batch
+        off = self._drafter_off = self.drafter.all_suspended(batch.req_ids[:batch.num_reqs()])
+        ids = () if off else self._aux_layer_ids
+        if getattr(self.model, "aux_layer_ids", ()) != ids:
+            self.model.aux_layer_ids = ids
 
     def remove_requests(self, req_ids) -> None:
         """Drop finished requests when no further step will carry their ids."""
@@ -307,6 +323,8 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         if early:
             self._kv_invalid_block_ids = self.kv_connector.wait_for_load()
         input_ids, positions, logits_indices, meta, discard = self._prepare_inputs(so)
+        if self.draft_model is not None:
+            self._drafter_suspension()
         kv_failed = set()
         if kv_meta is not None:  # ... and are in their blocks before any layer reads them
             invalid = self._kv_invalid_block_ids = (

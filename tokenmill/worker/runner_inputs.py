@@ -136,6 +136,8 @@ class InputPrepMixin:
             batch.add_request(state)
             if gen is not None and self.drafter is not None:
                 self.drafter.add_seeded(new.req_id)
+            if new.drafts_suspended and self.drafter is not None:
+                self.drafter.suspend(new.req_id)
             if sp.prompt_logprobs is not None:
                 self._prompt_logprobs_reqs.add(new.req_id)
             if new.pooling_params is not None:

@@ -209,7 +209,10 @@ class SamplingMixin:
         n = len(req_ids)
         step = self.last_step
         spec_token_ids = None
-        if self.drafter is not None:
+        if self._drafter_off:  # every request's drafts suspended: nothing to propose
+            spec_token_ids = [[] for _ in range(n)]
+            self._step_hidden = self._step_meta = None
+        elif self.drafter is not None:
             # Processors read the tokens before each position; verifying drafts would
             # need them per position: such requests go without drafts.
             if keep is None and batch.all_plain_greedy():
@@ -236,7 +239,8 @@ class SamplingMixin:
         return ModelRunnerOutput(
             req_ids, req_id_to_index, out, logprobs, prompt_logprobs, errored, spec_token_ids,
             self._kv_invalid_block_ids,
-            step.num_drafts.tolist() if step.cu_num_logits is not None else None)
+            step.num_drafts.tolist() if step.cu_num_logits is not None else None,
+            draft_record_poor=self.drafter.poor_record() if self._reports_record else None)
 
     def _emitted_logprobs(self, pending, tokens: np.ndarray,
                           num_emitted: np.ndarray) -> LogprobsLists:

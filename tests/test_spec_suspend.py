@@ -1,0 +1,205 @@
+"""Suspended drafts: under a poor acceptance record the scheduler takes most new requests
+in without drafts (spec_decode/drafter.py). Such a request is never proposed for, a step
+of only such requests runs with neither the target's taps nor the draft model, and its
+blocks are marked apart in the prefix cache (they lack the draft model's K/V), so a
+drafting request that hits the cache drafts as in a cold engine. Every SCOUT_EVERY-th
+request (and every seeded one) still drafts.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_spec_decode import _random_draft, assert_no_leaks, generate, greedy  # noqa: F401
+from test_spec_decode import hybrid  # noqa: F401 (fixture)
+
+from conftest import make_llm, record_model_drafts, runner_of, scheduler_of
+from tokenmill import SamplingParams
+from tokenmill.core.kv_cache_utils import request_block_hashes
+from tokenmill.core.request import Request
+from tokenmill.spec_decode.drafter import SCOUT_EVERY
+
+MAX_TOKENS = 24
+
+
+def _engine(tm, draft, method, poor: bool, **kw):
+    """An engine whose record is poor (or good) from the start: the runner's, and the
+    scheduler's copy of it (which it otherwise takes from the first step's output)."""
+    args = dict(enable_prefix_caching=True, block_size=8, max_model_len=192)
+    llm = make_llm(tm.path, speculative_config={"method": method, "model": draft,
+                                                "num_speculative_tokens": 3},
+                   **dict(args, **kw))
+    runner_of(llm).drafter.poor_record = lambda: poor
+    scheduler_of(llm)._draft_record_poor = poor
+    return llm
+
+
+def _watch(llm):
+    """Per forward: (the step's request ids, the layers the target tapped); per proposer
+    call: the step's request ids; per request taken in: whether it was suspended."""
+    runner, sched = runner_of(llm), scheduler_of(llm)
+    model, proposer = runner.model, runner.drafter.model_proposer
+    seen = {"forward": [], "proposer": [], "suspended": {}, "kept": []}
+    batch = runner.input_batch
+
+    def ids():
+        return tuple(batch.req_ids[:batch.num_reqs()])
+    inner_forward = model.forward
+
+    def forward(*args, **kw):
+        seen["forward"].append((ids(), tuple(model.aux_layer_ids)))
+        return inner_forward(*args, **kw)
+    model.forward = forward
+    for name in ("propose", "wait"):
+        inner = getattr(proposer, name)
+
+        def call(*args, _inner=inner, **kw):
+            seen["proposer"].append(ids())
+            out = _inner(*args, **kw)
+            # rows kept waiting for the drafter, of requests taken in suspended
+            seen["kept"] += [rid for rid in ids() if seen["suspended"].get(rid)
+                             and proposer.deferred.num_waiting(rid)]
+            return out
+        setattr(proposer, name, call)
+    inner_add = sched.add_request
+
+    def add_request(req):
+        inner_add(req)
+        seen["suspended"][req.request_id] = req.drafts_suspended
+    sched.add_request = add_request
+    return seen
+
+
+@pytest.mark.parametrize("method,target", [("eagle3", "qwen3_headdim"),
+                                           ("dflash", "qwen3_headdim"),
+                                           ("dflash", "hybrid")])
+@pytest.mark.parametrize("extra", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+def test_suspended_requests_run_without_the_drafter(request, tiny_model_factory, tmp_path,
+                                                     method, target, extra):
+    """Under a poor record, requests one at a time, then all at once: all but every
+    SCOUT_EVERY-th are suspended; a step of only suspended requests taps nothing and
+    calls no proposer; a step with a scout does both; no suspended request verifies a
+    draft or keeps a row waiting for the drafter (its rows share steps with the
+    scouts', where the drafter drops them); the plain greedy tokens throughout,
+    nothing leaked. With async scheduling too (no draft slots for a suspended request)."""
+    tm = (request.getfixturevalue("hybrid") if target == "hybrid"
+          else tiny_model_factory(target))
+    draft = _random_draft(tm, tmp_path, method)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, tm.vocab_size, int(rng.integers(9, 30))).tolist()
+               for _ in range(SCOUT_EVERY + 2)]
+    plain = generate(make_llm(tm.path, block_size=8, max_model_len=192), prompts,
+                     greedy(MAX_TOKENS))
+    llm = _engine(tm, draft, method, True, **extra)
+    runner = runner_of(llm)
+    seen = _watch(llm)
+    verified = {}
+    inner_update = runner._update_states
+
+    def update_states(so):
+        inner_update(so)
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            verified[rid] = verified.get(rid, 0) + len(drafts)
+        for rid, slots in so.scheduled_spec_slots.items():
+            verified[rid] = verified.get(rid, 0) + slots
+    runner._update_states = update_states
+    got = [generate(llm, [p], greedy(MAX_TOKENS))[0] for p in prompts]
+    got_batch = generate(llm, prompts, greedy(MAX_TOKENS))
+    assert got == plain and got_batch == plain
+    flags = list(seen["suspended"].values())
+    n = len(prompts)
+    assert flags == [i % SCOUT_EVERY != 0 for i in range(2 * n)]
+    suspended = {rid for rid, s in seen["suspended"].items() if s}
+    taps = tuple(runner._aux_layer_ids)
+    assert seen["forward"]
+    for rids, tapped in seen["forward"]:
+        assert tapped == (() if set(rids) <= suspended else taps), rids
+    for rids in seen["proposer"]:
+        assert not set(rids) <= suspended, rids
+    # The one-at-a-time scouts ran the drafter, and no suspended request verified a draft.
+    assert any(len(rids) == 1 and rids[0] not in suspended for rids in seen["proposer"])
+    assert not suspended & {rid for rid, d in verified.items() if d}
+    # In the batch, scouts and suspended requests shared steps; no suspended row waited.
+    assert any(not set(rids) <= suspended for rids in seen["proposer"] if len(rids) > 2)
+    assert not seen["kept"]
+    assert not runner.drafter._suspended
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_suspended_blocks_are_cached_apart(tiny_model_factory, tmp_path, method):
+    """A prompt computed by a suspended request is a prefix hit for the next suspended
+    one, not for a drafting (seeded) one, whose drafts and tokens then equal a cold
+    engine's; a prompt computed by a drafting request is not a hit for a suspended one
+    either (the marks differ from block 0 on)."""
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = _random_draft(tm, tmp_path, method)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, tm.vocab_size, 40).tolist()
+    other = rng.integers(0, tm.vocab_size, 40).tolist()
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cold = _engine(tm, draft, method, False)
+    cold_drafts = record_model_drafts(runner_of(cold))
+    want = generate(cold, [prompt], seeded)
+
+    llm = _engine(tm, draft, method, True)
+    sched = scheduler_of(llm)
+    seen = _watch(llm)
+    stats = sched.kv_cache_manager.prefix_cache_stats
+
+    def run(p, params):
+        hits = stats.hits
+        out = generate(llm, [p], params)
+        return out, stats.hits - hits
+    assert run(other, greedy(MAX_TOKENS))[1] == 0  # the first: a scout (drafts)
+    assert run(prompt, greedy(MAX_TOKENS))[1] == 0  # suspended
+    assert run(prompt, greedy(MAX_TOKENS))[1] > 0  # suspended: hits the one before
+    drafts = record_model_drafts(runner_of(llm))
+    out, hits = run(prompt, seeded)  # seeded: drafts, and cannot take those blocks
+    assert hits == 0 and out == want and drafts == cold_drafts and drafts
+    assert run(other, greedy(MAX_TOKENS))[1] == 0  # suspended: not the scout's blocks
+    assert list(seen["suspended"].values()) == [False, True, True, False, True]
+    assert_no_leaks(llm)
+
+
+def test_which_requests_are_suspended(tiny_model_factory, tmp_path):
+    """The scheduler's rule: only under a poor record and with a draft model (not for
+    n-gram lookups); never a seeded sampling request; an n > 1
+    sibling as the request whose prompt it shares; every SCOUT_EVERY-th drafts; the
+    record is the runner's, as it reports it. The mark changes every block hash of a
+    suspended request, from block 0 on."""
+    tm = tiny_model_factory("qwen3_headdim")
+    draft = _random_draft(tm, tmp_path, "eagle3")
+    llm = _engine(tm, draft, "eagle3", False)
+    sched = scheduler_of(llm)
+    for poor in (True, False):  # the runner reports its record with every step
+        runner_of(llm).drafter.poor_record = lambda: poor
+        generate(llm, [[1, 2, 3]], greedy(2))
+        assert sched._draft_record_poor is poor
+    sched._num_admitted_poor = 0  # (the second was taken in under a poor record: a scout)
+    ngram = scheduler_of(make_llm(tm.path, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}))
+    assert sched.config.suspend_drafts and not ngram.config.suspend_drafts
+    prompt = list(range(1, 20))
+
+    def take(s, rid, share=None, **params):
+        req = Request(rid, prompt, SamplingParams(max_tokens=4, **params),
+                      share_prompt_with=share)
+        s._suspend_drafts(req)
+        s.requests[rid] = req
+        return req.drafts_suspended
+    assert not take(sched, "good")  # the record is good
+    sched._draft_record_poor = ngram._draft_record_poor = True
+    assert not take(ngram, "lookups")
+    assert not take(sched, "seeded", temperature=1.0, seed=3)
+    assert take(sched, "greedy-seed", temperature=0.0, seed=3) is False  # the first: a scout
+    assert take(sched, "sampled", temperature=1.0)
+    assert take(sched, "sibling", share="sampled")
+    assert not take(sched, "scout-sibling", share="greedy-seed")
+    flags = [take(sched, f"r{i}") for i in range(2 * SCOUT_EVERY)]
+    # (the scout count goes on from the two requests decided above)
+    assert flags.count(False) == 2 and not flags[SCOUT_EVERY - 2]
+    marked = sched.requests["sampled"]
+    plain = sched.requests["good"]
+    assert request_block_hashes(marked, 8)[0] != request_block_hashes(plain, 8)[0]
+    for rid in list(sched.requests):
+        sched.requests.pop(rid)
