@@ -112,6 +112,17 @@ int main() {
     for (int j = 0; j < W; ++j) mag += std::fabs(a[j]);
     CHECK(std::fabs(tmvec::reduce_add(va) - sum) <= 1e-6 * mag + 1e-30, "reduce_add");
     CHECK(tmvec::reduce_max(va) == mx, "reduce_max");
+    // reduce_add4: each of four registers' sums in its own slot (a, b, c, a + b)
+    float four[4];
+    const Vec regs[4] = {va, vb, vc, va + vb};
+    tmvec::reduce_add4(regs[0], regs[1], regs[2], regs[3], four);
+    for (int r = 0; r < 4; ++r) {
+      float lanes[W];
+      regs[r].store(lanes);
+      double want = 0, size = 0;
+      for (int j = 0; j < W; ++j) want += lanes[j], size += std::fabs(lanes[j]);
+      CHECK(std::fabs(four[r] - want) <= 1e-6 * size + 1e-30, "reduce_add4 slot %d", r);
+    }
   }
 
   // Partial loads and stores touch only their n lanes.

@@ -151,19 +151,24 @@ def _decode(layer, cache, table, q, seq_lens, native):
     return backend.make_impl(layer).decode(q, cache, meta)
 
 
-# fp32 queries: the kernel's fp32 sums over exactly widened values; bf16 / fp16: the
-# output's own rounding.
-TOLS = [(torch.float32, 2e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]
+# fp32 queries: the kernel's fp32 sums over exactly widened values, in another order
+# than the reference's (a score's rounding is eps x sum |q_i k_i|, ~2e-5 with the keys'
+# outlier channel at 448: outputs move by that, relative); bf16 / fp16: the output's
+# own rounding.
+TOLS = [(torch.float32, 4e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]
 
 
 @pytest.mark.parametrize("dtype,tol", TOLS)
-@pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (128, 4, 4), (80, 6, 2), (20, 8, 1)])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (128, 4, 4), (80, 6, 2), (20, 8, 1),
+                                       (256, 4, 2), (256, 16, 2), (128, 16, 2)])
 @pytest.mark.parametrize("num_rows", [2, 11])
 def test_native_decode_over_fp8_cache_matches_dense_reference(ops, dtype, tol, d, hq, hkv,
                                                               num_rows):
-    """The fixed head dims (64, 128: K/V rows widened into registers) and the any-dim
-    loops (80, 20: vector chunks and the scalar tail), both job kinds; slots past a
-    row's length never read (poisoned with the NaN code)."""
+    """The fixed head dims (64, 128, 256: K/V rows widened into registers) and the
+    any-dim loops (80, 20: vector chunks and the scalar tail); a block widened once into
+    fp32 first where more than 4 query heads share a kv head or the head dim is not a
+    fixed one (GQA 8 at 128 and 256; 80, 20); both job kinds; slots past a row's length
+    never read (poisoned with the NaN code)."""
     seq_lens = [1, 15, 16, 17, 40, 33, 2, 64, 5, 31, 48][:num_rows]
     cache, table, q = _setup(dtype, seq_lens, hkv=hkv, hq=hq, d=d, seed=d + num_rows)
     ref = _dense(cache, table, q, seq_lens, d ** -0.5)

@@ -4,11 +4,11 @@
 // are enough rows. Written once against vec.h's W-lane Vec, so every capability
 // level runs it vectorised (AVX-512 16 lanes, AVX2 8, NEON / SSE2 4).
 //
-// head_dim 64 and 128 have kernels whose head dimension is a compile-time number
-// of vectors: the queries of a block of query heads stay in registers (or on the
-// stack where the ISA has too few), and the output accumulators of a tile of the
-// head dimension stay in registers across a cache block's tokens. Any other
-// head_dim takes a loop over W-lane chunks and a scalar tail.
+// head_dim 64, 128 (and 256 with AVX-512) have kernels whose head dimension is a
+// compile-time number of vectors: the queries of a block of query heads stay in
+// registers (or on the stack where the ISA has too few), and the output accumulators
+// of a tile of the head dimension stay in registers across a cache block's tokens.
+// Any other head_dim takes a loop over W-lane chunks and a scalar tail.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
@@ -51,6 +51,11 @@ constexpr int value_tile(int NV, int G) {
   return xt;
 }
 
+// Four heads' scores of a token reduced together (tmvec::reduce_add4) where that was
+// measured faster: with AVX-512's 32 registers (1.07-1.36x at GQA 4-8). With AVX2's 16
+// the four sums stay live beside spilled rows: 0.88-0.94x there.
+constexpr bool kSums4 = Vec::W == 16;
+
 // head_dim = NV vectors, G query heads (q: G rows of NV * W floats).
 template <int NV, int G, typename T>
 inline void block_scores(const float* q, const T* k, int64_t s_tok, int64_t n, float* s,
@@ -63,13 +68,20 @@ inline void block_scores(const float* q, const T* k, int64_t s_tok, int64_t n, f
   for (int64_t o = 0; o < n; ++o, k += s_tok) {
     Vec kv[NV];
     for (int x = 0; x < NV; ++x) kv[x] = tmvec::load_wide(k + x * W);
-    for (int j = 0; j < G; ++j) {
+    auto dot = [&](int j) {  // head j's q . k, as W lane partial sums
       Vec acc[P];
       for (int i = 0; i < P; ++i) acc[i] = qv[j][i] * kv[i];
       for (int x = P; x < NV; ++x) acc[x % P] = tmvec::fma(qv[j][x], kv[x], acc[x % P]);
       for (int w = P / 2; w >= 1; w /= 2)
         for (int i = 0; i < w; ++i) acc[i] = acc[i] + acc[i + w];
-      s[j * ld + o] = tmvec::reduce_add(acc[0]);
+      return acc[0];
+    };
+    if constexpr (G == 4 && kSums4) {  // the four heads' lane sums in one transposing tree
+      float four[4];
+      tmvec::reduce_add4(dot(0), dot(1), dot(2), dot(3), four);
+      for (int j = 0; j < 4; ++j) s[j * ld + o] = four[j];
+    } else {
+      for (int j = 0; j < G; ++j) s[j * ld + o] = tmvec::reduce_add(dot(j));
     }
   }
 }
@@ -104,11 +116,20 @@ inline void block_scores_any(const float* q, const T* k, int64_t s_tok, int64_t 
   for (int64_t o = 0; o < n; ++o, k += s_tok) {
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = q + j * d;
-      Vec acc = Vec::zero();
+      // Four partial sums: one chain of d / W dependent FMAs waits on each (latency);
+      // not over fp8 codes, whose widening keeps the core busy (measured 0.9x there).
+      Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
       int64_t x = 0;
+      constexpr bool split = !std::is_same_v<T, c10::Float8_e4m3fn>;
+      for (; split && x + 4 * W <= d; x += 4 * W) {
+        a0 = tmvec::fma(Vec::load(qj + x), tmvec::load_wide(k + x), a0);
+        a1 = tmvec::fma(Vec::load(qj + x + W), tmvec::load_wide(k + x + W), a1);
+        a2 = tmvec::fma(Vec::load(qj + x + 2 * W), tmvec::load_wide(k + x + 2 * W), a2);
+        a3 = tmvec::fma(Vec::load(qj + x + 3 * W), tmvec::load_wide(k + x + 3 * W), a3);
+      }
       for (; x + W <= d; x += W)
-        acc = tmvec::fma(Vec::load(qj + x), tmvec::load_wide(k + x), acc);
-      float sum = tmvec::reduce_add(acc);
+        a0 = tmvec::fma(Vec::load(qj + x), tmvec::load_wide(k + x), a0);
+      float sum = tmvec::reduce_add((a0 + a1) + (a2 + a3));
       for (; x < d; ++x) sum += qj[x] * static_cast<float>(k[x]);
       s[j * ld + o] = sum;
     }
@@ -209,15 +230,32 @@ inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems)
     for (int64_t off = 0; off < bytes; off += 64) tmvec::prefetch_l2(b + off);
 }
 
+// n tokens of d fp8 codes from p (token stride s_tok) -> dst [n, d] fp32.
+inline void widen_tokens(const c10::Float8_e4m3fn* p, int64_t s_tok, int64_t n, int64_t d,
+                         float* dst) {
+  const auto* b = reinterpret_cast<const uint8_t*>(p);
+  for (int64_t o = 0; o < n; ++o, b += s_tok, dst += d) {
+    int64_t x = 0;
+    for (; x + W <= d; x += W) tmvec::load_e4m3(b + x).store(dst + x);
+    for (; x < d; ++x) dst[x] = tmvec::e4m3_to_float(b[x]);
+  }
+}
+
 // Row r, kv heads [h0, h1), g query heads per kv head, head_dim d (= NV * W when
 // NV > 0), over the row's tokens [first, len) (first > 0: a sliding window; the
 // blocks before it are never read, they may have been given back): qf / out hold
 // those heads' (h1 - h0) * g query / output rows (qf scaled).
 // Blocks are walked once for all the heads: every head's K (then V) of a block is
 // used while its lines are hot, and the next block's are prefetched.
+// `staged` (an fp8 cache only; else null): room for a block of one head widened to
+// fp32, which the products then read. The kernels widen each element once per group
+// of 4 query heads (per head on the any-head_dim loops), and e4m3's widening costs
+// more than the product: where heads share a kv head beyond that, the block is
+// widened once instead (decode() says where).
 template <int NV, typename T>
 void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1, int64_t g,
-            int64_t d, int64_t first, int64_t len, float softcap, float* scores, float* out) {
+            int64_t d, int64_t first, int64_t len, float softcap, float* scores, float* out,
+            float* staged) {
   const int64_t nh = h1 - h0, nb = (len + c.bs - 1) / c.bs, span = len - first;
   for (int phase = 0; phase < 2; ++phase) {
     const bool value = phase == 1;
@@ -246,6 +284,18 @@ void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h
                           i + 1 == nh ? d : c.s_head);
         const T* p = c.at(r, b, h0 + i, value) + skip * c.s_tok;
         float* s = scores + i * g * span + (lo - first);
+        if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+          if (staged != nullptr) {
+            widen_tokens(p, c.s_tok, n, d, staged);
+            const float* f = staged;
+            if (value) {
+              values_of_group<NV>(s, span, f, d, n, g, d, out + i * g * d);
+            } else {
+              scores_of_group<NV>(qf + i * g * d, f, d, n, g, d, s, span);
+            }
+            continue;
+          }
+        }
         if (value) {
           values_of_group<NV>(s, span, p, c.s_tok, n, g, d, out + i * g * d);
         } else {
@@ -256,14 +306,25 @@ void attend(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h
   }
 }
 
+// The head sizes with a compile-time kernel (Qwen3.5 / Qwen3-Next and Gemma take 256):
+// 256 only where a K row fits in half the registers (AVX-512's 16 vectors of 16); with
+// 8 or 4 lanes its rows spill and the any-head_dim loops run it faster.
+constexpr bool kFixed256 = 2 * (256 / W) <= Vec::kRegs;
+inline bool fixed_head_dim(int64_t d) { return d == 64 || d == 128 || (kFixed256 && d == 256); }
+
 template <typename T>
 void attend_any_d(const float* qf, const Cache<T>& c, int64_t r, int64_t h0, int64_t h1,
                   int64_t g, int64_t d, int64_t first, int64_t len, float softcap,
-                  float* scores, float* out) {
-  if (d == 64) return attend<64 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
+                  float* scores, float* out, float* staged) {
+  if (d == 64)
+    return attend<64 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out, staged);
   if (d == 128)
-    return attend<128 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
-  attend<0>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out);
+    return attend<128 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out, staged);
+  if constexpr (kFixed256) {
+    if (d == 256)
+      return attend<256 / W>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out, staged);
+  }
+  attend<0>(qf, c, r, h0, h1, g, d, first, len, softcap, scores, out, staged);
 }
 
 // ---------------------------------------------------------------- vdpbf16ps (avx512_bf16)
@@ -284,20 +345,6 @@ constexpr bool kHasBf16Dot = true;
 constexpr int kChunk = 32;  // tokens per step (16 pairs; one rounding of 32 weights)
 using bf16 = c10::BFloat16;
 
-// The sums of four accumulators' lanes: [sum a, sum b, sum c, sum d] (a transposing
-// tree: 14 instructions for four sums instead of 8 each).
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // 256-bit halves: lanes 0-7 hold a's partials, 8-15 b's (and c's, d's)
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  // 128-bit lanes: lane 0 a's 4 partials, 1 b's, 2 c's, 3 d's
-  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
-}
-
 // s[j * ld + t] = scale * q_j . k_t for G query heads (bf16 rows of d, d apart) and the
 // TT (4 or 1) keys rows[t] + off.
 template <int G, int TT>
@@ -316,7 +363,7 @@ inline void scores_bf16(const bf16* q, int64_t d, const bf16* const* rows, int64
   }
   for (int j = 0; j < G; ++j) {
     if constexpr (TT == 4) {
-      const __m128 r = reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+      const __m128 r = tmvec::reduce_add4_ps(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
       _mm_storeu_ps(s + j * ld, _mm_mul_ps(r, _mm_set1_ps(scale)));
     } else {
       s[j * ld] = scale * _mm512_reduce_add_ps(acc[j][0]);
@@ -540,8 +587,14 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
   constexpr bool pairs_type = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
                               std::is_same_v<C, c10::BFloat16>;
   const bool pairs = pairs_type && d % 32 == 0;
+  // An fp8 cache's blocks widened once where the kernels would widen them repeatedly:
+  // per head on the any-head_dim loops; per group of 4 heads on the fixed ones, where
+  // that measured faster only with AVX-512 (d128 GQA 8: 1.08x; 0.87x with AVX2).
+  const bool stage = std::is_same_v<C, c10::Float8_e4m3fn> &&
+                     (fixed_head_dim(d) ? g > 4 && W == 16 : g > 1);
   tmpar::parallel_for(0, nd * jobs_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(pairs ? 0 : width), acc(pairs ? 0 : width), scores;
+    std::vector<float> staged(stage ? c.bs * d : 0);
     PairScratch pw;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / jobs_per_row, h0 = job % jobs_per_row * heads;
@@ -568,7 +621,7 @@ void decode(const T* q, const Cache<C>& c, const int32_t* seq_lens, T* out, int6
       scores.resize(heads * g * (len - first));
       widen_scaled(q + q_off, qf.data(), width, scale);
       attend_any_d(qf.data(), c, r, h0, h0 + heads, g, d, first, len, softcap, scores.data(),
-                   acc.data());
+                   acc.data(), stage ? staged.data() : nullptr);
       if (v_scale != 1.f)
         for (int64_t i = 0; i < width; ++i) acc[i] *= v_scale;
       narrow(acc.data(), out + q_off, width);
