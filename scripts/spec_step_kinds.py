@@ -2,7 +2,7 @@
 by kind, plain engine against each draft-model method (random-weight drafters, so
 nearly every draft is rejected), one process, the engines taking turns.
 
-    .venv/bin/python scripts/spec_step_kinds.py --rounds 24 --methods eagle3,dflash [--no-prior] [--no-shadow]
+    .venv/bin/python scripts/spec_step_kinds.py --rounds 24 --methods eagle3,dflash [--no-prior] [--no-shadow] [--no-suspend]
 
 Each round gives every engine the same fresh random prompt (--input-len ids, greedy,
 --output-len tokens, k = 3); a variant has two engines (see below), so its figures
@@ -65,19 +65,24 @@ def main() -> None:
     p.add_argument("--no-shadow", action="store_true",
                    help="also run each method with verified probes out of a back-off (not "
                         "shadow probes: spec_decode/drafter.py)")
+    p.add_argument("--no-suspend", action="store_true",
+                   help="also run each method with every request drafting under a poor "
+                        "record (no suspended requests: spec_decode/drafter.py)")
     args = p.parse_args()
     path = ensure_bench_model(args.model)
     common = dict(dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
                   max_num_seqs=1)
-    # name -> (model, speculative config, record on, shadow probes on)
-    variants = {"plain": (path, None, True, True)}
+    # name -> (model, speculative config, record on, shadow probes on, suspension on)
+    variants = {"plain": (path, None, True, True, True)}
     for method in args.methods.split(","):
         target, spec = random_drafter({"method": method, "num_speculative_tokens": 3}, path)
-        variants[method] = (target, spec, True, True)
+        variants[method] = (target, spec, True, True, True)
         if args.no_prior:
-            variants[f"{method}-no-prior"] = (target, spec, False, True)
+            variants[f"{method}-no-prior"] = (target, spec, False, True, True)
         if args.no_shadow:
-            variants[f"{method}-no-shadow"] = (target, spec, True, False)
+            variants[f"{method}-no-shadow"] = (target, spec, True, False, True)
+        if args.no_suspend:
+            variants[f"{method}-no-suspend"] = (target, spec, True, True, False)
     # Two engines a variant, built in palindromic order (A B C C B A): in one process an
     # engine built earlier decodes measurably slower than one built later (up to ~10%
     # from the first to the fourth here, placement of its memory), which a single
@@ -85,13 +90,15 @@ def main() -> None:
     names = list(variants) + list(variants)[::-1]
     engines = []
     for name in names:
-        model, spec, record, shadow = variants[name]
+        model, spec, record, shadow, suspend = variants[name]
         llm = LLM(model, **common) if spec is None else LLM(
             model, speculative_config=SpeculativeConfig.from_any(spec), **common)
         if not record:
             llm.llm_engine.engine_core.runner.drafter.poor_record = lambda: False
         if not shadow:
             llm.llm_engine.engine_core.runner.drafter._shadow_probes = lambda *a: None
+        if not suspend:
+            llm.llm_engine.engine_core.scheduler.config.suspend_drafts = False
         engines.append((name, llm))
     steps = {name: defaultdict(list) for name in variants}
     for name, llm in engines:
