@@ -33,10 +33,10 @@ def _engine(tm, draft, method, poor: bool, **kw):
     return llm
 
 
-def _watch(llm):
+def watch(runner, sched):
     """Per forward: (the step's request ids, the layers the target tapped); per proposer
-    call: the step's request ids; per request taken in: whether it was suspended."""
-    runner, sched = runner_of(llm), scheduler_of(llm)
+    call: the step's request ids, and the suspended requests that kept a row waiting;
+    per request taken in: whether it was suspended."""
     model, proposer = runner.model, runner.drafter.model_proposer
     seen = {"forward": [], "proposer": [], "suspended": {}, "kept": []}
     batch = runner.input_batch
@@ -91,7 +91,7 @@ def test_suspended_requests_run_without_the_drafter(request, tiny_model_factory,
                      greedy(MAX_TOKENS))
     llm = _engine(tm, draft, method, True, **extra)
     runner = runner_of(llm)
-    seen = _watch(llm)
+    seen = watch(runner_of(llm), scheduler_of(llm))
     verified = {}
     inner_update = runner._update_states
 
@@ -143,7 +143,7 @@ def test_suspended_blocks_are_cached_apart(tiny_model_factory, tmp_path, method)
 
     llm = _engine(tm, draft, method, True)
     sched = scheduler_of(llm)
-    seen = _watch(llm)
+    seen = watch(runner_of(llm), scheduler_of(llm))
     stats = sched.kv_cache_manager.prefix_cache_stats
 
     def run(p, params):

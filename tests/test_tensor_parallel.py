@@ -367,6 +367,51 @@ def test_tp2_draft_model_speculation_equals_tp1(tp_model, tmp_path, name, method
     assert not any(p.is_alive() for p in procs)
 
 
+@pytest.mark.parametrize("name,method,async_scheduling", [("qwen3", "eagle3", False),
+                                                          ("qwen3_next", "dflash", True)])
+def test_tp2_suspended_requests_equal_tp1(tp_model, tmp_path, name, method, async_scheduling,
+                                          monkeypatch):
+    """Under a poor record (rank 0's drafter, the scheduler's copy of it) the scheduler
+    takes all but every 8th request in suspended (spec_decode/drafter.py): rank 0 runs
+    a step of only such requests without taps or drafter and drops their rows where
+    they share a step with a scout, the other rank runs them as plain rows; the greedy
+    fp32 tokens equal the plain TP=1 engine's, with chunked prefill and preemption."""
+    from test_spec_suspend import watch
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.spec_decode.drafter import SCOUT_EVERY
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    path = tp_model(name)
+    engine = dict(ENGINE, num_kv_blocks=3 * 16 + 4)  # (rank 0's draft layers: groups)
+    lengths = PROMPT_LENGTHS + [9, 21, 12, 30]  # ten requests: 8 suspended, 2 scouts
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(lengths, 384)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = make_llm(path, **engine).generate(prompts, params, use_tqdm=False)
+    spec = dict(_draft_spec(path, method, tmp_path), adaptive=True)
+    llm = make_llm(path, tensor_parallel_size=2, speculative_config=spec,
+                   async_scheduling=async_scheduling, **engine)
+    procs = _workers(llm)
+    try:
+        rank0, sched = runner_of(llm).runner, scheduler_of(llm)
+        rank0.drafter.poor_record = lambda: True
+        sched._draft_record_poor = True
+        seen = watch(rank0, sched)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+        flags = list(seen["suspended"].values())
+        assert flags == [i % SCOUT_EVERY != 0 for i in range(len(prompts))]
+        suspended = {rid for rid, s in seen["suspended"].items() if s}
+        alone = [rids for rids, _ in seen["forward"] if set(rids) <= suspended]
+        assert alone  # (steps without a scout in them)
+        for rids, tapped in seen["forward"]:
+            assert tapped == (() if set(rids) <= suspended else rank0._aux_layer_ids)
+        assert not any(set(rids) <= suspended for rids in seen["proposer"])
+        assert not seen["kept"]
+        assert sched.num_preemptions > 0 and not rank0.drafter._suspended
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(p.is_alive() for p in procs)
+
+
 def test_tp1_runs_the_runner_itself(tp_model):
     """One rank: no executor layer between the engine and its ModelRunner."""
     from tokenmill.worker.model_runner import ModelRunner
