@@ -230,15 +230,18 @@ inline void prefetch_tokens(const T* p, int64_t n, int64_t s_tok, int64_t elems)
     for (int64_t off = 0; off < bytes; off += 64) tmvec::prefetch_l2(b + off);
 }
 
+// n fp8 codes -> n fp32: the level's vector widening, the tail through the scalar one.
+inline void widen_e4m3_row(const uint8_t* p, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) tmvec::load_e4m3(p + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = tmvec::e4m3_to_float(p[i]);
+}
+
 // n tokens of d fp8 codes from p (token stride s_tok) -> dst [n, d] fp32.
 inline void widen_tokens(const c10::Float8_e4m3fn* p, int64_t s_tok, int64_t n, int64_t d,
                          float* dst) {
   const auto* b = reinterpret_cast<const uint8_t*>(p);
-  for (int64_t o = 0; o < n; ++o, b += s_tok, dst += d) {
-    int64_t x = 0;
-    for (; x + W <= d; x += W) tmvec::load_e4m3(b + x).store(dst + x);
-    for (; x < d; ++x) dst[x] = tmvec::e4m3_to_float(b[x]);
-  }
+  for (int64_t o = 0; o < n; ++o, b += s_tok, dst += d) widen_e4m3_row(b, d, dst);
 }
 
 // Row r, kv heads [h0, h1), g query heads per kv head, head_dim d (= NV * W when
@@ -687,11 +690,7 @@ torch::Tensor widen_e4m3(torch::Tensor codes) {
                   (codes.scalar_type() == at::kByte || codes.scalar_type() == at::kFloat8_e4m3fn),
               "widen_e4m3: codes must be a contiguous 1-d uint8 / float8_e4m3fn tensor");
   auto out = torch::empty({codes.size(0)}, codes.options().dtype(at::kFloat));
-  const auto* p = static_cast<const uint8_t*>(codes.data_ptr());
-  float* o = out.data_ptr<float>();
-  const int64_t n = codes.size(0);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) tmvec::load_e4m3(p + i).store(o + i);
-  for (; i < n; ++i) o[i] = tmvec::e4m3_to_float(p[i]);
+  widen_e4m3_row(static_cast<const uint8_t*>(codes.data_ptr()), codes.size(0),
+                 out.data_ptr<float>());
   return out;
 }

@@ -57,13 +57,6 @@ def holds(device: torch.device, taps: bool) -> bool:
     return device.type == "cpu" and taps
 
 
-def rows_in(req_ids: list[str], skip: set[str] | None) -> np.ndarray | None:
-    """Per batch row: whether its request is in `skip` (None: no skip set)."""
-    if skip is None:
-        return None
-    return np.fromiter((rid in skip for rid in req_ids), dtype=bool, count=len(req_ids))
-
-
 class DeferredRows:
     def __init__(self, max_rows: int = MAX_DEFERRED_ROWS):
         self.max_rows = max_rows

@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.spec_decode.deferred import DeferredRows, holds, rows_in
+from tokenmill.spec_decode.deferred import DeferredRows, holds
 from tokenmill.spec_decode.draft_model import target_greedy_head
+from tokenmill.spec_decode.drafter import rows_in
 
 
 class DFlashProposer:

@@ -77,6 +77,13 @@ SCOUT_EVERY = 8  # under a poor record, 1 new request in this many still drafts
 SMALL_BATCH = 8  # up to this many rows, a backing-off step's checks run on Python lists
 
 
+def rows_in(req_ids: list[str], skip: set[str] | None) -> np.ndarray | None:
+    """Per batch row: whether its request is in `skip` (None: no skip set)."""
+    if skip is None:
+        return None
+    return np.fromiter((rid in skip for rid in req_ids), dtype=bool, count=len(req_ids))
+
+
 def backoff(misses: int) -> int:
     """Steps without drafts after `misses` verifications in a row accepted nothing:
     none after one (a retry), then 4, 16, then MAX_BACKOFF."""
@@ -179,15 +186,6 @@ class Drafter:
         s = self._suspended
         return [rid for rid in req_ids if rid not in s]
 
-    def _drop_suspended(self, req_ids: list[str], eligible: np.ndarray) -> np.ndarray:
-        """`eligible` without the suspended requests' rows (a step mixing them with
-        drafting requests)."""
-        if not self._suspended:
-            return eligible
-        s = self._suspended
-        return eligible & np.fromiter((rid not in s for rid in req_ids), dtype=bool,
-                                      count=len(req_ids))
-
     def poor_record(self) -> bool:
         """Whether recent verifications accepted almost none of their drafts."""
         return (self._drafted >= MIN_RECORD_DRAFTS
@@ -240,7 +238,7 @@ class Drafter:
         skip = self._suspended if self._suspended and not self._suspended.isdisjoint(
             req_ids) else None
         if skip is not None:
-            eligible = self._drop_suspended(req_ids, eligible)
+            eligible = eligible & ~rows_in(req_ids, skip)
         if self._none_proposes(req_ids, eligible):
             # The common step of requests that back off: their rows wait, through a
             # path of a few dict and tensor operations (no numpy over the batch).
@@ -293,7 +291,7 @@ class Drafter:
                                  {rid: r for r, rid in enumerate(req_ids)},
                                  token_ids, num_tokens)
         out: list[list[int]] = [[] for _ in req_ids]
-        max_drafts = self._max_drafts(req_ids, self._drop_suspended(req_ids, eligible))
+        max_drafts = self._max_drafts(req_ids, eligible)
         rows = np.nonzero(max_drafts)[0].tolist()
         if not rows:
             return out
