@@ -2,13 +2,13 @@
 by kind, plain engine against each draft-model method (random-weight drafters, so
 nearly every draft is rejected), one process, the engines taking turns.
 
-    .venv/bin/python scripts/spec_step_kinds.py --rounds 24 --methods eagle3,dflash [--no-prior] [--no-shadow] [--no-suspend]
+    .venv/bin/python scripts/spec_step_kinds.py --rounds 24 --methods eagle3,dflash [--no-prior] [--no-shadow] [--no-suspend] [--concurrency 16]
 
 Each round gives every engine the same fresh random prompt (--input-len ids, greedy,
 --output-len tokens, k = 3); a variant has two engines (see below), so its figures
 cover 2 x --rounds requests. A step is `prefill`, `decode` (one token) or `verifyN`
 (N tokens: the request's token and its drafts), `+propose` when the runner drafted
-from it. Prints per engine the wall time per request, the ratio of the plain engine's
+from it. With --concurrency C a round gives every engine C such prompts at once. Prints per engine the wall time per request, the ratio of the plain engine's
 mean to its own (bench spec's ratio, from many rounds in one process), and per step
 kind the steps per request, the median step and the time per request.
 """
@@ -27,7 +27,7 @@ from tokenmill.bench.throughput import ensure_bench_model
 from tokenmill.spec_decode.config import SpeculativeConfig
 
 
-def timed_steps(core, into: dict) -> None:
+def timed_steps(core, into: dict, concurrency: int = 1) -> None:
     """Wrap the engine core's _execute: each step's wall time into[kind]."""
     execute = core._execute
 
@@ -37,8 +37,12 @@ def timed_steps(core, into: dict) -> None:
         seconds = time.perf_counter() - t0
         n = so.total_num_scheduled_tokens
         drafts = core.runner.step_drafts
-        # (one request: 2-8 tokens are its token and its drafts, more its prompt)
-        kind = "decode" if n == 1 else f"verify{n}" if n <= 8 else "prefill"
+        if concurrency > 1:  # a step of rows with one token each, or one with a prompt
+            reqs = len(so.num_scheduled_tokens)
+            kind = f"decode{reqs}" if n == reqs else "prefill" if max(
+                so.num_scheduled_tokens.values()) > 8 else f"verify{n}/{reqs}"
+        else:  # one request: 2-8 tokens are its token and its drafts, more its prompt
+            kind = "decode" if n == 1 else f"verify{n}" if n <= 8 else "prefill"
         if drafts and any(len(d) for d in drafts):
             kind += "+propose"
         into[kind].append(seconds)
@@ -53,6 +57,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests a round gives each engine at once (default 1); above 1 "
+                        "a step's kind counts its requests (decode16: 16 one-token rows)")
     p.add_argument("--warmup-rounds", type=int, default=8,
                    help="untimed rounds first (default 8: the drafters' server-wide record "
                         "needs about five requests)")
@@ -71,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     path = ensure_bench_model(args.model)
     common = dict(dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
-                  max_num_seqs=1)
+                  max_num_seqs=args.concurrency)
     # name -> (model, speculative config, record on, shadow probes on, suspension on)
     variants = {"plain": (path, None, True, True, True)}
     for method in args.methods.split(","):
@@ -102,7 +109,7 @@ def main() -> None:
         engines.append((name, llm))
     steps = {name: defaultdict(list) for name in variants}
     for name, llm in engines:
-        timed_steps(llm.llm_engine.engine_core, steps[name])
+        timed_steps(llm.llm_engine.engine_core, steps[name], args.concurrency)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             detokenize=False)
     rng = np.random.default_rng(0)
@@ -110,7 +117,8 @@ def main() -> None:
     warm = max(1, args.warmup_rounds)
     for r in range(args.rounds + warm):
         if r == 0 or not args.same_prompt:
-            prompt = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}]
+            prompt = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}
+                      for _ in range(args.concurrency)]
         if r == warm:
             for kinds in steps.values():
                 kinds.clear()
@@ -119,15 +127,15 @@ def main() -> None:
             llm.generate(prompt, params, use_tqdm=False)
             if r >= warm:
                 wall[name].append(time.perf_counter() - t0)
-    runs = 2 * args.rounds  # requests a variant ran (two engines)
+    runs = 2 * args.rounds  # rounds a variant ran (two engines)
     plain = statistics.mean(wall["plain"])
     for name in variants:
         mean = statistics.mean(wall[name])
-        print(f"{name}: {mean * 1e3:.1f} ms a request, plain / {name} {plain / mean:.3f}x")
+        print(f"{name}: {mean * 1e3:.1f} ms a round, plain / {name} {plain / mean:.3f}x")
         for kind, times in sorted(steps[name].items()):
-            print(f"  {kind:>16}: {len(times) / runs:6.1f} a request, median "
+            print(f"  {kind:>16}: {len(times) / runs:6.1f} a round, median "
                   f"{statistics.median(times) * 1e3:7.3f} ms, {sum(times) / runs * 1e3:7.2f}"
-                  f" ms a request")
+                  f" ms a round")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.drafter import (MAX_BACKOFF, MIN_RECORD_DRAFTS, POOR_ACCEPTANCE,
-                                          RECORD_DRAFTS, Drafter)
+from tokenmill.spec_decode.drafter import (GOOD_ACCEPTANCE, MAX_BACKOFF, MIN_RECORD_DRAFTS,
+                                          POOR_ACCEPTANCE, RECORD_DRAFTS, Drafter)
 
 PERIODIC = np.tile(np.arange(3, dtype=np.int32), 20)[None, :]  # always a match
 
@@ -174,6 +174,24 @@ def test_record_needs_evidence_and_forgets():
     d = drafter(adaptive=False)
     d.observe(["a"], np.array([64]), np.array([0]))
     assert not d.poor_record() and wanted(d, "b") == 4
+
+
+def test_promising_record_is_unjudged_or_a_quarter_accepted():
+    """promising_record (the scheduler resumes requests suspended by load only under
+    it): before MIN_RECORD_DRAFTS every record is, then GOOD_ACCEPTANCE of the drafts
+    accepted (at the threshold: promising); a poor record never is."""
+    d = drafter()
+    assert d.promising_record()
+    d.observe(["a"], np.array([MIN_RECORD_DRAFTS - 1]), np.array([0]))
+    assert d.promising_record()
+    d.observe(["a"], np.array([1]), np.array([0]))
+    assert not d.promising_record() and d.poor_record()
+    d = drafter()
+    d.observe(["a"], np.array([64]), np.array([int(64 * GOOD_ACCEPTANCE)]))
+    assert d.promising_record()
+    d = drafter()
+    d.observe(["a"], np.array([64]), np.array([int(64 * GOOD_ACCEPTANCE) - 1]))
+    assert not d.promising_record() and not d.poor_record()
 
 
 def test_none_proposes_counts_the_eligible_rows_only():

@@ -63,6 +63,10 @@ class Request:
         # Set by the scheduler when it takes the request in: it runs without drafts and
         # its draft model keeps no data for it (spec_decode/drafter.py, "suspended").
         self.drafts_suspended = False
+        # ... because the batch it joined was already too large to draft in (not for its
+        # record): the scheduler may resume its drafts once the batch has drained.
+        self.suspended_by_load = False
+        self.drafts_decided = False  # (both decided when the scheduler first looks at it)
         # Multimodal: its images (sched_output.MultiModalFeature, in prompt order), or None.
         self.mm_features = mm_features or None
         # Pooling (an embedding request): prefill only, finished on its pooled vector;

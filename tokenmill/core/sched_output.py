@@ -220,6 +220,9 @@ class ModelRunnerOutput:
     # verifications accepted almost nothing; the scheduler suspends new requests' drafts
     # while it does. None: no such record (no draft model, or adaptive k off).
     draft_record_poor: bool | None = None
+    # ... and whether they accepted enough that drafting pays for recomputing a request,
+    # or are too few to judge (the scheduler resumes requests suspended by load only then).
+    draft_record_promising: bool | None = None
 
 
 def logprobs_row_starts(sampled_token_ids: list[list[int]]) -> list[int]:

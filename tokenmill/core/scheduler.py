@@ -27,6 +27,12 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                          NewRequestData, SchedulerOutput, logprobs_row_starts)
 from tokenmill.spec_decode.drafter import SCOUT_EVERY
+
+# A request suspended by load is resumed (recomputed, to draft) only when it may still
+# decode at least this many tokens, and half as many as it holds: the recompute is a
+# prefill of all its tokens (on a CPU each ~1/10-1/40 of a decode step), drafting saves a
+# share of the decode steps left.
+RESUME_MIN_TOKENS = 32
 from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
@@ -47,6 +53,10 @@ class SchedulerConfig:
     # A draft model with adaptive k (EAGLE-3, MTP, DFlash): under a poor acceptance record
     # most new requests run without drafts (spec_decode/drafter.py, "suspended").
     suspend_drafts: bool = False
+    # With suspend_drafts: requests in a batch from which none of them drafts (the CPU's
+    # row budget, disable_by_batch_size); a request taken in when that many are already
+    # in is suspended by load, and resumed once the batch drains. None: no such limit.
+    draft_batch_limit: int | None = None
     # Async scheduling (set by the engine core): with speculation, a decode step
     # reserves draft slots the runner fills with its own drafts (_num_spec_slots).
     async_scheduling: bool = False
@@ -122,24 +132,28 @@ class Scheduler:
         # The draft model's record as the runner last reported it, and the requests taken
         # in under a poor one (every SCOUT_EVERY-th of them still drafts).
         self._draft_record_poor = False
+        self._draft_record_promising = False
         self._num_admitted_poor = 0
+        self.num_draft_resumes = 0  # requests suspended by load, recomputed to draft
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self._suspend_drafts(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _suspend_drafts(self, req: Request) -> None:
-        """Under a poor drafting record, most new requests go without drafts (decided
-        before the request's first block hash, which marks it: spec_decode/drafter.py).
-        Never a seeded sampling request (its draws follow its drafts: a rerun must draft
-        the same); an n > 1 sibling follows the request whose prompt blocks it takes."""
-        if not (self.config.suspend_drafts and self._draft_record_poor) \
-                or req.pooling_params is not None:
+    def _suspend_drafts(self, req: Request, others: int) -> None:
+        """Decided once, when the scheduler first looks at a new request to take it in
+        (before its first block hash, which marks it: spec_decode/drafter.py), with
+        `others` requests running or waiting beside it: from draft_batch_limit of them
+        (a batch none of whose requests drafts), or under a poor drafting record, most
+        new requests go without drafts. Never a seeded sampling request (its draws
+        follow its drafts: a rerun must draft the same); an n > 1 sibling follows the
+        request whose prompt blocks it takes."""
+        req.drafts_decided = True
+        if not self.config.suspend_drafts or req.pooling_params is not None:
             return
         sp = req.sampling_params
         if sp.seed is not None and not sp.greedy:
@@ -148,6 +162,13 @@ class Scheduler:
                  if req.share_prompt_with is not None else None)
         if donor is not None:
             req.drafts_suspended = donor.drafts_suspended
+            req.suspended_by_load = donor.suspended_by_load
+            return
+        limit = self.config.draft_batch_limit
+        if limit is not None and others >= limit:
+            req.drafts_suspended = req.suspended_by_load = True
+            return
+        if not self._draft_record_poor:
             return
         self._num_admitted_poor += 1
         req.drafts_suspended = self._num_admitted_poor % SCOUT_EVERY != 1
@@ -292,14 +313,51 @@ class Scheduler:
             scheduled[req.request_id] = inputs
 
     def _preempt(self, req: Request) -> None:
+        self._requeue(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, req: Request) -> None:
+        """Out of the running batch, its blocks freed: to be computed again from its first
+        token, first in the queue."""
         self.kv_cache_manager.free(req)
         self._release_encoder(req)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _resume_drafts(self, preempted: set[str]) -> None:
+        """The batch has drained below draft_batch_limit under a promising record: a request
+        suspended by load with a long enough budget left is computed again from its first
+        token, now with the draft model's data (as a preemption recomputes, not counted
+        as one), oldest first while the batch keeps a row for each drafting request's
+        draft under the limit (the CPU's row budget: fewer, and none of them drafts).
+        Sent to the runner as new, with its drafts on; rehashed without the suspended
+        mark (its old blocks stay cached under it)."""
+        n = len(self.running) + len(self.waiting)
+        drafting = sum(not r.drafts_suspended for r in self.running) + sum(
+            not r.drafts_suspended for r in self.waiting)
+        for req in list(self.running):
+            if n + drafting >= self.config.draft_batch_limit:
+                return
+            if not req.suspended_by_load or self._loading(req):
+                continue
+            out = len(req.output_token_ids)
+            left = min(req.sampling_params.max_tokens - out,
+                       self.config.max_model_len - req.num_tokens)
+            # (its EOS unknown, expect it to decode about as many tokens as it has: a
+            # long prompt with a short answer so far is not worth a recompute)
+            if min(left, out) < max(RESUME_MIN_TOKENS, req.num_tokens // 2):
+                continue
+            self.running.remove(req)
+            self._requeue(req)
+            req.drafts_suspended = req.suspended_by_load = False
+            req.block_hashes = []
+            self._resend_as_new.add(req.request_id)
+            preempted.add(req.request_id)
+            self.num_draft_resumes += 1
+            drafting += 1
 
     def _prompt_donor(self, req: Request):
         """The sibling whose prompt blocks `req` can take now, None to prefill
@@ -434,6 +492,10 @@ class Scheduler:
         spec_slots: dict[str, int] = {}
         encoder_budget = self.config.max_num_encoder_input_tokens
         encoder_inputs: dict[str, list[int]] = {}
+        limit = self.config.draft_batch_limit
+        if limit is not None and self._draft_record_promising and \
+                len(self.running) + len(self.waiting) < limit:
+            self._resume_drafts(preempted)
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         async_spec = self.config.async_scheduling and self.config.num_speculative_tokens
@@ -497,6 +559,8 @@ class Scheduler:
             if self.admit_only_preempted and req.status != RequestStatus.PREEMPTED:
                 w += 1
                 continue
+            if not req.drafts_decided:
+                self._suspend_drafts(req, len(self.running) + len(self.waiting) - 1)
             if req.structured_output is not None and req.structured_output.ready() and \
                     req.structured_output.failed:  # never run it unconstrained
                 self.fail_requests({req.request_id: ("grammar",
@@ -652,6 +716,7 @@ class Scheduler:
             self.fail_requests(runner_output.errored)
         if runner_output.draft_record_poor is not None:
             self._draft_record_poor = runner_output.draft_record_poor
+            self._draft_record_promising = bool(runner_output.draft_record_promising)
         outputs = []  # (the failed ones: take_failed_outputs, by the engine core)
         for rid, vector in runner_output.pooler_output.items():
             req = self.requests.get(rid)  # (aborted meanwhile: None)

@@ -241,6 +241,10 @@ class EngineSetup:
                                    num_state_snapshots=args.num_state_snapshots)
         # Which kernels run: decided here, once, for the whole engine.
         platform = platforms.from_engine_args(args, model_config.device, model_config.dtype)
+        if scheduler_config.suspend_drafts:  # the batch from which no request drafts
+            limits = [spec.disable_by_batch_size, platform.fast_decode_rows]
+            limits = [n for n in limits if n is not None]
+            scheduler_config.draft_batch_limit = min(limits) if limits else None
         runner_type, pooler = resolve_pooling(args.runner, args.pooler_config,
                                               model_config.hf_config, model_config.path)
         if runner_type == "pooling" and spec is not None:

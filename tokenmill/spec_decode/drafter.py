@@ -58,6 +58,15 @@ K/V, so their hashes carry a mark of their own (core/kv_cache_utils.py): they ar
 shared only among suspended requests, and a drafting request that hits the cache
 finds what a cold run wrote. The scheduler decides when it takes the request in
 (before its first block hash), from the record the runner reports each step.
+
+Load suspends too: a request taken in when the batch already has as many requests as
+the row budget (or disable_by_batch_size) allows none of them drafts, so its drafter
+data would serve only a tail after the batch drains. It is suspended whatever the
+record (~3% of the bench model's decode work, and the drafter's Python, at 16
+requests). Should the batch drain while the record is good (GOOD_ACCEPTANCE) or too
+short to judge, the scheduler resumes such a request whose token budget is still
+long: it recomputes the request's tokens as a preemption does, this time with the
+drafter's data, and drafts from there.
 """
 from __future__ import annotations
 
@@ -72,6 +81,9 @@ MAX_BACKOFF = 64  # steps a request whose drafts keep failing goes without draft
 RECORD_DRAFTS = 512
 MIN_RECORD_DRAFTS = 32  # no judgement before this many drafts were verified
 POOR_ACCEPTANCE = 1 / 16  # below this share accepted, new requests start backed off
+# From this share accepted, drafting pays for recomputing a request suspended by load
+# (at 1/4 a step gains ~0.3 token at k = 3; a recompute costs a prefill of its tokens).
+GOOD_ACCEPTANCE = 1 / 4
 PRIOR_MISSES = 3  # a new request's misses under a poor record (see backoff())
 SCOUT_EVERY = 8  # under a poor record, 1 new request in this many still drafts
 SMALL_BATCH = 8  # up to this many rows, a backing-off step's checks run on Python lists
@@ -182,6 +194,10 @@ class Drafter:
         s = self._suspended
         return bool(s) and all(rid in s for rid in req_ids)
 
+    def resume(self, req_id: str) -> None:
+        """A suspended request the scheduler recomputes to draft from now on."""
+        self._suspended.discard(req_id)
+
     def not_suspended(self, req_ids) -> list[str]:
         s = self._suspended
         return [rid for rid in req_ids if rid not in s]
@@ -190,6 +206,12 @@ class Drafter:
         """Whether recent verifications accepted almost none of their drafts."""
         return (self._drafted >= MIN_RECORD_DRAFTS
                 and self._accepted < POOR_ACCEPTANCE * self._drafted)
+
+    def promising_record(self) -> bool:
+        """Whether recent verifications accepted at least GOOD_ACCEPTANCE of their drafts,
+        or are too few to judge (a request suspended by load is resumed only then)."""
+        return (self._drafted < MIN_RECORD_DRAFTS
+                or self._accepted >= GOOD_ACCEPTANCE * self._drafted)
 
     def _wanted(self, rid: str) -> int:
         """Drafts this request asks for now (0 while it backs off)."""

@@ -138,6 +138,8 @@ class InputPrepMixin:
                 self.drafter.add_seeded(new.req_id)
             if new.drafts_suspended and self.drafter is not None:
                 self.drafter.suspend(new.req_id)
+            elif self.drafter is not None:  # (sent again, resumed: scheduler._resume_drafts)
+                self.drafter.resume(new.req_id)
             if sp.prompt_logprobs is not None:
                 self._prompt_logprobs_reqs.add(new.req_id)
             if new.pooling_params is not None:

@@ -240,7 +240,9 @@ class SamplingMixin:
             req_ids, req_id_to_index, out, logprobs, prompt_logprobs, errored, spec_token_ids,
             self._kv_invalid_block_ids,
             step.num_drafts.tolist() if step.cu_num_logits is not None else None,
-            draft_record_poor=self.drafter.poor_record() if self._reports_record else None)
+            draft_record_poor=self.drafter.poor_record() if self._reports_record else None,
+            draft_record_promising=(self.drafter.promising_record() if self._reports_record
+                                    else None))
 
     def _emitted_logprobs(self, pending, tokens: np.ndarray,
                           num_emitted: np.ndarray) -> LogprobsLists:
