@@ -332,6 +332,7 @@ def test_metrics_counters_move(server, client):
     assert moved("tokenmill:e2e_request_latency_seconds_count") == 1
     assert moved("tokenmill:e2e_request_latency_seconds_sum") > 0
     assert "tokenmill:num_preemptions_total" in after
+    assert "tokenmill:spec_decode_resumed_requests_total" in after
 
 
 def test_sigterm_finishes_in_flight_request_and_exits_0(server, client):

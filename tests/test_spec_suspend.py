@@ -296,6 +296,7 @@ def test_load_suspends_and_a_drained_batch_resumes(request, tiny_model_factory, 
             assert max(abs(a[t].logprob - b[t].logprob) for t in b) <= 1e-4
     assert list(seen["suspended"].values()) == [True] * (limit + 4)  # (seen together)
     assert sched.num_draft_resumes == 1 and sched.num_preemptions == 0
+    assert llm.llm_engine.engine_core.stats().num_draft_resumes == 1
     assert stats.hits == 0
     # The resumed requests drafted, as a cold engine did at the same positions (its
     # K/V or context rebuilt by the recompute); the others never did.

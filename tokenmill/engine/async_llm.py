@@ -55,6 +55,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     requests_finished_total: int = 0
     num_preemptions_total: int = 0
+    draft_resumes_total: int = 0
     steps_total: int = 0
     # Prefix caching and the external KV tier (tokenmill.kv_connector.setup.kv_cache_stats).
     prefix_cache_queries_total: int = 0  # prompt tokens looked up
@@ -444,6 +445,7 @@ class AsyncLLM:
         s.num_running = core.num_running
         s.num_waiting = core.num_waiting
         s.num_preemptions_total = core.num_preemptions
+        s.draft_resumes_total = core.num_draft_resumes
         s.steps_total = core.num_steps
         s.kv_cache_usage = core.kv_cache_usage
         s.num_used_blocks = core.num_used_blocks

@@ -36,6 +36,7 @@ class CoreStats:
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    num_draft_resumes: int = 0  # requests suspended by load, recomputed to draft
     num_steps: int = 0
     kv_cache_usage: float = 0.0
     num_used_blocks: int = 0
@@ -133,7 +134,8 @@ def merge_stats(parts: list[CoreStats]) -> CoreStats:
         return parts[0]
     out = CoreStats()
     for s in parts:
-        for name in ("num_running", "num_waiting", "num_preemptions", "num_steps",
+        for name in ("num_running", "num_waiting", "num_preemptions", "num_draft_resumes",
+                     "num_steps",
                      "num_used_blocks",
                      "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits",
                      "num_cached_blocks", "num_aborted"):

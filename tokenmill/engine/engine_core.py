@@ -368,7 +368,8 @@ class EngineCore:
         kv = sched.kv_cache_manager
         return CoreStats(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            num_preemptions=sched.num_preemptions, num_draft_resumes=sched.num_draft_resumes,
+            num_steps=self.num_steps,
             kv_cache_usage=kv.usage,
             num_used_blocks=kv.num_used_blocks, num_kv_blocks=kv.pool.num_usable_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,

@@ -41,6 +41,9 @@ class _StatsCollector:
                  s.requests_finished_total),
                 ("tokenmill:num_preemptions", "Preemptions by recompute.",
                  s.num_preemptions_total),
+                ("tokenmill:spec_decode_resumed_requests",
+                 "Requests suspended from drafting by load, recomputed to draft once the "
+                 "batch drained.", s.draft_resumes_total),
                 ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  s.prefix_cache_queries_total),
                 ("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
