@@ -56,7 +56,9 @@ def main() -> None:
     p.add_argument("--methods", default="eagle3,dflash")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", default="128",
+                   help="new tokens a request (default 128), or LO:HI for a length drawn "
+                        "per request and round (a burst whose batch drains at its tail)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests a round gives each engine at once (default 1); above 1 "
                         "a step's kind counts its requests (decode16: 16 one-token rows)")
@@ -76,8 +78,10 @@ def main() -> None:
                    help="also run each method with every request drafting under a poor "
                         "record (no suspended requests: spec_decode/drafter.py)")
     args = p.parse_args()
+    lo, _, hi = args.output_len.partition(":")
+    out_lo, out_hi = int(lo), int(hi or lo)
     path = ensure_bench_model(args.model)
-    common = dict(dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
+    common = dict(dtype="bfloat16", seed=0, max_model_len=args.input_len + out_hi + 8,
                   max_num_seqs=args.concurrency)
     # name -> (model, speculative config, record on, shadow probes on, suspension on)
     variants = {"plain": (path, None, True, True, True)}
@@ -110,8 +114,9 @@ def main() -> None:
     steps = {name: defaultdict(list) for name in variants}
     for name, llm in engines:
         timed_steps(llm.llm_engine.engine_core, steps[name], args.concurrency)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                            detokenize=False)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
     rng = np.random.default_rng(0)
     wall = defaultdict(list)
     warm = max(1, args.warmup_rounds)
@@ -119,19 +124,24 @@ def main() -> None:
         if r == 0 or not args.same_prompt:
             prompt = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}
                       for _ in range(args.concurrency)]
+            lengths = rng.integers(out_lo, out_hi + 1, args.concurrency).tolist()
+            sampling = [params(n) for n in lengths]
         if r == warm:
             for kinds in steps.values():
                 kinds.clear()
         for name, llm in (engines if r % 2 else engines[::-1]):  # each engine first in turn
             t0 = time.perf_counter()
-            llm.generate(prompt, params, use_tqdm=False)
+            llm.generate(prompt, sampling, use_tqdm=False)
             if r >= warm:
                 wall[name].append(time.perf_counter() - t0)
     runs = 2 * args.rounds  # rounds a variant ran (two engines)
     plain = statistics.mean(wall["plain"])
     for name in variants:
         mean = statistics.mean(wall[name])
-        print(f"{name}: {mean * 1e3:.1f} ms a round, plain / {name} {plain / mean:.3f}x")
+        resumed = sum(llm.llm_engine.engine_core.scheduler.num_draft_resumes
+                      for n, llm in engines if n == name)
+        print(f"{name}: {mean * 1e3:.1f} ms a round, plain / {name} {plain / mean:.3f}x"
+              + (f", {resumed} requests resumed to draft" if resumed else ""))
         for kind, times in sorted(steps[name].items()):
             print(f"  {kind:>16}: {len(times) / runs:6.1f} a round, median "
                   f"{statistics.median(times) * 1e3:7.3f} ms, {sum(times) / runs * 1e3:7.2f}"
