@@ -169,6 +169,53 @@ def test_nan_logits_fail_only_that_request(llm, monkeypatch):
     assert_clean(llm)
 
 
+def test_nan_logits_fail_only_that_request_in_a_greedy_batch(monkeypatch):
+    """Every row plain greedy and more of them than the greedy head takes: the step's
+    argmax is the native row_argmax over the logits (sampler.greedy_argmax), whose NaN
+    flag must fail the victim alone, never give it a token."""
+    llm = make_llm(greedy_head_max_rows=0)
+    assert llm.llm_engine.platform.ops is not None and hasattr(llm.llm_engine.platform.ops,
+                                                                "row_argmax")
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = {name: PROMPTS[name] for name in ("a", "b", "c")}
+    prompts.update({f"d{i}": [100 + 7 * i + j for j in range(5 + i)] for i in range(3)})
+    refs = {name: llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
+            .outputs[0].token_ids for name, p in prompts.items()}
+    seen = {t for name in refs for t in refs[name] + prompts[name]}
+    poison = next(t for t in range(300, 400) if t not in seen)
+    model = llm.llm_engine.engine_core.runner.model
+    forward = model.forward
+
+    def nan_forward(input_ids, positions, meta):
+        hidden = forward(input_ids, positions, meta)
+        return hidden.masked_fill((input_ids == poison).unsqueeze(1), float("nan"))
+
+    monkeypatch.setattr(model, "forward", nan_forward)
+    import tokenmill.worker.runner_sampling as runner_sampling
+    native = []
+    inner = runner_sampling.greedy_argmax
+
+    def greedy_argmax(logits, ops=None):
+        native.append(ops is not None and logits.shape[0] > 4)
+        return inner(logits, ops)
+    monkeypatch.setattr(runner_sampling, "greedy_argmax", greedy_argmax)
+    engine = llm.llm_engine
+    for name, p in prompts.items():
+        engine.add_request(name, {"prompt_token_ids": p}, greedy)
+    engine.add_request("victim", {"prompt_token_ids": PROMPTS["victim"] + [poison]}, greedy)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert any(native)
+    assert finals["victim"].outputs[0].finish_reason == "error"
+    assert finals["victim"].outputs[0].token_ids == []
+    for name, ref in refs.items():
+        assert finals[name].outputs[0].token_ids == ref, name
+    assert_clean(llm)
+
+
 def test_nan_hidden_fails_its_request_on_the_greedy_head(llm, monkeypatch):
     """All-greedy steps of a few rows take the int8-screened lm_head, which returns a
     token even for a NaN row: the runner must still see the row and fail its request

@@ -61,6 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("QUANT_E4M3") = kQuantE4m3;  // the `bits` of e4m3 weights in the three above
   // pack_quant_weight(quad=True): integer dot products on 15-bit activations
   m.attr("has_quant_quad") = has_quant_quad();
+  m.def("row_argmax", &row_argmax,
+        "each row's argmax (torch.argmax's order) and whether it holds a NaN",
+        pybind11::arg("logits"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

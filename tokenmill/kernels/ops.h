@@ -113,6 +113,9 @@ torch::Tensor dequantize_quant(torch::Tensor codes, torch::Tensor scales, torch:
 // load): codes e4m3 [N, K] (or their uint8 bits), packed a byte a code as 8-bit ones,
 // scales fp32 [N, G] (fp8.py's block scales, one per column and group), zeros empty.
 constexpr int64_t kQuantE4m3 = 0xe4;
+// logits [M, V] fp32 / bf16 / fp16 -> (argmax ids [M] int64, rows holding a NaN [M]
+// bool), torch.argmax's order (cpu_argmax.cpp).
+std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits);
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
                                                   torch::Tensor q, torch::Tensor scale,
                                                   torch::Tensor coef, torch::Tensor l1w,

@@ -278,9 +278,9 @@ class SamplingMixin:
             vocab = logits.shape[1]
             sampler_out = None
             if logits.device.type == "cpu" and self.input_batch.all_plain_greedy():
-                # Argmax of the raw logits is all this step samples: one max() pass in
-                # their own dtype gives it and the NaN rows (no widened copy).
-                ids, nan_rows = greedy_argmax(logits)
+                # Argmax of the raw logits is all this step samples: one pass in their
+                # own dtype gives it and the NaN rows (no widened copy).
+                ids, nan_rows = greedy_argmax(logits, self.platform.ops)
             else:
                 # (amax propagates NaN: one vectorised pass, a tenth of isnan().any())
                 nan_rows = torch.isnan(logits.amax(dim=1))
