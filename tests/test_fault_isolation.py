@@ -10,7 +10,6 @@ one prompt. The demo model has a real tokenizer, so the detokenizer runs.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tokenmill import LLM, SamplingParams, faults
 from tokenmill.errors import EngineDeadError
@@ -136,11 +135,8 @@ def test_a_grammar_that_fails_to_compile_never_runs_unconstrained(llm, monkeypat
     assert_clean(llm)
 
 
-def test_nan_logits_fail_only_that_request(llm, monkeypatch):
-    """A model whose hidden state goes NaN at one token: the request whose prompt ends
-    with it never emits a token (not token 0); the others are untouched."""
-    refs = {name: solo(llm, name) for name in ("a", "b", "c")}
-    seen = {t for name in refs for t in refs[name] + PROMPTS[name]}
+def poison_model(llm, monkeypatch, seen: set[int]) -> int:
+    """A token id not in `seen` whose rows the model's hidden state turns NaN."""
     poison = next(t for t in range(300, 400) if t not in seen)
     model = llm.llm_engine.engine_core.runner.model
     forward = model.forward
@@ -150,16 +146,30 @@ def test_nan_logits_fail_only_that_request(llm, monkeypatch):
         return hidden.masked_fill((input_ids == poison).unsqueeze(1), float("nan"))
 
     monkeypatch.setattr(model, "forward", nan_forward)
-    victim_prompt = PROMPTS["victim"] + [poison]
-    engine = llm.llm_engine
-    for name in ("a", "b", "c"):
-        engine.add_request(name, {"prompt_token_ids": PROMPTS[name]}, params_of(name))
-    engine.add_request("victim", {"prompt_token_ids": victim_prompt}, params_of("victim"))
+    return poison
+
+
+def run_to_end(engine) -> dict:
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
+    return finals
+
+
+def test_nan_logits_fail_only_that_request(llm, monkeypatch):
+    """A model whose hidden state goes NaN at one token: the request whose prompt ends
+    with it never emits a token (not token 0); the others are untouched."""
+    refs = {name: solo(llm, name) for name in ("a", "b", "c")}
+    poison = poison_model(llm, monkeypatch, {t for name in refs
+                                              for t in refs[name] + PROMPTS[name]})
+    victim_prompt = PROMPTS["victim"] + [poison]
+    engine = llm.llm_engine
+    for name in ("a", "b", "c"):
+        engine.add_request(name, {"prompt_token_ids": PROMPTS[name]}, params_of(name))
+    engine.add_request("victim", {"prompt_token_ids": victim_prompt}, params_of("victim"))
+    finals = run_to_end(engine)
     assert finals["victim"].outputs[0].finish_reason == "error"
     assert finals["victim"].outputs[0].token_ids == []
     assert "NaN" in finals["victim"].error
@@ -181,16 +191,8 @@ def test_nan_logits_fail_only_that_request_in_a_greedy_batch(monkeypatch):
     prompts.update({f"d{i}": [100 + 7 * i + j for j in range(5 + i)] for i in range(3)})
     refs = {name: llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0]
             .outputs[0].token_ids for name, p in prompts.items()}
-    seen = {t for name in refs for t in refs[name] + prompts[name]}
-    poison = next(t for t in range(300, 400) if t not in seen)
-    model = llm.llm_engine.engine_core.runner.model
-    forward = model.forward
-
-    def nan_forward(input_ids, positions, meta):
-        hidden = forward(input_ids, positions, meta)
-        return hidden.masked_fill((input_ids == poison).unsqueeze(1), float("nan"))
-
-    monkeypatch.setattr(model, "forward", nan_forward)
+    poison = poison_model(llm, monkeypatch, {t for name in refs
+                                              for t in refs[name] + prompts[name]})
     import tokenmill.worker.runner_sampling as runner_sampling
     native = []
     inner = runner_sampling.greedy_argmax
@@ -203,11 +205,7 @@ def test_nan_logits_fail_only_that_request_in_a_greedy_batch(monkeypatch):
     for name, p in prompts.items():
         engine.add_request(name, {"prompt_token_ids": p}, greedy)
     engine.add_request("victim", {"prompt_token_ids": PROMPTS["victim"] + [poison]}, greedy)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = run_to_end(engine)
     assert any(native)
     assert finals["victim"].outputs[0].finish_reason == "error"
     assert finals["victim"].outputs[0].token_ids == []
@@ -224,10 +222,8 @@ def test_nan_hidden_fails_its_request_on_the_greedy_head(llm, monkeypatch):
     if runner.greedy_head is None:
         pytest.skip("no greedy lm_head on this platform")
     refs = {name: solo(llm, name) for name in ("a", "b")}
-    seen = {t for name in refs for t in refs[name] + PROMPTS[name]}
-    poison = next(t for t in range(300, 400) if t not in seen)
-    model = runner.model
-    forward = model.forward
+    poison = poison_model(llm, monkeypatch, {t for name in refs
+                                              for t in refs[name] + PROMPTS[name]})
     head_calls = []
     head = runner.greedy_head
     call = head.__call__
@@ -236,11 +232,6 @@ def test_nan_hidden_fails_its_request_on_the_greedy_head(llm, monkeypatch):
         head_calls.append(x.shape[0])
         return call(x)
 
-    def nan_forward(input_ids, positions, meta):
-        hidden = forward(input_ids, positions, meta)
-        return hidden.masked_fill((input_ids == poison).unsqueeze(1), float("nan"))
-
-    monkeypatch.setattr(model, "forward", nan_forward)
     monkeypatch.setattr(runner, "greedy_head", type("Counted", (), {
         "__call__": lambda self, x: counted(x),
         "rows_surely_finite": lambda self: head.rows_surely_finite(),
@@ -250,11 +241,7 @@ def test_nan_hidden_fails_its_request_on_the_greedy_head(llm, monkeypatch):
         engine.add_request(name, {"prompt_token_ids": PROMPTS[name]}, params_of(name))
     engine.add_request("victim", {"prompt_token_ids": PROMPTS["victim"] + [poison]},
                        params_of("victim"))
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = run_to_end(engine)
     assert head_calls and max(head_calls) == 3  # the poisoned step went through the screen
     assert finals["victim"].outputs[0].finish_reason == "error"
     assert finals["victim"].outputs[0].token_ids == []
