@@ -27,13 +27,13 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import (CachedRequestData, LogprobsLists, ModelRunnerOutput,
                                          NewRequestData, SchedulerOutput, logprobs_row_starts)
 from tokenmill.spec_decode.drafter import SCOUT_EVERY
+from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 # A request suspended by load is resumed (recomputed, to draft) only when it may still
 # decode at least this many tokens, and half as many as it holds: the recompute is a
 # prefill of all its tokens (on a CPU each ~1/10-1/40 of a decode step), drafting saves a
 # share of the decode steps left.
 RESUME_MIN_TOKENS = 32
-from tokenmill.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
