@@ -98,3 +98,38 @@ def test_refuses_bad_input(ops):
         ops.row_argmax(torch.zeros(3, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="row_argmax"):
         ops.row_argmax(torch.zeros(8, 3).t())
+
+
+@pytest.mark.parametrize("kind", ["greedy", "mixed", "random", "seeded"])
+def test_sampler_draws_the_same_through_the_kernel(ops, kind):
+    """The Sampler's argmaxes (greedy rows) taken by row_argmax give what torch's argmax
+    gives; random rows draw the same either way (from the same uniforms)."""
+    from tokenmill.sample.sampler import Sampler, SamplingMetadata
+    n, vocab = 37, 5000
+    greedy = {"greedy": [True] * n, "mixed": [r % 3 == 0 for r in range(n)]}.get(
+        kind, [False] * n)
+    mask = torch.tensor(greedy)
+    temp = torch.full((n,), 0.8)
+    temp[mask] = 1.0
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(6)) * 3
+
+    def draw(sampler):
+        torch.manual_seed(11)
+        gens = ({r: torch.Generator().manual_seed(r) for r in range(0, n, 2)}
+                if kind == "seeded" else {})
+        md = SamplingMetadata(temperature=temp, greedy_mask=mask, all_greedy=bool(mask.all()),
+                              all_random=not bool(mask.any()), top_k=None, top_p=None,
+                              generators=gens)
+        return sampler(logits.clone(), md).sampled_token_ids
+    calls = []
+
+    class Counting:  # the kernels, counting row_argmax's calls
+        def row_argmax(self, x):
+            calls.append(x.shape)
+            return ops.row_argmax(x)
+    native, torch_ = draw(Sampler(Counting())), draw(Sampler())
+    if kind in ("greedy", "mixed"):
+        assert calls and all(shape == (n, vocab) for shape in calls)
+    assert torch.equal(native, torch_)
+    if kind != "greedy":  # (the draws are random: not every row its argmax)
+        assert not torch.equal(native, logits.argmax(dim=-1))

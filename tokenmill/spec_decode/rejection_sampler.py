@@ -13,8 +13,8 @@ Deterministic drafters (n-gram) have no q: it is one-hot on the draft, so the
 acceptance probability is p(d) and the recovery distribution is p without d.
 
 Randomness follows the normal sampler: a seeded request draws its uniforms,
-then one [V] row of exponential noise, from its own generator, so its tokens do
-not depend on the batch, and a request with no drafts draws exactly what
+then the uniform of its last token's draw, from its own generator, so its tokens
+do not depend on the batch, and a request with no drafts draws exactly what
 Sampler would.
 """
 from __future__ import annotations
@@ -139,7 +139,8 @@ class RejectionSampler:
     def _uniforms(n: int, num_drafts: torch.Tensor, generators: dict[int, torch.Generator],
                   dev: torch.device) -> torch.Tensor:
         """U[0, 1) per draft; a seeded request's come from its own generator, before its
-        noise, and a request without drafts draws none (its stream stays Sampler's)."""
+        last token's draw, and a request without drafts draws none (its stream stays
+        Sampler's)."""
         u = torch.empty(n, device=dev)
         if len(generators) < num_drafts.numel():  # as Sampler: the global RNG only if used
             u.uniform_()
@@ -156,7 +157,7 @@ class RejectionSampler:
 def recovery_probs(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     """Unnormalised max(p - q, 0) after draft `draft` was rejected (q None: one-hot on it).
 
-    Left unnormalised: the exponential race is invariant to scaling a row. A row
+    Left unnormalised: random_sample draws from a row's own total. A row
     that is all zero (p == q up to rounding) falls back to p."""
     if q is None:
         res = p.scatter(1, draft.unsqueeze(1), 0.0)

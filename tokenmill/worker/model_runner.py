@@ -74,7 +74,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache_dtype = kv_cache_dtype  # "auto" | "fp8" | "fp8_e4m3" (CacheConfig)
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(platform.ops)
         self.input_batch: InputBatch | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.kv_cache_config: KVCacheConfig | None = None
