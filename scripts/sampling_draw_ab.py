@@ -22,14 +22,14 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import ensure_bench_model
 
 
-def exponential_race(probs, generators, ops=None):
+def exponential_race(probs, generators):
     """The draw before: argmax of probs / Exp(1) noise, a seeded row's noise its own."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         noise.exponential_()
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
-    return sampler.argmax_rows(probs.div_(noise), ops)
+    return probs.div_(noise).argmax(dim=-1)
 
 
 def main() -> None:

@@ -250,8 +250,9 @@ def test_seeded_generators_give_per_row_streams():
 
 def test_random_sample_never_draws_a_zero_probability_token(monkeypatch):
     """Inverse-CDF draws over unnormalised rows with zeros between and after the mass:
-    only tokens with probability; a uniform at the very top of a row (its share rounded
-    up to the row's total) takes the row's most likely token, not a trailing zero."""
+    only tokens with probability; a uniform at the very top of a row (its share would
+    round up to the row's total) takes the row's last token with probability, not a
+    trailing zero."""
     from tokenmill.sample.sampler import random_sample
     probs = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0, 0.0],
                           [2.0, 0.0, 0.0, 0.0, 0.0, 0.0],
@@ -262,4 +263,4 @@ def test_random_sample_never_draws_a_zero_probability_token(monkeypatch):
     first = ids[0::3].float()
     assert abs((first == 1).float().mean().item() - 0.75) < 0.03  # 3 : 1
     monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(1.0))
-    assert random_sample(probs[:3].clone(), {}).tolist() == [1, 0, 5]
+    assert random_sample(probs[:3].clone(), {}).tolist() == [3, 0, 5]
