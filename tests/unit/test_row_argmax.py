@@ -100,14 +100,13 @@ def test_refuses_bad_input(ops):
         ops.row_argmax(torch.zeros(8, 3).t())
 
 
-@pytest.mark.parametrize("kind", ["greedy", "mixed", "random", "seeded"])
+@pytest.mark.parametrize("kind", ["greedy", "mixed"])
 def test_sampler_draws_the_same_through_the_kernel(ops, kind):
-    """The Sampler's argmaxes (greedy rows) taken by row_argmax give what torch's argmax
-    gives; random rows draw the same either way (from the same uniforms)."""
+    """The Sampler's argmaxes (greedy rows, alone or beside random ones) taken by
+    row_argmax give what torch's argmax gives, the random rows drawing the same."""
     from tokenmill.sample.sampler import Sampler, SamplingMetadata
     n, vocab = 37, 5000
-    greedy = {"greedy": [True] * n, "mixed": [r % 3 == 0 for r in range(n)]}.get(
-        kind, [False] * n)
+    greedy = [True] * n if kind == "greedy" else [r % 3 == 0 for r in range(n)]
     mask = torch.tensor(greedy)
     temp = torch.full((n,), 0.8)
     temp[mask] = 1.0
@@ -115,8 +114,7 @@ def test_sampler_draws_the_same_through_the_kernel(ops, kind):
 
     def draw(sampler):
         torch.manual_seed(11)
-        gens = ({r: torch.Generator().manual_seed(r) for r in range(0, n, 2)}
-                if kind == "seeded" else {})
+        gens = {r: torch.Generator().manual_seed(r) for r in range(1, n, 3)}  # (random rows)
         md = SamplingMetadata(temperature=temp, greedy_mask=mask, all_greedy=bool(mask.all()),
                               all_random=not bool(mask.any()), top_k=None, top_p=None,
                               generators=gens)
@@ -128,8 +126,7 @@ def test_sampler_draws_the_same_through_the_kernel(ops, kind):
             calls.append(x.shape)
             return ops.row_argmax(x)
     native, torch_ = draw(Sampler(Counting())), draw(Sampler())
-    if kind in ("greedy", "mixed"):
-        assert calls and all(shape == (n, vocab) for shape in calls)
+    assert calls and all(shape == (n, vocab) for shape in calls)
     assert torch.equal(native, torch_)
     if kind != "greedy":  # (the draws are random: not every row its argmax)
         assert not torch.equal(native, logits.argmax(dim=-1))
