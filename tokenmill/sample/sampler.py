@@ -177,32 +177,57 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
-                      p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus to -inf."""
+def top_k_top_p_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                 ops=None) -> torch.Tensor:
+    """Mask, in place, the logits [N, V] outside each row's top-k and top-p nucleus to
+    -inf; -> [N, 1], each row's smallest value kept (its threshold).
+
+    Top-k keeps the values at or above the k-th largest (k <= 0 or >= V: all); top-p
+    then the values at or above the first one, from the top, at which the probability
+    mass (renormalised over what top-k kept) of the values so far, itself included,
+    reaches p; the most likely value always stays. Equal values are kept or dropped
+    together. `ops`: the native CPU kernels, whose radix select needs no sort and masks
+    each row while it is in cache (~4 ms against ~125 ms for torch's sort and ~9 ms for
+    its masked_fill at 128 fp32 rows of a 32k vocabulary on two threads); else a sort of
+    each row."""
+    if _native_rows(logits, ops) and logits.dtype == torch.float32:
+        none = logits.new_empty(0)
+        thr = ops.top_k_top_p_mask_(logits, none if k is None else k, none if p is None else p)
+        return thr.unsqueeze(1)
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    ordered = logits.sort(dim=-1).values  # ascending: the tail's small masses sum first
+    thr = ordered[:, :1]
     if k is not None:
         k = torch.where(k > 0, k, vocab).clamp(max=vocab).long()
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+        thr = ordered.gather(1, (vocab - k).unsqueeze(1))
     if p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        below = ordered.masked_fill(ordered < thr, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
+        # Past the values whose mass, from the bottom, stays within 1 - p (at most the
+        # last: the most likely value stays).
+        at = (below <= (1 - p).unsqueeze(1)).sum(dim=1, keepdim=True).clamp_(max=vocab - 1)
+        thr = torch.maximum(thr, ordered.gather(1, at))
+    logits.masked_fill_(logits < thr, float("-inf"))
+    return thr
 
 
-def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
+                      p: torch.Tensor | None, ops=None) -> torch.Tensor:
+    """A copy of logits with top_k_top_p_'s mask."""
+    logits = logits.clone()
+    top_k_top_p_(logits, k, p, ops)
+    return logits
+
+
+def compute_probs(logits: torch.Tensor, md: SamplingMetadata, ops=None) -> torch.Tensor:
     """The distribution a random row samples from: temperature, min_p, top-k / top-p,
     softmax. Shared with the rejection sampler, which must verify drafts against
-    exactly the distribution the normal sampler would draw from."""
+    exactly the distribution the normal sampler would draw from. `ops`: the native
+    CPU kernels (top-k / top-p without a sort)."""
     logits = logits / md.temperature.unsqueeze(1)
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
     if md.top_k is not None or md.top_p is not None:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        top_k_top_p_(logits, md.top_k, md.top_p, ops)  # (logits: this function's own)
     return logits.softmax(dim=-1)
 
 
@@ -231,7 +256,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 class Sampler:
     def __init__(self, ops=None):
-        """`ops`: the native CPU kernels (the platform's), for the argmaxes; None: torch's."""
+        """`ops`: the native CPU kernels (the platform's), for the argmaxes and the top-k /
+        top-p cut; None: torch's."""
         self.ops = ops
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -250,7 +276,7 @@ class Sampler:
         if md.all_greedy:
             return argmax_rows(logits, self.ops)
         greedy = None if md.all_random else argmax_rows(logits, self.ops)
-        sampled = random_sample(compute_probs(logits, md), md.generators)
+        sampled = random_sample(compute_probs(logits, md, self.ops), md.generators)
         if greedy is not None:
             sampled = torch.where(md.greedy_mask, greedy, sampled)
         return sampled

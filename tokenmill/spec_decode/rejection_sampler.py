@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tokenmill.sample.sampler import SamplingMetadata, compute_probs, random_sample
+from tokenmill.sample.sampler import (SamplingMetadata, argmax_rows, compute_probs,
+                                      random_sample)
 
 
 @dataclass
@@ -63,6 +64,11 @@ def _check_inputs(logits, cu_num_logits, draft_token_ids, md, draft_probs) -> in
 
 
 class RejectionSampler:
+    def __init__(self, ops=None):
+        """`ops`: the native CPU kernels (the platform's): the argmaxes and the top-k /
+        top-p cut the Sampler takes. None: torch's."""
+        self.ops = ops
+
     def __call__(self, logits: torch.Tensor, cu_num_logits: torch.Tensor,
                  draft_token_ids: torch.Tensor, md: SamplingMetadata,
                  draft_probs: torch.Tensor | None = None) -> RejectionOutput:
@@ -80,7 +86,7 @@ class RejectionSampler:
         draft_req = reqs.repeat_interleave(num_drafts)
         draft_rows = torch.arange(drafts.numel(), device=dev) + draft_req
 
-        greedy_tok = None if md.all_random else logits.argmax(dim=-1)
+        greedy_tok = None if md.all_random else argmax_rows(logits, self.ops)
         probs = None
         if md.all_greedy:
             accept = greedy_tok[draft_rows] == drafts
@@ -91,7 +97,7 @@ class RejectionSampler:
                 name: getattr(md, name)[row_req]
                 for name in ("temperature", "greedy_mask", "top_k", "top_p", "min_p")
                 if getattr(md, name) is not None})
-            probs = compute_probs(logits, rows_md)
+            probs = compute_probs(logits, rows_md, self.ops)
             p_d = probs[draft_rows, drafts]
             q_d = (torch.ones_like(p_d) if draft_probs is None
                    else draft_probs.gather(1, drafts.unsqueeze(1)).squeeze(1))

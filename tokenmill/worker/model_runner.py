@@ -136,7 +136,7 @@ class ModelRunner(KVCacheMixin, InputPrepMixin, MultimodalMixin, SamplingMixin,
         self._drafter_off = False
         # A draft model's acceptance record goes to the scheduler with every step.
         self._reports_record = draft_model is not None and speculative_config.adaptive
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = RejectionSampler(platform.ops)
         # Per attention KV cache group: the backend the platform chose for its spec and
         # the builder of its metadata, through which every attention metadata of a step
         # (the target's and the drafters') is built. Set in initialize_kv_cache.

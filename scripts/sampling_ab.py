@@ -1,0 +1,103 @@
+"""The sampler's pieces against what they replaced, in one process.
+
+    .venv/bin/python scripts/sampling_ab.py [--compare draw|cut] [--requests 128]
+        [--top-p 1.0] [--top-k 0] [--rounds 4]
+
+--compare draw: random rows used to draw by the exponential race (argmax of probs /
+Exp(1) noise: a [vocab] row of noise per request per step); they now draw by the
+inverse of the row's cumulative distribution (tokenmill.sample.sampler.random_sample:
+one uniform a row).
+--compare cut (give --top-p below 1 or --top-k): the top-k / top-p mask used to sort
+each row, mask the sorted copy and scatter it back; on the CPU it is now a radix select
+that masks each row in place (sampler.top_k_top_p_, the native top_k_top_p_mask_).
+Each round runs the same batch (random prompts, temperature 0.8, ignore_eos) once with
+each variant, in turn, on one engine; prints tok/s per variant and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import tokenmill.sample.sampler as sampler
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.throughput import ensure_bench_model
+
+
+def exponential_race(probs, generators):
+    """The draw before: argmax of probs / Exp(1) noise, a seeded row's noise its own."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def sort_and_scatter(logits, k, p, ops=None):
+    """The cut before: sort each row, mask the sorted copy, scatter it back (in place
+    here, as top_k_top_p_ works)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        k = torch.where(k > 0, k, vocab).clamp(max=vocab).long()
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench-qwen3-512")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--compare", choices=["draw", "cut"], default="draw")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    if args.compare == "cut" and args.top_p >= 1 and args.top_k <= 0:
+        p.error("--compare cut needs --top-p below 1 or --top-k above 0")
+    llm = LLM(ensure_bench_model(args.model), dtype="bfloat16", max_num_seqs=args.requests,
+              max_model_len=args.input_len + args.output_len + 8)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.8, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.output_len,
+                            ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # (untimed: first-use costs)
+    if args.compare == "draw":
+        attr, variants = "random_sample", {"exponential race": exponential_race,
+                                           "inverse CDF": sampler.random_sample}
+    else:
+        attr, variants = "top_k_top_p_", {"sort and scatter": sort_and_scatter,
+                                          "radix select": sampler.top_k_top_p_}
+    wall = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name in (list(variants) if r % 2 else list(variants)[::-1]):
+            setattr(sampler, attr, variants[name])
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall[name].append(time.perf_counter() - t0)
+    tokens = args.requests * args.output_len
+    for name, times in wall.items():
+        print(f"{name}: {tokens / statistics.mean(times):.1f} tok/s "
+              f"({', '.join(f'{t:.2f}' for t in times)} s)")
+    before, after = list(variants)
+    print(f"{after} / {before}: "
+          f"{statistics.mean(wall[before]) / statistics.mean(wall[after]):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
