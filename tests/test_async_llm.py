@@ -71,6 +71,27 @@ def test_validation_errors_raise_before_anything_runs(async_llm):
     _wait_idle(async_llm)
 
 
+def test_a_bad_prompt_among_several_runs_none(async_llm):
+    """The prompts of one client request go in all or none: a bad one (here the second)
+    fails the call before the good one enters the engine, and no token is computed."""
+    before_prompt = async_llm.stats.prompt_tokens_total
+    before_gen = async_llm.stats.generation_tokens_total
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await async_llm.add_requests(["a good prompt", {"prompt_token_ids": [5] * 300}],
+                                         params, ["good", "bad"])
+        await asyncio.sleep(0.2)  # (anything that went in would have run by now)
+        # and the id of the good one was never taken: it serves now
+        return [out async for out in async_llm.generate("a good prompt", params, "good")]
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert async_llm.stats.generation_tokens_total - before_gen == 4
+    assert async_llm.stats.prompt_tokens_total - before_prompt == len(outs[-1].prompt_token_ids)
+    _wait_idle(async_llm)
+
+
 def test_dropped_consumer_aborts_and_frees_blocks(async_llm):
     async def main():
         params = SamplingParams(max_tokens=200, ignore_eos=True)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -230,16 +228,21 @@ def test_request_log_line_without_the_prompt(guarded, trusting):
 # ---- admission -------------------------------------------------------------------------
 def test_full_queue_is_503_with_retry_after(trusting):
     before = rejected(trusting.url)
-    # All six sent at once, each long enough to still run when the others arrive (on a
-    # loaded machine, 40-token requests sent as threads started could each finish first).
-    start = threading.Barrier(6)
+    # Twelve sent at once over connections opened beforehand, each long enough to still
+    # run when the others arrive: the server (one running, one waiting at most) admits
+    # them one at a time between its engine steps, and on a fast machine six 160-token
+    # requests sent as their connections opened could each finish before the next came.
+    start = threading.Barrier(12)
 
     def one(i):
-        start.wait(timeout=30)
-        return completion(trusting.url, ENV_AUTH, f"request {i} goes", max_tokens=160,
-                          ignore_eos=True)
-    with ThreadPoolExecutor(6) as pool:
-        results = list(pool.map(one, range(6)))
+        with httpx.Client(base_url=trusting.url, headers=ENV_AUTH, timeout=60) as client:
+            assert client.get("/health").status_code == 200  # (the connection, open)
+            start.wait(timeout=30)
+            return client.post("/v1/completions", json={
+                "model": MODEL, "prompt": f"request {i} goes", "max_tokens": 240,
+                "ignore_eos": True})
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
     busy = [r for r in results if r.status_code == 503]
     assert busy, [r.status_code for r in results]
     for r in busy:
@@ -248,7 +251,7 @@ def test_full_queue_is_503_with_retry_after(trusting):
         assert r.headers["Retry-After"].isdigit() and int(r.headers["Retry-After"]) >= 1
     for r in results:
         if r.status_code != 503:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 160
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 240
     assert rejected(trusting.url)["overloaded"] - before["overloaded"] == len(busy)
     assert completion(trusting.url, ENV_AUTH).status_code == 200  # and it serves on
 
@@ -264,7 +267,7 @@ class _Tokenizer:
 
 class FakeLLM:
     """Just enough of AsyncLLM for the server: each request streams `script` (outputs,
-    or an exception to raise); `add_error` is raised by add_request."""
+    or an exception to raise); `add_error` is raised by add_requests."""
 
     def __init__(self, script=(), add_error=None):
         from types import SimpleNamespace
@@ -279,10 +282,10 @@ class FakeLLM:
             apply_chat_template=lambda msgs, *a, **k: [1, 2, 3])
         self.stats, self.observer = EngineStats(), None
 
-    async def add_request(self, prompt, params, request_id):
+    async def add_requests(self, prompts, params, request_ids):
         if self.add_error is not None:
             raise self.add_error
-        return request_id, None
+        return [(rid, None) for rid in request_ids]
 
     async def stream(self, request_id, queue):
         for item in self.script:

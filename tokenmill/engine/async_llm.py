@@ -201,22 +201,37 @@ class AsyncLLM:
         an embedding request, one EmbeddingRequestOutput when done). Raises ParamError
         (a ValueError) for bad input, EngineOverloadedError when the queue is full,
         EngineDeadError."""
+        return (await self.add_requests([prompt], sampling_params, [request_id]))[0]
+
+    async def add_requests(self, prompts: list, sampling_params: SamplingParams | None,
+                           request_ids: list[str | None]) -> list[tuple[str, asyncio.Queue]]:
+        """add_request for the prompts of one client request, all or none: every prompt
+        is admitted and validated before any enters the engine, so a bad or refused one
+        runs none of the others (nothing is computed for an answer that is an error).
+        If entering fails part way, those already in are aborted."""
         loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        n = self._admit(sampling_params)
-        stream = _Stream(loop, asyncio.Queue())  # its arrival time: TTFT includes tokenizing
+        request_ids = [rid or uuid.uuid4().hex for rid in request_ids]
+        admitted = 0
         try:
-            prepared = await self._prepare(prompt, sampling_params)
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._submit(_AddRequest(request_id, prepared, stream, fut))
+            for _ in prompts:
+                admitted += self._admit(sampling_params)
+            # Their arrival times: TTFT includes tokenizing.
+            streams = [_Stream(loop, asyncio.Queue()) for _ in prompts]
+            prepared = [await self._prepare(p, sampling_params) for p in prompts]
+            added: list[tuple[str, asyncio.Queue]] = []
             try:
-                await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                self.abort(request_id)  # queued after the add: frees it if it went in
+                for rid, prep, stream in zip(request_ids, prepared, streams):
+                    fut: concurrent.futures.Future = concurrent.futures.Future()
+                    self._submit(_AddRequest(rid, prep, stream, fut))
+                    added.append((rid, stream.queue))  # (an abort of it is then harmless)
+                    await asyncio.wrap_future(fut)
+            except BaseException:
+                for rid, _ in added:
+                    self.abort(rid)  # queued after the add: frees it if it went in
                 raise
         finally:
-            self._num_admitting -= n
-        return request_id, stream.queue
+            self._num_admitting -= admitted
+        return added
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -176,22 +176,16 @@ class ServerContext:
 
     async def start_all(self, prompts: list, params: SamplingParams, base_id: str,
                         rename: dict | None = None) -> Merged:
-        """Add one engine request per prompt now (so validation errors become a 400, a full
-        queue a 503); return their merged streams. Ids: base_id, or base_id-i."""
-        streams, ids = [], []
+        """Add one engine request per prompt now, all or none (so validation errors
+        become a 400, a full queue a 503, and a bad prompt runs none of the others);
+        return their merged streams. Ids: base_id, or base_id-i."""
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, p in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                ids.append(rid)
-                try:
-                    rid, queue = await self.async_llm.add_request(p, params, rid)
-                except ValueError as e:
-                    raise bad_value(e, "prompt", rename) from e
-                streams.append(self.async_llm.stream(rid, queue))
-        except BaseException:
-            await Merged(self.async_llm, streams, ids).close()
-            raise
-        return Merged(self.async_llm, streams, ids)
+            added = await self.async_llm.add_requests(prompts, params, ids)
+        except ValueError as e:
+            raise bad_value(e, "prompt", rename) from e
+        return Merged(self.async_llm, [self.async_llm.stream(rid, queue) for rid, queue in added],
+                      ids)
 
     def log_request(self, request_id: str, params: SamplingParams, stream: bool, what: str,
                     prompt=None) -> None:
