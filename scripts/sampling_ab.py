@@ -1,15 +1,16 @@
 """The sampler's pieces against what they replaced, in one process.
 
     .venv/bin/python scripts/sampling_ab.py [--compare draw|cut] [--requests 128]
-        [--top-p 1.0] [--top-k 0] [--rounds 4]
+        [--top-p 1.0] [--top-k 0] [--min-p 0] [--rounds 4]
 
 --compare draw: random rows used to draw by the exponential race (argmax of probs /
 Exp(1) noise: a [vocab] row of noise per request per step); they now draw by the
 inverse of the row's cumulative distribution (tokenmill.sample.sampler.random_sample:
 one uniform a row).
---compare cut (give --top-p below 1 or --top-k): the top-k / top-p mask used to sort
-each row, mask the sorted copy and scatter it back; on the CPU it is now a radix select
-that masks each row in place (sampler.top_k_top_p_, the native top_k_top_p_mask_).
+--compare cut (give --top-p below 1, --top-k or --min-p): min-p used a softmax and a
+masked_fill, the top-k / top-p mask a sort of each row, a mask of the sorted copy and
+a scatter back; on the CPU they are now one radix select that masks each row in place
+(sampler.top_k_top_p_, the native top_k_top_p_mask_).
 Each round runs the same batch (random prompts, temperature 0.8, ignore_eos) once with
 each variant, in turn, on one engine; prints tok/s per variant and the ratio.
 """
@@ -37,9 +38,15 @@ def exponential_race(probs, generators):
     return probs.div_(noise).argmax(dim=-1)
 
 
-def sort_and_scatter(logits, k, p, ops=None):
-    """The cut before: sort each row, mask the sorted copy, scatter it back (in place
-    here, as top_k_top_p_ works)."""
+def sort_and_scatter(logits, k, p, ops=None, min_p=None):
+    """The cut before: min_p by a softmax, then sort each row, mask the sorted copy,
+    scatter it back (in place here, as top_k_top_p_ works)."""
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    if k is None and p is None:
+        return None
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if k is not None:
@@ -64,17 +71,18 @@ def main() -> None:
     p.add_argument("--compare", choices=["draw", "cut"], default="draw")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    if args.compare == "cut" and args.top_p >= 1 and args.top_k <= 0:
-        p.error("--compare cut needs --top-p below 1 or --top-k above 0")
+    if args.compare == "cut" and args.top_p >= 1 and args.top_k <= 0 and args.min_p <= 0:
+        p.error("--compare cut needs --top-p below 1, --top-k or --min-p above 0")
     llm = LLM(ensure_bench_model(args.model), dtype="bfloat16", max_num_seqs=args.requests,
               max_model_len=args.input_len + args.output_len + 8)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}
                for _ in range(args.requests)]
     params = SamplingParams(temperature=0.8, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.output_len,
+                            min_p=args.min_p, max_tokens=args.output_len,
                             ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # (untimed: first-use costs)
     if args.compare == "draw":

@@ -65,9 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's argmax (torch.argmax's order) and whether it holds a NaN",
         pybind11::arg("logits"));
   m.def("top_k_top_p_mask_", &top_k_top_p_mask_,
-        "each row's smallest value that its top-k, then its top-p, keeps (-inf: all); "
-        "the values below it set to -inf in place",
-        pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("top_p"));
+        "each row's smallest value that its min-p, then top-k, then top-p keep (-inf: "
+        "all); the values below it set to -inf in place",
+        pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("top_p"),
+        pybind11::arg("min_p"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

@@ -1,4 +1,5 @@
-// Top-k / top-p (nucleus) thresholds of a step's sampling logits [M, V], without a sort.
+// min-p / top-k / top-p (nucleus) thresholds of a step's sampling logits [M, V], without
+// a sort.
 //
 // The sort-based mask (sort each row, cumulative softmax, scatter back) took ~125 ms a
 // step at 128 rows of a 32k vocabulary on two threads: more than the model's forward.
@@ -9,6 +10,9 @@
 // next 11 / 11 / 10 bits of an order-preserving integer key of the value (counts for
 // top-k, masses exp(x - max) for top-p) and walks the buckets from the top to the one
 // where the running total reaches the target.
+//
+// min_p, applied first, is a threshold already: max + log(min_p) (a probability below
+// min_p times the top one); top-k and top-p then count and weigh what it keeps.
 //
 // The result is a threshold per row, and the row masked in place: values below it go
 // to -inf. Equal values are kept or dropped together (a sort kept an arbitrary part
@@ -126,19 +130,32 @@ uint32_t select_key(Scratch& s, const uint32_t* keys, const float* mass, int64_t
   return prefix;
 }
 
-float row_threshold(Scratch& s, const float* x, int64_t V, int64_t top_k, float top_p) {
+float row_threshold(Scratch& s, const float* x, int64_t V, int64_t top_k, float top_p,
+                    float min_p) {
   const bool use_k = top_k > 0 && top_k < V;
-  const bool use_p = top_p < 1.f;  // (NaN p: no cut)
-  if (!use_k && !use_p) return -std::numeric_limits<float>::infinity();
+  const bool use_p = top_p < 1.f;    // (NaN: no cut)
+  const bool use_min = min_p > 0.f;  // (NaN: no cut)
+  if (!use_k && !use_p && !use_min) return -std::numeric_limits<float>::infinity();
+  float max_x = -std::numeric_limits<float>::infinity();
+  if (use_p || use_min) {
+    for (int64_t j = 0; j < V; ++j) max_x = x[j] > max_x ? x[j] : max_x;
+  }
+  uint32_t cut = 0;  // the smallest key kept
+  // min_p: a probability below min_p times the top one, exp(x - max) < min_p, is
+  // x < max + log(min_p); the cuts after it only raise the threshold.
+  if (use_min) cut = order_key(max_x + std::log(min_p));
+  if (!use_k && !use_p) return key_value(cut);
   s.keys.resize(V);
   uint32_t* keys = s.keys.data();
   for (int64_t j = 0; j < V; ++j) keys[j] = order_key(x[j]);
-  uint32_t cut = 0;  // the smallest key kept
-  if (use_k) cut = select_key(s, keys, nullptr, V, static_cast<double>(top_k), false);
+  if (use_k) {
+    // (the k-th largest of the row; where min_p kept fewer than k values, its cut is
+    // the higher one, as a k-th largest of -inf would keep all min_p kept)
+    const uint32_t cut_k = select_key(s, keys, nullptr, V, static_cast<double>(top_k), false);
+    cut = cut_k > cut ? cut_k : cut;
+  }
   if (use_p) {
-    // Masses exp(x - max) of the values top-k keeps, 0 for the others.
-    float max_x = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < V; ++j) max_x = x[j] > max_x ? x[j] : max_x;
+    // Masses exp(x - max) of the values min_p and top-k keep, 0 for the others.
     s.mass.resize(V);
     float* mass = s.mass.data();
     const Vec shift = Vec::set1(max_x);
@@ -150,7 +167,7 @@ float row_threshold(Scratch& s, const float* x, int64_t V, int64_t top_k, float 
       const int rest = static_cast<int>(V - full);
       tmvec::exp(Vec::load_n(x + full, rest) - shift).store_n(mass + full, rest);
     }
-    if (use_k) {
+    if (cut > 0) {
       for (int64_t j = 0; j < V; ++j) mass[j] = keys[j] < cut ? 0.f : mass[j];
     }
     const uint32_t cut_p = select_key(s, keys, mass, V, top_p, /*of_total=*/true);
@@ -161,7 +178,8 @@ float row_threshold(Scratch& s, const float* x, int64_t V, int64_t top_k, float 
 
 }  // namespace
 
-torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch::Tensor top_p) {
+torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch::Tensor top_p,
+                                torch::Tensor min_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1 &&
                   logits.scalar_type() == at::kFloat,
               "top_k_top_p_mask_: logits must be fp32 [M, V] (V >= 1) with contiguous rows");
@@ -170,10 +188,14 @@ torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch
               "top_k_top_p_mask_: top_k must hold one value a row, or none");
   TORCH_CHECK(top_p.numel() == 0 || top_p.numel() == M,
               "top_k_top_p_mask_: top_p must hold one value a row, or none");
+  TORCH_CHECK(min_p.numel() == 0 || min_p.numel() == M,
+              "top_k_top_p_mask_: min_p must hold one value a row, or none");
   const auto k = top_k.to(at::kLong).contiguous();
   const auto p = top_p.to(at::kFloat).contiguous();
   const int64_t* kp = k.numel() ? k.data_ptr<int64_t>() : nullptr;
   const float* pp = p.numel() ? p.data_ptr<float>() : nullptr;
+  const auto mp = min_p.to(at::kFloat).contiguous();
+  const float* mpp = mp.numel() ? mp.data_ptr<float>() : nullptr;
   auto out = torch::empty({M}, logits.options());
   float* thr = out.data_ptr<float>();
   float* x = logits.data_ptr<float>();
@@ -183,7 +205,8 @@ torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch
     thread_local Scratch scratch;
     for (int64_t r = r0; r < r1; ++r) {
       float* row = x + r * ld;
-      const float t = row_threshold(scratch, row, V, kp ? kp[r] : 0, pp ? pp[r] : 1.f);
+      const float t = row_threshold(scratch, row, V, kp ? kp[r] : 0, pp ? pp[r] : 1.f,
+                                    mpp ? mpp[r] : 0.f);
       thr[r] = t;
       // The mask, while the row is in cache: a float compare, so equal values (-0 and
       // +0 among them) go together.

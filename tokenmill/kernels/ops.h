@@ -116,11 +116,12 @@ constexpr int64_t kQuantE4m3 = 0xe4;
 // logits [M, V] fp32 / bf16 / fp16 -> (argmax ids [M] int64, rows holding a NaN [M]
 // bool), torch.argmax's order (cpu_argmax.cpp).
 std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits);
-// logits [M, V] fp32, top_k [M] (int; <= 0 or >= V: none) or empty, top_p [M] (>= 1:
-// none) or empty -> [M] fp32: each row's smallest value that top-k and then top-p keep
-// (-inf: every value), by radix select, no sort; the values below it set to -inf in
-// place (cpu_top_k_top_p.cpp).
-torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch::Tensor top_p);
+// logits [M, V] fp32; top_k [M] (int; <= 0 or >= V: none), top_p [M] (>= 1: none),
+// min_p [M] (<= 0: none), each or empty -> [M] fp32: each row's smallest value that
+// min-p, then top-k, then top-p keep (-inf: every value), by radix select, no sort;
+// the values below it set to -inf in place (cpu_top_k_top_p.cpp).
+torch::Tensor top_k_top_p_mask_(torch::Tensor logits, torch::Tensor top_k, torch::Tensor top_p,
+                                torch::Tensor min_p);
 std::tuple<torch::Tensor, int64_t> greedy_lm_head(torch::Tensor x, torch::Tensor packed,
                                                   torch::Tensor q, torch::Tensor scale,
                                                   torch::Tensor coef, torch::Tensor l1w,

@@ -171,29 +171,38 @@ def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    """Drop tokens whose probability is below min_p times the row's top probability:
+    exp(x - max) < min_p, so x < max + log(min_p) (no softmax; min_p 0: log 0 = -inf
+    keeps all). A new tensor."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def top_k_top_p_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
-                 ops=None) -> torch.Tensor:
-    """Mask, in place, the logits [N, V] outside each row's top-k and top-p nucleus to
-    -inf; -> [N, 1], each row's smallest value kept (its threshold).
+                 ops=None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask, in place, the logits [N, V] outside each row's min-p, top-k and top-p cuts
+    (in that order) to -inf; -> [N, 1], each row's smallest value kept (its threshold).
 
-    Top-k keeps the values at or above the k-th largest (k <= 0 or >= V: all); top-p
-    then the values at or above the first one, from the top, at which the probability
-    mass (renormalised over what top-k kept) of the values so far, itself included,
-    reaches p; the most likely value always stays. Equal values are kept or dropped
-    together. `ops`: the native CPU kernels, whose radix select needs no sort and masks
-    each row while it is in cache (~4 ms against ~125 ms for torch's sort and ~9 ms for
-    its masked_fill at 128 fp32 rows of a 32k vocabulary on two threads); else a sort of
-    each row."""
+    min_p keeps the values whose probability is at least min_p times the top one
+    (apply_min_p); top-k then the values at or above the k-th largest (k <= 0 or >= V:
+    all); top-p then the values at or above the first one, from the top, at which the
+    probability mass (renormalised over what is kept so far) of the values so far,
+    itself included, reaches p; the most likely value always stays. Equal values are
+    kept or dropped together. `ops`: the native CPU kernels, whose radix select needs no
+    sort and masks each row while it is in cache (~4 ms against ~125 ms for torch's sort
+    and ~9 ms for its masked_fill at 128 fp32 rows of a 32k vocabulary on two threads);
+    else a sort of each row."""
     if _native_rows(logits, ops) and logits.dtype == torch.float32:
         none = logits.new_empty(0)
-        thr = ops.top_k_top_p_mask_(logits, none if k is None else k, none if p is None else p)
+        thr = ops.top_k_top_p_mask_(logits, none if k is None else k, none if p is None else p,
+                                    none if min_p is None else min_p)
         return thr.unsqueeze(1)
+    thr_min = logits.new_full((logits.shape[0], 1), float("-inf"))
+    if min_p is not None:  # (apply_min_p, in place)
+        thr_min = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+        logits.masked_fill_(logits < thr_min, float("-inf"))
+    if k is None and p is None:
+        return thr_min
     vocab = logits.shape[-1]
     ordered = logits.sort(dim=-1).values  # ascending: the tail's small masses sum first
     thr = ordered[:, :1]
@@ -207,7 +216,7 @@ def top_k_top_p_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor |
         at = (below <= (1 - p).unsqueeze(1)).sum(dim=1, keepdim=True).clamp_(max=vocab - 1)
         thr = torch.maximum(thr, ordered.gather(1, at))
     logits.masked_fill_(logits < thr, float("-inf"))
-    return thr
+    return torch.maximum(thr, thr_min)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
@@ -222,12 +231,11 @@ def compute_probs(logits: torch.Tensor, md: SamplingMetadata, ops=None) -> torch
     """The distribution a random row samples from: temperature, min_p, top-k / top-p,
     softmax. Shared with the rejection sampler, which must verify drafts against
     exactly the distribution the normal sampler would draw from. `ops`: the native
-    CPU kernels (top-k / top-p without a sort)."""
+    CPU kernels (min-p / top-k / top-p without a sort)."""
     logits = logits / md.temperature.unsqueeze(1)
-    if md.min_p is not None:
-        logits = apply_min_p(logits, md.min_p)
-    if md.top_k is not None or md.top_p is not None:
-        top_k_top_p_(logits, md.top_k, md.top_p, ops)  # (logits: this function's own)
+    if md.min_p is not None or md.top_k is not None or md.top_p is not None:
+        # (logits: this function's own)
+        top_k_top_p_(logits, md.top_k, md.top_p, ops, min_p=md.min_p)
     return logits.softmax(dim=-1)
 
 
