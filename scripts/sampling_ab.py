@@ -1,7 +1,8 @@
 """The sampler's pieces against what they replaced, in one process.
 
-    .venv/bin/python scripts/sampling_ab.py [--compare draw|cut] [--requests 128]
-        [--top-p 1.0] [--top-k 0] [--min-p 0] [--rounds 4]
+    .venv/bin/python scripts/sampling_ab.py [--compare draw|cut|penalties|logprobs]
+        [--requests 128] [--top-p 1.0] [--top-k 0] [--min-p 0] [--repetition-penalty 1.0]
+        [--presence-penalty 0] [--frequency-penalty 0] [--logprobs N] [--rounds 4]
 
 --compare draw: random rows used to draw by the exponential race (argmax of probs /
 Exp(1) noise: a [vocab] row of noise per request per step); they now draw by the
@@ -11,6 +12,12 @@ one uniform a row).
 masked_fill, the top-k / top-p mask a sort of each row, a mask of the sorted copy and
 a scatter back; on the CPU they are now one radix select that masks each row in place
 (sampler.top_k_top_p_, the native top_k_top_p_mask_).
+--compare penalties (give a penalty): repetition / frequency / presence penalties used
+dense [rows, vocab + 1] count and mask tensors; on the CPU they now touch only the
+tokens each row has seen (sampler.apply_penalties).
+--compare logprobs (give --logprobs): the chosen token's rank and the top-k took
+torch's compare-and-sum and topk; on the CPU they are now one pass of the native
+row_logprobs (sampler.gather_logprobs).
 Each round runs the same batch (random prompts, temperature 0.8, ignore_eos) once with
 each variant, in turn, on one engine; prints tok/s per variant and the ratio.
 """
@@ -68,29 +75,50 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--compare", choices=["draw", "cut"], default="draw")
+    p.add_argument("--compare", choices=["draw", "cut", "penalties", "logprobs"],
+                   default="draw")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     if args.compare == "cut" and args.top_p >= 1 and args.top_k <= 0 and args.min_p <= 0:
         p.error("--compare cut needs --top-p below 1, --top-k or --min-p above 0")
+    if args.compare == "penalties" and (args.repetition_penalty == 1 and not args.presence_penalty
+                                        and not args.frequency_penalty):
+        p.error("--compare penalties needs a penalty")
+    if args.compare == "logprobs" and args.logprobs is None:
+        p.error("--compare logprobs needs --logprobs")
     llm = LLM(ensure_bench_model(args.model), dtype="bfloat16", max_num_seqs=args.requests,
               max_model_len=args.input_len + args.output_len + 8)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 32000, args.input_len).tolist()}
                for _ in range(args.requests)]
     params = SamplingParams(temperature=0.8, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, max_tokens=args.output_len,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+                            max_tokens=args.output_len,
                             ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # (untimed: first-use costs)
     if args.compare == "draw":
         attr, variants = "random_sample", {"exponential race": exponential_race,
                                            "inverse CDF": sampler.random_sample}
-    else:
+    elif args.compare == "cut":
         attr, variants = "top_k_top_p_", {"sort and scatter": sort_and_scatter,
                                           "radix select": sampler.top_k_top_p_}
+    elif args.compare == "penalties":
+        attr, variants = "apply_penalties", {"dense": sampler._apply_penalties_dense,
+                                             "seen tokens": sampler.apply_penalties}
+    else:
+        native = sampler.gather_logprobs
+        attr, variants = "gather_logprobs", {
+            "torch": lambda lp, k, chosen, ops=None: native(lp, k, chosen),
+            "one pass": native}
     wall = {name: [] for name in variants}
     for r in range(args.rounds):
         for name in (list(variants) if r % 2 else list(variants)[::-1]):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill import SamplingParams, StructuredOutputsParams
+from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.sample.bitmask import apply_grammar_bitmask, unpack_bitmask
 from tokenmill.sample.sampler import Sampler, SamplingMetadata
 
@@ -90,6 +91,41 @@ def test_apply_masks_only_the_given_rows(rows):
     idx = torch.tensor(rows)
     part = sub.index_select(0, idx).masked_fill_(~unpack_bitmask(bm, vocab), float("-inf"))
     assert torch.equal(sub.index_copy_(0, idx, part), expect)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 70, 1000, 32000])
+def test_native_bitmask_equals_the_numpy_path(ops, vocab):
+    """The native grammar_bitmask_ at every level against the numpy unpacking: words
+    allowing everything, forbidding everything, single bits, bit 31; vocabularies that
+    are not whole words; a bitmask wider than the vocabulary (its extra bits ignored);
+    a subset of the rows in any order."""
+    rng = np.random.default_rng(vocab)
+    n = 9
+    logits = torch.randn(n, vocab)
+    rows = [7, 0, 3, 8, 5]
+    allowed = rng.random((len(rows), vocab)) < np.array([0.0, 0.05, 0.5, 0.97, 1.0])[:, None]
+    allowed[1, :min(vocab, 32)] = True  # a whole word allowed (where there is one)
+    allowed[2, 32:64] = False  # a whole word forbidden
+    allowed[3, 31::32] = True  # bit 31
+    bm = pack(allowed)
+    wide = torch.cat([bm, torch.zeros(len(rows), 2, dtype=torch.int32)], dim=1)
+    for bitmask in (bm, wide):
+        want = apply_grammar_bitmask(logits.clone(), torch.tensor(rows), bitmask)
+        got = apply_grammar_bitmask(logits.clone(), torch.tensor(rows), bitmask, ops)
+        assert torch.equal(got, want)
+    assert torch.isinf(want[7]).all() and torch.equal(want[[1, 2, 4, 6]], logits[[1, 2, 4, 6]])
+
+
+def test_native_bitmask_refuses_bad_input(ops):
+    logits, bm = torch.randn(2, 64), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        ops.grammar_bitmask_(logits, torch.tensor([2]), bm)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        ops.grammar_bitmask_(logits, torch.tensor([-1]), bm)
+    with pytest.raises(RuntimeError, match="bitmask must be"):
+        ops.grammar_bitmask_(logits, torch.tensor([0, 1]), bm)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.grammar_bitmask_(logits.bfloat16(), torch.tensor([0]), bm)
 
 
 def _md(n, greedy=True, logprobs=None):

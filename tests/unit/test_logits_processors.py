@@ -179,6 +179,36 @@ def test_apply_penalties_on_hand_built_penalties():
     torch.testing.assert_close(got[2], want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_rows,vocab,prompt_len,output_len,rows", [
+    (7, 100, 5, 9, None), (64, 32000, 256, 128, None), (16, 1000, 3, 1, [1, 4, 6, 9]),
+    (3, 50, 1, 40, [2]), (5, 200, 60, 1, None)])
+def test_the_cpu_penalties_equal_the_dense_form(num_rows, vocab, prompt_len, output_len, rows):
+    """The CPU's penalties (only the tokens a row has seen, through their keys) against the
+    dense form the other devices run, bit for bit: padded and empty outputs, a token
+    many times, tokens in both prompt and output, -inf, zero and negative logits, rows
+    of the batch left out, penalties of both signs."""
+    from tokenmill.sample.sampler import _apply_penalties_dense, _apply_penalties_sparse
+    g = torch.Generator().manual_seed(vocab + output_len)
+    rows = torch.arange(num_rows) if rows is None else torch.tensor(rows)
+    r = rows.numel()
+    prompt = torch.randint(0, vocab, (r, prompt_len), generator=g)
+    prompt[1::3, prompt_len // 2:] = vocab  # padding
+    output = torch.randint(0, min(vocab, 50), (r, output_len), generator=g)  # repeats
+    output[2::3, output_len // 3:] = vocab
+    output[::4] = torch.where(torch.arange(output_len) < 1, prompt[::4, :1], output[::4])
+    p = Penalties(rows=rows, presence=torch.rand(r, generator=g) * 4 - 2,
+                  frequency=torch.rand(r, generator=g) * 4 - 2,
+                  repetition=torch.rand(r, generator=g) * 1.5 + 0.5,
+                  prompt_token_ids=prompt, output_token_ids=output)
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    logits[0, :5] = torch.tensor([float("-inf"), 0.0, -0.0, 1e-30, -1e-30])
+    dense, sparse = logits.clone(), logits.clone()
+    _apply_penalties_dense(dense, p)
+    _apply_penalties_sparse(sparse, p)
+    assert not torch.equal(dense, logits)  # (something was penalised)
+    assert torch.equal(dense, sparse)
+
+
 # ---- frequency / presence vs the OpenAI formula ------------------------------------------
 
 FP_ROWS = [

@@ -69,6 +69,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all); the values below it set to -inf in place",
         pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("top_p"),
         pybind11::arg("min_p"));
+  m.def("row_logprobs", &row_logprobs,
+        "each row's chosen value, its k largest and the chosen one's rank, in one pass",
+        pybind11::arg("logprobs"), pybind11::arg("chosen"), pybind11::arg("k"));
+  m.def("grammar_bitmask_", &grammar_bitmask_,
+        "logits rows `rows` set to -inf where their packed grammar bitmask forbids a token",
+        pybind11::arg("logits"), pybind11::arg("rows"), pybind11::arg("bitmask"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

@@ -116,6 +116,18 @@ constexpr int64_t kQuantE4m3 = 0xe4;
 // logits [M, V] fp32 / bf16 / fp16 -> (argmax ids [M] int64, rows holding a NaN [M]
 // bool), torch.argmax's order (cpu_argmax.cpp).
 std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits);
+// In place: logits [N, V] fp32 rows rows[i] get -inf where bitmask row i (int32 [R, W],
+// xgrammar's packed layout: bit t % 32 of word t / 32 set = token t allowed) forbids a
+// token (cpu_bitmask.cpp).
+void grammar_bitmask_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+// logprobs [M, V] fp32, chosen [M] (int), k in [0, 64] -> (ids [M, 1 + k] int64, values
+// [M, 1 + k] fp32, ranks [M] int64): column 0 the chosen token, then the row's k largest
+// (largest first; of equal values the earlier index), the chosen one's rank = 1 + the
+// values strictly above it: torch's gather / topk / (x > chosen).sum() in one pass
+// (cpu_logprobs.cpp).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> row_logprobs(torch::Tensor logprobs,
+                                                                     torch::Tensor chosen,
+                                                                     int64_t k);
 // logits [M, V] fp32; top_k [M] (int; <= 0 or >= V: none), top_p [M] (>= 1: none),
 // min_p [M] (<= 0: none), each or empty -> [M] fp32: each row's smallest value that
 // min-p, then top-k, then top-p keep (-inf: every value), by radix select, no sort;

@@ -5,9 +5,12 @@ t // 32 is 1 when token t is allowed (xgrammar's layout). The compact bitmask
 has one row per structured request of the step; `rows` says which logits row
 each belongs to. Other rows are untouched.
 
-On CPU the bits are unpacked with numpy (one C pass) into a [N, vocab] mask
-that is all-False on unconstrained rows, then one masked_fill covers the
-batch; elsewhere they are unpacked with tensor ops on the device.
+On the CPU the native kernels' grammar_bitmask_ reads each word once and writes
+-inf at its clear bits (a word allowing all is skipped); without them the bits are
+unpacked with numpy (one C pass) into a [N, vocab] mask that is all-False on
+unconstrained rows, then one masked_fill covers the batch (~10-15 ms a step at 128
+rows of a 32k vocabulary, against ~1 ms); elsewhere they are unpacked with tensor
+ops on the device.
 """
 from __future__ import annotations
 
@@ -47,10 +50,14 @@ def forbidden_mask_np(bitmask: np.ndarray, rows: np.ndarray, num_rows: int,
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor,
-                          bitmask: torch.Tensor) -> torch.Tensor:
+                          bitmask: torch.Tensor, ops=None) -> torch.Tensor:
     """In place: logits[rows[i], t] = -inf where bitmask row i forbids token t.
-    Returns logits."""
+    Returns logits. `ops`: the native CPU kernels."""
     n, vocab = logits.shape
+    if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.stride(1) == 1):
+        ops.grammar_bitmask_(logits, rows.long().contiguous(), bitmask.contiguous())
+        return logits
     if logits.device.type == "cpu":
         mask = forbidden_mask_np(bitmask.numpy(), rows.numpy(), n, vocab)
         return logits.masked_fill_(torch.from_numpy(mask), float("-inf"))

@@ -81,8 +81,15 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None
 
 
-def gather_logprobs(logprobs: torch.Tensor, k: int, chosen: torch.Tensor) -> LogprobsTensors:
-    """Top-k of each row plus the chosen token's logprob and rank."""
+def gather_logprobs(logprobs: torch.Tensor, k: int, chosen: torch.Tensor,
+                    ops=None) -> LogprobsTensors:
+    """Top-k of each row plus the chosen token's logprob and rank. `ops`: the native CPU
+    kernels, whose row_logprobs takes all three in one pass over each row (~0.3 ms
+    against ~4 ms for torch's compare-and-sum and topk at 128 fp32 rows of a 32k
+    vocabulary on two threads); of equal values it lists the earlier index first."""
+    if (ops is not None and 0 <= k <= 64 and k <= logprobs.shape[1]
+            and logprobs.dtype == torch.float32 and _native_rows(logprobs, ops)):
+        return LogprobsTensors(*ops.row_logprobs(logprobs, chosen, k))
     chosen = chosen.long().unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)
     # Rank = 1 + how many tokens are strictly more likely than the chosen one.
@@ -132,7 +139,20 @@ def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     """In place, on p.rows: repetition (prompt and output tokens, HF's rule),
-    then frequency and presence (output tokens, OpenAI's rule)."""
+    then frequency and presence (output tokens, OpenAI's rule).
+
+    On the CPU only the tokens a row has seen are touched (a few hundred of a row's V):
+    the dense form's passes over [R, V + 1] count and mask tensors took ~20-30 ms a step
+    at 128 rows of a 32k vocabulary, more than the model's forward. Elsewhere the dense
+    form (a GPU reads those tensors in microseconds, and needs no host sync). Both give
+    the same values: the same arithmetic on each seen token, the others untouched."""
+    if logits.device.type == "cpu":
+        _apply_penalties_sparse(logits, p)
+    else:
+        _apply_penalties_dense(logits, p)
+
+
+def _apply_penalties_dense(logits: torch.Tensor, p: Penalties) -> None:
     vocab = logits.shape[1]
     sub = logits[p.rows]
     num_rows = sub.shape[0]
@@ -148,6 +168,30 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     sub -= p.frequency.unsqueeze(1) * counts
     sub -= p.presence.unsqueeze(1) * in_output.to(sub.dtype)
     logits[p.rows] = sub
+
+
+def _apply_penalties_sparse(logits: torch.Tensor, p: Penalties) -> None:
+    vocab = logits.shape[1]
+    i_all = torch.arange(p.rows.numel(), device=logits.device).unsqueeze(1)
+    # Repetition on every prompt and output token: a token listed twice is read and
+    # written twice, the same value both times (every read comes before any write).
+    ids = torch.cat([p.prompt_token_ids, p.output_token_ids], dim=1)
+    listed = ids < vocab  # (vocab: the padding)
+    i, tok = i_all.expand_as(ids)[listed], ids[listed]
+    rows = p.rows[i]
+    x = logits[rows, tok]
+    rep = p.repetition[i]
+    logits[rows, tok] = torch.where(x > 0, x / rep, x * rep)
+    # Frequency and presence on each output token once, with its count.
+    stride = vocab + 1
+    keys, counts = torch.unique((i_all * stride + p.output_token_ids).flatten(),
+                                return_counts=True)
+    listed = keys % stride < vocab
+    keys, counts = keys[listed], counts[listed].to(logits.dtype)
+    i, tok = keys // stride, keys % stride
+    rows = p.rows[i]
+    x = logits[rows, tok] - p.frequency[i] * counts
+    logits[rows, tok] = x - p.presence[i]  # (every one of these is in the output)
 
 
 def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -264,8 +308,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 class Sampler:
     def __init__(self, ops=None):
-        """`ops`: the native CPU kernels (the platform's), for the argmaxes and the top-k /
-        top-p cut; None: torch's."""
+        """`ops`: the native CPU kernels (the platform's), for the argmaxes, the min-p /
+        top-k / top-p cut and the logprobs; None: torch's."""
         self.ops = ops
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -273,11 +317,12 @@ class Sampler:
         # Raw logprobs: of the model's distribution, before any processor.
         raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.grammar_bitmask is not None:  # the grammar first, then the processors
-            logits = apply_grammar_bitmask(logits, *md.grammar_bitmask)
+            logits = apply_grammar_bitmask(logits, *md.grammar_bitmask, self.ops)
         if not md.no_processors:
             logits = apply_processors(logits, md)
         sampled = self._sample(logits, md)
-        logprobs = None if raw is None else gather_logprobs(raw, md.max_num_logprobs, sampled)
+        logprobs = (None if raw is None
+                    else gather_logprobs(raw, md.max_num_logprobs, sampled, self.ops))
         return SamplerOutput(sampled, logprobs)
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -53,7 +53,8 @@ class SamplingMixin:
                 flat = int(step.query_start_loc[r]) + self._arange_upto(hi - start)[lo - start:]
                 logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
                 targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=self.device)
-                got = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
+                got = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets,
+                                      self.platform.ops)
                 ids, lps, ranks = state.prompt_logprobs
                 ids[lo:hi] = got.token_ids.cpu().numpy()
                 lps[lo:hi] = got.logprobs.cpu().numpy()
@@ -258,7 +259,7 @@ class SamplingMixin:
         # (clipped: an errored row's garbage id must not index past the vocabulary)
         chosen = np.clip(tokens[req, j], 0, raw.shape[1] - 1)
         got = gather_logprobs(raw[torch.from_numpy(cu[:-1][req] + j).to(dev)], k,
-                              torch.from_numpy(chosen).to(dev))
+                              torch.from_numpy(chosen).to(dev), self.platform.ops)
         return LogprobsLists(got.token_ids.cpu().numpy(), got.logprobs.cpu().numpy(),
                              got.ranks.cpu().numpy())
 

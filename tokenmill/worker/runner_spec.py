@@ -138,7 +138,7 @@ class DraftVerifyMixin:
             # the processors act on each request's last row: a request with drafts has
             # none (the runner gives such requests no drafts).
             if md.grammar_bitmask is not None:
-                logits = apply_grammar_bitmask(logits, *md.grammar_bitmask)
+                logits = apply_grammar_bitmask(logits, *md.grammar_bitmask, self.platform.ops)
             if not md.no_processors:
                 last = torch.from_numpy(cu[1:] - 1).to(self.device)
                 logits = logits.clone()
