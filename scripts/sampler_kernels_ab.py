@@ -9,7 +9,8 @@ the copy's own time, printed first, is taken off its; the mask and the penalties
 the same on their own output, and run on one copy): the grammar bitmask (numpy unpacking + masked_fill
 against the native grammar_bitmask_), the logprobs (compare-and-sum + topk against the
 native row_logprobs), the penalties (dense [rows, vocab + 1] tensors against the seen
-tokens only) and the min-p / top-k / top-p cut (sort against the native radix select).
+tokens only), the min-p / top-k / top-p cut (sort against the native radix select) and
+the draw (softmax, cumsum and search against the native draw_rows).
 scripts/sampling_ab.py measures the same changes in whole engine runs.
 """
 from __future__ import annotations
@@ -81,6 +82,9 @@ def main() -> None:
         "min-p 0.05, top-k 50, top-p 0.95": (
             lambda: sampler.top_k_top_p_(fresh(), top_k, top_p, min_p=min_p),
             lambda: sampler.top_k_top_p_(fresh(), top_k, top_p, ops, min_p=min_p)),
+        "draw (inverse CDF)": (
+            lambda: sampler.random_sample(logits.softmax(dim=-1), {}),
+            lambda: ops.draw_rows(logits, sampler.uniforms(n, {}, logits.device))),
     }
     copy = best_ms(fresh, args.reps)
     print(f"{n} rows x {v} fp32 logits, kernels at level {cpu_capability()}, "

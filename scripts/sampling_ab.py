@@ -4,10 +4,10 @@
         [--requests 128] [--top-p 1.0] [--top-k 0] [--min-p 0] [--repetition-penalty 1.0]
         [--presence-penalty 0] [--frequency-penalty 0] [--logprobs N] [--rounds 4]
 
---compare draw: random rows used to draw by the exponential race (argmax of probs /
-Exp(1) noise: a [vocab] row of noise per request per step); they now draw by the
-inverse of the row's cumulative distribution (tokenmill.sample.sampler.random_sample:
-one uniform a row).
+--compare draw: random rows used to draw from a probabilities tensor (softmax, cumsum
+and a search: sampler.random_sample, which also replaced an exponential race); on the
+CPU they now draw from the scaled logits themselves (sampler.draw, the native
+draw_rows).
 --compare cut (give --top-p below 1, --top-k or --min-p): min-p used a softmax and a
 masked_fill, the top-k / top-p mask a sort of each row, a mask of the sorted copy and
 a scatter back; on the CPU they are now one radix select that masks each row in place
@@ -35,14 +35,10 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import ensure_bench_model
 
 
-def exponential_race(probs, generators):
-    """The draw before: argmax of probs / Exp(1) noise, a seeded row's noise its own."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
-    for row, gen in generators.items():
-        noise[row].exponential_(generator=gen)
-    return probs.div_(noise).argmax(dim=-1)
+def softmax_cumsum_search(logits, md, ops=None):
+    """The draw before: a probabilities tensor, its cumsum and a search (the cut, if any,
+    still the native one)."""
+    return sampler.random_sample(sampler.compute_probs(logits, md, ops), md.generators)
 
 
 def sort_and_scatter(logits, k, p, ops=None, min_p=None):
@@ -106,8 +102,8 @@ def main() -> None:
                             ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # (untimed: first-use costs)
     if args.compare == "draw":
-        attr, variants = "random_sample", {"exponential race": exponential_race,
-                                           "inverse CDF": sampler.random_sample}
+        attr, variants = "draw", {"softmax, cumsum, search": softmax_cumsum_search,
+                                  "from the logits": sampler.draw}
     elif args.compare == "cut":
         attr, variants = "top_k_top_p_", {"sort and scatter": sort_and_scatter,
                                           "radix select": sampler.top_k_top_p_}

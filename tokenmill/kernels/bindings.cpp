@@ -75,6 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grammar_bitmask_", &grammar_bitmask_,
         "logits rows `rows` set to -inf where their packed grammar bitmask forbids a token",
         pybind11::arg("logits"), pybind11::arg("rows"), pybind11::arg("bitmask"));
+  m.def("draw_rows", &draw_rows,
+        "each row's token by the inverse of its cumulative distribution, from its logits",
+        pybind11::arg("logits"), pybind11::arg("u"));
   m.def("greedy_lm_head", &greedy_lm_head,
         "argmax of x @ w^T from an int8 screen plus exact candidate blocks");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm + rotary; returns q, rotates k in place");

@@ -116,6 +116,11 @@ constexpr int64_t kQuantE4m3 = 0xe4;
 // logits [M, V] fp32 / bf16 / fp16 -> (argmax ids [M] int64, rows holding a NaN [M]
 // bool), torch.argmax's order (cpu_argmax.cpp).
 std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits);
+// logits [M, V] fp32 (a random row's tempered, cut logits), u [M] uniforms in [0, 1) ->
+// [M] int64: each row's token by the inverse of its cumulative distribution (the first
+// whose running sum of exp(x - max) passes u times the row's total), without a
+// probabilities tensor (cpu_draw.cpp).
+torch::Tensor draw_rows(torch::Tensor logits, torch::Tensor u);
 // In place: logits [N, V] fp32 rows rows[i] get -inf where bitmask row i (int32 [R, W],
 // xgrammar's packed layout: bit t % 32 of word t / 32 set = token t allowed) forbids a
 // token (cpu_bitmask.cpp).
