@@ -2,7 +2,7 @@
 
 Sampler level on random float32 logits: the repetition penalty against
 transformers' RepetitionPenaltyLogitsProcessor, frequency / presence against
-the OpenAI formula, min_p / top-k / top-p against transformers' warpers, the
+the OpenAI formula, min_p against transformers' warper (top-k / top-p: test_top_k_top_p.py), the
 pipeline order (raw logprobs come before every processor), logit_bias,
 allowed_token_ids, bad_words and min_tokens, the greedy fast path, an empirical
 distribution check and gather_logprobs' ranks. The metadata is built through a
@@ -17,13 +17,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                          TemperatureLogitsWarper)
 
 from conftest import make_llm, make_prompts
 from tokenmill import SamplingParams
 from tokenmill.sample.sampler import (Penalties, Sampler, SamplingMetadata, apply_min_p,
-                                      apply_penalties, apply_processors, apply_top_k_top_p,
-                                      gather_logprobs)
+                                      apply_penalties, apply_processors, gather_logprobs)
 from tokenmill.worker.input_batch import CachedRequestState, InputBatch
 
 VOCAB = 50
@@ -265,20 +264,8 @@ def test_min_p_after_temperature_matches_transformers(temperature):
     assert kept[0] == VOCAB and kept[5] >= 1 and (kept[1:] < VOCAB).any()
 
 
-@pytest.mark.parametrize("k,p", [(5, None), (None, 0.7), (10, 0.5), (1, None), (None, 0.05),
-                                 (VOCAB, 0.95)])
-def test_top_k_top_p_match_transformers(k, p):
-    logits = random_logits(6, seed=6, scale=1.5) / 0.8
-    got = apply_top_k_top_p(logits.clone(), None if k is None else torch.full((6,), k),
-                            None if p is None else torch.full((6,), float(p)))
-    ids = torch.zeros(6, 1, dtype=torch.long)
-    want = logits.clone()
-    if k is not None:
-        want = TopKLogitsWarper(k)(ids, want)
-    if p is not None:
-        want = TopPLogitsWarper(p)(ids, want)
-    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
-    torch.testing.assert_close(_probs(got), _probs(want), rtol=0, atol=1e-6)
+# (top-k / top-p, alone and chained with min-p, against transformers' warpers on both
+# paths: tests/unit/test_top_k_top_p.py::test_the_chain_matches_transformers_warpers)
 
 
 # ---- the pipeline order: raw logprobs ------------------------------------------------------

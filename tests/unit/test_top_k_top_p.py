@@ -198,10 +198,13 @@ def test_bad_input_is_refused(ops):
 
 
 @pytest.mark.parametrize("k,p,min_p", [(5, None, 0.1), (None, 0.7, 0.05), (10, 0.5, None),
-                                       (None, None, 0.3), (20, 0.9, 0.01), (1, 0.05, 0.9)])
+                                       (None, None, 0.3), (20, 0.9, 0.01), (1, 0.05, 0.9),
+                                       (5, None, None), (None, 0.05, None), (1, None, None),
+                                       (500, 0.95, None)])
 def test_the_chain_matches_transformers_warpers(ops, k, p, min_p):
     """min-p, top-k, top-p in that order (compute_probs's), native and sorted, against
-    transformers' MinP / TopK / TopP warpers chained the same way."""
+    transformers' MinP / TopK / TopP warpers chained the same way (k = 500: the whole
+    vocabulary)."""
     from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     g = torch.Generator().manual_seed(17)
     logits = torch.randn(8, 500, generator=g) * 2.5
