@@ -92,6 +92,24 @@ def test_a_bad_prompt_among_several_runs_none(async_llm):
     _wait_idle(async_llm)
 
 
+def test_a_refused_id_leaves_the_request_of_that_id_running(async_llm):
+    """A second request under an id in use is refused; the first runs on to its end
+    (the refusal must not abort the id's other owner)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        gen = async_llm.generate("first", params, "taken")
+        outs = [await gen.__anext__()]
+        with pytest.raises(ValueError, match="already in use"):
+            await async_llm.add_requests(["a", "b"], params, ["fresh", "taken"])
+        outs += [out async for out in gen]
+        return outs
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+    assert outs[-1].outputs[0].finish_reason == "length"
+    _wait_idle(async_llm)
+
+
 def test_dropped_consumer_aborts_and_frees_blocks(async_llm):
     async def main():
         params = SamplingParams(max_tokens=200, ignore_eos=True)

@@ -223,11 +223,17 @@ class AsyncLLM:
                 for rid, prep, stream in zip(request_ids, prepared, streams):
                     fut: concurrent.futures.Future = concurrent.futures.Future()
                     self._submit(_AddRequest(rid, prep, stream, fut))
-                    added.append((rid, stream.queue))  # (an abort of it is then harmless)
-                    await asyncio.wrap_future(fut)
+                    try:
+                        await asyncio.wrap_future(fut)
+                    except asyncio.CancelledError:
+                        self.abort(rid)  # queued after the add: frees it if it went in
+                        raise
+                    # (only once in: an add refused, say for an id in use, is not aborted,
+                    # which would abort the other request of that id)
+                    added.append((rid, stream.queue))
             except BaseException:
                 for rid, _ in added:
-                    self.abort(rid)  # queued after the add: frees it if it went in
+                    self.abort(rid)
                 raise
         finally:
             self._num_admitting -= admitted
