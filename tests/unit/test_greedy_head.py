@@ -334,7 +334,7 @@ def test_same_screen_at_every_level(ops):
 
 
 SCREEN_ISA = {"default": "sse2", "avx2": "avx2", "avx512": "avx512", "avx512_vnni": "avx512",
-              "avx512_bf16": "avx512"}
+              "avx512_bf16": "avx512", "amx": "avx512"}
 
 
 @pytest.mark.parametrize("level", kernels.all_levels())

@@ -39,7 +39,7 @@ def test_levels_are_ordered_and_the_best_runnable_is_chosen(fresh):
 @x86_only
 def test_x86_levels_and_their_flags():
     levels = kernels.LEVELS
-    assert list(levels) == ["default", "avx2", "avx512", "avx512_vnni", "avx512_bf16"]
+    assert list(levels) == ["default", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"]
     assert levels["default"].flags == ()
     assert {"-mavx2", "-mfma", "-mf16c"} <= set(levels["avx2"].flags)
     assert not any(f.startswith("-mavx512") for f in levels["avx2"].flags)
@@ -47,10 +47,14 @@ def test_x86_levels_and_their_flags():
     assert "-mavx512vnni" not in levels["avx512"].flags
     assert "-mavx512vnni" in levels["avx512_vnni"].flags
     assert not any("bf16" in f for name, lv in levels.items() for f in lv.flags
-                   if name != "avx512_bf16")
+                   if name not in ("avx512_bf16", "amx"))
     # avx512_bf16 is avx512_vnni and more: the same sources, every flag of the level below
     assert set(levels["avx512_bf16"].flags) == set(levels["avx512_vnni"].flags) | {"-mavx512bf16"}
     assert levels["avx512_bf16"].cpu_flags == levels["avx512_vnni"].cpu_flags | {"avx512_bf16"}
+    # amx is avx512_bf16 and the tile instructions
+    assert set(levels["amx"].flags) == set(levels["avx512_bf16"].flags) | {"-mamx-tile",
+                                                                          "-mamx-bf16"}
+    assert levels["amx"].cpu_flags == levels["avx512_bf16"].cpu_flags | {"amx_tile", "amx_bf16"}
 
 
 @x86_only
@@ -87,6 +91,37 @@ def test_an_avx2_cpu_runs_up_to_avx2(fresh):
     with pytest.raises(RuntimeError, match=r"cannot run the avx512 kernels \(missing avx512bw, "
                                            r"avx512dq, avx512f, avx512vl\); it runs default, avx2"):
         kernels.cpu_ops("avx512")
+
+
+@x86_only
+def test_amx_needs_the_flags_and_the_oss_grant(fresh):
+    """amx is chosen where the CPU has the tile flags and the OS grants the tile state
+    (arch_prctl); a CPU whose OS refuses it runs avx512_bf16, and amx forced is refused
+    naming why."""
+    bf16_cpu = AVX2_CPU | kernels.LEVELS["avx512_bf16"].cpu_flags
+    fresh.setattr(kernels, "_cpu_flags", lambda: bf16_cpu | {"amx_tile", "amx_bf16"})
+    fresh.setattr(kernels, "amx_permitted", lambda: True)
+    assert kernels.runnable_levels()[-2:] == ["avx512_bf16", "amx"]
+    assert kernels.cpu_capability() == "amx"
+    kernels._forget_choice()
+    fresh.setattr(kernels, "amx_permitted", lambda: False)
+    assert kernels.runnable_levels()[-1] == "avx512_bf16"
+    assert kernels.cpu_capability() == "avx512_bf16"
+    with pytest.raises(RuntimeError, match=r"cannot run the amx kernels \(missing the OS's "
+                                           r"grant of the AMX tiles\)"):
+        kernels.cpu_ops("amx")
+    kernels._forget_choice()
+    fresh.setattr(kernels, "_cpu_flags", lambda: bf16_cpu | {"amx_tile"})  # no amx_bf16
+    fresh.setattr(kernels, "amx_permitted", lambda: True)
+    assert "amx" not in kernels.runnable_levels()
+
+
+def test_the_os_grant_is_asked_for_only_on_x86_linux():
+    granted = kernels.amx_permitted()
+    assert isinstance(granted, bool)
+    if "amx" in kernels.runnable_levels():
+        assert granted
+
 
 
 @x86_only

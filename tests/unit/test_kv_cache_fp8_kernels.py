@@ -34,7 +34,8 @@ def test_vec_fp8_header_at_each_level(tmp_path, level):
         pytest.skip(f"this CPU cannot run the {level} build")
     out = build_and_run(CHECK_SRC, tmp_path / "fp8_check", host_compiler(),
                         kernels.LEVELS[level].flags)
-    lanes = {"avx2": 8, "avx512": 16, "avx512_vnni": 16, "avx512_bf16": 16}.get(level, 4)
+    lanes = {"avx2": 8, "avx512": 16, "avx512_vnni": 16, "avx512_bf16": 16,
+             "amx": 16}.get(level, 4)
     assert f"W={lanes}: 0 failures" in out
 
 

@@ -1,9 +1,10 @@
-"""linear_bf16's many-row path on native bf16 dot products (vdpbf16ps,
-tokenmill/kernels/cpu_linear_dot.cpp): bf16 inputs of `bf16_dot_gemm_min_rows` rows
-and more at the avx512_bf16 level. Skipped where the CPU has no AVX512-BF16.
+"""linear_bf16's many-row path on native bf16 dot products: bf16 inputs of
+`bf16_dot_gemm_min_rows` rows and more, on vdpbf16ps at the avx512_bf16 level
+(tokenmill/kernels/cpu_linear_dot.cpp) and on AMX tiles at the amx level
+(cpu_linear_amx.cpp). Each level is skipped where the CPU (or its OS) cannot run it.
 
-Reference: x @ W^T + b in float64 on the same bf16 values. vdpbf16ps multiplies bf16
-pairs exactly into fp32 and sums in fp32, so before the output's bf16 rounding the
+Reference: x @ W^T + b in float64 on the same bf16 values. vdpbf16ps (and TDPBF16PS)
+multiply bf16 pairs exactly into fp32 and sum in fp32, so before the output's bf16 rounding the
 error is at most (K + 1) * 2^-24 * (|x| @ |W|^T + |b|) (one fp32 rounding per
 addition, K products and the bias); the rounding to bf16 adds half an ulp, 2^-8 of
 the value. A wrong pair, column or row is off by O(1) and fails this bound.
@@ -14,15 +15,14 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.kernels.testing import bf16_dot_ops
+from tokenmill.kernels.testing import BF16_DOT_LEVELS, bf16_dot_ops
 
-LEVEL = "avx512_bf16"
 NO_BIAS = torch.empty(0)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return bf16_dot_ops()
+@pytest.fixture(scope="module", params=BF16_DOT_LEVELS)
+def ops(request):
+    return bf16_dot_ops(request.param)
 
 
 def check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
@@ -40,14 +40,16 @@ def test_the_level_has_the_path(ops):
     # Decode rows (<= 8) keep linear_bf16's widening path: the greedy head and the
     # decode-layer loop rely on its exact results there.
     assert ops.has_bf16_dot_gemm and ops.bf16_dot_gemm_min_rows == 9
+    assert ops.has_amx_gemm == (ops.capability == "amx")
 
 
 def test_lower_levels_do_not(ops):
     for level in kernels.runnable_levels():
-        if level != LEVEL:
+        if level not in BF16_DOT_LEVELS:
             other = kernels.cpu_ops(level)
             if other is not None:
                 assert not other.has_bf16_dot_gemm and other.bf16_dot_gemm_min_rows == 0
+                assert not other.has_amx_gemm
 
 
 # Rows: the threshold (9), the 12-row micro-kernel's remainders and balanced groups

@@ -37,9 +37,10 @@ BF16, FP32 = torch.bfloat16, torch.float32
 ROWS = (1, 8, 9, 64)
 
 
-def _platform(dtype, native_bf16: bool, **kw) -> CpuPlatform:
+def _platform(dtype, native_bf16: bool, amx: bool = False, **kw) -> CpuPlatform:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_platform, "cpu_has_native_bf16", lambda: native_bf16)
+        mp.setattr(cpu_platform, "cpu_has_amx", lambda: amx)
         return CpuPlatform.create("cpu", dtype, **kw)
 
 
@@ -118,8 +119,9 @@ def test_bf16_model_without_native_bf16_is_packed_only(ops):
 
 def test_bf16_model_with_native_bf16_takes_onednn_above_the_packed_rows(ops, kernel_level):
     """Native bf16: the packed kernel takes the decode rows and oneDNN the rest, except
-    where the level has the packed kernel's many-row path on vdpbf16ps (avx512_bf16):
-    there it takes every input and no oneDNN copy is made, unless a row limit asks."""
+    where the level has the packed kernel's many-row path on vdpbf16ps (avx512_bf16) or
+    AMX tiles (amx): there it takes every input and no oneDNN copy is made, unless a row
+    limit asks. (A CPU with AMX: test_platforms.py::test_amx_cpu_keeps_onednn_below_the_amx_level.)"""
     platform = _platform(BF16, True)
     method = platform.linear_method(_linear(BF16))
     below_avx512 = platform.gemm_dtype == "float32"  # takes an AVX2 CPU's path: widened

@@ -154,7 +154,7 @@ def test_prefill_bf16_within_the_bf16_bound(ops, kernel_level, d, hq, hkv):
     """bf16 q over a bf16 cache: at a level with AVX512-BF16 both products on vdpbf16ps
     (an odd head size pads its last pair), elsewhere widened to fp32; the bound holds
     for both."""
-    assert ops.has_bf16_dot == (kernel_level == "avx512_bf16")
+    assert ops.has_bf16_dot == (kernel_level in ("avx512_bf16", "amx"))
     chunks = CHUNKS + [(90, 70)]
     q, cache, table, qsl, seq_lens = _make(chunks, hq, hkv, d, bs=16, dtype=torch.bfloat16,
                                            seed=d + 7 * hq)

@@ -50,8 +50,9 @@ def widened(monkeypatch):
 
 @pytest.fixture
 def native_bf16(monkeypatch):
-    """A CPU with AVX512-BF16 / AMX."""
+    """A CPU with AVX512-BF16 (without AMX: test_amx_cpu_keeps_onednn_below_the_amx_level)."""
     monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx", lambda: False)
 
 
 @pytest.fixture
@@ -208,6 +209,37 @@ def test_cuda_device_decisions(no_cpu_ops, monkeypatch):
     assert "eager (no Triton)" in p.describe()
     # an fp32 model keeps the exact PyTorch Gated DeltaNet (fla may multiply in TF32)
     assert create_platform("cuda", torch.float32).linear_attention == "torch"
+
+
+def test_amx_cpu_keeps_onednn_below_the_amx_level(ops, kernel_level, monkeypatch):
+    """On a CPU with AMX, oneDNN's bf16 GEMM runs on the tiles: the packed kernel takes
+    every input only at a level that multiplies on them too (amx); at avx512_bf16
+    (forced there) vdpbf16ps is 5-10x behind at batch, so the oneDNN copy serves the
+    larger inputs."""
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx", lambda: True)
+    if below_avx512(kernel_level) or not getattr(ops, "has_bf16_dot_gemm", False):
+        pytest.skip("the level has no many-row dot-product path")
+    p = CpuPlatform.create("cpu", BF16)
+    if ops.has_amx_gemm:
+        assert p.linear_bf16_max_rows == ALL_ROWS and p.weights == "packed bf16 only"
+    else:
+        assert p.linear_bf16_max_rows == cpu_platform.DEFAULT_NATIVE_BF16_PACKED_ROWS
+        assert p.gemm == ("onednn_prepacked" if cpu_platform.onednn_prepack_works(BF16)
+                          else "torch")
+    monkeypatch.setattr(cpu_platform, "cpu_has_amx", lambda: False)  # AVX512-BF16 only
+    assert CpuPlatform.create("cpu", BF16).linear_bf16_max_rows == ALL_ROWS
+
+
+def test_amx_detection(monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not cpu_platform.cpu_has_amx()
+    monkeypatch.setattr(kernels, "_cpu_flags",
+                        lambda: frozenset({"avx512_bf16", "amx_tile", "amx_bf16"}))
+    assert cpu_platform.cpu_has_amx()
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: None)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not cpu_platform.cpu_has_amx()
 
 
 def test_native_bf16_detection(monkeypatch):

@@ -1,7 +1,7 @@
-"""Quantized weights at many bf16 rows on vdpbf16ps (`linear_quant_dot`,
-tokenmill/kernels/cpu_quant_linear.cpp over cpu_linear_dot.cpp's driver): each packed
-block's codes are dequantized to bf16(W') pair words in the kernel's scratch. Skipped
-where the CPU has no AVX512-BF16.
+"""Quantized weights at many bf16 rows on vdpbf16ps or AMX tiles (`linear_quant_dot`,
+tokenmill/kernels/cpu_quant_linear.cpp over cpu_linear_dot.cpp's driver, and at the amx
+level cpu_linear_amx.cpp's): each packed block's codes are dequantized to bf16(W') pair
+words in the kernel's scratch. Each level is skipped where the CPU cannot run it.
 
 Reference: x @ bf16(W')^T + b in float64, bf16(W') from `dequantize_quant(bf16=True)`
 (the old tiles' values: the kernel must make the same ones). vdpbf16ps multiplies bf16
@@ -16,17 +16,16 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.kernels.testing import bf16_dot_ops
+from tokenmill.kernels.testing import BF16_DOT_LEVELS, bf16_dot_ops
 from tokenmill.models.layers.linear_methods.quantized_cpu import PackedQuantizedWeight
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
 
-LEVEL = "avx512_bf16"
 NO_BIAS = torch.empty(0)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return bf16_dot_ops()
+@pytest.fixture(scope="module", params=BF16_DOT_LEVELS)
+def ops(request):
+    return bf16_dot_ops(request.param)
 
 
 def _weight(n, k, bits, group, sym, seed):
@@ -83,7 +82,7 @@ def check(ops, pq, x, b, threads=1):
 def test_the_level_has_the_path(ops):
     assert ops.has_quant_dot
     for level in kernels.runnable_levels():
-        other = kernels.cpu_ops(level) if level != LEVEL else None
+        other = kernels.cpu_ops(level) if level not in BF16_DOT_LEVELS else None
         if other is not None:
             assert not getattr(other, "has_quant_dot", False)
 

@@ -3,8 +3,9 @@ builder: at install time (setup.py), or at run time when no valid prebuilt modul
 
 The same sources are built with each level's explicit flags (never -march=native:
 a build runs on every CPU of its level, whichever machine compiled it). On x86-64
-the levels are `default` (the baseline ISA), `avx2`, `avx512`, `avx512_vnni` and
-`avx512_bf16` (levels.LEVELS has their flags); elsewhere (aarch64) there is `default` only.
+the levels are `default` (the baseline ISA), `avx2`, `avx512`, `avx512_vnni`,
+`avx512_bf16` and `amx` (levels.LEVELS has their flags); elsewhere (aarch64) there is
+`default` only.
 
 Installing tokenmill (`make install`, `pip install --no-build-isolation .`, `pip wheel`)
 compiles every level of the build machine's architecture into `tokenmill.kernels._C_<level>`
@@ -27,7 +28,8 @@ What a module can do at its level: `ops.capability` (its level),
 every level but a plain-array build, which has no SIMD type in kernels/vec.h; the CPU
 platform reads them), `ops.has_bf16_dot` (avx512_bf16: paged_prefill's products over
 a bf16 cache on vdpbf16ps), `ops.has_bf16_dot_gemm` (avx512_bf16: linear_bf16's bf16
-inputs of `ops.bf16_dot_gemm_min_rows` rows and more on vdpbf16ps, cpu_linear_dot.cpp).
+inputs of `ops.bf16_dot_gemm_min_rows` rows and more on vdpbf16ps, cpu_linear_dot.cpp;
+on AMX tiles at amx, `ops.has_amx_gemm`, cpu_linear_amx.cpp).
 """
 from __future__ import annotations
 
@@ -87,7 +89,27 @@ def _runnable() -> tuple[str, ...]:
         top = _TORCH_CAPABILITY_LEVEL.get(torch.backends.cpu.get_cpu_capability(), "default")
         names = all_levels()
         return tuple(names[:names.index(top) + 1]) if top in LEVELS else ("default",)
-    return tuple(lv.name for lv in LEVELS.values() if lv.cpu_flags <= flags)
+    return tuple(lv.name for lv in LEVELS.values() if lv.cpu_flags <= flags
+                 and ("amx_tile" not in lv.cpu_flags or amx_permitted()))
+
+
+# Linux (5.16+) gives a process the AMX tile state only on request: arch_prctl
+# ARCH_REQ_XCOMP_PERM for XTILEDATA. Refused (an older kernel, a hypervisor hiding the
+# state), the first tile instruction faults, so the amx level is not runnable.
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether this process may use the AMX tiles (asks the OS for them once)."""
+    if platform.system() != "Linux" or not _levels._is_x86():
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _check(level: str, source: str = "level") -> str:
@@ -97,6 +119,8 @@ def _check(level: str, source: str = "level") -> str:
                          f"{platform.machine()}; the levels are {', '.join(LEVELS)}")
     if level not in runnable_levels():
         missing = sorted(LEVELS[level].cpu_flags - (_cpu_flags() or frozenset()))
+        if not missing and "amx_tile" in LEVELS[level].cpu_flags:
+            missing = ["the OS's grant of the AMX tiles"]
         raise RuntimeError(f"{source}={level!r}: this CPU cannot run the {level} kernels "
                            f"(missing {', '.join(missing) or 'support'}); it runs "
                            f"{', '.join(runnable_levels())}")

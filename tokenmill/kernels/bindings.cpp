@@ -122,6 +122,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // platform keeps the packed copy only (tokenmill/platforms/cpu.py).
   m.attr("has_bf16_dot_gemm") = linear_bf16_dot_rows() > 0;
   m.attr("bf16_dot_gemm_min_rows") = linear_bf16_dot_rows();
+#if defined(__AMX_BF16__)
+  // ... and on AMX tiles (cpu_linear_amx.cpp; the amx level)
+  m.attr("has_amx_gemm") = true;
+#else
+  m.attr("has_amx_gemm") = false;
+#endif
 #if defined(TM_VEC_GENERIC)
   // Plain arrays: slower than the library GEMM; greedy_lm_head is exact there too,
   // but its int8 screen is plain C++ (on x86-64 the default level is SSE2, not this).

@@ -238,6 +238,10 @@ std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values) {
 
 void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
                      const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb) {
+#if defined(__AMX_BF16__)
+  // The amx level multiplies the same pair words on tiles (cpu_linear_amx.cpp).
+  return amx_dot_gemm(x, M, K, N, w, bias, yf, yb, N);
+#endif
   const int64_t K2 = (K + 1) / 2, nblocks = (N + NB - 1) / NB;
   const Tuning tn = tuning;
   // Few rows re-interleave a bf16 block in registers; other sources always fill a scratch.
@@ -329,6 +333,10 @@ void linear_bf16_dot(const c10::BFloat16* x, int64_t M, int64_t K, const uint16_
 
 void linear_bf16_dot_block(const c10::BFloat16* x, int64_t rows, int64_t K,
                            const uint16_t* wblock, float* y, int64_t ldy, int64_t ncols) {
+#if defined(__AMX_BF16__)
+  // The tiles sum in the same order for one block as for the whole GEMM.
+  return amx_dot_gemm(x, rows, K, ncols, Bf16Pairs(wblock, K), nullptr, y, nullptr, ldy);
+#endif
   // One block, all of K at once: the same sums in the same order as linear_bf16_dot's
   // chunks (a chunk's fp32 partial sums carry over exactly).
   const int64_t K2 = (K + 1) / 2;

@@ -47,7 +47,11 @@ def _x86_levels() -> tuple[Level, ...]:
             # bf16 pair dot products into fp32 (vdpbf16ps: the prefill attention kernel's
             # products over a bf16 cache); everything of avx512_vnni too
             Level("avx512_bf16", avx512 + ("-mavx512vnni", "-mavx512bf16"),
-                  avx512_cpu | {"avx512_vnni", "avx512_bf16"}))
+                  avx512_cpu | {"avx512_vnni", "avx512_bf16"}),
+            # bf16 tile products (TDPBF16PS: the packed GEMMs' many-row path); everything
+            # of avx512_bf16 too. The OS must also grant the tiles (kernels.amx_permitted).
+            Level("amx", avx512 + ("-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+                  avx512_cpu | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}))
 
 
 def _is_x86() -> bool:

@@ -75,6 +75,13 @@ struct DotPairSource {
 };
 void linear_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
                      const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb);
+// linear_dot_gemm on AMX tiles (cpu_linear_amx.cpp; the amx level only): y's row
+// stride ldy. amx_dot_ready(): this process may use the tiles (the OS grants them on
+// request); false where the level has no AMX.
+void amx_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
+                  const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb,
+                  int64_t ldy);
+bool amx_dot_ready();
 // Its cache blocking, [x_chunk_bytes, w_group_bytes, kc2, direct_rows] (empty: keep) ->
 // the values before (empty where the level has no such path): the benchmark's sweeps.
 std::vector<int64_t> linear_bf16_dot_tuning(std::vector<int64_t> values);

@@ -39,12 +39,18 @@ def ops(kernel_level):
     return module
 
 
-def bf16_dot_ops():
-    """The avx512_bf16 level's module for the vdpbf16ps paths' tests (their own module
-    fixture: those paths exist at that level only), or a skip naming why not."""
-    level = "avx512_bf16"
+# The levels with native bf16 dot products in the packed GEMMs' many-row path:
+# vdpbf16ps (avx512_bf16) and AMX tiles (amx).
+BF16_DOT_LEVELS = ("avx512_bf16", "amx")
+
+
+def bf16_dot_ops(level: str = "avx512_bf16"):
+    """The module of `level` (one of BF16_DOT_LEVELS) for the dot-product paths' tests
+    (their own module fixture: those paths exist at those levels only), or a skip
+    naming why not."""
     if level not in kernels.all_levels() or level not in kernels.runnable_levels():
-        pytest.skip("this CPU has no AVX512-BF16: the dot-product path is not built for it")
+        pytest.skip(f"this CPU (or its OS) cannot run the {level} level: its dot-product "
+                    "path is not tested here")
     module = kernels.cpu_ops(level)
     if module is None:
         pytest.skip("no native CPU kernels (no compiler, or TOKENMILL_NO_NATIVE=1)")

@@ -19,9 +19,12 @@ fixes, for the whole run:
   the only copy (half the bytes of an fp32 copy, and a batch-1 step is bound by
   reading them). With native bf16 too, at a level whose kernel has the many-row
   path on vdpbf16ps (`ops.has_bf16_dot_gemm`: avx512_bf16; bf16 inputs of 9+ rows,
-  kernels/cpu_linear_dot.cpp), it takes every input and keeps no oneDNN copy:
+  kernels/cpu_linear_dot.cpp) or on AMX tiles (`ops.has_amx_gemm`: amx,
+  kernels/cpu_linear_amx.cpp), it takes every input and keeps no oneDNN copy:
   resident weights ~1.0x the checkpoint instead of ~1.9x, at about oneDNN's speed
-  (figures at DEFAULT_NATIVE_BF16_PACKED_ROWS). Elsewhere with native bf16 it takes
+  (figures at DEFAULT_NATIVE_BF16_PACKED_ROWS) -- except vdpbf16ps on a CPU with AMX
+  (the avx512_bf16 level forced there), 5-10x behind oneDNN's AMX GEMM at batch, which
+  keeps the oneDNN copy for the larger inputs. Elsewhere with native bf16 it takes
   the small inputs (decode) and oneDNN's bf16 GEMM the rest. `linear_bf16_max_rows`
   (an engine argument) sets the row limit instead: then oneDNN's prepacked bf16
   copy (native bf16) or an fp32 copy (bf16 emulated) serves the larger inputs;
@@ -127,13 +130,14 @@ DEFAULT_QUAD_QUANTIZED_ROWS = 64
 # The levels whose quad kernel was measured faster than the widening kernel at 1-16 rows
 # (docs/benchmarks.md; vpdpbusd at avx512_vnni and avx512_bf16, a superset of it;
 # vpmaddwd at avx512 and avx2): the platform asks for the layout there only.
-QUAD_LEVELS = frozenset({"avx2", "avx512", "avx512_vnni", "avx512_bf16"})
+QUAD_LEVELS = frozenset({"avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"})
 # All-greedy steps with up to this many rows take the int8-screened lm_head. Measured on
 # the bench model's lm_head (32000 x 512): 0.6 vs 1.8 ms at 1 row, 1.2 vs 1.9 at 4,
 # slower than the full GEMM from about 8 rows.
 DEFAULT_GREEDY_HEAD_MAX_ROWS = 4
 GREEDY_HEAD_KERNEL_ROWS = 128  # greedy_lm_head takes 1 to 128 rows
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+_AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -150,6 +154,17 @@ def cpu_has_native_bf16() -> bool:
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
         return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
     return any(flag in flags for flag in _BF16_CPU_FLAGS)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bf16 tiles (oneDNN's bf16 GEMM then runs on them), from
+    /proc/cpuinfo; without it, from torch's own CPU probe."""
+    from tokenmill.kernels import _cpu_flags
+    flags = _cpu_flags()
+    if flags is None:
+        import torch
+        return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return all(flag in flags for flag in _AMX_CPU_FLAGS)
 
 
 @functools.cache
@@ -266,8 +281,11 @@ class CpuPlatform(Platform):
         widen = on_cpu and half and (not cpu_bf16 or below_avx512)
         gemm = torch.float32 if widen else model_dtype
         if linear_bf16_max_rows is None:  # auto: see the module docstring
+            # (vdpbf16ps where the CPU has AMX: oneDNN's AMX GEMM is 5-10x ahead at
+            # batch, measured on a 2-core Xeon with AMX, bench.linear_rows)
             dot_gemm = (ops is not None and gemm == torch.bfloat16
-                        and getattr(ops, "has_bf16_dot_gemm", False))
+                        and getattr(ops, "has_bf16_dot_gemm", False)
+                        and (getattr(ops, "has_amx_gemm", False) or not cpu_has_amx()))
             linear_bf16_max_rows = (ALL_ROWS if widen or dot_gemm
                                     else DEFAULT_NATIVE_BF16_PACKED_ROWS)
         packed = (ops is not None and model_dtype == torch.bfloat16
