@@ -39,10 +39,10 @@ constexpr int64_t NB = 32;       // columns per packed block (cpu_linear.cpp)
 constexpr int64_t KT = 16;       // pairs per tile step (64 bytes of a tile row)
 constexpr int64_t MT = 16;       // rows per tile
 constexpr int64_t MR = 2 * MT;   // rows per micro-kernel
-constexpr int64_t MAX_GROUP = 8;
+constexpr int64_t MAX_GROUP = 16;
 // Cache blocking: a column-block group's pair scratch (L2); pairs per K chunk when K
 // has more than KC pairs (a micro-kernel's x rows, 32 x KC pairs, fit L1).
-constexpr int64_t W_GROUP_BYTES = 256 << 10;
+constexpr int64_t W_GROUP_BYTES = 512 << 10;
 constexpr int64_t KC = 256;
 
 // Linux hands a process the tile registers' state only when asked (arch_prctl
@@ -190,14 +190,17 @@ void amx_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
       if (m < M) std::memcpy(row, x + m * K, K * sizeof(uint16_t));
     }
   });
+  // Work items: a group of column blocks (their scratch made once, in L2) x a part of
+  // the rows; every item reads all of its rows' x. Few rows: groups small enough for
+  // two a thread. Many rows: the largest groups (x, megabytes at prefill sizes, is
+  // streamed once per group), the rows split between the threads.
   const int64_t nthreads = at::get_num_threads();
-  int64_t G = std::clamp<int64_t>(W_GROUP_BYTES / (kc * NB * 4), 1, MAX_GROUP);
-  G = std::max<int64_t>(1, std::min(G, nblocks / (2 * nthreads)));
-  const int64_t ngroups = (nblocks + G - 1) / G;
-  // Too few column groups for the threads (narrow layers): split the rows too.
   const int64_t row_units = (M + MR - 1) / MR;
-  const int64_t parts =
-      ngroups >= nthreads ? 1 : std::min(row_units, (nthreads + ngroups - 1) / ngroups);
+  int64_t G = std::clamp<int64_t>(W_GROUP_BYTES / (kc * NB * 4), 1, MAX_GROUP);
+  if (row_units < 4 * nthreads) G = std::max<int64_t>(1, std::min(G, nblocks / (2 * nthreads)));
+  const int64_t ngroups = (nblocks + G - 1) / G;
+  const int64_t parts = ngroups >= 2 * nthreads
+                            ? 1 : std::min(row_units, (2 * nthreads + ngroups - 1) / ngroups);
   const int64_t part_rows = (row_units + parts - 1) / parts * MR;
   const Out out{bias, yf, yb, ldy};
   at::parallel_for(0, ngroups * parts, 1, [&](int64_t i0, int64_t i1) {
