@@ -5,7 +5,7 @@ Triton compile check read them through these functions, so one file lists what a
 deployment can set (the README's "Environment variables" repeats it):
 
 - TOKENMILL_CPU_CAPABILITY: the CPU kernel level (`default`, `avx2`, `avx512`,
-  `avx512_vnni`, `avx512_bf16`); an error if this CPU cannot run it. The `--cpu-capability` engine
+  `avx512_vnni`, `avx512_bf16`, `amx`); an error if this CPU cannot run it. The `--cpu-capability` engine
   argument overrides it for one engine.
 - ATEN_CPU_CAPABILITY: PyTorch's own ISA cap; tokenmill's level stays at or below it.
 - TOKENMILL_NO_NATIVE=1: no native CPU kernels at all (the PyTorch path), as on a

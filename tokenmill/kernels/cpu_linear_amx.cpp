@@ -22,11 +22,9 @@
 #include "ops.h"
 #include <ATen/Parallel.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -45,49 +43,12 @@ constexpr int64_t MAX_GROUP = 16;
 constexpr int64_t W_GROUP_BYTES = 512 << 10;
 constexpr int64_t KC = 256;
 
-// Linux hands a process the tile registers' state only when asked (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
-bool request_tiles() {
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  return ok;
-}
-
-// Palette 1, every tile 16 rows x 64 bytes: C in 0..3, A in 4..5, B in 6..7.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Loads the tile configuration on this thread for a scope, and frees the tiles after
-// (a thread left holding tile state makes every context switch save 8 KB more).
-struct TileScope {
-  TileScope() {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = MT;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
-
-// A per-thread buffer of at least n values, 64-byte aligned: a tile row that straddles
-// two cache lines makes every tile load and store about 4x slower (measured).
+// A per-thread buffer of at least n values, 64-byte aligned (tmamx::Aligned64).
 template <typename T, int SLOT>
 T* thread_buffer(int64_t n) {
-  static_assert(64 % sizeof(T) == 0);
-  thread_local std::vector<T> buf;
-  const int64_t pad = 64 / sizeof(T);
-  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
-  const auto at = reinterpret_cast<uintptr_t>(buf.data());
-  return buf.data() + (64 - at % 64) % 64 / sizeof(T);
+  thread_local std::vector<T, tmamx::Aligned64<T>> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
 }
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -169,12 +130,12 @@ inline void tile_kernel(const uint32_t* x, int64_t ldx, const uint32_t* w, int64
 
 }  // namespace
 
-bool amx_dot_ready() { return request_tiles(); }
+bool amx_dot_ready() { return tmamx::request_tiles(); }
 
 void amx_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
                   const DotPairSource& w, const float* bias, float* yf, c10::BFloat16* yb,
                   int64_t ldy) {
-  TORCH_CHECK(request_tiles(), "linear_dot_gemm: the OS refused this process the AMX tiles");
+  TORCH_CHECK(tmamx::request_tiles(), "linear_dot_gemm: the OS refused this process the AMX tiles");
   const int64_t K2 = (K + 1) / 2, nblocks = (N + NB - 1) / NB;
   const int64_t kc = K2 > KC ? KC : round_up(K2, KT), nchunks = (K2 + kc - 1) / kc;
   // x as pair words, zero padded to whole 16-pair steps and 16-row tiles; the row
@@ -204,7 +165,7 @@ void amx_dot_gemm(const c10::BFloat16* x, int64_t M, int64_t K, int64_t N,
   const int64_t part_rows = (row_units + parts - 1) / parts * MR;
   const Out out{bias, yf, yb, ldy};
   at::parallel_for(0, ngroups * parts, 1, [&](int64_t i0, int64_t i1) {
-    TileScope tiles;
+    tmamx::TileScope tiles;
     uint32_t* scratch = thread_buffer<uint32_t, 1>(G * kc * NB);
     const int64_t ldp = G * NB;
     float* part = nchunks > 1 ? thread_buffer<float, 2>(std::min(round_up(M, MR), part_rows) * ldp)

@@ -22,6 +22,12 @@
 // <= 2^-8 each; the running sum l keeps the fp32 weights), so an output moves by at most
 // 2^-8 * sum_j p_j |v_j| / l (<= 2^-8 max |v|) beyond the widened path's error, as
 // flash attention on GPUs rounds P for its P.V product.
+//
+// At the amx level, head sizes a multiple of 32 take the same two products on AMX tiles
+// (TDPBF16PS) over the same pair layouts, 16 query rows at a time: Q.K^T as [16 rows x
+// 16 pairs] x [16 pairs x 16 keys] tiles, P.V as [16 rows x 16 key pairs] x [16 key
+// pairs x 16 head-dim columns] accumulated onto O (rescaled by alpha first); the same
+// exact products and fp32 sums, in another order. The softmax is the same code.
 #include "ops.h"
 #include <ATen/Parallel.h>
 
@@ -33,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 #include "vec_fp8.h"
 
@@ -45,6 +52,7 @@ constexpr int kR = 6;                           // query rows per register tile
 constexpr int kNK = Vec::kRegs >= 32 ? 4 : 2;   // key vectors per register tile (scores)
 constexpr int kXT = Vec::kRegs >= 32 ? 4 : 2;   // head-dim vectors per register tile (values)
 constexpr int kTileRows = 120;                  // query rows (tokens x g heads) per job, about
+constexpr int kTR = 16;                         // query rows per group on AMX tiles
 constexpr int kKeyGroup = kNK * W;
 static_assert(kBK % kKeyGroup == 0, "a key tile is whole register tiles");
 
@@ -136,13 +144,18 @@ struct Shape {
 
 // Per-thread scratch: the tile's queries, scores, outputs and one K / V tile (fp32
 // widened, or bf16 pairs: `pairs`).
+// 64-byte aligned (the AMX tiles read and write them: tmamx::Aligned64).
+template <typename T>
+using Buffer = std::vector<T, tmamx::Aligned64<T>>;
+
 struct Scratch {
-  std::vector<float> q, s, o, kt, v, row, m, l, alpha;
+  Buffer<float> q, s, o, kt, v, row, m, l, alpha;
   // bf16 pairs as 32-bit words: queries [mp][D/2], K [D/2][kBK], V [kBK/2][Dp], and
   // the rounded weights [mp][kBK/2] (D/2 rounded up: an odd D's last pair is (x, 0)).
-  std::vector<uint32_t> q2, k2, v2, p2;
+  Buffer<uint32_t> q2, k2, v2, p2;
   Scratch(const Shape& sh, int64_t rows, bool pairs) {
-    const int64_t mp = (rows + kR - 1) / kR * kR;
+    // rows padded to whole register tiles (kR) or tile groups (kTR)
+    const int64_t mp = std::max((rows + kR - 1) / kR * kR, (rows + kTR - 1) / kTR * kTR);
     s.assign(mp * kBK, 0.f);
     o.assign(mp * sh.dp, 0.f);
     m.assign(mp, 0.f);
@@ -258,14 +271,66 @@ inline void round_weights(const float* si, int cols, uint32_t* dst) {
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// kPairs: both products on vdpbf16ps (T = C = bf16 at a level with AVX512-BF16).
-template <bool kPairs, typename T, typename C>
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+constexpr bool kHasTiles = true;
+
+// s[i][0, kBK) = scale * sum_p q2[i][p] . k2[p][...] for kTR rows i (q2 rows dh words
+// apart, dh a multiple of 16): one C tile per 16 keys, 16 pairs a step.
+inline void scores_tiles(const uint32_t* q2, int64_t dh, const uint32_t* k2, float scale,
+                         float* s) {
+  for (int c = 0; c < kBK / 16; ++c) {
+    _tile_zero(0);
+    for (int64_t p = 0; p < dh; p += 16) {
+      _tile_loadd(4, q2 + p, dh * 4);
+      _tile_loadd(6, k2 + p * kBK + 16 * c, kBK * 4);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, s + 16 * c, kBK * 4);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < kTR; ++i)
+    for (int c = 0; c < kBK; c += 16)
+      _mm512_storeu_ps(s + i * kBK + c, _mm512_mul_ps(_mm512_loadu_ps(s + i * kBK + c), sv));
+}
+
+// o[i] = o[i] * alpha[i] + sum_{u<npairs} p2[i][u] . v2[u][...] for kTR rows i, o rows
+// dp floats apart (dp a multiple of 16); key pairs 16 a step (the ones past npairs in
+// the last step weigh 0: their v2 rows were zeroed).
+inline void values_tiles(const uint32_t* p2, const float* alpha, const uint32_t* v2,
+                         int64_t dp, int64_t npairs, float* o) {
+  for (int i = 0; i < kTR; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    for (int64_t x = 0; x < dp; x += 16)
+      _mm512_storeu_ps(o + i * dp + x, _mm512_mul_ps(_mm512_loadu_ps(o + i * dp + x), a));
+  }
+  for (int64_t x = 0; x < dp; x += 16) {
+    _tile_loadd(0, o + x, dp * 4);
+    for (int64_t u = 0; u < npairs; u += 16) {
+      _tile_loadd(4, p2 + u, (kBK / 2) * 4);
+      _tile_loadd(6, v2 + u * dp + x, dp * 4);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, o + x, dp * 4);
+  }
+}
+#else
+constexpr bool kHasTiles = false;
+#endif
+
+// The products of run_job: widened fp32 (kWiden), bf16 pairs on vdpbf16ps (kDot: T = C
+// = bf16 at a level with AVX512-BF16), or the same pairs on AMX tiles (kTiles: the amx
+// level, head sizes a multiple of 32).
+enum Path { kWiden, kDot, kTiles };
+
+template <Path kPath, typename T, typename C>
 void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table,
              int64_t q_start, int64_t seq_len, int64_t n_q, const Shape& sh, Scratch& w,
              T* out) {
+  constexpr bool kPairs = kPath != kWiden;
+  constexpr int64_t RG = kPath == kTiles ? kTR : kR;  // query rows per group
   const int64_t g = sh.g, d = sh.d, dp = sh.dp, h = job.head, dh = (d + 1) / 2;
   const int64_t ctx = seq_len - n_q;
-  const int64_t rows = (job.t1 - job.t0) * g, mp = (rows + kR - 1) / kR * kR;
+  const int64_t rows = (job.t1 - job.t0) * g, mp = (rows + RG - 1) / RG * RG;
   // Queries as fp32 rows (scaled) or bf16 pairs (unscaled); padding rows stay zero.
   for (int64_t t = job.t0; t < job.t1; ++t)
     for (int64_t j = 0; j < g; ++j) {
@@ -316,6 +381,10 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
       for (int64_t j = 0; j < n; j += 2)
         interleave_rows(row_of(j) + sh.s_kv, j + 1 < n ? row_of(j + 1) + sh.s_kv : nullptr, d,
                         w.v2.data() + j / 2 * dp);
+      // The tiles read key pairs 16 at a time: those past a short last tile weigh 0,
+      // and must not be an earlier tile's (possibly non-finite) values.
+      if (kPath == kTiles && n < kBK)
+        std::fill(w.v2.begin() + (n + 1) / 2 * dp, w.v2.begin() + kBK / 2 * dp, 0u);
 #endif
     } else {
       // K transposed into kt[d][j], V into v[j][0..d) (its padding columns stay zero).
@@ -330,25 +399,29 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
         }
       }
     }
-    for (int64_t i0 = 0; i0 < mp; i0 += kR) {
+    for (int64_t i0 = 0; i0 < mp; i0 += RG) {
       // The last real row of this register tile sees the most keys (token-major rows).
-      const int64_t last = std::min(i0 + kR, rows) - 1;
+      const int64_t last = std::min(i0 + RG, rows) - 1;
       const int64_t hi_group = std::min<int64_t>(ctx + job.t0 + last / g + 1 - kbase, n);
       if (hi_group <= 0) {  // no row of the group sees this tile (only under a window
         // can a later tile matter for them: keep their state, add nothing)
-        for (int64_t i = i0; i < i0 + kR; ++i) w.alpha[i] = 1.f;
+        for (int64_t i = i0; i < i0 + RG; ++i) w.alpha[i] = 1.f;
         continue;
       }
       const int cols = static_cast<int>((hi_group + kKeyGroup - 1) / kKeyGroup * kKeyGroup);
       float* s = w.s.data() + i0 * kBK;
-      if constexpr (kPairs) {
+      if constexpr (kPath == kTiles) {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        scores_tiles(w.q2.data() + i0 * dh, dh, w.k2.data(), sh.scale, s);
+#endif
+      } else if constexpr (kPairs) {
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
         scores_rows_bf16(w.q2.data() + i0 * dh, dh, w.k2.data(), cols, sh.scale, s);
 #endif
       } else {
         scores_rows(w.q.data() + i0 * d, d, w.kt.data(), d, cols, s);
       }
-      for (int64_t i = i0; i < i0 + kR; ++i) {
+      for (int64_t i = i0; i < i0 + RG; ++i) {
         float* si = w.s.data() + i * kBK;
         if (i >= rows) {  // padding rows: weights zero, state kept
           std::fill(si, si + kBK, 0.f);
@@ -389,10 +462,17 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
       }
       if constexpr (kPairs) {
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
-        for (int64_t i = i0; i < i0 + kR; ++i)
+        for (int64_t i = i0; i < i0 + RG; ++i)
           round_weights(w.s.data() + i * kBK, cols, w.p2.data() + i * (kBK / 2));
-        values_all_bf16(w.p2.data() + i0 * (kBK / 2), w.alpha.data() + i0, w.v2.data(), dp,
-                        (hi_group + 1) / 2, w.o.data() + i0 * dp);
+        if constexpr (kPath == kTiles) {
+#if defined(__AMX_BF16__)
+          values_tiles(w.p2.data() + i0 * (kBK / 2), w.alpha.data() + i0, w.v2.data(), dp,
+                       (hi_group + 1) / 2, w.o.data() + i0 * dp);
+#endif
+        } else {
+          values_all_bf16(w.p2.data() + i0 * (kBK / 2), w.alpha.data() + i0, w.v2.data(), dp,
+                          (hi_group + 1) / 2, w.o.data() + i0 * dp);
+        }
 #endif
       } else {
         values_all(s, w.alpha.data() + i0, w.v.data(), dp, hi_group, w.o.data() + i0 * dp,
@@ -431,12 +511,30 @@ void prefill(const T* q, const C* kv, const int32_t* block_table, const int64_t*
   // bf16 queries over a bf16 cache: vdpbf16ps where the level has it.
   constexpr bool pairs = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
                          std::is_same_v<C, c10::BFloat16>;
+  // ... on AMX tiles where the level has them and whole 16-pair steps cover the head.
+  const bool tiles = pairs && kHasTiles && sh.d % 32 == 0;
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  TORCH_CHECK(!tiles || tmamx::request_tiles(), "paged_prefill: the OS refused the AMX tiles");
+#endif
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w(sh, tile_tokens * sh.g, pairs);
-    for (int64_t k = next++; k < njobs; k = next++) {
-      const Job& job = jobs[k];
-      run_job<pairs>(job, q, kv, block_table, qsl[job.chunk], seq_lens[job.chunk],
-                     qsl[job.chunk + 1] - qsl[job.chunk], sh, w, out);
+    auto each_job = [&](auto path) {
+      for (int64_t k = next++; k < njobs; k = next++) {
+        const Job& job = jobs[k];
+        run_job<decltype(path)::value>(job, q, kv, block_table, qsl[job.chunk],
+                                       seq_lens[job.chunk], qsl[job.chunk + 1] - qsl[job.chunk],
+                                       sh, w, out);
+      }
+    };
+    if constexpr (!pairs) {
+      each_job(std::integral_constant<Path, kWiden>());
+    } else if (!tiles) {
+      each_job(std::integral_constant<Path, kDot>());
+    } else {
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+      tmamx::TileScope scope;
+      each_job(std::integral_constant<Path, kTiles>());
+#endif
     }
   });
 }
