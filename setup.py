@@ -109,9 +109,15 @@ def _kernel_build():
 
     sources = [os.path.join(KERNELS, f) for f in levels.sources()]
     headers = [os.path.join(KERNELS, f) for f in levels.headers()]
+    buildable = {name: level for name, level in levels.LEVELS.items()
+                 if levels.compiler_accepts(level)}
+    for name in levels.LEVELS.keys() - buildable.keys():
+        print(f"tokenmill: the C++ compiler does not take the {name} level's flags "
+              f"({' '.join(levels.LEVELS[name].flags)}): that level is not built; the "
+              f"ones below it serve", file=sys.stderr)
     extensions = [CppExtension(f"tokenmill.kernels.{levels.module_name(name)}", sources,
                                extra_compile_args=levels.compile_flags(level), depends=headers)
-                  for name, level in levels.LEVELS.items()]
+                  for name, level in buildable.items()]
 
     def level_of(ext) -> str:
         return ext.name.rsplit(".", 1)[1][len(levels.PREBUILT_PREFIX):]

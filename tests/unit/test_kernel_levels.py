@@ -108,8 +108,12 @@ def test_amx_needs_the_flags_and_the_oss_grant(fresh):
     assert kernels.runnable_levels()[-1] == "avx512_bf16"
     assert kernels.cpu_capability() == "avx512_bf16"
     with pytest.raises(RuntimeError, match=r"cannot run the amx kernels \(missing the OS's "
-                                           r"grant of the AMX tiles\)"):
+                                           r"grant of the AMX tiles, or a compiler"):
         kernels.cpu_ops("amx")
+    kernels._forget_choice()
+    fresh.setattr(kernels, "amx_permitted", lambda: True)
+    fresh.setattr(kernels, "_buildable", lambda level: False)  # gcc < 11, nothing prebuilt
+    assert kernels.cpu_capability() == "avx512_bf16"
     kernels._forget_choice()
     fresh.setattr(kernels, "_cpu_flags", lambda: bf16_cpu | {"amx_tile"})  # no amx_bf16
     fresh.setattr(kernels, "amx_permitted", lambda: True)
@@ -234,3 +238,19 @@ def _cpuinfo_with(flags: str):
             return io.StringIO(f"flags\t\t: {flags}\n")
         return real_open(path, *args, **kwargs)
     return fake
+
+
+def test_a_compiler_without_a_levels_flags_leaves_it_out(tmp_path):
+    """setup.py builds only the levels the compiler takes (an old one lacks the AMX
+    flags): probed with the level's flags on an empty program."""
+    from tokenmill.kernels import levels
+    from tokenmill.kernels.testing import host_compiler
+    cxx = host_compiler()
+    assert levels.compiler_accepts(kernels.LEVELS["default"], cxx)
+    assert not levels.compiler_accepts(levels.Level("bogus", ("-mno-such-isa-flag",), frozenset()),
+                                       cxx)
+    assert not levels.compiler_accepts(levels.Level("bogus", ("-mavx2",), frozenset()),
+                                       str(tmp_path / "no-such-compiler"))
+    for name in kernels.runnable_levels():  # what this CPU runs, this compiler builds
+        assert levels.compiler_accepts(kernels.LEVELS[name], cxx)
+

@@ -90,7 +90,13 @@ def _runnable() -> tuple[str, ...]:
         names = all_levels()
         return tuple(names[:names.index(top) + 1]) if top in LEVELS else ("default",)
     return tuple(lv.name for lv in LEVELS.values() if lv.cpu_flags <= flags
-                 and ("amx_tile" not in lv.cpu_flags or amx_permitted()))
+                 and ("amx_tile" not in lv.cpu_flags or (amx_permitted() and _buildable(lv))))
+
+
+def _buildable(level: Level) -> bool:
+    """A valid prebuilt module of `level`, or a compiler that takes its flags (the install
+    leaves out a level its compiler cannot build: the AMX flags need gcc 11)."""
+    return _prebuilt_problem(level.name)[0] is None or _levels.compiler_accepts(level)
 
 
 # Linux (5.16+) gives a process the AMX tile state only on request: arch_prctl
@@ -120,7 +126,7 @@ def _check(level: str, source: str = "level") -> str:
     if level not in runnable_levels():
         missing = sorted(LEVELS[level].cpu_flags - (_cpu_flags() or frozenset()))
         if not missing and "amx_tile" in LEVELS[level].cpu_flags:
-            missing = ["the OS's grant of the AMX tiles"]
+            missing = ["the OS's grant of the AMX tiles, or a compiler that builds them"]
         raise RuntimeError(f"{source}={level!r}: this CPU cannot run the {level} kernels "
                            f"(missing {', '.join(missing) or 'support'}); it runs "
                            f"{', '.join(runnable_levels())}")

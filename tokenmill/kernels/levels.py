@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import platform
+import shlex
+import subprocess
 from dataclasses import dataclass
 
 KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -67,6 +69,22 @@ LEVELS: dict[str, Level] = {lv.name: lv for lv in
 def compile_flags(level: Level) -> list[str]:
     """Every flag of `level`'s build beyond the ones torch's extension builder adds."""
     return [*COMMON_FLAGS, f"-DTOKENMILL_CPU_LEVEL={level.name}", *level.flags]
+
+
+def compiler_accepts(level: Level, cxx: str | None = None) -> bool:
+    """Whether the C++ compiler (CXX, else c++) takes `level`'s ISA flags: an older one
+    lacks some (-mamx-tile / -mamx-bf16 need gcc 11 or clang 12), and a level it cannot
+    build is left out of the install rather than failing it."""
+    if not level.flags:
+        return True
+    command = shlex.split(cxx or os.environ.get("CXX", "c++"))
+    try:
+        done = subprocess.run([*command, "-x", "c++", "-fsyntax-only", *level.flags, "-"],
+                              input=b"int main() { return 0; }\n", capture_output=True,
+                              timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def sources(folder: str = KERNELS_DIR) -> list[str]:
