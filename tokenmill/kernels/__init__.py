@@ -113,7 +113,8 @@ def amx_permitted() -> bool:
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+        args = (_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        return libc.syscall(*map(ctypes.c_long, args)) == 0  # variadic: longs, as C passes
     except (OSError, AttributeError):
         return False
 
