@@ -8,9 +8,9 @@
 //
 // Layouts are the ones the vdpbf16ps path already makes: a DotPairSource writes a
 // block's pair words [np, 32] (pair p of column c: bf16 (w[2p][c], w[2p + 1][c])), which
-// are two B tiles as AMX wants them (16 pairs a tile row... of 16 columns, 64 bytes, row
-// stride 128 bytes: columns 0..15 and 16..31); x rows are pair words already (A tiles
-// of 16 rows x 16 pairs). K is taken 16 pairs at a time, so both sides are zero padded
+// are two B tiles as AMX wants them: a tile row is one pair p for 16 columns (64 bytes),
+// rows 128 bytes apart, columns 0..15 in one tile and 16..31 in the other; x rows are
+// pair words already (A tiles of 16 rows x 16 pairs). K is taken 16 pairs at a time, so both sides are zero padded
 // to a multiple of 16 pairs (0 * 0 adds nothing; garbage there could be inf * 0 = NaN).
 //
 // The micro-kernel keeps 32 rows x 32 columns in the four C tiles (2 A + 2 B tiles
