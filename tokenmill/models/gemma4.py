@@ -34,7 +34,7 @@ from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gemma_decode_layers import Gemma4DecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.moe import FusedMoE
-from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.layers.rotary import RotaryEmbedding, cos_sin_table
 from tokenmill.models.weight_names import text_model_name
 
 logger = logging.getLogger(__name__)
@@ -175,8 +175,9 @@ def make_rotary(head_dim: int, max_position: int, params: dict) -> RotaryEmbeddi
         inv = torch.cat([inv, torch.zeros(head_dim // 2 - angles)])
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        rotary.cos_cache.copy_(emb.cos())
-        rotary.sin_cache.copy_(emb.sin())
+        cos, sin = cos_sin_table(emb)
+        rotary.cos_cache.copy_(cos)
+        rotary.sin_cache.copy_(sin)
     return rotary
 
 

@@ -27,7 +27,7 @@ from tokenmill.config import flatten_text_config
 from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
-from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.layers.rotary import RotaryEmbedding, cos_sin_table
 from tokenmill.models.llama import Qwen2ForCausalLM
 from tokenmill.models.weight_names import text_model_name
 
@@ -191,7 +191,7 @@ class VisionTransformer(nn.Module):
         freqs = (pos[:, :, None].float() * self.inv_freq).reshape(n, -1)  # [N, d/2]: rows, cols
         freqs = freqs.view(n // unit, unit, -1)[order_t].reshape(n, 1, -1)
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = cos_sin_table(emb)
         windows = [w * unit for w in windows]
         frames = [f * unit for f in frames]
         for i, blk in enumerate(self.blocks):

@@ -24,6 +24,7 @@ from torch import nn
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.layers.linear import Linear
+from tokenmill.models.layers.rotary import cos_sin_table
 from tokenmill.models.llama import Qwen3ForCausalLM
 from tokenmill.models.qwen2_5_vl import (PatchEmbed, VisionAttention, VisionLanguageMixin,
                                          VisionTowerConfig, mrope_text_config,
@@ -130,7 +131,7 @@ class Qwen3VisionModel(nn.Module):
         rc = torch.from_numpy(vision_positions(grid_thw, m)).to(dev)
         freqs = (rc[:, :, None].float() * self.inv_freq).reshape(n, 1, -1)
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = cos_sin_table(emb)
         frames = [h * w for t, h, w in grid_thw for _ in range(t)]
         deep = []
         for i, blk in enumerate(self.blocks):

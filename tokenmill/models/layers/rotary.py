@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,6 +68,23 @@ def longrope_choice(cfg: dict, max_model_len: int) -> bool | None:
                           cfg.get("original_max_position_embeddings",
                                   cfg.get("max_position_embeddings")))
     return max_model_len > int(original)
+
+
+def cos_sin_table(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of fp32 `angles` (on a CPU: computed in fp64 by numpy, rounded once).
+
+    Not `angles.cos()` on a CPU: torch hands fp32 sin / cos to MKL's vector math there,
+    and the first such call in a process that has already run a GEMM is sometimes wrong
+    on the first thread's share (an initialisation race inside the library): on a
+    2-core Xeon with AMX ~10% of processes built a RoPE table off by up to 1.5e-4 (the
+    cos of 4,000 rad), so logprobs differed from run to run by up to 2e-3. Rounding the
+    fp64 value is within half an ulp of the exact result, as close to HF's fp32 table
+    as its own (accurate) cos is."""
+    if angles.device.type != "cpu":
+        return angles.cos(), angles.sin()
+    a = angles.detach().double().numpy()
+    return (torch.from_numpy(np.cos(a)).to(angles.dtype),
+            torch.from_numpy(np.sin(a)).to(angles.dtype))
 
 
 def compute_inv_freq(params: dict, rotary_dim: int,
@@ -148,9 +166,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         inv_freq, scale = compute_inv_freq(params, rotary_dim, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        cos, sin = cos_sin_table(torch.cat([freqs, freqs], dim=-1))
+        self.register_buffer("cos_cache", cos * scale, persistent=False)
+        self.register_buffer("sin_cache", sin * scale, persistent=False)
         self._tables: dict = {}  # (dtype, device) -> [2, max_position, 1, rotary_dim]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
