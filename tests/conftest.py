@@ -16,6 +16,12 @@ import warnings
 import pytest
 import torch
 
+from tokenmill.platforms.cpu import settle_vector_math
+
+# The HF references compute RoPE with torch's CPU cos / sin, whose first large call in a
+# process can come out wrong (tokenmill/platforms/cpu.py, VECTOR_MATH_OPS).
+settle_vector_math()
+
 # transformers (5.x) binds flash-linear-attention's kernels into its Gated DeltaNet
 # models when the modeling module is imported, wherever `fla` imports, the CPU
 # included, where they cannot run: the HF references must stay on PyTorch. fla-core is

@@ -69,3 +69,25 @@ def test_the_tables_are_exact_in_fresh_processes_that_ran_a_gemm_first():
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                              timeout=120, check=True)
         assert float(out.stdout.split()[-1]) <= 6e-8, out.stdout
+
+
+def test_settled_vector_math_is_right_in_fresh_processes_that_ran_a_gemm_first():
+    # settle_vector_math's first calls stand between the GEMM and the first large sin /
+    # cos / log / sqrt (torch's own, as an HF reference or a model's Python path runs it)
+    script = textwrap.dedent("""
+        import numpy as np, torch, torch.nn.functional as F
+        from tokenmill.platforms.cpu import settle_vector_math
+        settle_vector_math()
+        F.linear(torch.randn(12, 24), torch.randn(40, 24))
+        x = torch.linspace(1.0, 4000.0, 262144)
+        worst = 0.0
+        for name in ("cos", "sin", "log", "sqrt"):
+            got = getattr(x, name)().double().numpy()
+            want = getattr(np, name)(x.double().numpy())
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+        print(worst)
+    """)
+    for _ in range(10):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120, check=True)
+        assert float(out.stdout.split()[-1]) <= 1e-6, out.stdout

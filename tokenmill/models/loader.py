@@ -15,6 +15,7 @@ from tokenmill.models.quantization import check_quantization, fp8_config, int_qu
 from tokenmill.models.quantize_at_load import quantize_model, resolve_quantization
 from tokenmill.models.quantized_layers import apply_fp8, fp8_checkpoint_tensors
 from tokenmill.models.registry import resolve_model_class
+from tokenmill.platforms.cpu import settle_vector_math
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +272,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
         if platform.tensor_parallel_size != tp_group.size:
             raise ValueError("a tensor-parallel model needs a platform made for "
                              f"{tensor_parallel.TP_FIELD}={tp_group.size}")
+    if torch.device(device).type == "cpu":  # before the model's first sin / cos / log
+        settle_vector_math()
     torch_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -167,6 +167,27 @@ def cpu_has_amx() -> bool:
     return all(flag in flags for flag in _AMX_CPU_FLAGS)
 
 
+# torch's CPU sin, cos, log, sqrt, ... (fp32 and fp64) call MKL's vector math, whose
+# functions are set up by their first call. Two threads making that first call at once
+# (an input of a few thousand elements, after any GEMM) sometimes get the first
+# thread's share wrong: on the 2-core Xeon with AMX ~10% of processes, cos off by
+# 1.5e-4, log and sqrt too; a second call is right. One small, single-threaded call of
+# each before any large one settles them (0 in 80 processes after it).
+VECTOR_MATH_OPS = ("abs", "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp",
+                   "log", "log1p", "sin", "sqrt", "tan", "tanh", "trunc")
+
+
+@functools.cache
+def settle_vector_math() -> None:
+    """Make the first call of each of torch's vector-math functions in this process,
+    on one thread (see VECTOR_MATH_OPS). Cheap; once per process."""
+    import torch
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((4,), 0.5, dtype=dtype)
+        for name in VECTOR_MATH_OPS:
+            getattr(torch, name)(x)
+
+
 @functools.cache
 def onednn_prepack_works(dtype) -> bool:
     """Whether this torch build reorders linear weights for oneDNN and computes with
