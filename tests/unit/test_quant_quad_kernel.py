@@ -299,15 +299,20 @@ def test_quad_refusals(ops):
 def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_level,
                                                                 native_bf16, monkeypatch):
     from tokenmill.platforms import cpu
-    from tokenmill.platforms.cpu import DEFAULT_QUAD_QUANTIZED_ROWS, QUAD_LEVELS, CpuPlatform
+    from tokenmill.platforms.cpu import (DEFAULT_AMX_QUAD_QUANTIZED_ROWS,
+                                         DEFAULT_QUAD_QUANTIZED_ROWS, QUAD_LEVELS,
+                                         CpuPlatform)
     monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: native_bf16)
     bf16 = CpuPlatform.create("cpu", torch.bfloat16)
     f32 = CpuPlatform.create("cpu", torch.float32)
     assert f32.quantized_quad_max_rows == 0  # fp32 models stay exact
     # tiles in fp32 (bf16 emulated, or a level below avx512): as many rows as the
-    # widening kernel takes; native bf16 tiles: the quad limit
-    rows = (DEFAULT_QUAD_QUANTIZED_ROWS if bf16.gemm_dtype == "bfloat16"
-            else max(DEFAULT_QUAD_QUANTIZED_ROWS, bf16.quantized_max_rows))
+    # widening kernel takes; native bf16 tiles: the quad limit, lower where the rows past
+    # it go to AMX tiles
+    rows = (max(DEFAULT_QUAD_QUANTIZED_ROWS, bf16.quantized_max_rows)
+            if bf16.gemm_dtype != "bfloat16"
+            else DEFAULT_AMX_QUAD_QUANTIZED_ROWS if getattr(ops, "has_amx_gemm", False)
+            else DEFAULT_QUAD_QUANTIZED_ROWS)
     want = rows if ops.has_quant_quad and kernel_level in QUAD_LEVELS else 0
     assert bf16.quantized_quad_max_rows == want
     assert ("15-bit activations" in bf16.describe()) == bool(want)

@@ -127,6 +127,14 @@ DEFAULT_QUANT_DOT_ROWS = 8
 # GEMM runs in fp32, up to quantized_max_rows: from 65 rows the kernel dequantizes each
 # block and multiplies it exactly, as the widening kernel does).
 DEFAULT_QUAD_QUANTIZED_ROWS = 64
+# At amx the rows past the quad kernel's go to linear_quant_dot on TDPBF16PS tiles
+# (`ops.has_amx_gemm`), which overtakes the quad kernel far sooner. Measured on the
+# 2-core AMX Xeon, bf16 inputs, 2 threads, ms quad / tiles (`python -m
+# tokenmill.bench.quant_rows --rows 8,10,12,14,16,20,24`): int8 3072 x 512 at 12 rows
+# 0.091 / 0.129, 16 rows 0.121 / 0.131, 24 rows 0.178 / 0.160, 64 rows 0.441 / 0.239;
+# 512 x 1536 at 12 rows 0.071 / 0.078, 16 rows 0.092 / 0.080; 4096 x 4096 at 12 rows
+# 1.05 / 1.11, 14 rows 1.26 / 1.14, 64 rows 4.81 / 1.99; int4 g128 the same within 10%.
+DEFAULT_AMX_QUAD_QUANTIZED_ROWS = 12
 # The levels whose quad kernel was measured faster than the widening kernel at 1-16 rows
 # (docs/benchmarks.md; vpdpbusd at avx512_vnni and avx512_bf16, a superset of it;
 # vpmaddwd at avx512 and avx2): the platform asks for the layout there only.
@@ -342,8 +350,9 @@ class CpuPlatform(Platform):
                           else DEFAULT_NATIVE_BF16_QUANTIZED_ROWS)
         # bf16 activations only: the 15-bit rounding is below a bf16's own, not an fp32's
         # (tiles in fp32: as many rows as the widening kernel takes, see above)
-        quad_rows = (DEFAULT_QUAD_QUANTIZED_ROWS if gemm == model_dtype
-                     else max(DEFAULT_QUAD_QUANTIZED_ROWS, quantized_rows))
+        quad_rows = (max(DEFAULT_QUAD_QUANTIZED_ROWS, quantized_rows) if gemm != model_dtype
+                     else DEFAULT_AMX_QUAD_QUANTIZED_ROWS if getattr(ops, "has_amx_gemm", False)
+                     else DEFAULT_QUAD_QUANTIZED_ROWS)
         quad_rows = (quad_rows if quantized and model_dtype == torch.bfloat16
                      and getattr(ops, "has_quant_quad", False)
                      and getattr(ops, "capability", None) in QUAD_LEVELS else 0)
