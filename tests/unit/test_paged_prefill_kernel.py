@@ -175,6 +175,17 @@ def test_prefill_bf16_windows_caps_block_sizes(ops, bs, window, softcap):
     _check_bf16_bound(got, q, cache, table, qsl, seq_lens, 128 ** -0.5, window, softcap)
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_prefill_bf16_long_prompts_take_the_largest_jobs(ops, window):
+    """Prompts long enough for the AMX tiles' largest jobs (up to 960 query rows, more
+    than one job's window start), key tiles packed 16 keys at a time: within the bound."""
+    q, cache, table, qsl, seq_lens = _make([(0, 1100), (200, 600), (7, 45)], 8, 4, 128,
+                                           bs=16, dtype=torch.bfloat16, seed=11,
+                                           window=window)
+    got = ops.paged_prefill(q, cache, table, qsl, seq_lens, 128 ** -0.5, window or 0, 0.0)
+    _check_bf16_bound(got, q, cache, table, qsl, seq_lens, 128 ** -0.5, window)
+
+
 def test_prefill_bf16_pairs_differ_from_the_widened_path(ops):
     """The avx512_bf16 level takes its own products (rounded weights): its output is not
     the widened level's bit for bit, yet both sit within the bound (above)."""

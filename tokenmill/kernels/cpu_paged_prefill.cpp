@@ -52,6 +52,12 @@ constexpr int kR = 6;                           // query rows per register tile
 constexpr int kNK = Vec::kRegs >= 32 ? 4 : 2;   // key vectors per register tile (scores)
 constexpr int kXT = Vec::kRegs >= 32 ? 4 : 2;   // head-dim vectors per register tile (values)
 constexpr int kTileRows = 120;                  // query rows (tokens x g heads) per job, about
+// On AMX tiles a job packs each key tile (K transposed to pair words, V interleaved)
+// for its own rows, and the tiles' products are fast enough that the packing at 120
+// rows was a third of the time: there jobs grow to up to kTileRowsTiles rows while
+// every thread keeps >= 4 of them (python -m tokenmill.bench.cpu_prefill --tokens 2000
+// --head-size 128, 16 / 8 heads, 2 threads on the AMX Xeon: 52 -> 32 ms).
+constexpr int kTileRowsTiles = 960;
 constexpr int kTR = 16;                         // query rows per group on AMX tiles
 constexpr int kKeyGroup = kNK * W;
 static_assert(kBK % kKeyGroup == 0, "a key tile is whole register tiles");
@@ -199,6 +205,34 @@ inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int6
     const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b + x))
                          : _mm512_setzero_si512();
     _mm512_mask_storeu_epi32(dst + x, mask, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// dst[c * ld + i] = rows[i][c] for 16 rows of 16 32-bit words (a key's pair words p ..
+// p + 15 to the k2 layout, 16 keys at once): in registers, where a word at a time made
+// the packing of a key tile cost about what its products do on AMX tiles.
+inline void transpose_words16(const uint32_t* const* rows, uint32_t* dst, int64_t ld) {
+  __m512i r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+  for (int i = 0; i < 16; i += 2) {  // 128-bit lane k: words 4k .. 4k + 3 of rows i, i + 1
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], lane k: word 4k + c of rows g .. g + 3
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane k of the four row groups: word 4k + c
+    const __m512i even01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);   // lanes 0, 2
+    const __m512i odd01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);    // lanes 1, 3
+    const __m512i even23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i odd23 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    _mm512_storeu_si512(dst + c * ld, _mm512_shuffle_i32x4(even01, even23, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * ld, _mm512_shuffle_i32x4(odd01, odd23, 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * ld, _mm512_shuffle_i32x4(even01, even23, 0xdd));
+    _mm512_storeu_si512(dst + (12 + c) * ld, _mm512_shuffle_i32x4(odd01, odd23, 0xdd));
   }
 }
 
@@ -369,7 +403,20 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
         return kv + bt[pos / sh.bs] * sh.s_block + h * sh.s_head + (pos % sh.bs) * sh.s_tok;
       };
       uint32_t* k2 = w.k2.data();
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      if (d % 32 == 0) {  // whole 16 x 16 word blocks
+        for (; j + 16 <= n; j += 16) {
+          const uint32_t* rows[16];
+          for (int i = 0; i < 16; ++i)
+            rows[i] = reinterpret_cast<const uint32_t*>(row_of(j + i));
+          for (int64_t p = 0; p < d / 2; p += 16) {
+            const uint32_t* at[16];
+            for (int i = 0; i < 16; ++i) at[i] = rows[i] + p;
+            transpose_words16(at, k2 + p * kBK + j, kBK);
+          }
+        }
+      }
+      for (; j < n; ++j) {
         const C* r = row_of(j);
         for (int64_t p = 0; p < d / 2; ++p) {
           uint32_t word;
@@ -491,7 +538,21 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
 template <typename T, typename C>
 void prefill(const T* q, const C* kv, const int32_t* block_table, const int64_t* qsl,
              const int32_t* seq_lens, int64_t num_chunks, const Shape& sh, T* out) {
-  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / sh.g);
+  // bf16 queries over a bf16 cache: vdpbf16ps where the level has it.
+  constexpr bool pairs = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                         std::is_same_v<C, c10::BFloat16>;
+  // ... on AMX tiles where the level has them and whole 16-pair steps cover the head.
+  const bool tiles = pairs && kHasTiles && sh.d % 32 == 0;
+  const int64_t threads_max = at::get_num_threads();
+  int64_t job_rows = kTileRows;
+  if (tiles) {  // larger jobs while each thread keeps >= 4 (see kTileRowsTiles)
+    int64_t total_rows = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) total_rows += (qsl[c + 1] - qsl[c]) * sh.g;
+    while (job_rows < kTileRowsTiles &&
+           total_rows * sh.hkv >= 2 * job_rows * 4 * threads_max)
+      job_rows *= 2;
+  }
+  const int64_t tile_tokens = std::max<int64_t>(1, job_rows / sh.g);
   std::vector<Job> jobs;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t n_q = qsl[c + 1] - qsl[c], ctx = seq_lens[c] - n_q;
@@ -507,12 +568,7 @@ void prefill(const T* q, const C* kv, const int32_t* block_table, const int64_t*
                    [](const Job& a, const Job& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t njobs = static_cast<int64_t>(jobs.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), njobs);
-  // bf16 queries over a bf16 cache: vdpbf16ps where the level has it.
-  constexpr bool pairs = kHasBf16Dot && std::is_same_v<T, c10::BFloat16> &&
-                         std::is_same_v<C, c10::BFloat16>;
-  // ... on AMX tiles where the level has them and whole 16-pair steps cover the head.
-  const bool tiles = pairs && kHasTiles && sh.d % 32 == 0;
+  const int64_t threads = std::min<int64_t>(threads_max, njobs);
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
   TORCH_CHECK(!tiles || tmamx::request_tiles(), "paged_prefill: the OS refused the AMX tiles");
 #endif
