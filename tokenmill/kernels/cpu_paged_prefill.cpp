@@ -309,17 +309,62 @@ constexpr bool kHasBf16Dot = false;
 constexpr bool kHasTiles = true;
 
 // s[i][0, kBK) = scale * sum_p q2[i][p] . k2[p][...] for kTR rows i (q2 rows dh words
-// apart, dh a multiple of 16): one C tile per 16 keys, 16 pairs a step.
-inline void scores_tiles(const uint32_t* q2, int64_t dh, const uint32_t* k2, float scale,
-                         float* s) {
-  for (int c = 0; c < kBK / 16; ++c) {
+// apart, dh a multiple of 16): one C tile per 16 keys, 16 pairs a step. Head sizes up
+// to 128 (kSteps = dh / 16 of 2 or 4) keep the query tiles loaded across the key
+// columns and fill two C tiles at a time; the sums are the same, in the same order.
+template <int kSteps>
+inline void scores_tiles_held(const uint32_t* q2, int64_t dh, const uint32_t* k2,
+                              float* s) {
+  static_assert(kSteps == 2 || kSteps == 4, "two or four query tiles (tiles 2 .. 5)");
+  _tile_loadd(2, q2, dh * 4);
+  _tile_loadd(3, q2 + 16, dh * 4);
+  if constexpr (kSteps == 4) {
+    _tile_loadd(4, q2 + 32, dh * 4);
+    _tile_loadd(5, q2 + 48, dh * 4);
+  }
+  for (int c = 0; c < kBK / 16; c += 2) {
+    const uint32_t* k = k2 + 16 * c;
     _tile_zero(0);
-    for (int64_t p = 0; p < dh; p += 16) {
-      _tile_loadd(4, q2 + p, dh * 4);
-      _tile_loadd(6, k2 + p * kBK + 16 * c, kBK * 4);
+    _tile_zero(1);
+    _tile_loadd(6, k, kBK * 4);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_loadd(7, k + 16, kBK * 4);
+    _tile_dpbf16ps(1, 2, 7);
+    _tile_loadd(6, k + 16 * kBK, kBK * 4);
+    _tile_dpbf16ps(0, 3, 6);
+    _tile_loadd(7, k + 16 * kBK + 16, kBK * 4);
+    _tile_dpbf16ps(1, 3, 7);
+    if constexpr (kSteps == 4) {
+      _tile_loadd(6, k + 32 * kBK, kBK * 4);
       _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, k + 32 * kBK + 16, kBK * 4);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, k + 48 * kBK, kBK * 4);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, k + 48 * kBK + 16, kBK * 4);
+      _tile_dpbf16ps(1, 5, 7);
     }
     _tile_stored(0, s + 16 * c, kBK * 4);
+    _tile_stored(1, s + 16 * c + 16, kBK * 4);
+  }
+}
+
+inline void scores_tiles(const uint32_t* q2, int64_t dh, const uint32_t* k2, float scale,
+                         float* s) {
+  if (dh == 32) {
+    scores_tiles_held<2>(q2, dh, k2, s);
+  } else if (dh == 64) {
+    scores_tiles_held<4>(q2, dh, k2, s);
+  } else {
+    for (int c = 0; c < kBK / 16; ++c) {
+      _tile_zero(0);
+      for (int64_t p = 0; p < dh; p += 16) {
+        _tile_loadd(4, q2 + p, dh * 4);
+        _tile_loadd(6, k2 + p * kBK + 16 * c, kBK * 4);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, s + 16 * c, kBK * 4);
+    }
   }
   const __m512 sv = _mm512_set1_ps(scale);
   for (int i = 0; i < kTR; ++i)
@@ -328,23 +373,41 @@ inline void scores_tiles(const uint32_t* q2, int64_t dh, const uint32_t* k2, flo
 }
 
 // o[i] = o[i] * alpha[i] + sum_{u<npairs} p2[i][u] . v2[u][...] for kTR rows i, o rows
-// dp floats apart (dp a multiple of 16); key pairs 16 a step (the ones past npairs in
-// the last step weigh 0: their v2 rows were zeroed).
+// dp floats apart (dp a multiple of 32); key pairs 16 a step (the ones past npairs in
+// the last step weigh 0: their v2 rows were zeroed). The weights' one or two tiles stay
+// loaded across the head dimension, two O tiles at a time; rows whose alpha is 1 (the
+// running max held) are not rescaled (x * 1 is x).
 inline void values_tiles(const uint32_t* p2, const float* alpha, const uint32_t* v2,
                          int64_t dp, int64_t npairs, float* o) {
-  for (int i = 0; i < kTR; ++i) {
+  __mmask16 rescale = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha), _mm512_set1_ps(1.f),
+                                         _CMP_NEQ_UQ);
+  static_assert(kTR == 16, "one alpha vector per query group");
+  while (rescale) {
+    const int i = __builtin_ctz(rescale);
+    rescale &= rescale - 1;
     const __m512 a = _mm512_set1_ps(alpha[i]);
     for (int64_t x = 0; x < dp; x += 16)
       _mm512_storeu_ps(o + i * dp + x, _mm512_mul_ps(_mm512_loadu_ps(o + i * dp + x), a));
   }
-  for (int64_t x = 0; x < dp; x += 16) {
+  const bool two = npairs > 16;  // npairs <= kBK / 2 = 32
+  static_assert(kBK / 2 <= 32, "at most two weight tiles");
+  _tile_loadd(4, p2, (kBK / 2) * 4);
+  if (two) _tile_loadd(5, p2 + 16, (kBK / 2) * 4);
+  for (int64_t x = 0; x < dp; x += 32) {
     _tile_loadd(0, o + x, dp * 4);
-    for (int64_t u = 0; u < npairs; u += 16) {
-      _tile_loadd(4, p2 + u, (kBK / 2) * 4);
-      _tile_loadd(6, v2 + u * dp + x, dp * 4);
-      _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(1, o + x + 16, dp * 4);
+    _tile_loadd(6, v2 + x, dp * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, v2 + x + 16, dp * 4);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(6, v2 + 16 * dp + x, dp * 4);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, v2 + 16 * dp + x + 16, dp * 4);
+      _tile_dpbf16ps(1, 5, 7);
     }
     _tile_stored(0, o + x, dp * 4);
+    _tile_stored(1, o + x + 16, dp * 4);
   }
 }
 #else
