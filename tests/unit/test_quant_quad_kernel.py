@@ -400,3 +400,33 @@ def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group,
         for level, module in modules.items():
             y = module.linear_quant(x, *packed[level], n, bits, group, bias)
             assert _same_bits(y, want), (level, rows)
+
+
+def test_amx_rows_past_the_quad_limit_take_the_tiles(ops, kernel_level, monkeypatch):
+    """At amx a bf16 layer's first DEFAULT_AMX_QUAD_QUANTIZED_ROWS rows take the quad
+    kernel and more rows linear_quant_dot on AMX tiles: the layer's output equals the
+    chosen kernel's bit for bit on each side of the limit (and the two kernels round
+    differently, so the other one would show)."""
+    if not getattr(ops, "has_amx_gemm", False) or not ops.has_quant_quad:
+        pytest.skip(f"the amx level's routing ({ops.capability} here)")
+    from tokenmill.platforms import cpu
+    monkeypatch.setattr(cpu, "cpu_has_native_bf16", lambda: True)
+    platform = cpu.CpuPlatform.create("cpu", torch.bfloat16)
+    limit = cpu.DEFAULT_AMX_QUAD_QUANTIZED_ROWS
+    assert platform.quantized_quad_max_rows == limit
+    qw = _random(70, 128, 4, 32)
+    layer = _layer(qw, False, torch.bfloat16)
+    layer.set_method(platform.linear_method(layer))
+    packed = layer.method.packed
+    assert packed.quad
+    args = (packed.codes, packed.scales, packed.zeros, 70, packed.kind, packed.group_size,
+            torch.empty(0))
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, limit, limit + 1, 64):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        quad = ops.linear_quant(x, *args).to(torch.bfloat16)
+        tiles = ops.linear_quant_dot(x, *args).to(torch.bfloat16)
+        want, other = (quad, tiles) if rows <= limit else (tiles, quad)
+        y = layer(x)
+        assert torch.equal(y, want), rows
+        assert not torch.equal(y, other), rows
