@@ -21,9 +21,7 @@
 // the softmax weights are rounded to bf16 (RNE, 8 significant bits: relative error
 // <= 2^-8 each; the running sum l keeps the fp32 weights), so an output moves by at most
 // 2^-8 * sum_j p_j |v_j| / l (<= 2^-8 max |v|) beyond the widened path's error, as
-// flash attention on GPUs rounds P for its P.V product. Those weights come from a
-// shorter exp (exp_shifted: relative error ~3e-7, well below the rounding) written
-// straight to pairs.
+// flash attention on GPUs rounds P for its P.V product.
 //
 // At the amx level, head sizes a multiple of 32 take the same two products on AMX tiles
 // (TDPBF16PS) over the same pair layouts, 16 query rows at a time: Q.K^T as [16 rows x
@@ -61,7 +59,6 @@ constexpr int kTileRows = 120;                  // query rows (tokens x g heads)
 // --head-size 128, 16 / 8 heads, 2 threads on the AMX Xeon: 52 -> 32 ms).
 constexpr int kTileRowsTiles = 960;
 constexpr int kTR = 16;                         // query rows per group on AMX tiles
-constexpr int kGroupLanes = 16;                 // >= any group's rows, a multiple of every W
 constexpr int kKeyGroup = kNK * W;
 static_assert(kBK % kKeyGroup == 0, "a key tile is whole register tiles");
 
@@ -297,40 +294,12 @@ inline void values_all_bf16(const uint32_t* p2, const float* alpha, const uint32
   if (x0 < nvec) values_rows_bf16<1>(p2, alpha, v2, dp, npairs, o, x0);
 }
 
-// e^(s - m) for the pairs paths, whose weights are rounded to bf16 right after (2^-9
-// relative), so fp32 precision to the last bit buys nothing there: t = (s - m) log2 e
-// as one fma, split as n + f (f in [-1/2, 1/2]), 2^f by a degree-5 polynomial
-// (relative error 2.3e-7, fitted to relative error on that range) and 2^n applied by
-// vscalefps. About half the work of tmvec::exp, which the softmax of every row
-// spends most of its time in. t <= -125 (masked keys are -inf; a NaN fails the
-// compare too) gives 0, never a subnormal.
-inline __m512 exp_shifted(__m512 s, __m512 m_log2e) {
-  const __m512 t = _mm512_fmsub_ps(s, _mm512_set1_ps(1.4426950408889634f), m_log2e);
-  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3276428e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755419e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
-// A row's softmax weights e^(s - m) over [0, cols) (cols a multiple of 32), written
-// straight to bf16 key pairs (RNE); returns their fp32 sum (the running sum l keeps
-// the unrounded weights).
-inline float exp_to_pairs(const float* si, int cols, float m, uint32_t* dst) {
-  const __m512 m_log2e = _mm512_set1_ps(m * 1.4426950408889634f);
-  __m512 sum = _mm512_setzero_ps();
+// A row's weights [0, cols) (cols a multiple of 32) rounded to bf16 (RNE) in key pairs.
+inline void round_weights(const float* si, int cols, uint32_t* dst) {
   for (int c = 0; c < cols; c += 32) {
-    const __m512 e0 = exp_shifted(_mm512_loadu_ps(si + c), m_log2e);
-    const __m512 e1 = exp_shifted(_mm512_loadu_ps(si + c + 16), m_log2e);
-    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-    _mm512_storeu_si512(dst + c / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(si + c + 16), _mm512_loadu_ps(si + c));
+    _mm512_storeu_si512(dst + c / 2, (__m512i)b);
   }
-  return _mm512_reduce_add_ps(sum);
 }
 #else
 constexpr bool kHasBf16Dot = false;
@@ -562,27 +531,21 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
       } else {
         scores_rows(w.q.data() + i0 * d, d, w.kt.data(), d, cols, s);
       }
-      // The group's online softmax in three passes, so that no row waits on another:
-      // (1) each row's visible scores and their max; (2) the running max and the
-      // rescale of what came before, alpha = e^(m_old - m_new), for the whole group as
-      // vectors (0 on a row's first tile, where m_old = -inf; 1 when the max holds);
-      // (3) each row's weights and their sum. A row taking nothing from this tile
-      // (padding, or all of it masked) keeps its state: alpha 1, weights 0.
-      static_assert(RG <= kGroupLanes && kGroupLanes % W == 0);
-      alignas(64) float m_old[kGroupLanes], m_tile[kGroupLanes], a[kGroupLanes];
-      bool live[kGroupLanes];
-      for (int r = 0; r < kGroupLanes; ++r) {
-        const int64_t i = i0 + r;
-        live[r] = false;
-        m_old[r] = r < RG ? w.m[i] : 0.f;
-        m_tile[r] = r < RG ? -INFINITY : 0.f;
-        if (r >= RG || i >= rows) continue;  // padding rows
+      for (int64_t i = i0; i < i0 + RG; ++i) {
+        float* si = w.s.data() + i * kBK;
+        if (i >= rows) {  // padding rows: weights zero, state kept
+          std::fill(si, si + kBK, 0.f);
+          w.alpha[i] = 1.f;
+          continue;
+        }
         const int64_t pos = ctx + job.t0 + i / g;
         const int64_t hi = std::min<int64_t>(pos + 1 - kbase, n);
         const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1 - kbase) : 0;
-        if (lo >= hi) continue;  // nothing of this tile is visible to the row
-        live[r] = true;
-        float* si = w.s.data() + i * kBK;
+        if (lo >= hi) {  // nothing of this tile is visible to the row
+          std::fill(si, si + kBK, 0.f);
+          w.alpha[i] = 1.f;
+          continue;
+        }
         if (sh.softcap > 0.f) {  // Gemma 2/3: scores become cap * tanh(scores / cap)
           const float inv = 1.f / sh.softcap;
           for (int64_t t = lo; t < hi; ++t) si[t] = sh.softcap * std::tanh(si[t] * inv);
@@ -592,47 +555,25 @@ void run_job(const Job& job, const T* q, const C* kv, const int32_t* block_table
         if (hi < cols) std::fill(si + hi, si + cols, -INFINITY);
         Vec vmax = Vec::set1(-INFINITY);
         for (int c = 0; c < cols; c += W) vmax = tmvec::max(vmax, Vec::load(si + c));
-        m_tile[r] = tmvec::reduce_max(vmax);
-      }
-      for (int r = 0; r < kGroupLanes; r += W) {
-        const Vec mo = Vec::load(m_old + r), mn = tmvec::max(mo, Vec::load(m_tile + r));
-        tmvec::exp(mo - mn).store(a + r);
-        mn.store(m_tile + r);  // from here on: the new running max
-      }
-      for (int r = 0; r < RG; ++r) {
-        const int64_t i = i0 + r;
-        float* si = w.s.data() + i * kBK;
-        if (!live[r]) {
-          if constexpr (kPairs) {
-            std::fill(w.p2.begin() + i * (kBK / 2), w.p2.begin() + (i + 1) * (kBK / 2), 0u);
-          } else {
-            std::fill(si, si + kBK, 0.f);
-          }
-          w.alpha[i] = 1.f;
-          continue;
+        const float m_new = std::max(w.m[i], tmvec::reduce_max(vmax));
+        // The rescale of what came before: 0 on the first tile (m = -inf), 1 when the
+        // running max holds.
+        const float a = m_new == w.m[i] ? 1.f : std::exp(w.m[i] - m_new);
+        const Vec mv = Vec::set1(m_new);
+        Vec vsum = Vec::zero();
+        for (int c = 0; c < cols; c += W) {
+          const Vec e = tmvec::exp(Vec::load(si + c) - mv);
+          e.store(si + c);
+          vsum = vsum + e;
         }
-        const float m_new = m_tile[r];
-        float tile_sum = 0.f;
-        if constexpr (kPairs) {
-#if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
-          tile_sum = exp_to_pairs(si, cols, m_new, w.p2.data() + i * (kBK / 2));
-#endif
-        } else {
-          const Vec mv = Vec::set1(m_new);
-          Vec vsum = Vec::zero();
-          for (int c = 0; c < cols; c += W) {
-            const Vec e = tmvec::exp(Vec::load(si + c) - mv);
-            e.store(si + c);
-            vsum = vsum + e;
-          }
-          tile_sum = tmvec::reduce_add(vsum);
-        }
-        w.l[i] = w.l[i] * a[r] + tile_sum;
+        w.l[i] = w.l[i] * a + tmvec::reduce_add(vsum);
         w.m[i] = m_new;
-        w.alpha[i] = a[r];
+        w.alpha[i] = a;
       }
       if constexpr (kPairs) {
 #if defined(TM_VEC_AVX512) && defined(__AVX512BF16__)
+        for (int64_t i = i0; i < i0 + RG; ++i)
+          round_weights(w.s.data() + i * kBK, cols, w.p2.data() + i * (kBK / 2));
         if constexpr (kPath == kTiles) {
 #if defined(__AMX_BF16__)
           values_tiles(w.p2.data() + i0 * (kBK / 2), w.alpha.data() + i0, w.v2.data(), dp,
