@@ -16,6 +16,10 @@ from collections.abc import Callable
 import torch
 
 Step = Callable[[int, torch.Tensor], torch.Tensor]
+# deferred(i, x, pending) -> (x, pending'): layer i with its last residual add left to the
+# next layer (DecoderLayer.forward_deferred in models/llama.py); pending None: none due.
+DeferredStep = Callable[[int, torch.Tensor, torch.Tensor | None],
+                        tuple[torch.Tensor, torch.Tensor]]
 Span = Callable[[int, int, torch.Tensor], torch.Tensor]
 # tapped(x, taps, ids): every layer in one native call, which copies the stream entering
 # layer ids[j] into column block j of taps [T, len(ids) * hidden].
@@ -32,17 +36,28 @@ class HiddenStateTaps:
 
     def run_layers(self, x: torch.Tensor, step: Step, norm: Callable[[torch.Tensor],
                    torch.Tensor], span: Span | None = None,
-                   tapped: Tapped | None = None) -> torch.Tensor:
+                   tapped: Tapped | None = None,
+                   deferred: tuple[DeferredStep, Callable[[torch.Tensor, torch.Tensor],
+                                                          torch.Tensor]] | None = None
+                   ) -> torch.Tensor:
         """norm(layers(x)). `step(i, x)` runs layer i; `span(start, end, x)`, when given,
         runs layers [start, end) in one call (a native loop), split at the taps unless
         `tapped` takes them in that one call (a split costs a native call, a copy and
         the dispatch around them per tap, every step). Layers may update x in place: a
-        tap keeps a copy."""
+        tap keeps a copy. `deferred` = (deferred step, add_norm(x, pending)): the layers
+        without taps or a span run with each residual add folded into the next norm (the
+        stream is whole only at the end, so only there)."""
         n = len(self.layers)
         ids = self.aux_layer_ids
         if not ids:
             if span is not None:
                 return norm(span(0, n, x))
+            if deferred is not None and n > 0:
+                layer, add_norm = deferred
+                pending = None
+                for i in range(n):
+                    x, pending = layer(i, x, pending)
+                return add_norm(x, pending)
             for i in range(n):
                 x = step(i, x)
             return norm(x)
