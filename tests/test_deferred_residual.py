@@ -1,6 +1,6 @@
-"""The Llama-family layer loop folds each layer's last residual add (x += mlp(...)) into
-the next layer's fused add + norm, and the last one into the final norm
-(DecoderLayer.forward_deferred, HiddenStateTaps.run_layers' `deferred`): the same
+"""The pre-norm decoders' layer loop (Llama family, DeepSeek-V2/V3) folds each layer's last
+residual add (x += mlp(...)) into the next layer's fused add + norm, and the last one into
+the final norm (PreNormBlock.forward_deferred, HiddenStateTaps.run_layers' `deferred`): the same
 roundings as adding first, so every logprob must be the same bits as the unfolded loop's;
 and a step with taps (whose stream must be whole between layers) takes the plain loop."""
 from __future__ import annotations
@@ -10,8 +10,7 @@ import torch
 
 from conftest import make_llm, runner_of
 from tokenmill import SamplingParams
-from tokenmill.models.layers.taps import HiddenStateTaps
-from tokenmill.models.llama import DecoderLayer
+from tokenmill.models.layers.taps import HiddenStateTaps, PreNormBlock
 
 
 def _run(tm, dtype):
@@ -27,12 +26,13 @@ def _run(tm, dtype):
                    for d in o.prompt_logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("name", ["qwen3_headdim", "llama_bias", "qwen2_tied"])
+@pytest.mark.parametrize("name", ["qwen3_headdim", "llama_bias", "qwen2_tied", "deepseek_v2",
+                                  "deepseek_v3"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_folded_residual_adds_are_bit_identical(tiny_model_factory, monkeypatch, name, dtype):
     tm = tiny_model_factory(name)
     calls = {"deferred": 0, "plain": 0}
-    real_deferred, real_forward = DecoderLayer.forward_deferred, DecoderLayer.forward
+    real_deferred, real_forward = PreNormBlock.forward_deferred, PreNormBlock.forward
 
     def deferred(self, *a):
         calls["deferred"] += 1
@@ -41,8 +41,8 @@ def test_folded_residual_adds_are_bit_identical(tiny_model_factory, monkeypatch,
     def plain(self, *a):
         calls["plain"] += 1
         return real_forward(self, *a)
-    monkeypatch.setattr(DecoderLayer, "forward_deferred", deferred)
-    monkeypatch.setattr(DecoderLayer, "forward", plain)
+    monkeypatch.setattr(PreNormBlock, "forward_deferred", deferred)
+    monkeypatch.setattr(PreNormBlock, "forward", plain)
     _, folded = _run(tm, dtype)
     assert calls["deferred"] > 0 and calls["plain"] == 0
 

@@ -37,7 +37,7 @@ from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import FusedMoE, grouped_topk
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from tokenmill.models.layers.taps import HiddenStateTaps
+from tokenmill.models.layers.taps import HiddenStateTaps, PreNormBlock
 from tokenmill.models.checkpoint_io import materialize
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -205,7 +205,7 @@ class MLAttention(nn.Module):
         return self.o_proj(self.attn(q, latent, self.kv_b_proj, meta))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock, nn.Module):
     def __init__(self, c: DeepseekConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -213,11 +213,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (DeepseekMoE(c) if c.is_sparse(layer_idx)
                     else GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias))
-
-    def forward(self, x, cos, sin, rotary, meta):
-        # x is this step's own residual stream: updated in place (no autograd here).
-        h = self.self_attn(self.input_layernorm(x), cos, sin, rotary, meta)
-        return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h)))
 
 
 class DeepseekV2ForCausalLM(HiddenStateTaps, nn.Module):
@@ -279,8 +274,10 @@ class DeepseekV2ForCausalLM(HiddenStateTaps, nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        def deferred(i, h, pending):
+            return self.layers[i].forward_deferred(h, pending, cos, sin, self.rotary, meta)
         return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
-                               self.norm)
+                               self.norm, deferred=(deferred, self.norm.add_forward))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

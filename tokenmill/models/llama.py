@@ -16,7 +16,7 @@ from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
-from tokenmill.models.layers.taps import HiddenStateTaps
+from tokenmill.models.layers.taps import HiddenStateTaps, PreNormBlock
 
 
 class DecoderConfig:
@@ -118,31 +118,13 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormBlock, nn.Module):
     def __init__(self, c: DecoderConfig, mlp: nn.Module, sliding_window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp
-
-    def forward(self, x, cos, sin, rotary, meta):
-        # x is this step's own residual stream: updated in place (no autograd here).
-        x, mlp_out = self.forward_deferred(x, None, cos, sin, rotary, meta)
-        return x.add_(mlp_out)
-
-    def forward_deferred(self, x, pending, cos, sin, rotary, meta):
-        """forward with the residual adds moved into the fused add + norm kernels: the
-        layer before's MLP output (`pending`, or None) is added to x by this layer's input
-        norm, and this layer's own MLP output is returned unadded, (x, mlp_out), for the
-        next one's (a separate add was a full pass over the stream each layer: ~5% of
-        a bf16 prefill step of the bench model). The same roundings as forward."""
-        if pending is None:
-            normed = self.input_layernorm(x)
-        else:
-            normed = self.input_layernorm.add_forward(x, pending)
-        h = self.self_attn(normed, cos, sin, rotary, meta)
-        return x, self.mlp(self.post_attention_layernorm.add_forward(x, h))
 
 
 class LlamaForCausalLM(HiddenStateTaps, nn.Module):
@@ -206,6 +188,7 @@ class LlamaForCausalLM(HiddenStateTaps, nn.Module):
 
         def tapped(h, taps, ids):
             return self.decode_layers(h, cos, sin, meta, taps=taps, tap_ids=ids)
+
         def deferred(i, h, pending):
             return self.layers[i].forward_deferred(h, pending, cos, sin, self.rotary, meta)
         return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
