@@ -61,7 +61,7 @@ def test_validation_errors_raise_before_anything_runs(async_llm):
             async for _ in async_llm.generate({"prompt_token_ids": [5] * 300}, SamplingParams()):
                 pass
         with pytest.raises(ValueError, match="already in use"):
-            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
             gen = async_llm.generate("x", params, "same")
             await gen.__anext__()
             async for _ in async_llm.generate("y", params, "same"):
@@ -94,8 +94,10 @@ def test_a_bad_prompt_among_several_runs_none(async_llm):
 
 def test_a_refused_id_leaves_the_request_of_that_id_running(async_llm):
     """A second request under an id in use is refused; the first runs on to its end
-    (the refusal must not abort the id's other owner)."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (the refusal must not abort the id's other owner). The first asks for 200 tokens:
+    with 12, a loaded machine (CI) had the engine thread finish it, freeing its id,
+    before this coroutine got its first output back."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
         gen = async_llm.generate("first", params, "taken")
@@ -105,7 +107,7 @@ def test_a_refused_id_leaves_the_request_of_that_id_running(async_llm):
         outs += [out async for out in gen]
         return outs
     outs = asyncio.run(main())
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 200
     assert outs[-1].outputs[0].finish_reason == "length"
     _wait_idle(async_llm)
 
