@@ -87,6 +87,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("slot_block"), pybind11::arg("slot_offset"),
         pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
+  m.def("gated_delta_rule", &gated_delta_rule,
+        "Gated DeltaNet's delta rule token by token: sequence n (tokens cu_seqlens[n] .. "
+        "cu_seqlens[n + 1]) from state[read_slots[n]] into state[write_slots[n]]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"),
+        pybind11::arg("beta"), pybind11::arg("state"), pybind11::arg("cu_seqlens"),
+        pybind11::arg("read_slots"), pybind11::arg("write_slots"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");

@@ -159,6 +159,12 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                     torch::Tensor slot_block, torch::Tensor slot_offset, double k_scale = 1.0,
                     double v_scale = 1.0);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// Gated DeltaNet's delta rule, token by token, each sequence from its state slot
+// (cpu_gated_delta.cpp).
+torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor g, torch::Tensor beta, torch::Tensor state,
+                               torch::Tensor cu_seqlens, torch::Tensor read_slots,
+                               torch::Tensor write_slots);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,

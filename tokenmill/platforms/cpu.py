@@ -41,7 +41,9 @@ fixes, for the whole run:
   where the level's kernels are vectorised; bf16 GEMMs at avx512_bf16
   (`ops.has_quant_dot`) take `linear_quant_dot` above instead (bf16 pairs dequantized in
   the kernel's scratch, vdpbf16ps), from DEFAULT_QUANT_DOT_ROWS + 1 rows;
-- the attention, norm and activation kernels (`native` or `torch`);
+- the attention, norm and activation kernels (`native` or `torch`), and Gated
+  DeltaNet's (`linear_attention`: the native recurrence, kernels/cpu_gated_delta.cpp,
+  or the PyTorch chunked form);
 - the lm_head: `greedy_int8` (the int8-screened argmax for all-greedy steps of up
   to `greedy_head_max_rows` rows; needs the packed lm_head, bf16 or fp32) or `full`;
 - the decode-layer path: the native C++ loop over every layer of a decode step
@@ -370,6 +372,7 @@ class CpuPlatform(Platform):
             attention=native,
             norm=native if ops is not None and half else "torch",
             activation=native,
+            linear_attention="native" if hasattr(ops, "gated_delta_rule") else "torch",
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, packed_rows) if greedy else 0,
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded
@@ -426,6 +429,7 @@ class CpuPlatform(Platform):
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
                 f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
                 f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
+                f"linear attention {self.linear_attention}, "
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
                 + (f", int4 / int8 / fp8 weights native up to {self.quantized_max_rows} rows"
                    if self.quantized_max_rows else "")

@@ -81,9 +81,3 @@ class CudaPlatform(Platform):
             return current
         return SyncFreeFusedMoEMethod()
 
-    def prepare_model(self, model) -> None:
-        super().prepare_model(model)
-        for module in model.modules():
-            set_la = getattr(module, "set_linear_attention", None)
-            if set_la is not None:
-                set_la(self.linear_attention)

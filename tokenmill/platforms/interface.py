@@ -47,7 +47,7 @@ class Platform:
     # CUDA) or "torch" (native above, else dequantized tiles).
     quantized_gemm: str = "torch"
     decode_layers: bool = False     # a decode step's layers in one native call
-    linear_attention: str = "torch"  # Gated DeltaNet kernels: "fla" or "torch"
+    linear_attention: str = "torch"  # Gated DeltaNet kernels: "native" (CPU), "fla" or "torch"
     cuda_graphs: bool = False       # decode steps replayed from captured graphs
     # Ranks the model is sharded over: above 1 the native decode loop and the greedy
     # head are off (neither can all-reduce or gather inside its native call).
@@ -114,6 +114,8 @@ class Platform:
         # The fused q/k norm + rotary goes with the native attention kernels (the native
         # decode loops make the same calls).
         rope_ops = self.ops if self.attention == "native" else None
+        # Gated DeltaNet: the native kernel takes the ops module; fla loads its own.
+        la_ops = self.ops if self.linear_attention == "native" else None
         for module in model.modules():
             if hasattr(module, "set_norm_kernels"):
                 module.set_norm_kernels(norm_ops)
@@ -121,6 +123,8 @@ class Platform:
                 module.set_activation_kernels(act_ops)
             if hasattr(module, "set_qk_norm_rope"):
                 module.set_qk_norm_rope(rope_ops)
+            if hasattr(module, "set_linear_attention"):
+                module.set_linear_attention(self.linear_attention, la_ops)
         set_decode_layers = getattr(model, "set_decode_layers", None)
         if set_decode_layers is not None:
             # (the loop calls the native attention kernels itself)

@@ -13,6 +13,13 @@ Before either, q/k/v pass a depthwise causal conv1d whose last kernel-1
 inputs are carried per sequence (the conv state), so a prompt split across
 steps, even into chunks shorter than the kernel, convolves exactly as whole.
 
+On a CPU with the native kernels the platform hands the layer
+`gated_delta_rule` (kernels/cpu_gated_delta.cpp, `set_linear_attention("native")`):
+the recurrence token by token for prompt chunks and decode rows alike, each
+sequence in place on its state slot, q/k heads shared by their value heads
+without copies. (The chunked form's small products, solve and copies cost ~30x
+more than the recurrence's L1-resident passes there.)
+
 On CUDA the platform may hand the layer flash-linear-attention's kernels
 (`set_linear_attention("fla")`, where `fla` imports): the fused recurrent step
 for decode rows and the chunked rule for prompt chunks, over the same fp32
@@ -142,6 +149,26 @@ def load_fla_kernels():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+def native_decode(rule, q, k, v, g, beta, ssm_state, slots, write_slots=None):
+    """delta_rule_decode through the native kernel: each row a one-token sequence."""
+    cu = torch.arange(q.shape[0] + 1)
+    return rule(q, k, v, g, beta, ssm_state, cu, slots,
+                slots if write_slots is None else write_slots)
+
+
+def native_prefill(rule, q, k, v, g, beta, ssm_state, slot: int):
+    """One sequence's chunk through the native kernel, in place on state slot `slot`."""
+    s = torch.tensor([slot])
+    return rule(q, k, v, g, beta, ssm_state, torch.tensor([0, q.shape[0]]), s, s)
+
+
+def state_prefill(chunked, q, k, v, g, beta, ssm_state, slot: int):
+    """One sequence's chunk through a chunked rule that returns its final state."""
+    out, final = chunked(q, k, v, g, beta, ssm_state[slot])
+    ssm_state[slot] = final.to(ssm_state.dtype)
+    return out
+
+
 def fla_decode(fused, q, k, v, g, beta, ssm_state, slots, write_slots=None):
     """delta_rule_decode through fla's fused recurrent kernel (one token per row)."""
     init = ssm_state[slots].float().transpose(-1, -2).contiguous()  # [n, H, Dk, Dv]
@@ -209,8 +236,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False, tp="row")
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
         # The delta-rule implementations, bound once by set_linear_attention (PyTorch's
-        # until then): a prompt chunk's and a batch of decode rows'.
-        self._chunked, self._decode = delta_rule_chunked, delta_rule_decode
+        # until then): a prompt chunk's (in place on its slot) and a batch of decode
+        # rows'; and whether they take q/k with one head per value head.
+        self.set_linear_attention("torch")
 
     def tp_plan(self, tp) -> dict:
         """Tensor parallel, by key heads and their value heads: in_proj column-parallel
@@ -221,14 +249,21 @@ class GatedDeltaNet(nn.Module):
                 ("dt_bias", None): tp.split(0, hv), ("A_log", None): tp.split(0, hv)}
 
     def set_linear_attention(self, kind: str, kernels=None) -> None:
-        """"fla": flash-linear-attention's kernels where installed (CUDA); else PyTorch.
-        `kernels`: (chunk, fused recurrent) to use instead of fla's own (tests)."""
+        """"native": the CPU kernels module `kernels`' gated_delta_rule; "fla":
+        flash-linear-attention's kernels where installed (CUDA), `kernels` = (chunk,
+        fused recurrent) to use instead of fla's own (tests); else PyTorch."""
+        rule = getattr(kernels, "gated_delta_rule", None) if kind == "native" else None
         fla = (kernels or load_fla_kernels()) if kind == "fla" else None
-        if fla is None:
-            self._chunked, self._decode = delta_rule_chunked, delta_rule_decode
-        else:
-            self._chunked = functools.partial(fla_chunked, fla[0])
+        # (the native kernel keeps an fp32 state only: a narrower ssm cache dtype
+        # takes the PyTorch path, decided per call from the bound state)
+        self._native = None if rule is None else (functools.partial(native_prefill, rule),
+                                                  functools.partial(native_decode, rule))
+        if fla is not None:
+            self._prefill = functools.partial(state_prefill, functools.partial(fla_chunked, fla[0]))
             self._decode = functools.partial(fla_decode, fla[1])
+        else:
+            self._prefill = functools.partial(state_prefill, delta_rule_chunked)
+            self._decode = delta_rule_decode
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.conv_dim, self.conv_kernel - 1),
@@ -268,7 +303,8 @@ class GatedDeltaNet(nn.Module):
         rep = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
-        if rep > 1:  # each q/k head serves `rep` consecutive value heads
+        native = self._native is not None and ssm_state.dtype == torch.float32
+        if rep > 1 and not native:  # each q/k head serves `rep` consecutive value heads
             # (expand, not repeat_interleave: that one builds its repeats tensor on the
             # host, a copy a CUDA graph cannot capture)
             q, k = (x.unsqueeze(2).expand(t, self.num_k_heads, rep, self.head_k_dim)
@@ -279,7 +315,7 @@ class GatedDeltaNet(nn.Module):
 
         core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
                            device=x.device)
-        chunked, decode = self._chunked, self._decode
+        prefill, decode = self._native if native else (self._prefill, self._decode)
         if sm.decode_steps is not None:
             for rows, read, write in sm.decode_steps:
                 core[rows] = decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
@@ -291,10 +327,8 @@ class GatedDeltaNet(nn.Module):
         for i, (start, end, slot) in enumerate(sm.prefills):
             if i in sm.restore_before:
                 ssm_state[slot] = ssm_state[sm.restore_before[i]]
-            out, final = chunked(q[start:end], k[start:end], v[start:end],
-                                 g[start:end], beta[start:end], ssm_state[slot])
-            core[start:end] = out
-            ssm_state[slot] = final.to(ssm_state.dtype)
+            core[start:end] = prefill(q[start:end], k[start:end], v[start:end],
+                                      g[start:end], beta[start:end], ssm_state, slot)
             if i in sm.snapshot_after:
                 ssm_state[sm.snapshot_after[i]] = ssm_state[slot]
         core = self.norm(core.to(x.dtype), z.reshape(t, self.num_v_heads, self.head_v_dim))
