@@ -354,3 +354,83 @@ def test_a_fault_fails_only_its_request(hybrid_model, name):
     got = [finals[f"r{i}"].outputs[0] for i in range(3)]
     assert_same_tokens_and_logprobs(tm, prompts[:3], got)
     assert_idle(llm)
+
+
+# ---- the native CPU kernels (kernels/cpu_gated_delta.cpp, cpu_causal_conv.cpp) ----------
+
+def _count_calls(fn, log: list, tag: str):
+    def counted(*args, **kw):
+        log.append(tag)
+        return fn(*args, **kw)
+    return counted
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_native_kernels_take_every_step(hybrid_model, prefix_caching):
+    """Where the native kernels build, the runs above go through them and never through
+    the PyTorch functions: without prefix caching each Gated DeltaNet layer's conv and
+    delta rule once per step (the rows one sequence each: the whole step in one call);
+    with it, piece by piece between the state snapshots. Tokens and logprobs stay HF's
+    with chunked prefill mixing prompt chunks and decode rows."""
+    from tokenmill import kernels
+    if kernels.cpu_ops() is None:
+        pytest.skip("no native CPU kernels")
+    tm = hybrid_model("qwen3_5")
+    llm = hybrid_llm(tm, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching)
+    layers = runner_of(llm).model.state_layers()
+    calls: list[str] = []
+
+    def refuse(*args, **kw):
+        raise AssertionError("a path this test rules out ran")
+
+    for layer in layers:
+        nk = layer._native
+        assert nk is not None and nk.conv is not None
+        if prefix_caching:  # steps that write snapshots go piece by piece, others whole
+            layer._native = nk._replace(
+                rule=_count_calls(nk.rule, calls, "rule"),
+                conv=_count_calls(nk.conv, calls, "conv"),
+                prefill=_count_calls(nk.prefill, calls, "rule piece"),
+                decode=_count_calls(nk.decode, calls, "rule piece"),
+                conv_prefill=_count_calls(nk.conv_prefill, calls, "conv piece"),
+                conv_decode=_count_calls(nk.conv_decode, calls, "conv piece"))
+        else:
+            layer._native = nk._replace(rule=_count_calls(nk.rule, calls, "rule"),
+                                        conv=_count_calls(nk.conv, calls, "conv"),
+                                        prefill=refuse, decode=refuse, conv_prefill=refuse,
+                                        conv_decode=refuse)
+        layer._prefill = layer._decode = refuse
+    prompts = tm.prompts[:4]
+    assert_same_tokens_and_logprobs(tm, prompts, run_greedy_logprobs(llm, prompts))
+    assert calls and calls.count("rule") == calls.count("conv")
+    assert calls.count("rule") % len(layers) == 0  # every layer alike
+    assert calls.count("rule piece") == calls.count("conv piece")
+    assert (calls.count("rule piece") > 0) == prefix_caching
+    assert_idle(llm)
+
+
+def test_bf16_native_path_is_logprobs_close_to_hf_bf16(hybrid_model):
+    """bf16: the native conv, delta rule and norms (zero-centered, gated) against HF's
+    bf16 forward: each greedy token HF's, or both tokens in each other's top 5."""
+    import copy
+
+    from test_cpu_paths import TOP, check_logprobs_close, hf_greedy_with_logprobs
+    tm = hybrid_model("qwen3_5")
+    hf = copy.deepcopy(tm.hf).to(torch.bfloat16)
+    prompts = tm.prompts[:4]
+    refs = [hf_greedy_with_logprobs(hf, p, NUM_NEW) for p in prompts]
+    llm = hybrid_llm(tm, dtype="bfloat16", enable_prefix_caching=False)
+    from tokenmill import kernels
+    if kernels.cpu_ops() is not None:  # the native norms are the ones compared
+        model = runner_of(llm).model
+        assert all(layer.norm._ops is not None for layer in model.state_layers())
+        assert model.layers[0].input_layernorm._ops is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True,
+                                       logprobs=TOP), use_tqdm=False)
+    for p, (ref_tokens, ref_tops), out in zip(prompts, refs, outs):
+        got = out.outputs[0]
+        got_tops = [{t: lp.logprob for t, lp in pos.items()} for pos in got.logprobs]
+        check_logprobs_close(ref_tokens, ref_tops, got.token_ids, got_tops,
+                             f"qwen3_5 bf16, prompt of {len(p)} tokens")
+    assert_idle(llm)

@@ -50,6 +50,10 @@ class StateMetadata:
     # in order. Step j = (flat token rows [m], slots read [m], slots written [m]) for
     # token j of every row that has one; None: one token per decode row, in place.
     decode_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # Every row one sequence run in place (no speculation, no pieces): the rows' token
+    # bounds [num_reqs + 1] (int64, host), so a native kernel takes the step in one
+    # call (sequence i: these bounds, slot state_indices[i]); else None.
+    query_start_loc: torch.Tensor | None = None
 
 
 @dataclass

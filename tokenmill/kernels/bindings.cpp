@@ -87,6 +87,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("slot_block"), pybind11::arg("slot_offset"),
         pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a packed gate_up");
+  m.def("rms_norm_zero_centered", &rms_norm_zero_centered,
+        "x / rms(x) * (1 + weight) in fp32, rounded once (Qwen3.5 / Qwen3-Next)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("gated_rms_norm", &gated_rms_norm,
+        "each head row of x normalised, times weight, times silu(z) (Gated DeltaNet's output norm)",
+        pybind11::arg("x"), pybind11::arg("z"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("causal_conv1d_silu", &causal_conv1d_silu,
+        "silu(depthwise causal conv1d) of each sequence, continuing from its conv state slot",
+        pybind11::arg("x"), pybind11::arg("conv_state"), pybind11::arg("weight"),
+        pybind11::arg("cu_seqlens"), pybind11::arg("read_slots"), pybind11::arg("write_slots"));
   m.def("gated_delta_rule", &gated_delta_rule,
         "Gated DeltaNet's delta rule token by token: sequence n (tokens cu_seqlens[n] .. "
         "cu_seqlens[n + 1]) from state[read_slots[n]] into state[write_slots[n]]",

@@ -159,6 +159,14 @@ void kv_cache_write(torch::Tensor cache, torch::Tensor k, torch::Tensor v,
                     torch::Tensor slot_block, torch::Tensor slot_offset, double k_scale = 1.0,
                     double v_scale = 1.0);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// Qwen3.5 / Qwen3-Next (cpu_norm.cpp): x / rms(x) * (1 + weight) in fp32, rounded once;
+// and the gated norm of the delta rule's output, times silu(z).
+torch::Tensor rms_norm_zero_centered(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor z, torch::Tensor weight, double eps);
+// The depthwise causal conv1d + SiLU before the delta rule (cpu_causal_conv.cpp).
+torch::Tensor causal_conv1d_silu(torch::Tensor x, torch::Tensor conv_state, torch::Tensor weight,
+                                 torch::Tensor cu_seqlens, torch::Tensor read_slots,
+                                 torch::Tensor write_slots);
 // Gated DeltaNet's delta rule, token by token, each sequence from its state slot
 // (cpu_gated_delta.cpp).
 torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,

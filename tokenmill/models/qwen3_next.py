@@ -64,14 +64,22 @@ class HybridConfig(DecoderConfig):
 
 
 class ZeroCenteredRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), computed in fp32 and rounded once."""
+    """x / rms(x) * (1 + weight), computed in fp32 and rounded once; the native kernel
+    (`set_norm_kernels`: half-precision models) in one pass a row, strided rows too."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self._ops = None
+
+    def set_norm_kernels(self, ops) -> None:
+        self._ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._ops is not None and x.dtype == self.weight.dtype and x.dim() in (2, 3)
+                and x.stride(-1) == 1):
+            return self._ops.rms_norm_zero_centered(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -380,6 +380,8 @@ class InputPrepMixin:
         for r in range(num_decodes, n):
             meta.prefills.append((int(query_start_loc[r]), int(query_start_loc[r + 1]),
                                   int(slots[r])))
+        if meta.decode_steps is None:
+            meta.query_start_loc = torch.from_numpy(query_start_loc[:n + 1].astype(np.int64))
         return meta
 
     def _state_pieces(self, meta: StateMetadata, num_decodes: int, query_start_loc,

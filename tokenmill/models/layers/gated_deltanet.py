@@ -14,11 +14,15 @@ inputs are carried per sequence (the conv state), so a prompt split across
 steps, even into chunks shorter than the kernel, convolves exactly as whole.
 
 On a CPU with the native kernels the platform hands the layer
-`gated_delta_rule` (kernels/cpu_gated_delta.cpp, `set_linear_attention("native")`):
-the recurrence token by token for prompt chunks and decode rows alike, each
-sequence in place on its state slot, q/k heads shared by their value heads
-without copies. (The chunked form's small products, solve and copies cost ~30x
-more than the recurrence's L1-resident passes there.)
+`gated_delta_rule` (kernels/cpu_gated_delta.cpp) and `causal_conv1d_silu`
+(kernels/cpu_causal_conv.cpp) through `set_linear_attention("native")`: the
+recurrence token by token and the conv, for prompt chunks and decode rows alike,
+each sequence in place on its state slots, q/k heads shared by their value heads
+without copies; a step whose rows are one sequence each (no speculation, no
+prefix-cache pieces) runs each in one call. (The chunked form's small products,
+solve and copies cost 6-30x more than the recurrence's L1-resident passes
+there.) The output norm takes the native `gated_rms_norm` in half-precision
+models (`set_norm_kernels`).
 
 On CUDA the platform may hand the layer flash-linear-attention's kernels
 (`set_linear_attention("fla")`, where `fla` imports): the fused recurrent step
@@ -30,6 +34,7 @@ chunk; fla's causal_conv1d signature has changed across releases).
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +154,31 @@ def load_fla_kernels():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+class NativeKernels(NamedTuple):
+    """The CPU kernels module's Gated DeltaNet entry points, and each bound into the
+    PyTorch functions' signatures (for the steps run piece by piece)."""
+    rule: Callable            # ops.gated_delta_rule: whole steps
+    conv: Callable | None     # ops.causal_conv1d_silu (None: a build without it)
+    prefill: Callable
+    decode: Callable
+    conv_prefill: Callable | None
+    conv_decode: Callable | None
+
+
+def native_conv_decode(conv, x, conv_state, slots, weight, bias, write_slots=None):
+    """conv1d_decode through the native kernel: each row a one-token sequence."""
+    assert bias is None
+    return conv(x, conv_state, weight, torch.arange(x.shape[0] + 1), slots,
+                slots if write_slots is None else write_slots)
+
+
+def native_conv_prefill(conv, x, conv_state, slot: int, weight, bias):
+    """conv1d_prefill through the native kernel, in place on conv state slot `slot`."""
+    assert bias is None
+    s = torch.tensor([slot])
+    return conv(x, conv_state, weight, torch.tensor([0, x.shape[0]]), s, s)
+
+
 def native_decode(rule, q, k, v, g, beta, ssm_state, slots, write_slots=None):
     """delta_rule_decode through the native kernel: each row a one-token sequence."""
     cu = torch.arange(q.shape[0] + 1)
@@ -189,16 +219,25 @@ def fla_chunked(chunk, q, k, v, g, beta, state):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's output, then times silu(z)."""
+    """RMSNorm over each head's output, then times silu(z); x (the delta rule's fp32
+    output) is first rounded to z's dtype, the model's. The native kernel
+    (`set_norm_kernels`, half-precision models) does a row in one pass with the same
+    roundings."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._ops = None
+
+    def set_norm_kernels(self, ops) -> None:
+        self._ops = ops
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
+        if self._ops is not None and self.weight.dtype == z.dtype:
+            return self._ops.gated_rms_norm(x, z, self.weight, self.eps)
+        dtype = z.dtype
+        x = x.to(dtype).float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.weight * x.to(dtype)
         return (x * F.silu(z.float())).to(dtype)
@@ -256,8 +295,12 @@ class GatedDeltaNet(nn.Module):
         fla = (kernels or load_fla_kernels()) if kind == "fla" else None
         # (the native kernel keeps an fp32 state only: a narrower ssm cache dtype
         # takes the PyTorch path, decided per call from the bound state)
-        self._native = None if rule is None else (functools.partial(native_prefill, rule),
-                                                  functools.partial(native_decode, rule))
+        conv = getattr(kernels, "causal_conv1d_silu", None) if rule is not None else None
+        self._native = None if rule is None else NativeKernels(
+            rule, conv, functools.partial(native_prefill, rule),
+            functools.partial(native_decode, rule),
+            None if conv is None else functools.partial(native_conv_prefill, conv),
+            None if conv is None else functools.partial(native_conv_decode, conv))
         if fla is not None:
             self._prefill = functools.partial(state_prefill, functools.partial(fla_chunked, fla[0]))
             self._decode = functools.partial(fla_decode, fla[1])
@@ -283,28 +326,27 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads,
                                      self.num_v_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :].to(x.dtype)
-        nd = sm.num_decodes
-        conv_out = torch.empty_like(mixed)
-        if sm.decode_steps is not None:  # speculation: token j of every row, j = 0, 1, ...
-            for rows, read, write in sm.decode_steps:
-                conv_out[rows] = conv1d_decode(mixed[rows], conv_state, read, weight, None,
-                                               write)
-        elif nd:
-            conv_out[:nd] = conv1d_decode(mixed[:nd], conv_state, sm.state_indices[:nd], weight, None)
-        _copy_slots(conv_state, sm.decode_snapshots)
-        for i, (start, end, slot) in enumerate(sm.prefills):
-            if i in sm.restore_before:  # a cache hit: its state starts from a snapshot
-                conv_state[slot] = conv_state[sm.restore_before[i]]
-            conv_out[start:end] = conv1d_prefill(mixed[start:end], conv_state, slot, weight, None)
-            if i in sm.snapshot_after:
-                conv_state[sm.snapshot_after[i]] = conv_state[slot]
+        nk = self._native
+        # The native kernels keep the states in place in their own dtypes only (fp32
+        # ssm, conv in the model's); where the step's rows are one sequence each
+        # (sm.query_start_loc), each kernel takes the whole step in one call.
+        native_conv = nk is not None and nk.conv is not None and conv_state.dtype == x.dtype
+        native_rule = nk is not None and ssm_state.dtype == torch.float32
+        whole = sm.query_start_loc
+        if whole is not None and int(whole[-1]) != t:  # (rows padded past the requests')
+            whole = None
+        if native_conv and whole is not None:
+            conv_out = nk.conv(mixed, conv_state, weight, whole, sm.state_indices, sm.state_indices)
+        else:
+            conv_out = self._by_pieces(
+                sm, mixed, (nk.conv_prefill, nk.conv_decode) if native_conv
+                else (conv1d_prefill, conv1d_decode), conv_state, (weight, None))
 
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
-        native = self._native is not None and ssm_state.dtype == torch.float32
-        if rep > 1 and not native:  # each q/k head serves `rep` consecutive value heads
+        if rep > 1 and not native_rule:  # each q/k head serves `rep` consecutive value heads
             # (expand, not repeat_interleave: that one builds its repeats tensor on the
             # host, a copy a CUDA graph cannot capture)
             q, k = (x.unsqueeze(2).expand(t, self.num_k_heads, rep, self.head_k_dim)
@@ -313,23 +355,47 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
-        core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
-                           device=x.device)
-        prefill, decode = self._native if native else (self._prefill, self._decode)
-        if sm.decode_steps is not None:
-            for rows, read, write in sm.decode_steps:
-                core[rows] = decode(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                    ssm_state, read, write)
-        elif nd:
-            core[:nd] = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state,
-                               sm.state_indices[:nd])
-        _copy_slots(ssm_state, sm.decode_snapshots)
-        for i, (start, end, slot) in enumerate(sm.prefills):
-            if i in sm.restore_before:
-                ssm_state[slot] = ssm_state[sm.restore_before[i]]
-            core[start:end] = prefill(q[start:end], k[start:end], v[start:end],
-                                      g[start:end], beta[start:end], ssm_state, slot)
-            if i in sm.snapshot_after:
-                ssm_state[sm.snapshot_after[i]] = ssm_state[slot]
-        core = self.norm(core.to(x.dtype), z.reshape(t, self.num_v_heads, self.head_v_dim))
+        if native_rule and whole is not None:
+            core = nk.rule(q, k, v, g, beta, ssm_state, whole, sm.state_indices, sm.state_indices)
+        else:
+            core = self._by_pieces(
+                sm, (q, k, v, g, beta), (nk.prefill, nk.decode) if native_rule
+                else (self._prefill, self._decode), ssm_state, (), out_dim=self.head_v_dim)
+        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))
+
+    @staticmethod
+    def _by_pieces(sm, inputs, impl, state: torch.Tensor, extra: tuple, out_dim: int = 0):
+        """Run a stage (the conv, the delta rule) over the step's rows in the order the
+        states need: the decode rows (speculation: token j of every row, j = 0, 1, ...),
+        their snapshots, then each prefill piece after its restore, before its snapshot.
+        `inputs`: one tensor (the conv's x) or a tuple of per-token tensors (the rule's);
+        impl = (prefill(*inputs, state, slot, *extra), decode(*inputs, state, read,
+        *extra, write)); `out_dim` > 0: the rule's [T, H, out_dim] fp32 output."""
+        prefill, decode = impl
+        several = isinstance(inputs, tuple)
+        rows_of = (lambda sel: tuple(x[sel] for x in inputs)) if several else inputs.__getitem__
+        first = inputs[0] if several else inputs
+        out = (torch.empty(first.shape[0], inputs[2].shape[1], out_dim, dtype=torch.float32,
+                           device=first.device) if out_dim else torch.empty_like(first))
+        nd = sm.num_decodes
+
+        def run_decode(sel, read, write):
+            args = rows_of(sel)
+            args = args if several else (args,)
+            return decode(*args, state, read, *extra, write)
+
+        if sm.decode_steps is not None:  # speculation: token j of every row, j = 0, 1, ...
+            for rows, read, write in sm.decode_steps:
+                out[rows] = run_decode(rows, read, write)
+        elif nd:
+            out[:nd] = run_decode(slice(0, nd), sm.state_indices[:nd], None)
+        _copy_slots(state, sm.decode_snapshots)
+        for i, (start, end, slot) in enumerate(sm.prefills):
+            if i in sm.restore_before:  # a cache hit: its state starts from a snapshot
+                state[slot] = state[sm.restore_before[i]]
+            args = rows_of(slice(start, end))
+            out[start:end] = prefill(*(args if several else (args,)), state, slot, *extra)
+            if i in sm.snapshot_after:
+                state[sm.snapshot_after[i]] = state[slot]
+        return out
