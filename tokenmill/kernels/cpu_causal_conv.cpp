@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "state_slots.h"
 #include "vec.h"
 
 namespace {
@@ -57,7 +58,8 @@ void conv_channels(const T* x, int64_t ldx, const T* w, int64_t K, T* state_rd, 
       for (; c + W <= n; c += W) {
         Vec acc = Vec::zero();
         for (int64_t j = 0; j < K; ++j)
-          acc = tmvec::fma(Vec::load(wt[j] + c), Vec::load(x + (t0 + t - km1 + j) * ldx + c0 + c), acc);
+          acc = tmvec::fma(Vec::load(wt[j] + c),
+                           Vec::load(x + (t0 + t - km1 + j) * ldx + c0 + c), acc);
         const Vec y = tmvec::round_to<T>(acc);
         const Vec arg = Vec::zero() - y;
         largest = tmvec::max(largest, arg);
@@ -104,28 +106,11 @@ torch::Tensor causal_conv1d_silu(torch::Tensor x, torch::Tensor conv_state, torc
   TORCH_CHECK(conv_state.scalar_type() == x.scalar_type() &&
                   weight.scalar_type() == x.scalar_type(),
               "causal_conv1d_silu: x, conv_state and weight must share a dtype");
-  for (const auto* t : {&cu_seqlens, &read_slots, &write_slots})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "causal_conv1d_silu: cu_seqlens and the slots must be contiguous int64 vectors");
-  const int64_t n = read_slots.size(0), slots = conv_state.size(0);
-  TORCH_CHECK(write_slots.size(0) == n && cu_seqlens.size(0) == n + 1,
-              "causal_conv1d_silu: one read and one write slot per sequence, n + 1 cu_seqlens");
-  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
-  const int64_t* rd = read_slots.data_ptr<int64_t>();
-  const int64_t* wr = write_slots.data_ptr<int64_t>();
-  TORCH_CHECK(n == 0 || (cu[0] == 0 && cu[n] == T),
-              "causal_conv1d_silu: cu_seqlens must run 0 .. T");
-  std::vector<int64_t> written(wr, wr + n);
-  std::sort(written.begin(), written.end());
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(cu[i] <= cu[i + 1], "causal_conv1d_silu: cu_seqlens must not decrease");
-    TORCH_CHECK(rd[i] >= 0 && rd[i] < slots && wr[i] >= 0 && wr[i] < slots,
-                "causal_conv1d_silu: slot out of range [0, ", slots, ")");
-    TORCH_CHECK(i == 0 || written[i] != written[i - 1],
-                "causal_conv1d_silu: two sequences write one slot");
-    TORCH_CHECK(rd[i] == wr[i] || !std::binary_search(written.begin(), written.end(), rd[i]),
-                "causal_conv1d_silu: a sequence reads a slot another one writes");
-  }
+  const tmstate::Sequences sq =
+      tmstate::check_sequences(cu_seqlens, read_slots, write_slots, T, conv_state.size(0),
+                               "causal_conv1d_silu");
+  const int64_t n = sq.n;
+  const int64_t *cu = sq.cu, *rd = sq.rd, *wr = sq.wr;
   auto out = torch::empty({T, C}, x.options());
   if (n == 0 || C == 0) return out;
   const int64_t blocks = (C + kChannels - 1) / kChannels;

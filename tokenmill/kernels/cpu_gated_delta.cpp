@@ -32,6 +32,7 @@
 
 #include "amx.h"
 #include "parallel.h"
+#include "state_slots.h"
 #include "vec.h"
 
 namespace {
@@ -48,6 +49,16 @@ struct Args {
   int64_t rep, dk;  // value heads per q/k head; Dk
 };
 
+// a . b over n floats
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = Vec::zero();
+  int64_t x = 0;
+  for (; x + W <= n; x += W) acc = tmvec::fma(Vec::load(a + x), Vec::load(b + x), acc);
+  float sum = tmvec::reduce_add(acc);
+  for (; x < n; ++x) sum += a[x] * b[x];
+  return sum;
+}
+
 // Rows [r0, r1) of value head h, state rows at s (Dk floats apart), tokens [t0, t1).
 void run_rows(const Args& a, int64_t h, int64_t t0, int64_t t1, float* s, int64_t r0,
               int64_t r1) {
@@ -59,14 +70,7 @@ void run_rows(const Args& a, int64_t h, int64_t t0, int64_t t1, float* s, int64_
     float* o = a.out + t * a.o_tok + h * a.o_head;
     const float decay = std::exp(a.g[t * a.g_tok + h * a.g_head]);
     const float beta = a.beta[t * a.b_tok + h * a.b_head];
-    float kq = 0.f;
-    {
-      Vec acc = Vec::zero();
-      int64_t x = 0;
-      for (; x + W <= dk; x += W) acc = tmvec::fma(Vec::load(k + x), Vec::load(q + x), acc);
-      kq = tmvec::reduce_add(acc);
-      for (; x < dk; ++x) kq += k[x] * q[x];
-    }
+    const float kq = dot(k, q, dk);
     const Vec vdecay = Vec::set1(decay);
     // Two rows a step: their four dot products reduced in one go.
     for (int64_t i = r0; i < r1; i += 2) {
@@ -160,14 +164,7 @@ void run_lanes(const Args& a, int64_t h, int64_t t0, int64_t t1, float* s, int64
     float* o = a.out + t * a.o_tok + h * a.o_head + r0;
     const float decay = std::exp(a.g[t * a.g_tok + h * a.g_head]);
     const float beta = a.beta[t * a.b_tok + h * a.b_head];
-    float kq = 0.f;
-    {
-      Vec acc = Vec::zero();
-      int64_t x = 0;
-      for (; x + W <= dk; x += W) acc = tmvec::fma(Vec::load(k + x), Vec::load(q + x), acc);
-      kq = tmvec::reduce_add(acc);
-      for (; x < dk; ++x) kq += k[x] * q[x];
-    }
+    const float kq = dot(k, q, dk);
     const Vec vdecay = Vec::set1(decay);
     const Vec vin = n == W ? Vec::load(v) : Vec::load_n(v, static_cast<int>(n));
     const Vec u = Vec::set1(beta) * (vin - vdecay * dkv);
@@ -220,28 +217,11 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                   state.size(1) == hv && state.size(2) == dv && state.size(3) == dk,
               "gated_delta_rule: state must be contiguous float32 [S, ", hv, ", ", dv, ", ", dk,
               "], got ", state.scalar_type(), " ", state.sizes());
-  for (const auto* t : {&cu_seqlens, &read_slots, &write_slots})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "gated_delta_rule: cu_seqlens and the slots must be contiguous int64 vectors");
-  const int64_t n = read_slots.size(0), slots = state.size(0);
-  TORCH_CHECK(write_slots.size(0) == n && cu_seqlens.size(0) == n + 1,
-              "gated_delta_rule: one read and one write slot per sequence, n + 1 cu_seqlens");
-  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
-  const int64_t* rd = read_slots.data_ptr<int64_t>();
-  const int64_t* wr = write_slots.data_ptr<int64_t>();
-  TORCH_CHECK(n == 0 || (cu[0] == 0 && cu[n] == T), "gated_delta_rule: cu_seqlens must run 0 .. T");
-  std::vector<int64_t> written(wr, wr + n);
-  std::sort(written.begin(), written.end());
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(cu[i] <= cu[i + 1], "gated_delta_rule: cu_seqlens must not decrease");
-    TORCH_CHECK(rd[i] >= 0 && rd[i] < slots && wr[i] >= 0 && wr[i] < slots,
-                "gated_delta_rule: slot out of range [0, ", slots, ")");
-    TORCH_CHECK(i == 0 || written[i] != written[i - 1],
-                "gated_delta_rule: two sequences write one slot");
-    // (a slot another sequence writes would be read while it changes)
-    TORCH_CHECK(rd[i] == wr[i] || !std::binary_search(written.begin(), written.end(), rd[i]),
-                "gated_delta_rule: a sequence reads a slot another one writes");
-  }
+  const tmstate::Sequences sq =
+      tmstate::check_sequences(cu_seqlens, read_slots, write_slots, T, state.size(0),
+                               "gated_delta_rule");
+  const int64_t n = sq.n;
+  const int64_t *cu = sq.cu, *rd = sq.rd, *wr = sq.wr;
   auto out = torch::empty({T, hv, dv}, v.options());
   if (T == 0 || n == 0) return out;
   const Args a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),

@@ -135,8 +135,10 @@ void dispatch_floats(at::ScalarType t, const char* what, F&& f) {
 }
 
 void check_rows(const torch::Tensor& x, int64_t dim, const char* what) {
-  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.size(-1) == dim && (dim <= 1 || x.stride(-1) == 1),
-              what, ": rows must be [R, ", dim, "] or [T, H, ", dim, "] with a contiguous last dim");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.size(-1) == dim &&
+                  (dim <= 1 || x.stride(-1) == 1),
+              what, ": rows must be [R, ", dim, "] or [T, H, ", dim,
+              "] with a contiguous last dim");
 }
 
 // sum of the squares of x[0, d) (fp32 values of T)
@@ -195,7 +197,8 @@ void gated_row(const X* x, const T* z, const T* w, T* y, float* tmp, int64_t d, 
 // x [R, D] or [T, H, D] (last dim contiguous), weight [D] (x's dtype) -> contiguous,
 // x's shape: x / rms(x) * (1 + weight) in fp32, rounded once (zero-centered weights).
 torch::Tensor rms_norm_zero_centered(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
               "rms_norm_zero_centered: weight must be contiguous [D] in x's dtype");
   const int64_t d = weight.size(0);
   check_rows(x, d, "rms_norm_zero_centered");
@@ -224,7 +227,8 @@ torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor z, torch::Tensor wei
   const int64_t d = weight.size(0);
   check_rows(x, d, "gated_rms_norm");
   check_rows(z, d, "gated_rms_norm");
-  TORCH_CHECK(x.dim() == z.dim() && x.sizes() == z.sizes(), "gated_rms_norm: x and z shapes differ");
+  TORCH_CHECK(x.dim() == z.dim() && x.sizes() == z.sizes(),
+              "gated_rms_norm: x and z shapes differ");
   TORCH_CHECK(z.scalar_type() == weight.scalar_type() &&
                   (x.scalar_type() == weight.scalar_type() || x.scalar_type() == at::kFloat),
               "gated_rms_norm: z in weight's dtype, x in it or float32");
