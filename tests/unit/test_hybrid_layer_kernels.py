@@ -134,3 +134,34 @@ def test_gated_norm_matches_the_module(ops, dtype, heads, dim):
     # x already in the model dtype takes the same path
     got = ops.gated_rms_norm(core.to(dtype), z, norm.weight, norm.eps)
     assert_matches(got, norm(core.to(dtype), z), dtype)
+
+
+def test_a_conv_kernel_past_the_native_limit_keeps_the_pytorch_conv(ops):
+    """A linear_conv_kernel_dim the native conv does not take (> 8) is not handed to
+    it (it would refuse mid-step): the layer runs PyTorch's conv, the rule stays native."""
+    from tokenmill.attention.metadata import AttentionMetadata, StateMetadata
+    from tokenmill.models.layers.gated_deltanet import NATIVE_CONV_MAX_KERNEL, GatedDeltaNet
+    torch.manual_seed(0)
+    outs = []
+    for kernel in (NATIVE_CONV_MAX_KERNEL, NATIVE_CONV_MAX_KERNEL + 2):
+        layer = GatedDeltaNet(32, 2, 2, 8, 8, kernel, 1e-6)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.3)
+        layer.in_proj.weight.data.normal_(0, 0.3)
+        layer.out_proj.weight.data.normal_(0, 0.3)
+        layer.set_linear_attention("native", ops)
+        conv_calls = []
+        conv = layer._native.conv
+        layer._native = layer._native._replace(
+            conv=lambda *a, _c=conv: conv_calls.append(1) or _c(*a))
+        layer.state = (torch.zeros(2, layer.conv_dim, kernel - 1),
+                       torch.zeros(2, 2, 8, 8))
+        sm = StateMetadata(0, torch.tensor([1]), prefills=[(0, 5, 1)],
+                           query_start_loc=torch.tensor([0, 5]))
+        meta = AttentionMetadata.__new__(AttentionMetadata)
+        meta.state = sm
+        out = layer(torch.randn(5, 32), meta)
+        assert torch.isfinite(out).all()
+        outs.append(bool(conv_calls))
+    assert outs == [True, False]

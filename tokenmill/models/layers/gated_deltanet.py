@@ -154,6 +154,11 @@ def load_fla_kernels():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+# The native conv's largest kernel (cpu_causal_conv.cpp kMaxK; Qwen's is 4): a
+# config with a longer one keeps the PyTorch conv.
+NATIVE_CONV_MAX_KERNEL = 8
+
+
 class NativeKernels(NamedTuple):
     """The CPU kernels module's Gated DeltaNet entry points, and each bound into the
     PyTorch functions' signatures (for the steps run piece by piece)."""
@@ -276,7 +281,7 @@ class GatedDeltaNet(nn.Module):
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
         # The delta-rule implementations, bound once by set_linear_attention (PyTorch's
         # until then): a prompt chunk's (in place on its slot) and a batch of decode
-        # rows'; and whether they take q/k with one head per value head.
+        # rows'; the native kernels beside them where the platform has them.
         self.set_linear_attention("torch")
 
     def tp_plan(self, tp) -> dict:
@@ -330,7 +335,8 @@ class GatedDeltaNet(nn.Module):
         # The native kernels keep the states in place in their own dtypes only (fp32
         # ssm, conv in the model's); where the step's rows are one sequence each
         # (sm.query_start_loc), each kernel takes the whole step in one call.
-        native_conv = nk is not None and nk.conv is not None and conv_state.dtype == x.dtype
+        native_conv = (nk is not None and nk.conv is not None and conv_state.dtype == x.dtype
+                       and self.conv_kernel <= NATIVE_CONV_MAX_KERNEL)
         native_rule = nk is not None and ssm_state.dtype == torch.float32
         whole = sm.query_start_loc
         if whole is not None and int(whole[-1]) != t:  # (rows padded past the requests')
