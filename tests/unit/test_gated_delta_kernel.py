@@ -2,7 +2,8 @@
 CPU runs, against the recurrence in float64: several sequences of one call (empty,
 one token, long) from their own state slots, read and write slots apart and alike,
 value heads sharing q/k heads, head sizes off the vector width (the scalar tails),
-strided q/k/v; the slots it must refuse; and the PyTorch chunked form beside it."""
+strided q/k/v; the slots it must refuse; the PyTorch chunked form beside it; and the
+entry that takes the layer's conv output and gate inputs (gated_delta_rule_qkv)."""
 import pytest
 import torch
 
@@ -124,3 +125,95 @@ def test_refuses_bad_shapes(ops):
         ops.gated_delta_rule(q, k, v, g, beta, state, torch.tensor([0, 3]), s, s)
     with pytest.raises(RuntimeError, match="float32"):
         ops.gated_delta_rule(q, k, v, g.double(), beta, state, cu, s, s)
+
+
+# --- gated_delta_rule_qkv: the rule from the layer's own tensors ---------------------
+
+def layer_inputs(lens, hk, hv, dk, dv, slots, dtype, seed=0):
+    """A GatedDeltaNet layer with random A_log / dt_bias, and a step's conv output
+    (q | k | v rows inside a wider buffer, as a view's rows are) and gate inputs a, b
+    (strided views of one packed projection, as in_proj leaves them), in `dtype`."""
+    from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    layer = GatedDeltaNet(64, hk, hv, dk, dv, conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.randn(hv, generator=gen))
+        layer.dt_bias.copy_(torch.randn(hv, generator=gen))
+    layer.to(dtype)
+    width = 2 * hk * dk + hv * dv
+    mixed = (torch.randn(t, width + 5, generator=gen) * 0.5).to(dtype)[:, :width]
+    ab = (torch.randn(t, 2 * hv + 3, generator=gen) * 3).to(dtype)
+    a, b = ab[:, :hv], ab[:, hv:2 * hv]
+    if t:  # softplus past its threshold (20), and a beta of ~0 and of ~1
+        a[0, 0], b[0, 0] = 25.0, -30.0
+        b[-1, -1] = 30.0
+    state = torch.randn(slots, hv, dv, dk, generator=gen) * 0.3
+    cu = torch.tensor([0] + lens).cumsum(0)
+    return layer, mixed, a, b, state, cu
+
+
+QKV_SHAPES = [(2, 4, 64, 64), (1, 3, 20, 17), (4, 8, 128, 128), (2, 2, 16, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hk,hv,dk,dv", QKV_SHAPES)
+def test_qkv_entry_matches_the_layer_formulas(ops, dtype, hk, hv, dk, dv):
+    """q / k L2-normalised (q scaled), g = -exp(A_log) softplus(a + dt_bias), beta =
+    sigmoid(b) computed in the kernel: the same as the layer's PyTorch formulas
+    (`_rule_inputs`) fed to the recurrence in float64, over decode rows, an empty
+    sequence and prompt chunks (both of the kernel's forms) in one call."""
+    lens = [1, 37, 0, 70, 5]
+    read = torch.tensor([0, 1, 2, 3, 4])
+    write = torch.tensor([0, 5, 6, 3, 7])
+    layer, mixed, a, b, state, cu = layer_inputs(lens, hk, hv, dk, dv, 9, dtype)
+    q, k, v, g, beta = layer._rule_inputs(mixed, a, b)
+    want_out, want_state = recurrence(q, k, v, g, beta, state, cu, read, write)
+    got_state = state.clone()
+    got = ops.gated_delta_rule_qkv(mixed, a, b, layer.A_log, layer.dt_bias, got_state, cu,
+                                   read, write, hk, dk ** -0.5)
+    assert got.shape == (sum(lens), hv, dv) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want_out, rtol=2e-5, atol=5e-6)
+    for slot in range(9):
+        want = want_state[slot] if slot in write.tolist() else state[slot].double()
+        torch.testing.assert_close(got_state[slot].double(), want, rtol=2e-5, atol=5e-6,
+                                   msg=f"slot {slot}")
+
+
+def test_qkv_entry_equals_the_prepared_entry_on_the_same_inputs(ops):
+    """Given what `_rule_inputs` makes, gated_delta_rule gives what gated_delta_rule_qkv
+    gives from the raw tensors, to the last few ulps (the only difference: the order of
+    the squares summed in the norms)."""
+    layer, mixed, a, b, state, cu = layer_inputs([3, 50], 2, 4, 64, 64, 2, torch.float32, 7)
+    q, k, v, g, beta = layer._rule_inputs(mixed, a, b)
+    slots = torch.tensor([0, 1])
+    s1, s2 = state.clone(), state.clone()
+    want = ops.gated_delta_rule(q, k, v, g, beta, s1, cu, slots, slots)
+    got = ops.gated_delta_rule_qkv(mixed, a, b, layer.A_log, layer.dt_bias, s2, cu, slots,
+                                   slots, 2, 64 ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s2, s1, rtol=1e-5, atol=1e-6)
+
+
+def test_qkv_entry_refuses_bad_tensors(ops):
+    layer, mixed, a, b, state, cu = layer_inputs([4], 2, 4, 16, 16, 2, torch.float32)
+    s = torch.tensor([0])
+    args = (layer.A_log, layer.dt_bias, state, cu, s, s)
+    before = state.clone()
+    with pytest.raises(RuntimeError, match=r"mixed_qkv must be \[T, 128\]"):
+        ops.gated_delta_rule_qkv(mixed[:, :-1], a, b, *args, 2, 0.25)
+    with pytest.raises(RuntimeError, match="num_k_heads must divide"):
+        ops.gated_delta_rule_qkv(mixed, a, b, *args, 3, 0.25)
+    with pytest.raises(RuntimeError, match="a and b must be"):
+        ops.gated_delta_rule_qkv(mixed, a.double(), b, *args, 2, 0.25)
+    with pytest.raises(RuntimeError, match="a and b must be"):
+        ops.gated_delta_rule_qkv(mixed, a[:, :2], b, *args, 2, 0.25)
+    with pytest.raises(RuntimeError, match="A_log and dt_bias must hold 4"):
+        ops.gated_delta_rule_qkv(mixed, a, b, layer.A_log[:3], layer.dt_bias, state, cu, s, s,
+                                 2, 0.25)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.gated_delta_rule_qkv(mixed, a, b, layer.A_log, layer.dt_bias, state, cu,
+                                 torch.tensor([5]), s, 2, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.gated_delta_rule_qkv(mixed.t().contiguous().t(), a, b, *args, 2, 0.25)
+    assert torch.equal(state, before)

@@ -32,7 +32,7 @@ def conv_inputs(lens, channels, kernel, slots, dtype, seed=0, scale=1.0):
     proj = (torch.randn(t, channels + 5, generator=gen) * scale).to(dtype)
     x = proj[:, :channels]  # a column slice, as the layer's split leaves it
     weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype)
-    state = torch.randn(slots, channels, kernel - 1, generator=gen).to(dtype)
+    state = torch.randn(slots, kernel - 1, channels, generator=gen).to(dtype)
     cu = torch.tensor([0] + lens).cumsum(0)
     return x, weight, state, cu
 
@@ -155,7 +155,7 @@ def test_a_conv_kernel_past_the_native_limit_keeps_the_pytorch_conv(ops):
         conv = layer._native.conv
         layer._native = layer._native._replace(
             conv=lambda *a, _c=conv: conv_calls.append(1) or _c(*a))
-        layer.state = (torch.zeros(2, layer.conv_dim, kernel - 1),
+        layer.state = (torch.zeros(2, *layer.state_shapes()[0]),
                        torch.zeros(2, 2, 8, 8))
         sm = StateMetadata(0, torch.tensor([1]), prefills=[(0, 5, 1)],
                            query_start_loc=torch.tensor([0, 5]))

@@ -75,7 +75,7 @@ def gdn_dims(hy):
     c = hy.hf_config
     key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
     conv_dim = 2 * key_dim + c["linear_num_value_heads"] * c["linear_value_head_dim"]
-    return dict(conv=(conv_dim, c["linear_conv_kernel_dim"] - 1),
+    return dict(conv=(c["linear_conv_kernel_dim"] - 1, conv_dim),
                 ssm=(c["linear_num_value_heads"], c["linear_value_head_dim"],
                      c["linear_key_head_dim"]))
 
@@ -191,7 +191,7 @@ def test_kv_allocation_full_attention_and_gdn_state(hy):
     layers = runner.state_layers()
     ptrs = set()
     for name, (conv, ssm) in runner.state_caches.items():
-        assert conv.shape == (5, *d["conv"]) == (5, 96, 3)
+        assert conv.shape == (5, *d["conv"]) == (5, 3, 96)
         assert ssm.shape == (5, *d["ssm"]) == (5, 4, 8, 16)
         assert conv.dtype == ssm.dtype == torch.float32
         assert layers[name].state[0] is conv and layers[name].state[1] is ssm
@@ -486,7 +486,7 @@ def _hf_states(hf, tokens):
         if t == "linear_attention":
             conv = cache.get_conv_state(i, state_idx=0)[0]  # [conv_dim, K]: the last K inputs
             ssm = cache.get_recurrent_state(i, state_idx=0)[0]  # [Hv, Dk, Dv]
-            states.append((conv[:, 1:], ssm.transpose(-1, -2)))
+            states.append((conv[:, 1:].t(), ssm.transpose(-1, -2)))
     return states
 
 
@@ -631,7 +631,7 @@ def test_conv1d_split_prefill_and_decode_match_whole_causal_conv(pieces):
     w = torch.randn(channels, kernel)
     want = F.silu(F.conv1d(F.pad(x.t(), (kernel - 1, 0)).unsqueeze(0), w.unsqueeze(1),
                            groups=channels)[0].t())
-    conv_state = torch.zeros(3, channels, kernel - 1)
+    conv_state = torch.zeros(3, kernel - 1, channels)
     conv_state[0] = 5.0  # another sequence's state: untouched
     outs, pos = [], 0
     for n in pieces:
@@ -641,7 +641,7 @@ def test_conv1d_split_prefill_and_decode_match_whole_causal_conv(pieces):
         outs.append(conv1d_decode(x[pos:pos + 1], conv_state, torch.tensor([2]), w, None))
         pos += 1
     torch.testing.assert_close(torch.cat(outs), want, rtol=1e-5, atol=1e-6)
-    assert torch.equal(conv_state[2], x[-(kernel - 1):].t())
+    assert torch.equal(conv_state[2], x[-(kernel - 1):])
     assert torch.all(conv_state[0] == 5.0) and torch.all(conv_state[1] == 0)
 
 

@@ -144,7 +144,7 @@ class MambaSpec:
     """One recurrent layer (Gated DeltaNet): a fixed-size state per live sequence.
 
     `shapes` / `dtypes` list the state tensors of one sequence, in order (for
-    GDN: the conv state [conv_dim, kernel - 1], then the SSM state
+    GDN: the conv state [kernel - 1, conv_dim], then the SSM state
     [num_v_heads, v_head_dim, k_head_dim]). The state does not grow with the
     sequence, so it takes no KV blocks: the runner keeps one slot per live
     request, keyed on the request id.

@@ -103,6 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"),
         pybind11::arg("beta"), pybind11::arg("state"), pybind11::arg("cu_seqlens"),
         pybind11::arg("read_slots"), pybind11::arg("write_slots"));
+  m.def("gated_delta_rule_qkv", &gated_delta_rule_qkv,
+        "gated_delta_rule from a Gated DeltaNet layer's conv output q | k | v and gate inputs "
+        "a, b: q and k L2-normalised (q times q_scale), g = -exp(A_log) softplus(a + dt_bias), "
+        "beta = sigmoid(b)",
+        pybind11::arg("mixed_qkv"), pybind11::arg("a"), pybind11::arg("b"),
+        pybind11::arg("A_log"), pybind11::arg("dt_bias"), pybind11::arg("state"),
+        pybind11::arg("cu_seqlens"), pybind11::arg("read_slots"), pybind11::arg("write_slots"),
+        pybind11::arg("num_k_heads"), pybind11::arg("q_scale"));
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of a packed gate_up");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, HF's rounding");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm(residual)");

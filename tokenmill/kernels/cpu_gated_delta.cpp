@@ -190,46 +190,12 @@ void check_rows(const torch::Tensor& t, const char* name, int64_t tokens, int64_
               "] with contiguous rows, got ", t.sizes());
 }
 
-}  // namespace
-
-// q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (fp32, any token / head strides);
-// state [S, Hv, Dv, Dk] fp32 (contiguous). Sequence n is tokens [cu_seqlens[n],
-// cu_seqlens[n + 1]): it starts from state[read_slots[n]] and leaves its final state in
-// state[write_slots[n]] (the same slot: in place). No sequence may read a slot another
-// writes. Returns the outputs [T, Hv, Dv] fp32.
-torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor g, torch::Tensor beta, torch::Tensor state,
-                               torch::Tensor cu_seqlens, torch::Tensor read_slots,
-                               torch::Tensor write_slots) {
-  TORCH_CHECK(v.dim() == 3, "gated_delta_rule: v must be [T, Hv, Dv]");
-  const int64_t T = v.size(0), hv = v.size(1), dv = v.size(2);
-  TORCH_CHECK(q.dim() == 3 && q.size(1) > 0 && hv % q.size(1) == 0,
-              "gated_delta_rule: q must be [T, Hk, Dk] with Hk dividing Hv = ", hv);
-  const int64_t hk = q.size(1), dk = q.size(2);
-  check_rows(q, "q", T, hk, dk);
-  check_rows(k, "k", T, hk, dk);
-  check_rows(v, "v", T, hv, dv);
-  for (const auto* t : {&g, &beta})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == T &&
-                    t->size(1) == hv,
-                "gated_delta_rule: g and beta must be float32 [T, Hv]");
-  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
-                  state.size(1) == hv && state.size(2) == dv && state.size(3) == dk,
-              "gated_delta_rule: state must be contiguous float32 [S, ", hv, ", ", dv, ", ", dk,
-              "], got ", state.scalar_type(), " ", state.sizes());
-  const tmstate::Sequences sq =
-      tmstate::check_sequences(cu_seqlens, read_slots, write_slots, T, state.size(0),
-                               "gated_delta_rule");
-  const int64_t n = sq.n;
+// Every (sequence, value head, row block) of the call as a job: the rule over rows of
+// the state `st` ([S, Hv, Dv, Dk]) for the inputs `a`.
+void run_sequences(const Args& a, float* st, const tmstate::Sequences& sq, int64_t hv,
+                   int64_t dv) {
+  const int64_t n = sq.n, dk = a.dk;
   const int64_t *cu = sq.cu, *rd = sq.rd, *wr = sq.wr;
-  auto out = torch::empty({T, hv, dv}, v.options());
-  if (T == 0 || n == 0) return out;
-  const Args a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-               g.data_ptr<float>(), beta.data_ptr<float>(),
-               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-               out.data_ptr<float>(), out.stride(0), out.stride(1), hv / hk, dk};
-  float* st = state.data_ptr<float>();
   // Row blocks of kRowBlock rows, or of W (one vector of rows) where a sequence is long
   // enough for run_lanes: a step of decode rows has one kind, a prompt chunk the other.
   bool lanes = false;
@@ -256,5 +222,156 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
       }
     }
   });
+}
+
+// state [S, Hv, Dv, Dk] fp32 contiguous, checked against the heads and sizes.
+void check_state(const torch::Tensor& state, int64_t hv, int64_t dv, int64_t dk,
+                 const char* what) {
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+                  state.size(1) == hv && state.size(2) == dv && state.size(3) == dk,
+              what, ": state must be contiguous float32 [S, ", hv, ", ", dv, ", ", dk,
+              "], got ", state.scalar_type(), " ", state.sizes());
+}
+
+// One token's inputs of the rule from the layer's conv output and gate inputs, in fp32:
+// q and k L2-normalised per head (q then times q_scale), v widened, and per value head
+// g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) -- the PyTorch path's
+// formulas (softplus: x past 20 is x, as F.softplus).
+template <typename T>
+void prepare_token(const T* row, const T* a, int64_t a_head, const T* b, int64_t b_head,
+                   const float* a_log, const float* dt_bias, int64_t hk, int64_t hv,
+                   int64_t dk, int64_t dv, float q_scale, float* dst, float* g, float* beta) {
+  for (int64_t h = 0; h < 2 * hk; ++h) {  // q heads, then k heads
+    const T* x = row + h * dk;
+    float* y = dst + h * dk;
+    Vec acc = Vec::zero();
+    int64_t i = 0;
+    for (; i + W <= dk; i += W) {
+      const Vec v = Vec::load(x + i);
+      v.store(y + i);
+      acc = tmvec::fma(v, v, acc);
+    }
+    float sum = tmvec::reduce_add(acc);
+    for (; i < dk; ++i) {
+      y[i] = static_cast<float>(x[i]);
+      sum += y[i] * y[i];
+    }
+    const float inv = 1.f / std::sqrt(sum + 1e-6f);
+    if (h < hk) {
+      for (i = 0; i < dk; ++i) y[i] = y[i] * inv * q_scale;
+    } else {
+      for (i = 0; i < dk; ++i) y[i] = y[i] * inv;
+    }
+  }
+  const int64_t vd = hv * dv, off = 2 * hk * dk;
+  int64_t i = 0;
+  for (; i + W <= vd; i += W) Vec::load(row + off + i).store(dst + off + i);
+  for (; i < vd; ++i) dst[off + i] = static_cast<float>(row[off + i]);
+  for (int64_t h = 0; h < hv; ++h) {
+    const float x = static_cast<float>(a[h * a_head]) + dt_bias[h];
+    g[h] = -std::exp(a_log[h]) * (x > 20.f ? x : std::log1p(std::exp(x)));
+    beta[h] = 1.f / (1.f + std::exp(-static_cast<float>(b[h * b_head])));
+  }
+}
+
+}  // namespace
+
+// q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (fp32, any token / head strides);
+// state [S, Hv, Dv, Dk] fp32 (contiguous). Sequence n is tokens [cu_seqlens[n],
+// cu_seqlens[n + 1]): it starts from state[read_slots[n]] and leaves its final state in
+// state[write_slots[n]] (the same slot: in place). No sequence may read a slot another
+// writes. Returns the outputs [T, Hv, Dv] fp32.
+torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor g, torch::Tensor beta, torch::Tensor state,
+                               torch::Tensor cu_seqlens, torch::Tensor read_slots,
+                               torch::Tensor write_slots) {
+  TORCH_CHECK(v.dim() == 3, "gated_delta_rule: v must be [T, Hv, Dv]");
+  const int64_t T = v.size(0), hv = v.size(1), dv = v.size(2);
+  TORCH_CHECK(q.dim() == 3 && q.size(1) > 0 && hv % q.size(1) == 0,
+              "gated_delta_rule: q must be [T, Hk, Dk] with Hk dividing Hv = ", hv);
+  const int64_t hk = q.size(1), dk = q.size(2);
+  check_rows(q, "q", T, hk, dk);
+  check_rows(k, "k", T, hk, dk);
+  check_rows(v, "v", T, hv, dv);
+  for (const auto* t : {&g, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == hv,
+                "gated_delta_rule: g and beta must be float32 [T, Hv]");
+  check_state(state, hv, dv, dk, "gated_delta_rule");
+  const tmstate::Sequences sq =
+      tmstate::check_sequences(cu_seqlens, read_slots, write_slots, T, state.size(0),
+                               "gated_delta_rule");
+  auto out = torch::empty({T, hv, dv}, v.options());
+  if (T == 0 || sq.n == 0) return out;
+  const Args a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+               g.data_ptr<float>(), beta.data_ptr<float>(),
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+               out.data_ptr<float>(), out.stride(0), out.stride(1), hv / hk, dk};
+  run_sequences(a, state.data_ptr<float>(), sq, hv, dv);
+  return out;
+}
+
+// The rule from a Gated DeltaNet layer's own tensors: mixed_qkv [T, 2 Hk Dk + Hv Dv] (the
+// conv output, q | k | v, rows contiguous), a and b [T, Hv] (the decay and beta inputs,
+// any strides), all one float dtype; A_log and dt_bias [Hv]. The q / k normalisation,
+// g and beta (prepare_token) are done here, in one pass, instead of a dozen PyTorch
+// ops a layer; then as gated_delta_rule.
+torch::Tensor gated_delta_rule_qkv(torch::Tensor mixed_qkv, torch::Tensor a, torch::Tensor b,
+                                   torch::Tensor A_log, torch::Tensor dt_bias,
+                                   torch::Tensor state, torch::Tensor cu_seqlens,
+                                   torch::Tensor read_slots, torch::Tensor write_slots,
+                                   int64_t num_k_heads, double q_scale) {
+  const char* what = "gated_delta_rule_qkv";
+  TORCH_CHECK(state.dim() == 4, what, ": state must be [S, Hv, Dv, Dk]");
+  const int64_t hv = state.size(1), dv = state.size(2), dk = state.size(3), hk = num_k_heads;
+  check_state(state, hv, dv, dk, what);
+  TORCH_CHECK(hk > 0 && hv % hk == 0, what, ": num_k_heads must divide Hv = ", hv);
+  const int64_t width = 2 * hk * dk + hv * dv;
+  TORCH_CHECK(mixed_qkv.dim() == 2 && mixed_qkv.size(1) == width &&
+                  (width <= 1 || mixed_qkv.stride(1) == 1),
+              what, ": mixed_qkv must be [T, ", width, "] with contiguous rows, got ",
+              mixed_qkv.sizes());
+  const int64_t T = mixed_qkv.size(0);
+  for (const auto* t : {&a, &b})
+    TORCH_CHECK(t->scalar_type() == mixed_qkv.scalar_type() && t->dim() == 2 &&
+                    t->size(0) == T && t->size(1) == hv,
+                what, ": a and b must be [T, ", hv, "] in mixed_qkv's dtype");
+  TORCH_CHECK(A_log.numel() == hv && dt_bias.numel() == hv, what,
+              ": A_log and dt_bias must hold ", hv, " values");
+  const auto a_log = A_log.to(at::kFloat).contiguous();
+  const auto bias = dt_bias.to(at::kFloat).contiguous();
+  const tmstate::Sequences sq =
+      tmstate::check_sequences(cu_seqlens, read_slots, write_slots, T, state.size(0), what);
+  auto f32 = mixed_qkv.options().dtype(at::kFloat);
+  auto out = torch::empty({T, hv, dv}, f32);
+  if (T == 0 || sq.n == 0) return out;
+  auto prep = torch::empty({T, width}, f32);
+  auto gates = torch::empty({T, 2, hv}, f32);  // g, beta
+  float *pp = prep.data_ptr<float>(), *gp = gates.data_ptr<float>();
+  const float *al = a_log.data_ptr<float>(), *db = bias.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = mixed_qkv.data_ptr<scalar_t>();
+    const scalar_t *ap = a.data_ptr<scalar_t>(), *bp = b.data_ptr<scalar_t>();
+    const int64_t ld = mixed_qkv.stride(0);
+    tmpar::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        prepare_token<scalar_t>(xp + t * ld, ap + t * a.stride(0), a.stride(1),
+                                bp + t * b.stride(0), b.stride(1), al, db, hk, hv, dk, dv,
+                                static_cast<float>(q_scale), pp + t * width,
+                                gp + t * 2 * hv, gp + t * 2 * hv + hv);
+    });
+  };
+  switch (mixed_qkv.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, ": float32, bfloat16 or float16 only");
+  }
+  const Args args{pp, pp + hk * dk, pp + 2 * hk * dk, gp, gp + hv,
+                  width, dk, width, dk, width, dv, 2 * hv, 1, 2 * hv, 1,
+                  out.data_ptr<float>(), out.stride(0), out.stride(1), hv / hk, dk};
+  run_sequences(args, state.data_ptr<float>(), sq, hv, dv);
   return out;
 }

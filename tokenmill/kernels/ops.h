@@ -173,6 +173,13 @@ torch::Tensor gated_delta_rule(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                torch::Tensor g, torch::Tensor beta, torch::Tensor state,
                                torch::Tensor cu_seqlens, torch::Tensor read_slots,
                                torch::Tensor write_slots);
+// The same from the layer's conv output q | k | v and gate inputs a, b: the q / k L2
+// norms, g and beta computed in the kernel.
+torch::Tensor gated_delta_rule_qkv(torch::Tensor mixed_qkv, torch::Tensor a, torch::Tensor b,
+                                   torch::Tensor A_log, torch::Tensor dt_bias,
+                                   torch::Tensor state, torch::Tensor cu_seqlens,
+                                   torch::Tensor read_slots, torch::Tensor write_slots,
+                                   int64_t num_k_heads, double q_scale);
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,

@@ -372,7 +372,7 @@ class CpuPlatform(Platform):
             attention=native,
             norm=native if ops is not None and half else "torch",
             activation=native,
-            linear_attention="native" if hasattr(ops, "gated_delta_rule") else "torch",
+            linear_attention="native" if hasattr(ops, "gated_delta_rule_qkv") else "torch",
             lm_head="greedy_int8" if greedy else "full",
             greedy_head_max_rows=min(greedy_head_max_rows, packed_rows) if greedy else 0,
             decode_layers=bool((packed or packed_f32) and decode_layers and not sharded

@@ -59,12 +59,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None,
                   write_slots: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, C] one new input per row; conv_state [S, C, K-1] read at `slots` and
-    written at `write_slots` (default: in place)."""
-    window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [n, C, K]
+    """x [n, C] one new input per row; conv_state [S, K-1, C] (a slot's last K-1 inputs,
+    oldest first) read at `slots` and written at `write_slots` (default: in place)."""
+    window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(1)], dim=1)  # [n, K, C]
     conv_state[slots if write_slots is None else write_slots] = \
-        window[:, :, 1:].to(conv_state.dtype)
-    out = (window * weight).sum(dim=-1)
+        window[:, 1:].to(conv_state.dtype)
+    out = (window * weight.t()).sum(dim=1)
     if bias is not None:
         out = out + bias
     return F.silu(out)
@@ -79,10 +79,10 @@ def _copy_slots(state: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
 def conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [L, C] consecutive inputs of one sequence, continuing from its conv state."""
-    keep = conv_state.shape[-1]
-    seq = torch.cat([conv_state[slot].to(x.dtype), x.t()], dim=-1)  # [C, K-1+L]
-    conv_state[slot] = seq[:, seq.shape[1] - keep:].to(conv_state.dtype)
-    out = F.conv1d(seq.unsqueeze(0), weight.unsqueeze(1), bias, groups=seq.shape[0])[0]
+    keep = conv_state.shape[1]
+    seq = torch.cat([conv_state[slot].to(x.dtype), x], dim=0)  # [K-1+L, C]
+    conv_state[slot] = seq[seq.shape[0] - keep:].to(conv_state.dtype)
+    out = F.conv1d(seq.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=seq.shape[1])[0]
     return F.silu(out.t())  # [L, C]
 
 
@@ -161,8 +161,8 @@ NATIVE_CONV_MAX_KERNEL = 8
 
 class NativeKernels(NamedTuple):
     """The CPU kernels module's Gated DeltaNet entry points, and each bound into the
-    PyTorch functions' signatures (for the steps run piece by piece)."""
-    rule: Callable            # ops.gated_delta_rule: whole steps
+    signatures `GatedDeltaNet._by_pieces` calls (for the steps run piece by piece)."""
+    rule: Callable            # ops.gated_delta_rule_qkv: whole steps
     conv: Callable | None     # ops.causal_conv1d_silu (None: a build without it)
     prefill: Callable
     decode: Callable
@@ -184,17 +184,23 @@ def native_conv_prefill(conv, x, conv_state, slot: int, weight, bias):
     return conv(x, conv_state, weight, torch.tensor([0, x.shape[0]]), s, s)
 
 
-def native_decode(rule, q, k, v, g, beta, ssm_state, slots, write_slots=None):
-    """delta_rule_decode through the native kernel: each row a one-token sequence."""
-    cu = torch.arange(q.shape[0] + 1)
-    return rule(q, k, v, g, beta, ssm_state, cu, slots,
-                slots if write_slots is None else write_slots)
+# The native rule takes the layer's own tensors: mixed_qkv (the conv output), a and b (the
+# gate inputs), and the layer's `gates` = (A_log, dt_bias, num_k_heads, q_scale).
+def native_decode(rule, mixed_qkv, a, b, ssm_state, slots, A_log, dt_bias, num_k_heads,
+                  q_scale, write_slots=None):
+    """The rule over a batch of decode rows through the native kernel: each row a
+    one-token sequence."""
+    cu = torch.arange(mixed_qkv.shape[0] + 1)
+    return rule(mixed_qkv, a, b, A_log, dt_bias, ssm_state, cu, slots,
+                slots if write_slots is None else write_slots, num_k_heads, q_scale)
 
 
-def native_prefill(rule, q, k, v, g, beta, ssm_state, slot: int):
+def native_prefill(rule, mixed_qkv, a, b, ssm_state, slot: int, A_log, dt_bias, num_k_heads,
+                   q_scale):
     """One sequence's chunk through the native kernel, in place on state slot `slot`."""
     s = torch.tensor([slot])
-    return rule(q, k, v, g, beta, ssm_state, torch.tensor([0, q.shape[0]]), s, s)
+    return rule(mixed_qkv, a, b, A_log, dt_bias, ssm_state, torch.tensor([0, mixed_qkv.shape[0]]),
+                s, s, num_k_heads, q_scale)
 
 
 def state_prefill(chunked, q, k, v, g, beta, ssm_state, slot: int):
@@ -253,7 +259,7 @@ class GatedDeltaNet(nn.Module):
 
     `in_proj` packs, in this order, q, k, v (the conv input), z (the output
     gate), b (-> beta) and a (-> decay); the loader maps each checkpoint
-    layout onto it. The runner binds `state` = (conv_state [S, conv_dim, K-1],
+    layout onto it. The runner binds `state` = (conv_state [S, K-1, conv_dim],
     ssm_state [S, Hv, Dv, Dk]).
     """
 
@@ -296,7 +302,7 @@ class GatedDeltaNet(nn.Module):
         """"native": the CPU kernels module `kernels`' gated_delta_rule; "fla":
         flash-linear-attention's kernels where installed (CUDA), `kernels` = (chunk,
         fused recurrent) to use instead of fla's own (tests); else PyTorch."""
-        rule = getattr(kernels, "gated_delta_rule", None) if kind == "native" else None
+        rule = getattr(kernels, "gated_delta_rule_qkv", None) if kind == "native" else None
         fla = (kernels or load_fla_kernels()) if kind == "fla" else None
         # (the native kernel keeps an fp32 state only: a narrower ssm cache dtype
         # takes the PyTorch path, decided per call from the bound state)
@@ -314,7 +320,9 @@ class GatedDeltaNet(nn.Module):
             self._decode = delta_rule_decode
 
     def state_shapes(self) -> list[tuple[int, ...]]:
-        return [(self.conv_dim, self.conv_kernel - 1),
+        # The conv state token-major (a slot's last K-1 inputs as rows of channels), as
+        # the inputs come: a decode row's window is whole rows (vLLM keeps it so too).
+        return [(self.conv_kernel - 1, self.conv_dim),
                 (self.num_v_heads, self.head_v_dim, self.head_k_dim)]
 
     @staticmethod
@@ -348,11 +356,32 @@ class GatedDeltaNet(nn.Module):
                 sm, mixed, (nk.conv_prefill, nk.conv_decode) if native_conv
                 else (conv1d_prefill, conv1d_decode), conv_state, (weight, None))
 
+        heads = (self.num_v_heads, self.head_v_dim)
+        if native_rule:
+            # q | k | v as the conv left them and a, b as in_proj did: the q / k norms, g
+            # and beta are the kernel's (one pass, not a dozen PyTorch ops a layer)
+            gates = (self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim ** -0.5)
+            if whole is not None:
+                core = nk.rule(conv_out, a, b, *gates[:2], ssm_state, whole, sm.state_indices,
+                               sm.state_indices, *gates[2:])
+            else:
+                core = self._by_pieces(sm, (conv_out, a, b), (nk.prefill, nk.decode), ssm_state,
+                                       gates, out_shape=heads)
+        else:
+            core = self._by_pieces(sm, self._rule_inputs(conv_out, a, b),
+                                   (self._prefill, self._decode), ssm_state, (), out_shape=heads)
+        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(t, self.value_dim))
+
+    def _rule_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+        """The delta rule's fp32 inputs q, k, v, g, beta from the conv output and the gate
+        inputs, for the PyTorch / fla rules (the native kernel computes the same itself)."""
+        t = conv_out.shape[0]
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.view(t, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
         k = l2_normalize(k.view(t, self.num_k_heads, self.head_k_dim))
-        if rep > 1 and not native_rule:  # each q/k head serves `rep` consecutive value heads
+        if rep > 1:  # each q/k head serves `rep` consecutive value heads
             # (expand, not repeat_interleave: that one builds its repeats tensor on the
             # host, a copy a CUDA graph cannot capture)
             q, k = (x.unsqueeze(2).expand(t, self.num_k_heads, rep, self.head_k_dim)
@@ -360,30 +389,23 @@ class GatedDeltaNet(nn.Module):
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-
-        if native_rule and whole is not None:
-            core = nk.rule(q, k, v, g, beta, ssm_state, whole, sm.state_indices, sm.state_indices)
-        else:
-            core = self._by_pieces(
-                sm, (q, k, v, g, beta), (nk.prefill, nk.decode) if native_rule
-                else (self._prefill, self._decode), ssm_state, (), out_dim=self.head_v_dim)
-        core = self.norm(core, z.reshape(t, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(core.reshape(t, self.value_dim))
+        return q, k, v, g, beta
 
     @staticmethod
-    def _by_pieces(sm, inputs, impl, state: torch.Tensor, extra: tuple, out_dim: int = 0):
+    def _by_pieces(sm, inputs, impl, state: torch.Tensor, extra: tuple,
+                   out_shape: tuple[int, ...] | None = None):
         """Run a stage (the conv, the delta rule) over the step's rows in the order the
         states need: the decode rows (speculation: token j of every row, j = 0, 1, ...),
         their snapshots, then each prefill piece after its restore, before its snapshot.
         `inputs`: one tensor (the conv's x) or a tuple of per-token tensors (the rule's);
         impl = (prefill(*inputs, state, slot, *extra), decode(*inputs, state, read,
-        *extra, write)); `out_dim` > 0: the rule's [T, H, out_dim] fp32 output."""
+        *extra, write)); `out_shape`: the rule's per-token (H, Dv), its output fp32."""
         prefill, decode = impl
         several = isinstance(inputs, tuple)
         rows_of = (lambda sel: tuple(x[sel] for x in inputs)) if several else inputs.__getitem__
         first = inputs[0] if several else inputs
-        out = (torch.empty(first.shape[0], inputs[2].shape[1], out_dim, dtype=torch.float32,
-                           device=first.device) if out_dim else torch.empty_like(first))
+        out = (torch.empty(first.shape[0], *out_shape, dtype=torch.float32, device=first.device)
+               if out_shape else torch.empty_like(first))
         nd = sm.num_decodes
 
         def run_decode(sel, read, write):
