@@ -2,6 +2,7 @@
 residual add (x += mlp(...)) into the next layer's fused add + norm, and the last one into
 the final norm (PreNormBlock.forward_deferred, HiddenStateTaps.run_layers' `deferred`): the same
 roundings as adding first, so every logprob must be the same bits as the unfolded loop's;
+the same for the hybrids (Qwen3.5 / Qwen3-Next), whose norms fuse the add natively;
 and a step with taps (whose stream must be whole between layers) takes the plain loop."""
 from __future__ import annotations
 
@@ -54,6 +55,51 @@ def test_folded_residual_adds_are_bit_identical(tiny_model_factory, monkeypatch,
     calls.update(deferred=0, plain=0)
     _, reference = _run(tm, dtype)
     assert calls["plain"] > 0
+    assert folded == reference
+
+
+HYBRID = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              initializer_range=0.1, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3_5", {}),
+    ("qwen3_next", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, decoder_sparse_step=1)),
+], ids=["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_hybrid_folded_adds_are_bit_identical(tmp_path, monkeypatch, arch, overrides, dtype):
+    """Qwen3.5 / Qwen3-Next layers (Gated DeltaNet and gated attention, dense and MoE
+    MLPs): both residual adds through the zero-centered norm's add_forward (in bf16 the
+    native add_rms_norm_zero_centered_), the MLP's folded into the next layer's norm,
+    bit for bit the unfused loop's (each add, then the norm) over chunked prefill and
+    decode, logprobs and prompt logprobs."""
+    from conftest import build_checkpoint, make_prompts
+    from tokenmill.models.qwen3_next import ZeroCenteredRMSNorm
+    path = str(tmp_path / arch)
+    hf = build_checkpoint(path, arch, dict(HYBRID, **overrides), seed=2)
+    tm = type("Tiny", (), {"path": path,
+                           "prompts": make_prompts([40, 9, 70], hf.config.vocab_size, seed=4)})
+    calls = {"fused": 0}
+    real_add_forward = ZeroCenteredRMSNorm.add_forward
+
+    def counted(self, residual, x):
+        calls["fused"] += 1
+        return real_add_forward(self, residual, x)
+    monkeypatch.setattr(ZeroCenteredRMSNorm, "add_forward", counted)
+    _, folded = _run(tm, dtype)
+    assert calls["fused"] > 0
+
+    def unfused(self, residual, x):  # the layer as it was: x + h, then the norm
+        return self(residual.add_(x))
+    real_run_layers = HiddenStateTaps.run_layers
+
+    def unfolded(self, x, step, norm, span=None, tapped=None, deferred=None):
+        return real_run_layers(self, x, step, norm, span, tapped)
+    monkeypatch.setattr(ZeroCenteredRMSNorm, "add_forward", unfused)
+    monkeypatch.setattr(HiddenStateTaps, "run_layers", unfolded)
+    _, reference = _run(tm, dtype)
     assert folded == reference
 
 

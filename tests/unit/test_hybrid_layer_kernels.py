@@ -1,7 +1,8 @@
 """The native kernels around Gated DeltaNet's delta rule (Qwen3.5 / Qwen3-Next), at every
 level this CPU runs, against the layer's PyTorch code on the same inputs: the causal
 conv1d + SiLU (kernels/cpu_causal_conv.cpp) over several sequences and decode rows
-with their conv state slots, and the zero-centered and gated RMSNorms (cpu_norm.cpp).
+with their conv state slots, and the zero-centered and gated RMSNorms (cpu_norm.cpp), the
+first with the residual add folded in.
 In bf16 the roundings are the PyTorch path's, so all but a few elements (sums taken
 in another order landing on the other side of a rounding) are equal bit for bit."""
 import pytest
@@ -165,3 +166,33 @@ def test_a_conv_kernel_past_the_native_limit_keeps_the_pytorch_conv(ops):
         assert torch.isfinite(out).all()
         outs.append(bool(conv_calls))
     assert outs == [True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,dim", [(300, 512), (7, 64), (5, 20), (1, 1)])
+def test_add_zero_centered_norm_is_the_add_then_the_norm(ops, dtype, rows, dim):
+    """add_rms_norm_zero_centered_: the residual stream += x in place (rounded to the
+    dtype) and the zero-centered norm of it, bit for bit the two kernels one after the
+    other; x a column slice (rows of a wider stride), odd widths (the scalar tails)."""
+    gen = torch.Generator().manual_seed(3)
+    residual = (torch.randn(rows, dim, generator=gen) * 2).to(dtype)
+    x = (torch.randn(rows, dim + 3, generator=gen)).to(dtype)[:, :dim]
+    weight = (torch.randn(dim, generator=gen) * 0.3).to(dtype)
+    want_res = residual + x
+    want = ops.rms_norm_zero_centered(want_res, weight, 1e-6)
+    got_res = residual.clone()
+    got = ops.add_rms_norm_zero_centered_(got_res, x, weight, 1e-6)
+    assert torch.equal(got_res, want_res)
+    assert torch.equal(got, want)
+
+
+def test_add_zero_centered_norm_refusals(ops):
+    residual, x, w = torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="residual must be contiguous"):
+        ops.add_rms_norm_zero_centered_(residual.t(), x.t(), torch.zeros(4), 1e-6)
+    with pytest.raises(RuntimeError, match="x must be shaped like residual"):
+        ops.add_rms_norm_zero_centered_(residual, x[:3], w, 1e-6)
+    with pytest.raises(RuntimeError, match="x must be shaped like residual"):
+        ops.add_rms_norm_zero_centered_(residual, x.bfloat16(), w, 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        ops.add_rms_norm_zero_centered_(residual, x, w.bfloat16(), 1e-6)

@@ -93,6 +93,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_rms_norm", &gated_rms_norm,
         "each head row of x normalised, times weight, times silu(z) (Gated DeltaNet's output norm)",
         pybind11::arg("x"), pybind11::arg("z"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("add_rms_norm_zero_centered_", &add_rms_norm_zero_centered_,
+        "residual += x in place (rounded to the dtype), then rms_norm_zero_centered(residual)",
+        pybind11::arg("residual"), pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("eps"));
   m.def("causal_conv1d_silu", &causal_conv1d_silu,
         "silu(depthwise causal conv1d) of each sequence, continuing from its conv state slot",
         pybind11::arg("x"), pybind11::arg("conv_state"), pybind11::arg("weight"),

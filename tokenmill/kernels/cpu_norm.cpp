@@ -218,6 +218,46 @@ torch::Tensor rms_norm_zero_centered(torch::Tensor x, torch::Tensor weight, doub
   return y;
 }
 
+// residual [R, D] contiguous += x [R, D] (rows of any stride, last dim contiguous),
+// rounded to the dtype in place; then -> rms_norm_zero_centered(residual). A layer's
+// residual add folded into the next norm: one pass over the stream, the roundings of
+// the add and the norm done one after the other.
+torch::Tensor add_rms_norm_zero_centered_(torch::Tensor residual, torch::Tensor x,
+                                          torch::Tensor weight, double eps) {
+  const char* what = "add_rms_norm_zero_centered_";
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.scalar_type() == residual.scalar_type(),
+              what, ": weight must be contiguous [D] in residual's dtype");
+  const int64_t d = weight.size(0);
+  TORCH_CHECK(residual.dim() == 2 && residual.size(1) == d && residual.is_contiguous(), what,
+              ": residual must be contiguous [R, ", d, "]");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() &&
+                  x.scalar_type() == residual.scalar_type() && (d <= 1 || x.stride(1) == 1),
+              what, ": x must be shaped like residual, in its dtype, with contiguous rows");
+  torch::Tensor y = torch::empty_like(residual);
+  const int64_t rows = residual.size(0);
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    const int64_t ldx = x.stride(0);
+    at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* rr = res + r * d;
+        const scalar_t* xr = xp + r * ldx;
+        int64_t i = 0;
+        for (; i + W <= d; i += W) (Vec::load(rr + i) + Vec::load(xr + i)).store(rr + i);
+        for (; i < d; ++i) rr[i] = static_cast<scalar_t>(to_f(rr[i]) + to_f(xr[i]));
+        zero_centered_row<scalar_t>(rr, w, yp + r * d, d, static_cast<float>(eps));
+      }
+    });
+  };
+  dispatch_floats(residual.scalar_type(), what, run);
+  return y;
+}
+
 // x [T, H, D] (fp32 or weight's dtype; last dim contiguous), z [T, H, D] (weight's
 // dtype, last dim contiguous), weight [D] -> [T, H, D] in weight's dtype: each head's
 // row normalised, times weight, times silu(z), rounded as Qwen3_5RMSNormGated on x

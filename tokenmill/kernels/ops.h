@@ -163,6 +163,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // and the gated norm of the delta rule's output, times silu(z).
 torch::Tensor rms_norm_zero_centered(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor z, torch::Tensor weight, double eps);
+// residual += x (in place, rounded to the dtype), then the zero-centered norm of it.
+torch::Tensor add_rms_norm_zero_centered_(torch::Tensor residual, torch::Tensor x,
+                                          torch::Tensor weight, double eps);
 // The depthwise causal conv1d + SiLU before the delta rule (cpu_causal_conv.cpp).
 torch::Tensor causal_conv1d_silu(torch::Tensor x, torch::Tensor conv_state, torch::Tensor weight,
                                  torch::Tensor cu_seqlens, torch::Tensor read_slots,

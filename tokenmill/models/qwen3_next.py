@@ -27,7 +27,7 @@ from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
 from tokenmill.models.layers.rotary import RotaryEmbedding
-from tokenmill.models.layers.taps import HiddenStateTaps
+from tokenmill.models.layers.taps import HiddenStateTaps, PreNormBlock
 from tokenmill.models.llama import DecoderConfig
 from tokenmill.models.weight_names import text_model_name
 
@@ -84,6 +84,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place: the residual stream), then the norm of it; with the
+        native kernel one pass, the same roundings."""
+        if (self._ops is not None and residual.dtype == x.dtype == self.weight.dtype
+                and residual.dim() == 2 and residual.is_contiguous() and x.dim() == 2
+                and x.stride(-1) == 1):
+            return self._ops.add_rms_norm_zero_centered_(residual, x, self.weight, self.eps)
+        return self(residual.add_(x))
+
 
 class GatedAttention(nn.Module):
     """Softmax attention whose output is scaled by sigmoid(gate), gate from q_proj."""
@@ -122,7 +131,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormBlock, nn.Module):
     def __init__(self, c: HybridConfig, layer_idx: int, shared_expert_gate: bool):
         super().__init__()
         self.is_linear = c.layer_types[layer_idx] == "linear_attention"
@@ -144,14 +153,10 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, rotary, meta):
-        h = self.input_layernorm(x)
+    def mix(self, normed, cos, sin, rotary, meta):
         if self.is_linear:
-            h = self.linear_attn(h, meta)
-        else:
-            h = self.self_attn(h, cos, sin, rotary, meta)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return self.linear_attn(normed, meta)
+        return self.self_attn(normed, cos, sin, rotary, meta)
 
 
 class Qwen3NextForCausalLM(HiddenStateTaps, nn.Module):
@@ -197,8 +202,12 @@ class Qwen3NextForCausalLM(HiddenStateTaps, nn.Module):
         (image rows in place); positions [T], or M-RoPE's [3, T]."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+
+        def deferred(i, h, pending):
+            return self.layers[i].forward_deferred(h, pending, cos, sin, self.rotary, meta)
+
         return self.run_layers(x, lambda i, h: self.layers[i](h, cos, sin, self.rotary, meta),
-                               self.norm)
+                               self.norm, deferred=(deferred, self.norm.add_forward))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -29,7 +29,9 @@ Tapped = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor]
 class PreNormBlock:
     """Mixin of the decoder layers built input_layernorm -> self_attn -> (+ residual)
     post_attention_layernorm -> mlp -> (+ residual) (Llama / Qwen / Mistral / Phi-3,
-    DeepSeek-V2/V3): `forward`, and `forward_deferred` for run_layers' folded loop."""
+    DeepSeek-V2/V3; Qwen3.5 / Qwen3-Next, whose `mix` is Gated DeltaNet or attention):
+    `forward`, and `forward_deferred` for run_layers' folded loop. The norms have
+    `add_forward(residual, x)` (residual += x in place, then the norm)."""
 
     def forward(self, x, cos, sin, rotary, meta):
         # x is this step's own residual stream: updated in place (no autograd here).
@@ -46,8 +48,12 @@ class PreNormBlock:
             normed = self.input_layernorm(x)
         else:
             normed = self.input_layernorm.add_forward(x, pending)
-        h = self.self_attn(normed, cos, sin, rotary, meta)
+        h = self.mix(normed, cos, sin, rotary, meta)
         return x, self.mlp(self.post_attention_layernorm.add_forward(x, h))
+
+    def mix(self, normed, cos, sin, rotary, meta):
+        """The token mixer between the two norms (a hybrid layer's may be another)."""
+        return self.self_attn(normed, cos, sin, rotary, meta)
 
 
 class HiddenStateTaps:
