@@ -127,8 +127,9 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
-        out = self.attn(q, k, v, meta) * torch.sigmoid(gate.reshape(t, self.q_size))
-        return self.o_proj(out)
+        # (the gate by heads, as q_proj left it: reshaping it to [t, q_size] was a copy)
+        out = self.attn(q, k, v, meta).view(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(out.view(t, self.q_size))
 
 
 class HybridDecoderLayer(PreNormBlock, nn.Module):

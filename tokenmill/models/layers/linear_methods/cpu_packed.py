@@ -28,8 +28,10 @@ _BF16_INPUTS = (torch.float32, torch.bfloat16)
 
 def _packed_linear(kernel, packed: torch.Tensor, layer, x: torch.Tensor,
                    rows: int) -> torch.Tensor:
-    y = kernel(x.reshape(rows, layer.in_features), packed, layer.out_features,
-               layer.bias if layer.bias is not None else _NO_BIAS)
+    # (a 2-D x goes as it is: a reshape to its own shape is an aten call for nothing, on
+    # every linear of a step)
+    y = kernel(x if x.dim() == 2 else x.reshape(rows, layer.in_features), packed,
+               layer.out_features, layer.bias if layer.bias is not None else _NO_BIAS)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], layer.out_features)
 
 
