@@ -49,6 +49,17 @@ def inputs(lens, hk, hv, dk, dv, slots, seed=0, strided=False):
     return q, k, v, g, beta, state, cu
 
 
+def assert_slots(got, want_out, got_state, want_state, state, write, tol):
+    """The outputs as the recurrence's; every written slot as the recurrence leaves it,
+    the slots read elsewhere and the untouched ones as they were."""
+    rtol, atol = tol
+    torch.testing.assert_close(got.double(), want_out, rtol=rtol, atol=atol)
+    for slot in range(state.shape[0]):
+        want = want_state[slot] if slot in write.tolist() else state[slot].double()
+        torch.testing.assert_close(got_state[slot].double(), want, rtol=rtol, atol=atol,
+                                   msg=f"slot {slot}")
+
+
 SHAPES = [(2, 2, 64, 64), (2, 4, 32, 48), (1, 3, 20, 17), (2, 2, 128, 128), (1, 1, 8, 1)]
 
 
@@ -62,13 +73,7 @@ def test_matches_the_recurrence_in_float64(ops, hk, hv, dk, dv):
     got_state = state.clone()
     got = ops.gated_delta_rule(q, k, v, g, beta, got_state, cu, read, write)
     assert got.shape == v.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=2e-6)
-    # every written slot as the recurrence leaves it; the slots read elsewhere and the
-    # untouched ones (1, 2, 4, 8) as they were
-    for slot in range(9):
-        want = want_state[slot] if slot in write.tolist() else state[slot].double()
-        torch.testing.assert_close(got_state[slot].double(), want, rtol=1e-5, atol=2e-6,
-                                   msg=f"slot {slot}")
+    assert_slots(got, want_out, got_state, want_state, state, write, tol=(1e-5, 2e-6))
 
 
 def test_strided_views_and_decode_rows(ops):
@@ -173,11 +178,7 @@ def test_qkv_entry_matches_the_layer_formulas(ops, dtype, hk, hv, dk, dv):
     got = ops.gated_delta_rule_qkv(mixed, a, b, layer.A_log, layer.dt_bias, got_state, cu,
                                    read, write, hk, dk ** -0.5)
     assert got.shape == (sum(lens), hv, dv) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want_out, rtol=2e-5, atol=5e-6)
-    for slot in range(9):
-        want = want_state[slot] if slot in write.tolist() else state[slot].double()
-        torch.testing.assert_close(got_state[slot].double(), want, rtol=2e-5, atol=5e-6,
-                                   msg=f"slot {slot}")
+    assert_slots(got, want_out, got_state, want_state, state, write, tol=(2e-5, 5e-6))
 
 
 def test_qkv_entry_equals_the_prepared_entry_on_the_same_inputs(ops):
