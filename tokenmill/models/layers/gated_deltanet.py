@@ -299,7 +299,8 @@ class GatedDeltaNet(nn.Module):
                 ("dt_bias", None): tp.split(0, hv), ("A_log", None): tp.split(0, hv)}
 
     def set_linear_attention(self, kind: str, kernels=None) -> None:
-        """"native": the CPU kernels module `kernels`' gated_delta_rule; "fla":
+        """"native": the CPU kernels module `kernels`' gated_delta_rule_qkv (and its
+        causal_conv1d_silu); "fla":
         flash-linear-attention's kernels where installed (CUDA), `kernels` = (chunk,
         fused recurrent) to use instead of fla's own (tests); else PyTorch."""
         rule = getattr(kernels, "gated_delta_rule_qkv", None) if kind == "native" else None
