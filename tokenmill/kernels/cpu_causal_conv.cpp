@@ -5,11 +5,12 @@
 // Token-major and vectorised over channels: out[t, c] = silu(sum_j w[c, j] x[t - K + 1 + j, c]),
 // the inputs before the chunk read from the state, the chunk's last K - 1 inputs left
 // in the state. The state keeps them token-major ([K - 1, C] a slot, as x's rows), so a
-// window reaching into it (every decode row's) is vector loads too. Rounded as the PyTorch path rounds it (F.conv1d in the model dtype,
-// then F.silu): the sum in fp32 rounded to the dtype, silu of that in fp32 rounded
-// again. That path transposed the chunk to channel-major, concatenated the state in
-// front, convolved and transposed back: ~8 ms a layer for 2,000 tokens of 1,024
-// channels in bf16 on 2 cores, where this reads each input K times from L1.
+// window reaching into it (every decode row's) is vector loads too. Rounded as the
+// PyTorch path rounds it (F.conv1d in the model dtype, then F.silu): the sum in fp32
+// rounded to the dtype, silu of that in fp32 rounded again. That path transposed the
+// chunk to channel-major, concatenated the state in front, convolved and transposed
+// back: ~8 ms a layer for 2,000 tokens of 1,024 channels in bf16 on 2 cores, where this
+// reads each input K times from L1.
 #include "ops.h"
 
 #include <algorithm>
@@ -68,7 +69,8 @@ void conv_channels(const T* x, int64_t ldx, const float (&wt)[kMaxK][kChannels],
     if (!(tmvec::reduce_max(largest) <= 88.3f)) c = 0;
     for (; c < n; ++c) {
       float acc = 0.f;
-      for (int64_t j = 0; j < K; ++j) acc = std::fma(wt[j][c], static_cast<float>(rows[j][c]), acc);
+      for (int64_t j = 0; j < K; ++j)
+        acc = std::fma(wt[j][c], static_cast<float>(rows[j][c]), acc);
       out[t * ldo + c] = static_cast<T>(silu_scalar<T>(r<T>(acc)));
     }
   }
@@ -86,8 +88,9 @@ void conv_channels(const T* x, int64_t ldx, const float (&wt)[kMaxK][kChannels],
 }  // namespace
 
 // x [T, C] (rows of any stride, channels contiguous), conv_state [S, K - 1, C] (a slot's
-// last K - 1 inputs, oldest first, as x's rows) and weight [C, K] contiguous, all one dtype. Sequence n is tokens [cu_seqlens[n],
-// cu_seqlens[n + 1]), from conv_state[read_slots[n]] into conv_state[write_slots[n]];
+// last K - 1 inputs, oldest first, as x's rows) and weight [C, K] contiguous, all one
+// dtype. Sequence n is tokens [cu_seqlens[n], cu_seqlens[n + 1]), from
+// conv_state[read_slots[n]] into conv_state[write_slots[n]];
 // no sequence may read a slot another writes. Returns silu(conv) [T, C] in x's dtype.
 torch::Tensor causal_conv1d_silu(torch::Tensor x, torch::Tensor conv_state, torch::Tensor weight,
                                  torch::Tensor cu_seqlens, torch::Tensor read_slots,
