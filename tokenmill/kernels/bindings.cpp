@@ -135,6 +135,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all decoder layers of a Gemma 3 model for a decode-only step, in one call");
   m.def("gemma4_decode_layers", &gemma4_decode_layers,
         "all decoder layers of a dense Gemma 4 model for a decode-only step, in one call");
+  m.def("hybrid_decode_layers", &hybrid_decode_layers,
+        "all decoder layers of a Qwen3.5 / Qwen3-Next model (dense MLPs) for a decode-only "
+        "step, in one call");
   // The capability level this module was built for, and what it can do well.
   m.attr("capability") = TOKENMILL_CPU_LEVEL_NAME;
   m.attr("vector_lanes") = tmvec::Vec::W;  // fp32 lanes of the kernels' vectors

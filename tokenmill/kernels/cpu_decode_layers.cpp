@@ -10,15 +10,13 @@
 // (tokenmill/models/layers/decode_layers.py).
 #include <cstring>
 
+#include "decode_linear.h"
 #include "ops.h"
 #include "parallel.h"
 
 namespace {
 
-// A linear's tensors: the packed weight (bf16 / fp32 packed, or the integer codes of
-// pack_quant_weight), the integer kind's scales and zero points and its act-order
-// permutation of the inputs, and the bias (empty tensor = none).
-enum LinearSlot { W, SCALES, ZEROS, PERM, BIAS, LINEAR_SLOTS };
+using tmdecode::LINEAR_SLOTS;
 
 // The tensors of one layer in `weights`, in this order; each linear is LINEAR_SLOTS long.
 enum Slot {
@@ -92,15 +90,10 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
   auto norm = [&](const torch::Tensor& v, const torch::Tensor& weight) {
     return f32 ? at::rms_norm(v, {hidden}, weight, eps) : rms_norm(v, weight, eps);
   };
-  // As Linear.forward through the layer's method: the packed float kernel, or
-  // QuantizedLinearMethod's (quantized_cpu.py: inputs permuted for act-order first).
+  // As Linear.forward through the layer's method (decode_linear.h).
   auto linear = [&](const torch::Tensor& v, const torch::Tensor* lin, int64_t n,
                     const int64_t* bits_group) {
-    const int64_t bits = bits_group[0];
-    if (bits == 0)
-      return f32 ? linear_f32(v, lin[W], n, lin[BIAS]) : linear_bf16(v, lin[W], n, lin[BIAS]);
-    const torch::Tensor in = lin[PERM].numel() > 0 ? v.index_select(1, lin[PERM]) : v;
-    return linear_quant(in, lin[W], lin[SCALES], lin[ZEROS], n, bits, bits_group[1], lin[BIAS]);
+    return tmdecode::linear(v, lin, n, bits_group, f32);
   };
   // One parallel region for every layer of a small step: the linears' and attention's
   // loops are handed to its waiting threads (parallel.h) instead of each forking its own.

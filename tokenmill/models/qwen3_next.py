@@ -23,6 +23,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.config import flatten_text_config
 from tokenmill.models.layers.attention import PagedAttention
 from tokenmill.models.layers.gated_deltanet import GatedDeltaNet
+from tokenmill.models.layers.hybrid_decode_layers import HybridDecodeLayers
 from tokenmill.models.layers.linear import Linear, QKVParallel
 from tokenmill.models.layers.mlp import GatedMLP
 from tokenmill.models.layers.moe import SparseMoeBlock
@@ -189,6 +190,17 @@ class Qwen3NextForCausalLM(HiddenStateTaps, nn.Module):
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The native loop over every layer of a decode step (set_decode_layers), or None.
+        self.decode_layers: HybridDecodeLayers | None = None
+
+    def set_decode_layers(self, ops, max_rows: int) -> None:
+        """The platform's decision, at load (after the weights are packed): `ops` with
+        `hybrid_decode_layers` turns the native loop on where every layer would take its
+        native kernels; None turns it off."""
+        loop = None
+        if ops is not None and hasattr(ops, "hybrid_decode_layers"):
+            loop = HybridDecodeLayers(self, ops, max_rows)
+        self.decode_layers = loop if loop is not None and loop.supported else None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers if not layer.is_linear]
@@ -203,6 +215,9 @@ class Qwen3NextForCausalLM(HiddenStateTaps, nn.Module):
         (image rows in place); positions [T], or M-RoPE's [3, T]."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        loop = self.decode_layers
+        if loop is not None and not self.aux_layer_ids and loop.applies(x, meta):
+            return self.norm(loop(x, cos, sin, meta))
 
         def deferred(i, h, pending):
             return self.layers[i].forward_deferred(h, pending, cos, sin, self.rotary, meta)
