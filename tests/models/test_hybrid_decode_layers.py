@@ -187,3 +187,42 @@ def test_not_used_without_native_kernels_or_for_moe(checkpoints, tmp_path, monke
     assert runner_of(llm).model.decode_layers is None
     llm.generate(prompt, params, use_tqdm=False)
     assert rows == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculative_verify_steps_are_bit_identical(checkpoints, monkeypatch, widened, dtype):
+    """n-gram speculation: a verifying row's tokens run the DeltaNet layers token by token
+    from read to write slots (StateMetadata.decode_steps); the loop's stream and every
+    state slot equal the Python layers', and the output equals the plain engine's."""
+    from tokenmill.platforms.cpu import CpuPlatform
+    # Drafts at every batch size: the CPU's row budget would leave a batch without them.
+    monkeypatch.setattr(CpuPlatform, "fast_decode_rows", property(lambda self: None))
+    steps = []
+    real_applies = HybridDecodeLayers.applies
+
+    def applies(self, x, meta):
+        ok = real_applies(self, x, meta)
+        if ok and meta.state.decode_steps is not None:
+            steps.append(len(meta.state.decode_steps))
+        return ok
+
+    monkeypatch.setattr(HybridDecodeLayers, "applies", applies)
+    rows = _spy(monkeypatch, compare=True)
+    path = checkpoints("qwen3_5")
+    spec = make_llm(path, dtype=dtype, max_model_len=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    if runner_of(spec).model.decode_layers is None:
+        pytest.skip("no packed linears at this level")
+    # Half the token ids in each prompt, once each: about every other token the model
+    # emits is found there, so the n-gram proposer drafts the prompt's next ids (mostly
+    # rejected, some accepted).
+    vocab = _vocab(spec)
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randperm(vocab, generator=g)[:vocab // 2].tolist()}
+               for _ in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert steps and max(steps) > 1 and rows  # verify steps of several tokens a row ran
+    plain = make_llm(path, dtype=dtype, max_model_len=256, decode_layers=False)
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params,
+                                                                  use_tqdm=False)]

@@ -54,7 +54,10 @@ enum QuantSlot { Q_MIX_IN, Q_MIX_OUT, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 // int32 and seq_lens [T] int32: the attention layers' KV cache group;
 // query_start_loc [T + 1] int64 (one token a row) and state_indices [T] int64: the
 // DeltaNet layers' rows and their state slots (read and written in place);
-// kv_scales: per layer (k_scale, v_scale) of an fp8 cache, or empty (all 1.0).
+// kv_scales: per layer (k_scale, v_scale) of an fp8 cache, or empty (all 1.0);
+// decode_steps: empty, or a speculative step's (rows [m], read slots [m], write slots [m])
+// for token j = 0, 1, ... of every row that has one (StateMetadata.decode_steps; then
+// query_start_loc / state_indices are not read).
 torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                    std::vector<int64_t> linear_layers,
                                    std::vector<int64_t> dims, std::vector<int64_t> quant,
@@ -62,7 +65,8 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
                                    torch::Tensor sin, torch::Tensor slot_block,
                                    torch::Tensor slot_offset, torch::Tensor block_table,
                                    torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                   torch::Tensor state_indices, std::vector<double> kv_scales) {
+                                   torch::Tensor state_indices, std::vector<double> kv_scales,
+                                   std::vector<torch::Tensor> decode_steps) {
   TORCH_CHECK(weights.size() % NUM_SLOTS == 0, "hybrid_decode_layers: ", NUM_SLOTS,
               " tensors per layer");
   const size_t num_layers = weights.size() / NUM_SLOTS;
@@ -77,7 +81,10 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
                 inter = dims[5], nk = dims[6], nv = dims[7], dk = dims[8], dv = dims[9];
   const int64_t t = x.size(0), q_size = hq * d, kv_size = hkv * d;
   const int64_t key_dim = nk * dk, value_dim = nv * dv, conv_dim = 2 * key_dim + value_dim;
-  TORCH_CHECK(query_start_loc.numel() == t + 1 && state_indices.numel() == t,
+  TORCH_CHECK(decode_steps.size() % 3 == 0,
+              "hybrid_decode_layers: decode_steps must be (rows, read slots, write slots) triples");
+  const size_t num_steps = decode_steps.size() / 3;
+  TORCH_CHECK(num_steps > 0 || (query_start_loc.numel() == t + 1 && state_indices.numel() == t),
               "hybrid_decode_layers: one token and one state slot a row");
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto dtype = x.scalar_type();
@@ -139,12 +146,35 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
         torch::Tensor z = proj.narrow(1, conv_dim, value_dim);
         torch::Tensor b = proj.narrow(1, conv_dim + value_dim, nv);
         torch::Tensor a = proj.narrow(1, conv_dim + value_dim + nv, nv);
-        torch::Tensor conv_out = causal_conv1d_silu(mixed, w[CONV_STATE], w[CONV_W],
-                                                    query_start_loc, state_indices,
-                                                    state_indices);
-        torch::Tensor core = gated_delta_rule_qkv(conv_out, a, b, w[A_LOG], w[DT_BIAS],
-                                                  w[SSM_STATE], query_start_loc,
-                                                  state_indices, state_indices, nk, q_scale);
+        torch::Tensor conv_out, core;
+        if (num_steps == 0) {
+          conv_out = causal_conv1d_silu(mixed, w[CONV_STATE], w[CONV_W], query_start_loc,
+                                        state_indices, state_indices);
+          core = gated_delta_rule_qkv(conv_out, a, b, w[A_LOG], w[DT_BIAS], w[SSM_STATE],
+                                      query_start_loc, state_indices, state_indices, nk, q_scale);
+        } else {
+          // Speculation (GatedDeltaNet._by_pieces): token j of every row that has one, in
+          // order j = 0, 1, ..., each a one-token sequence from its read slot to its write
+          // slot; the conv's steps, then the rule's.
+          conv_out = at::empty_like(mixed);
+          for (size_t s = 0; s < num_steps; ++s) {
+            const torch::Tensor& rows = decode_steps[3 * s];
+            const torch::Tensor cu = at::arange(rows.numel() + 1, rows.options());
+            conv_out.index_put_({rows}, causal_conv1d_silu(mixed.index({rows}), w[CONV_STATE],
+                                                           w[CONV_W], cu, decode_steps[3 * s + 1],
+                                                           decode_steps[3 * s + 2]));
+          }
+          core = at::empty({t, nv, dv}, x.options().dtype(at::kFloat));
+          for (size_t s = 0; s < num_steps; ++s) {
+            const torch::Tensor& rows = decode_steps[3 * s];
+            const torch::Tensor cu = at::arange(rows.numel() + 1, rows.options());
+            core.index_put_({rows}, gated_delta_rule_qkv(
+                                        conv_out.index({rows}), a.index({rows}), b.index({rows}),
+                                        w[A_LOG], w[DT_BIAS], w[SSM_STATE], cu,
+                                        decode_steps[3 * s + 1], decode_steps[3 * s + 2], nk,
+                                        q_scale));
+          }
+        }
         core = gated_norm(core, z.reshape({t, nv, dv}), w[GATED_NORM]);
         mixed_out = linear(core.reshape({t, value_dim}), w + MIX_OUT, hidden, lq + 2 * Q_MIX_OUT);
       } else {

@@ -202,7 +202,8 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
                                    torch::Tensor sin, torch::Tensor slot_block,
                                    torch::Tensor slot_offset, torch::Tensor block_table,
                                    torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                   torch::Tensor state_indices, std::vector<double> kv_scales);
+                                   torch::Tensor state_indices, std::vector<double> kv_scales,
+                                   std::vector<torch::Tensor> decode_steps);
 torch::Tensor gemma_decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights,
                                   std::vector<int64_t> layer_info, std::vector<int64_t> dims,
                                   double eps, double scale, double softcap,

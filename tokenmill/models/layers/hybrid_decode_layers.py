@@ -8,9 +8,10 @@ slots, gated attention over the paged KV cache, the zero-centred norms with the
 residual adds folded in), in the same order, so the residual stream is bit-identical
 to theirs. A one-row step of the bench model made ~110 calls through nn.Module code.
 
-It serves the steps whose rows are all one-token decodes each run in place on its own
-state slot (`StateMetadata.query_start_loc` set: no speculation, no prefix-cache
-snapshot this step), bf16 with packed bf16 linears and native norms or fp32 with packed
+It serves decode-only steps without a prefix-cache state snapshot: rows that each run
+one token in place on their own state slot (`StateMetadata.query_start_loc`), or a
+speculative step's verifying rows (`decode_steps`: token j of every row from its read
+slot to its write slot, j = 0, 1, ...), bf16 with packed bf16 linears and native norms or fp32 with packed
 fp32 linears (any linear may be natively quantized instead); MoE layers are not in the
 loop (such a model is not `supported`). Every other step runs the Python layers, which
 stay the model's definition.
@@ -79,13 +80,17 @@ class HybridDecodeLayers:
                         and (n._ops is not None) == native_norms for n in norms))
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode-only step whose rows each run one token in place on their state slot,
-        on CPU with every layer's native kernels."""
+        """A decode-only step on CPU with every layer's native kernels: rows that each run
+        one token in place on their state slot, or a speculative step's rows (one token and
+        its drafts each, `StateMetadata.decode_steps`); no state snapshot this step."""
         sm = meta.state
-        return (not meta.prefills and meta.num_decodes == x.shape[0] and sm is not None
-                and sm.query_start_loc is not None and sm.decode_steps is None
-                and not sm.prefills and sm.query_start_loc.numel() == x.shape[0] + 1
-                and x.dtype == self.dtype and x.shape[0] <= self.max_rows and self._bind())
+        if (meta.prefills or meta.num_decodes != x.shape[0] or sm is None or sm.prefills
+                or sm.decode_snapshots):
+            return False
+        whole = (sm.decode_steps is not None or (sm.query_start_loc is not None
+                 and sm.query_start_loc.numel() == x.shape[0] + 1))
+        return (whole and x.dtype == self.dtype and x.shape[0] <= self.max_rows
+                and self._bind())
 
     def _bind(self) -> bool:
         """Gather the layer tensors (again after the runner binds new KV caches or state
@@ -145,7 +150,9 @@ class HybridDecodeLayers:
             x, weights, self.kinds, self.dims, quant, self.eps, self.scale, self.q_scale,
             cos, sin, m.slot_block, m.slot_offset,
             *((m.decode_block_table, m.decode_seq_lens) if self._attn else (none, none)),
-            sm.query_start_loc, sm.state_indices, scales)
+            *((none, none) if sm.query_start_loc is None
+              else (sm.query_start_loc, sm.state_indices)),
+            scales, [t for step in sm.decode_steps or () for t in step])
 
 
 def _linears(layer) -> tuple:
