@@ -108,8 +108,8 @@ def _spy(monkeypatch, compare: bool):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_native_decode_layers_are_bit_identical(checkpoints, monkeypatch, widened, ops, name,
                                                 dtype):
-    """bf16 (packed bf16 linears, native norms) and fp32 (packed fp32 linears, the norms'
-    PyTorch formulas called from C++); rows 1 to 4 (the team's loop) in varied mixes."""
+    """bf16 (packed bf16 linears) and fp32 (packed fp32 linears; the zero-centred and
+    gated norms native in fp32 too); rows 1 to 4 (the team's loop) in varied mixes."""
     rows = _spy(monkeypatch, compare=True)
     llm = make_llm(checkpoints(name), dtype=dtype, max_num_seqs=4, max_model_len=64)
     loop = runner_of(llm).model.decode_layers
@@ -226,3 +226,25 @@ def test_speculative_verify_steps_are_bit_identical(checkpoints, monkeypatch, wi
     plain = make_llm(path, dtype=dtype, max_model_len=256, decode_layers=False)
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params,
                                                                   use_tqdm=False)]
+
+
+def test_fp32_models_take_the_zero_centred_and_gated_norm_kernels(checkpoints):
+    """The zero-centred and gated norms have no fused ATen op (their PyTorch forms are 7-9
+    ops, a pass over the rows each), so an fp32 model takes their kernels too
+    (`native_fp32_norm`, the CPU platform's `fp32_norm`), in the Python layers and the
+    loop alike; with cpu_kernels="torch" they stay PyTorch's."""
+    from tokenmill.models.layers.gated_deltanet import GatedRMSNorm
+    from tokenmill.models.qwen3_next import ZeroCenteredRMSNorm
+    llm = make_llm(checkpoints("qwen3_5"), dtype="float32", max_model_len=64)
+    platform = llm.llm_engine.platform
+    if platform.ops is None:
+        pytest.skip("no native CPU kernels")
+    assert platform.norm == "torch" and platform.fp32_norm == "native"
+    norms = [m for m in runner_of(llm).model.modules()
+             if isinstance(m, (ZeroCenteredRMSNorm, GatedRMSNorm))]
+    assert len(norms) == 4 * 2 + 3 + 2 + 1  # per layer 2; the DeltaNet's, q/k, final
+    assert all(n._ops is platform.ops for n in norms)
+    torch_llm = make_llm(checkpoints("qwen3_5"), dtype="float32", max_model_len=64,
+                         cpu_kernels="torch")
+    assert all(m._ops is None for m in runner_of(torch_llm).model.modules()
+               if isinstance(m, (ZeroCenteredRMSNorm, GatedRMSNorm)))

@@ -9,8 +9,7 @@
 // gated_deltanet.py: GatedDeltaNet.forward when every row is one sequence, GatedRMSNorm;
 // GatedMLP), in the same order with the same arguments, so the residual stream is
 // bit-identical to theirs. Where the Python layers use PyTorch ops (the attention's
-// partial rotary and output gate; fp32 models' norms) this loop calls the same ATen
-// ops. Which steps take it is decided in Python (models/layers/hybrid_decode_layers.py).
+// partial rotary and output gate) this loop calls the same ATen ops. Which steps take it is decided in Python (models/layers/hybrid_decode_layers.py).
 #include "decode_linear.h"
 #include "ops.h"
 #include "parallel.h"
@@ -41,8 +40,8 @@ enum QuantSlot { Q_MIX_IN, Q_MIX_OUT, Q_GATE_UP, Q_DOWN, NUM_LINEARS };
 
 }  // namespace
 
-// x [T, hidden] bf16 / fp16 (packed bf16 linears, native norms) or fp32 (packed fp32
-// linears, the norms' PyTorch formulas): the residual stream, updated in place through
+// x [T, hidden] bf16 (packed bf16 linears) or fp32 (packed fp32 linears): the residual
+// stream, updated in place through
 // every layer (each MLP output added) and returned; the final norm is the caller's.
 // linear_layers: per layer 1 for Gated DeltaNet, 0 for gated attention.
 // dims: (num_heads, num_kv_heads, head_dim, rotary_dim, hidden, intermediate,
@@ -87,31 +86,14 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
   TORCH_CHECK(num_steps > 0 || (query_start_loc.numel() == t + 1 && state_indices.numel() == t),
               "hybrid_decode_layers: one token and one state slot a row");
   const bool f32 = x.scalar_type() == at::kFloat;
-  const auto dtype = x.scalar_type();
 
-  // ZeroCenteredRMSNorm.forward / add_forward: the native kernels for half-precision
-  // models; an fp32 model's norms are the PyTorch formula, as the module computes it.
-  auto zc_formula = [&](const torch::Tensor& v, const torch::Tensor& w) {
-    torch::Tensor vf = v.to(at::kFloat);
-    vf = vf * at::rsqrt(vf.pow(2).mean({-1}, true) + eps);
-    return (vf * (w.to(at::kFloat) + 1.0)).to(v.scalar_type());
-  };
+  // ZeroCenteredRMSNorm.forward / add_forward and GatedRMSNorm.forward: their native
+  // kernels, which they take in every dtype (`native_fp32_norm`).
   auto norm = [&](const torch::Tensor& v, const torch::Tensor& w) {
-    return f32 ? zc_formula(v, w) : rms_norm_zero_centered(v, w, eps);
+    return rms_norm_zero_centered(v, w, eps);
   };
   auto add_norm = [&](torch::Tensor& residual, const torch::Tensor& v, const torch::Tensor& w) {
-    return f32 ? zc_formula(residual.add_(v), w)
-               : add_rms_norm_zero_centered_(residual, v, w, eps);
-  };
-  // GatedRMSNorm.forward: core (the rule's fp32 output) rounded to z's dtype, normed,
-  // times silu(z).
-  auto gated_norm = [&](const torch::Tensor& core, const torch::Tensor& z,
-                        const torch::Tensor& w) {
-    if (!f32) return gated_rms_norm(core, z, w, eps);
-    torch::Tensor c = core.to(dtype).to(at::kFloat);
-    c = c * at::rsqrt(c.pow(2).mean({-1}, true) + eps);
-    c = w * c.to(dtype);
-    return (c * at::silu(z.to(at::kFloat))).to(dtype);
+    return add_rms_norm_zero_centered_(residual, v, w, eps);
   };
   // RotaryEmbedding.apply: neox rotary on the first rd features, the rest passed through.
   auto rope = [&](const torch::Tensor& v) {
@@ -175,7 +157,7 @@ torch::Tensor hybrid_decode_layers(torch::Tensor x, std::vector<torch::Tensor> w
                                         q_scale));
           }
         }
-        core = gated_norm(core, z.reshape({t, nv, dv}), w[GATED_NORM]);
+        core = gated_rms_norm(core, z.reshape({t, nv, dv}), w[GATED_NORM], eps);
         mixed_out = linear(core.reshape({t, value_dim}), w + MIX_OUT, hidden, lq + 2 * Q_MIX_OUT);
       } else {
         // GatedAttention.forward: q and its gate per head, the q / k norms, rotary, the

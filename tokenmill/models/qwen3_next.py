@@ -66,7 +66,10 @@ class HybridConfig(DecoderConfig):
 
 class ZeroCenteredRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), computed in fp32 and rounded once; the native kernel
-    (`set_norm_kernels`: half-precision models) in one pass a row, strided rows too."""
+    (`set_norm_kernels`) in one pass a row, strided rows too. fp32 models take it too
+    (`native_fp32_norm`): the PyTorch form is seven ops, each a pass over the rows."""
+
+    native_fp32_norm = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

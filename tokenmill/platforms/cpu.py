@@ -370,7 +370,7 @@ class CpuPlatform(Platform):
             linear_bf16_max_rows=linear_bf16_max_rows if packed else 0,
             gemm="onednn_prepacked" if prepack else "torch", weights=weights,
             attention=native,
-            norm=native if ops is not None and half else "torch",
+            norm=native if ops is not None and half else "torch", fp32_norm=native,
             activation=native,
             linear_attention="native" if hasattr(ops, "gated_delta_rule_qkv") else "torch",
             lm_head="greedy_int8" if greedy else "full",

@@ -33,6 +33,9 @@ class Platform:
     gemm: str = "torch"             # "onednn_prepacked" or "torch"
     weights: str = ""               # what the Linear layers keep in memory (for the log)
     norm: str = "torch"             # RMSNorm of half-precision activations: "native" / "torch"
+    # The norms with no fused ATen op (Qwen3.5 / Qwen3-Next's zero-centred and gated ones:
+    # `native_fp32_norm` on the module) in fp32 too: "native" / "torch"
+    fp32_norm: str = "torch"
     activation: str = "torch"       # silu_mul / gelu_tanh_mul: "native" / "torch"
     lm_head: str = "full"           # "greedy_int8" (int8-screened argmax) or "full"
     greedy_head_max_rows: int = 0   # rows that take greedy_int8 (0: never)
@@ -110,6 +113,7 @@ class Platform:
         implementation when the runner binds the KV caches: `attention_backend`.)"""
         self.prepare_gemm_layers(model)
         norm_ops = self.ops if self.norm == "native" else None
+        fp32_norm_ops = self.ops if self.fp32_norm == "native" else None
         act_ops = self.ops if self.activation == "native" else None
         # The fused q/k norm + rotary goes with the native attention kernels (the native
         # decode loops make the same calls).
@@ -118,7 +122,10 @@ class Platform:
         la_ops = self.ops if self.linear_attention == "native" else None
         for module in model.modules():
             if hasattr(module, "set_norm_kernels"):
-                module.set_norm_kernels(norm_ops)
+                # (a norm whose PyTorch form is a chain of ops takes the kernel in fp32
+                # too: the same math, fp32 sums in another order)
+                module.set_norm_kernels(fp32_norm_ops if norm_ops is None and getattr(
+                    module, "native_fp32_norm", False) else norm_ops)
             if hasattr(module, "set_activation_kernels"):
                 module.set_activation_kernels(act_ops)
             if hasattr(module, "set_qk_norm_rope"):

@@ -232,8 +232,10 @@ def fla_chunked(chunk, q, k, v, g, beta, state):
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's output, then times silu(z); x (the delta rule's fp32
     output) is first rounded to z's dtype, the model's. The native kernel
-    (`set_norm_kernels`, half-precision models) does a row in one pass with the same
-    roundings."""
+    (`set_norm_kernels`; fp32 models too, `native_fp32_norm`: the PyTorch form is nine
+    ops) does a row in one pass with the same roundings."""
+
+    native_fp32_norm = True
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -11,9 +11,9 @@ to theirs. A one-row step of the bench model made ~110 calls through nn.Module c
 It serves decode-only steps without a prefix-cache state snapshot: rows that each run
 one token in place on their own state slot (`StateMetadata.query_start_loc`), or a
 speculative step's verifying rows (`decode_steps`: token j of every row from its read
-slot to its write slot, j = 0, 1, ...), bf16 with packed bf16 linears and native norms or fp32 with packed
-fp32 linears (any linear may be natively quantized instead); MoE layers are not in the
-loop (such a model is not `supported`). Every other step runs the Python layers, which
+slot to its write slot, j = 0, 1, ...); bf16 with packed bf16 linears or fp32 with
+packed fp32 linears (any linear may be natively quantized instead), the norms native;
+MoE layers are not in the loop (such a model is not `supported`). Every other step runs the Python layers, which
 stay the model's definition.
 """
 from __future__ import annotations
@@ -58,9 +58,6 @@ class HybridDecodeLayers:
 
     def _layer_supported(self, layer) -> bool:
         dtype = self.dtype
-        # bf16: the native norms (set_norm_kernels); fp32: the PyTorch formulas, which the
-        # loop computes with the same ATen ops.
-        native_norms = dtype != torch.float32
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if layer.is_linear:
             la = layer.linear_attn
@@ -77,7 +74,7 @@ class HybridDecodeLayers:
                 and all(packed_dtype(lin) == dtype or _native_quantized(lin) is not None
                         for lin in _linears(layer))
                 and all(n.weight.dtype == dtype and n.eps == self.eps
-                        and (n._ops is not None) == native_norms for n in norms))
+                        and n._ops is not None for n in norms))  # (the loop's kernels)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step on CPU with every layer's native kernels: rows that each run
