@@ -30,8 +30,15 @@ from test_quant_linear_kernel import _layer, _random  # noqa: E402 (the same ran
 SHAPES = [(45, 264, 264), (33, 128, 32), (1, 64, 64), (70, 512, 128), (64, 40, 8),
           (96, 576, 192), (40, 1536, 1536), (57, 384, 64), (83, 1024, 512),
           (112, 512, 32), (48, 1536, 32)]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64]  # every tail of the 4- and 2-row micro-kernels
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 31, 64]  # every tail of the 4- and 2-row micro-kernels
 ACT_BLOCK, ACT_MAX = 128, 16383.0
+
+
+def _exact_from(level, bits):
+    """Rows from which a level's quad kernel dequantizes each block and multiplies it
+    exactly (cpu_quant_linear.cpp's quad_dequant_min_rows): 4-bit codes at avx2 from
+    32 (its two-row vpmaddwd passes re-split the nibbles per pass), else from 65."""
+    return 32 if level == "avx2" and bits == 4 else 65
 
 
 @pytest.fixture
@@ -103,7 +110,7 @@ def test_quad_kernel_is_the_product_of_the_rounded_activations(quad_ops, bits, n
     w = qw.dequantize_rows(0, n).double()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(k)
-    for rows in ROWS:
+    for rows in [r for r in ROWS if r < _exact_from(quad_ops.capability, bits)]:
         x = torch.randn(rows, k, generator=g)
         x[:, :8] *= 40  # a block with an outlier: its other elements round coarser
         x[rows // 2, :] *= 1e-3  # rows of very different magnitudes
@@ -125,16 +132,18 @@ def test_quad_kernel_is_the_product_of_the_rounded_activations(quad_ops, bits, n
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quad_kernel_multiplies_many_rows_exactly(quad_ops, bits, dtype):
-    """From 65 rows the quad kernel dequantizes each block and multiplies it in fp32, as
-    the widening kernel does: the exact product, no rounding of the activations (the
-    outliers below would move the rounded product outside this bound)."""
+    """From 65 rows (4-bit at avx2: 32) the quad kernel dequantizes each block and
+    multiplies it in fp32, as the widening kernel does: the exact product, no rounding of
+    the activations (the outliers below would move the rounded product outside this
+    bound)."""
     n, k, group = 70, 576, 192
     qw = _random(n, k, bits, group, seed=5)
     packed = _pack(quad_ops, qw)
     w = qw.dequantize_rows(0, n).double()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(6))
     g = torch.Generator().manual_seed(7)
-    for rows in (65, 80):
+    first = _exact_from(quad_ops.capability, bits)
+    for rows in sorted({first, 65, 80}):
         x = torch.randn(rows, k, generator=g)
         x[:, :8] *= 1000
         x = x.to(dtype)
@@ -146,6 +155,28 @@ def test_quad_kernel_multiplies_many_rows_exactly(quad_ops, bits, dtype):
         if dtype == torch.float32:  # (bf16 outputs' own rounding would hide it)
             rounded = _rounded_x(x, group)[0] @ w.T + bias.double()
             assert not bool(((rounded - want).abs() <= 1e-5 * mag).all())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quad_kernel_switches_to_the_exact_product_at_its_row_limit(quad_ops, bits):
+    """One row below the level's limit the activations are rounded (the product of the
+    rounded x, not of x itself), from the limit on they are not: the limit is where
+    _exact_from says, at every level."""
+    n, k, group = 40, 256, 32
+    qw = _random(n, k, bits, group, seed=21)
+    packed = _pack(quad_ops, qw)
+    w = qw.dequantize_rows(0, n).double()
+    first = _exact_from(quad_ops.capability, bits)
+    g = torch.Generator().manual_seed(22)
+    for rows, exact in ((first - 1, False), (first, True)):
+        x = torch.randn(rows, k, generator=g)
+        x[:, :8] *= 1000  # outliers: the rounded product is far from the exact one
+        y = quad_ops.linear_quant(x, *packed, n, bits, group, torch.empty(0)).double()
+        mag = x.double().abs() @ w.abs().T
+        near_exact = bool(((y - x.double() @ w.T).abs() <= 1e-5 * mag).all())
+        rounded = _rounded_x(x, group)[0] @ w.T
+        near_rounded = bool(((y - rounded).abs() <= 1e-5 * mag).all())
+        assert (near_exact, near_rounded) == (exact, not exact), rows
 
 
 def test_quad_kernel_catches_a_wrong_code_or_zero_point(quad_ops):
@@ -373,9 +404,9 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("sym", [False, True])
 def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group, dtype, sym):
     """vpmaddwd (avx2, avx512) and vpdpbusd (avx512_vnni, avx512_bf16) make the same exact
-    integer sums and the same fp32 closing: the same bits, NaN / inf rows included. The
-    reference is the best quad level this CPU runs, so an AVX-512 CPU without VNNI
-    still compares its avx512 and avx2 builds."""
+    integer sums and the same fp32 closing: the same bits, NaN / inf rows included (an
+    AVX-512 CPU without VNNI still compares its avx512 and avx2 builds). Row counts that
+    a level multiplies exactly (_exact_from) are compared among the levels that do."""
     modules = _quad_modules()
     if len(modules) < 2:
         pytest.skip("needs two levels with the quad layout "
@@ -390,16 +421,19 @@ def test_every_level_with_the_quad_layout_gives_the_same_bits(bits, n, k, group,
     for level in modules:  # one layout: the packed bytes are the same at every level
         assert all(torch.equal(a, b) for a, b in zip(packed[level], packed[ref]))
     for rows in ROWS:
+        # (levels whose kernel multiplies these rows exactly are compared with each other)
+        path = {level: rows >= _exact_from(level, bits) for level in modules}
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
         x[:, 1] *= 300  # an outlier per row
         if rows >= 3:
             x[rows - 1] = 0.0
             x[1, k // 2] = float("nan") if rows % 2 else float("inf")
         x = x.to(dtype)
-        want = modules[ref].linear_quant(x, *packed[ref], n, bits, group, bias)
+        want = {}
         for level, module in modules.items():
             y = module.linear_quant(x, *packed[level], n, bits, group, bias)
-            assert _same_bits(y, want), (level, rows)
+            want.setdefault(path[level], y)
+            assert _same_bits(y, want[path[level]]), (level, rows)
 
 
 def test_amx_rows_past_the_quad_limit_take_the_tiles(ops, kernel_level, monkeypatch):

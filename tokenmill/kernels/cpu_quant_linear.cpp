@@ -762,6 +762,19 @@ void quad_micro(const QuadX& xq, int64_t m0, const QBlock<S>& b, const float* bi
 // where it was measured ahead of dequantized tiles; where the tiles' GEMM runs in fp32,
 // up to 256 rows reach this kernel, as they reach the widening one).
 constexpr int64_t QUAD_DEQUANT_MIN_ROWS = 65;
+// With AVX2's vpmaddwd 4-bit codes stop paying sooner: a pass takes two rows (16
+// registers), and each pass widens and splits the block's nibbles again, where the
+// dequantized block is made once. Measured on the AVX2-only EPYC (Zen 3), 2 threads,
+// ms quad / dequantized (the plain layout's path), int4 group 32: 3072 x 512 at 24 rows
+// 0.98 / 0.75, 32 rows 1.30 / 0.97, 64 rows 2.63 / 1.76; 4096 x 4096 at 24 rows 5.7 /
+// 6.2, 32 rows 12.8 / 8.3, 64 rows 26.8 / 15.2; int8 stays level or ahead up to 64.
+inline int64_t quad_dequant_min_rows(int64_t bits) {
+#if defined(TM_QUANT_QUAD_MADD) && !defined(TM_VEC_AVX512)
+  if (bits == 4) return 32;
+#endif
+  (void)bits;
+  return QUAD_DEQUANT_MIN_ROWS;
+}
 
 // All `rows` rows of xq against one block into y (stride ldy).
 template <int BITS, typename S, typename T>
@@ -835,7 +848,7 @@ void dequantize_quad_block(const QBlock<S>& b, T* out, int64_t ld, int64_t ncols
 #endif  // TM_QUANT_QUAD
 
 // All `rows` rows of x against one block into y (stride ldy). `quad`: the block is in
-// the quad layout (only dequantized here: rows >= QUAD_DEQUANT_MIN_ROWS).
+// the quad layout (only dequantized here: rows >= quad_dequant_min_rows).
 template <int BITS, typename S>
 void block_rows(const float* x, const float* xs, const QBlock<S>& b, const float* bias,
                 float* y, int64_t ldy, int64_t rows, int64_t ncols,
@@ -1155,7 +1168,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     bp = bias_hold.data_ptr<float>();
   }
 #if defined(TM_QUANT_QUAD)
-  if (p.quad && M < QUAD_DEQUANT_MIN_ROWS) {
+  if (p.quad && M < quad_dequant_min_rows(bits)) {
     torch::Tensor out = torch::empty({M, N}, x.options());
     if (M == 0) return out;
     const QuadX xq = quantize_x(xp, M, K, group_size, G);

@@ -127,7 +127,8 @@ DEFAULT_QUANT_DOT_ROWS = 8
 # activations, cpu_quant_linear.cpp) keep 4- / 8-bit inputs of up to this many rows in
 # the kernel: it widens nothing, so it stays ahead of the tiles longer (where the tiles'
 # GEMM runs in fp32, up to quantized_max_rows: from 65 rows the kernel dequantizes each
-# block and multiplies it exactly, as the widening kernel does).
+# block and multiplies it exactly, as the widening kernel does; 4-bit codes at avx2
+# from 32 rows, where the two-row passes stop paying: cpu_quant_linear.cpp).
 DEFAULT_QUAD_QUANTIZED_ROWS = 64
 # At amx the rows past the quad kernel's go to linear_quant_dot on TDPBF16PS tiles
 # (`ops.has_amx_gemm`), which overtakes the quad kernel far sooner. Measured on the
