@@ -35,10 +35,16 @@ from redis_server import redis_server, require_redis_server  # noqa: E402,F401
 FP8 = torch.float8_e4m3fn
 NEW = 12
 # Logprobs against HF with the same e4m3 rounding of K/V: the parity suites' 1e-4
-# (logprob_check.TOL). Only fp32 arithmetic order differs; it could move a K/V value
-# across an e4m3 rounding boundary (one element, one e4m3 step), which none of these
-# deterministic checkpoints and prompts hit.
+# (logprob_check.TOL). Only fp32 arithmetic order differs, but that can move a K/V
+# value across an e4m3 rounding boundary (one element, one e4m3 step: 1/16 of its
+# value). On the AVX2-only Zen 3 EPYC, where torch's own fp32 kernels sum in another
+# order, Gemma 3 through the torch path did: 4 of its 36 tokens off by 8e-5 to 1.3e-3,
+# the others by at most 5e-6. So a token may be off by up to FP8_FLIP_TOL, and most
+# (FP8_EXACT_SHARE) must be within 1e-4: a cache read or written wrongly moves nearly
+# every token, by far more.
 FP8_EMULATION_TOL = 1e-4
+FP8_FLIP_TOL = 3e-3
+FP8_EXACT_SHARE = 0.75
 # What fp8 costs against the fp32 cache (prompt logprobs, the well-conditioned Llama).
 FP8_COST_BOUND = 0.1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=K)
@@ -134,8 +140,9 @@ def test_fp8_cache_matches_hf_with_e4m3_kv(models, name, cpu_kernels):
 
 def check_against_reference(ref, prompts, outs, tol: float = FP8_EMULATION_TOL) -> int:
     """Greedy tokens equal to the reference's argmax and every reported top-k logprob
-    within `tol`, up to a near tie; -> the number of tokens checked."""
-    checked = 0
+    within `tol` (a token behind an e4m3 rounding flip: FP8_FLIP_TOL, at most
+    1 - FP8_EXACT_SHARE of them), up to a near tie; -> the number of tokens checked."""
+    checked = exact = 0
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
         hf = ref(prompt + list(comp.token_ids))[len(prompt) - 1:-1]
@@ -144,9 +151,11 @@ def check_against_reference(ref, prompts, outs, tol: float = FP8_EMULATION_TOL) 
             if top2[0] - top2[1] < 2 * tol:
                 break  # a near tie: the rest may follow the other branch
             assert t == int(hf[i].argmax()), (prompt[:3], i)
-            for tok, lp in comp.logprobs[i].items():
-                assert lp.logprob == pytest.approx(hf[i, tok].item(), abs=tol)
+            off = max(abs(lp.logprob - hf[i, tok].item()) for tok, lp in comp.logprobs[i].items())
+            assert off <= max(tol, FP8_FLIP_TOL), (prompt[:3], i, off)
+            exact += off <= tol
             checked += 1
+    assert exact >= FP8_EXACT_SHARE * checked, (exact, checked)
     return checked
 
 
