@@ -20,6 +20,7 @@ from tokenmill.kernels.testing import kernel_level, ops  # noqa: F401 (fixtures)
 from tokenmill.models.layers.linear_methods.quantized_cpu import (PackedQuantizedWeight,
                                                                   quad_layout_fits)
 from tokenmill.models.layers.linear_methods.quantized_weight import QuantizedWeight
+from tokenmill.platforms.cpu import quad_exact_from
 
 from test_quant_linear_kernel import _layer, _random  # noqa: E402 (the same random weights)
 
@@ -34,11 +35,9 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 31, 64]  # every tail of the 4- and 2-row
 ACT_BLOCK, ACT_MAX = 128, 16383.0
 
 
-def _exact_from(level, bits):
-    """Rows from which a level's quad kernel dequantizes each block and multiplies it
-    exactly (cpu_quant_linear.cpp's quad_dequant_min_rows): 4-bit codes at avx2 from
-    32 (its two-row vpmaddwd passes re-split the nibbles per pass), else from 65."""
-    return 32 if level == "avx2" and bits == 4 else 65
+# Rows from which a level's quad kernel multiplies exactly: the platform's mirror of
+# cpu_quant_linear.cpp's quad_dequant_min_rows, which the tests below hold it to.
+_exact_from = quad_exact_from
 
 
 @pytest.fixture
@@ -347,6 +346,10 @@ def test_platform_asks_for_the_quad_layout_for_bf16_models_only(ops, kernel_leve
     want = rows if ops.has_quant_quad and kernel_level in QUAD_LEVELS else 0
     assert bf16.quantized_quad_max_rows == want
     assert ("15-bit activations" in bf16.describe()) == bool(want)
+    if want:  # the rows the kernel really takes as integers, not the layer's limit
+        int4, int8 = (min(want, quad_exact_from(kernel_level, b) - 1) for b in (4, 8))
+        assert (f"int4 / int8 up to {int4}" if int4 == int8
+                else f"int4 up to {int4}, int8 up to {int8}") in bf16.describe()
     qw = _random(70, 128, 4, 32)
     for platform, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
         layer = _layer(qw, True, dtype)

@@ -130,6 +130,18 @@ DEFAULT_QUANT_DOT_ROWS = 8
 # block and multiplies it exactly, as the widening kernel does; 4-bit codes at avx2
 # from 32 rows, where the two-row passes stop paying: cpu_quant_linear.cpp).
 DEFAULT_QUAD_QUANTIZED_ROWS = 64
+# Rows from which the quad kernel itself dequantizes each block and multiplies it
+# exactly (cpu_quant_linear.cpp's quad_dequant_min_rows, mirrored here for the log;
+# tests/unit/test_quant_quad_kernel.py checks the two agree at every level it runs).
+QUAD_EXACT_ROWS = 65
+QUAD_EXACT_ROWS_AVX2_INT4 = 32
+
+
+def quad_exact_from(level: str | None, bits: int) -> int:
+    """Rows from which `level`'s quad kernel multiplies `bits`-bit codes exactly."""
+    return QUAD_EXACT_ROWS_AVX2_INT4 if level == "avx2" and bits == 4 else QUAD_EXACT_ROWS
+
+
 # At amx the rows past the quad kernel's go to linear_quant_dot on TDPBF16PS tiles
 # (`ops.has_amx_gemm`), which overtakes the quad kernel far sooner. Measured on the
 # 2-core AMX Xeon, bf16 inputs, 2 threads, ms quad / tiles (`python -m
@@ -437,11 +449,20 @@ class CpuPlatform(Platform):
                 + (", dequantized to bf16 pairs for vdpbf16ps above"
                    if self.quantized_max_rows and self.gemm_dtype == "bfloat16"
                    and getattr(self.ops, "has_quant_dot", False) else "")
-                + (f" (int4 / int8 by integer dot products on 15-bit activations up to "
-                   f"{self.quantized_quad_max_rows})" if self.quantized_quad_max_rows else "")
+                + (f" ({self._quad_rows()} by integer dot products on 15-bit activations)"
+                   if self.quantized_quad_max_rows else "")
                 + (f"; tensor parallel over {self.tensor_parallel_size} ranks (gloo): decode "
                    f"layers and lm_head off the native paths (no collectives inside them)"
                    if self.tensor_parallel_size > 1 else ""))
+
+    def _quad_rows(self) -> str:
+        """"int4 / int8 up to N" (rows taking the quad kernel's integer products, past
+        which it multiplies exactly), per width where the two differ."""
+        rows = {bits: min(self.quantized_quad_max_rows,
+                          quad_exact_from(self.capability, bits) - 1) for bits in (4, 8)}
+        if rows[4] == rows[8]:
+            return f"int4 / int8 up to {rows[4]}"
+        return f"int4 up to {rows[4]}, int8 up to {rows[8]}"
 
     def in_this_process(self) -> CpuPlatform:
         """The same decisions with this process's kernels module (a tensor-parallel
