@@ -270,6 +270,19 @@ def test_as_dict_and_describe(ops, widened):
     assert f"linear {p.linear}" in text and "lm_head" in text and "decode layers" in text
 
 
+def test_describe_names_the_fp32_norms(ops):
+    """An fp32 model: RMSNorm keeps ATen's op ("norm torch"), the zero-centred and gated
+    norms take the native kernel (`fp32_norm`); the log line says both. bf16: one word."""
+    f32 = CpuPlatform.create("cpu", torch.float32)
+    assert (f32.norm, f32.fp32_norm) == ("torch", "native")
+    assert "norm torch (zero-centred and gated norms native)," in f32.describe()
+    bf16 = CpuPlatform.create("cpu", BF16)
+    assert (bf16.norm, bf16.fp32_norm) == ("native", "native")
+    assert "norm native, activation" in bf16.describe()
+    torch_paths = CpuPlatform.create("cpu", torch.float32, cpu_kernels="torch")
+    assert "norm torch, activation" in torch_paths.describe()
+
+
 # ---- bad argument values --------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, name", [
     (dict(cpu_kernels="fast"), "cpu_kernels"),

@@ -439,9 +439,13 @@ class CpuPlatform(Platform):
             linear = self.gemm
         head = (f"greedy_int8 up to {self.greedy_head_max_rows} rows"
                 if self.lm_head == "greedy_int8" else "full")
+        # fp32 activations: RMSNorm keeps ATen's fused op, the norms it has none for
+        # (Qwen3.5 / Qwen3-Next's zero-centred and gated ones) may still be native
+        norm = (f"{self.norm} (zero-centred and gated norms {self.fp32_norm})"
+                if self.norm != self.fp32_norm else self.norm)
         return (f"{self.arch} CPU, kernels {kernels} at {level}, native bf16 {bf16}; "
                 f"{self.model_dtype} model, GEMMs in {self.gemm_dtype}; linear {linear}, weights {self.weights}, "
-                f"attention {self.attention}, norm {self.norm}, activation {self.activation}, "
+                f"attention {self.attention}, norm {norm}, activation {self.activation}, "
                 f"linear attention {self.linear_attention}, "
                 f"lm_head {head}, decode layers {'native' if self.decode_layers else 'python'}"
                 + (f", int4 / int8 / fp8 weights native up to {self.quantized_max_rows} rows"
