@@ -19,6 +19,29 @@ def test_pool_hands_out_fresh_blocks_until_it_wraps():
     assert pool.table(2, 2).flatten().tolist() == pool.order[:4].tolist()  # wrapped
 
 
+def test_pool_is_on_huge_pages_as_the_engine_cache_is(monkeypatch):
+    """The pool's memory is advised for huge pages before its first touch, as the
+    engine's KV cache is (worker/huge_pages.py): with 4 KiB pages every scattered block
+    was a TLB miss the engine does not pay (bf16 d64 g1 at batch 32 x 2,048 tokens, one
+    thread, the AVX2 EPYC: 2.82x -> 2.12x its bound). The values are the seeded draw."""
+    calls = []
+    real = cpu_decode_attention.zeros_huge_paged
+
+    def spy(shape, dtype, device):
+        calls.append((tuple(shape), dtype, str(device)))
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(cpu_decode_attention, "zeros_huge_paged", spy)
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        pool = cpu_decode_attention.Pool(6, (2, 4, 1, 8), dtype, seed=5)
+        assert calls[-1] == ((6, 2, 4, 1, 8), dtype, "cpu")
+        draw = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        want = torch.randn(6, 2, 4, 1, 8, generator=torch.Generator().manual_seed(5),
+                           dtype=draw).to(dtype)
+        assert pool.cache.dtype == dtype
+        assert torch.equal(pool.cache.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_native_sweep_writes_every_case(tmp_path):
     if kernels.cpu_ops() is None:
         pytest.skip("no native CPU kernels")

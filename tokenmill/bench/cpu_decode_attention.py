@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from tokenmill.worker.huge_pages import zeros_huge_paged
+
 CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float16": torch.float16, "fp8": torch.float8_e4m3fn}
 
@@ -40,7 +42,10 @@ class Pool:
         g = torch.Generator().manual_seed(seed)
         # fp8: random codes from a bf16 draw, scaled into e4m3's range
         draw = torch.float32 if dtype == torch.float32 else torch.bfloat16
-        self.cache = torch.randn(num_blocks, *block_shape, generator=g, dtype=draw).to(dtype)
+        # on huge pages where the engine's KV cache has them (worker/huge_pages.py): with
+        # 4 KiB pages nearly every scattered block read is a TLB miss the engine does not pay
+        self.cache = zeros_huge_paged((num_blocks, *block_shape), dtype, "cpu")
+        self.cache.copy_(torch.randn(num_blocks, *block_shape, generator=g, dtype=draw))
         self.order = torch.randperm(num_blocks, generator=g).to(torch.int32)
         self.next = 0
 
