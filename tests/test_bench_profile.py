@@ -86,3 +86,15 @@ def test_kernel_clock_counts_a_native_call_once():
     assert native == {"lin"}
     assert "aten::relu" in aten
     assert not any("linear" in n or "addmm" in n or n == "aten::mm" for n in aten), aten
+
+
+def test_profile_step_block_size(llama_tiny, capsys, caplog):
+    """--block-size reaches the engine's KV cache (the steps of a long context are what
+    a larger block changes: docs/benchmarks.md, session 31)."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine_core"):
+        assert profile_step.main(["--model", llama_tiny.path, "--dtype", "float32",
+                                  "--batch-size", "2", "--input-len", "40", "--steps", "2",
+                                  "--warmup-steps", "1", "--block-size", "32"]) == 0
+    assert "blocks of 32 tokens" in caplog.text and "blocks of 16 tokens" not in caplog.text
+    assert "ms per step under the profiler" in capsys.readouterr().out

@@ -131,3 +131,21 @@ def test_bench_throughput_quantization(llama_tiny, tmp_path, capsys):
     assert r["workload"]["quantization"] == r["weights"]["quantization"] == "int8"
     assert r["weights"]["resident_weight_bytes"] > 0
     assert "weights: int8 (--quantization)" in capsys.readouterr().out
+
+
+def test_bench_throughput_block_size(llama_tiny, tmp_path, caplog):
+    """--block-size reaches the engine's KV cache and is recorded (default: the
+    engine's 16); a size that is not a positive int is refused by name."""
+    import logging
+    out = tmp_path / "tp.json"
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.engine_core"):
+        assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
+                     "--skip-hf-cb", "--skip-roofline", "--block-size", "32",
+                     "--output-json", str(out)]) == 0
+    assert "blocks of 32 tokens" in caplog.text and "blocks of 16 tokens" not in caplog.text
+    assert json.loads(out.read_text())["workload"]["block_size"] == 32
+    assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
+                 "--skip-hf-cb", "--skip-roofline", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["workload"]["block_size"] == 16
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--block-size", "0"])

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=4,
                    help="untimed decode steps before profiling (default 4)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV cache block (default: the engine's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sort-by", default="self_cpu_time_total",
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed,
               max_model_len=args.input_len + decode_steps, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              async_scheduling=args.async_scheduling, **platform_kwargs(args))
+              async_scheduling=args.async_scheduling, **platform_kwargs(args),
+              **({"block_size": args.block_size} if args.block_size is not None else {}))
     engine = llm.llm_engine
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -135,6 +135,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV cache block (default: the engine's)")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--hf-num-prompts", type=positive_int, default=None, metavar="N",
@@ -297,6 +299,8 @@ def run_tokenmill(model_path: str, workload: Workload, warmup: Workload, args,
     from tokenmill import LLM
     engine_kwargs.setdefault("device", getattr(args, "device", "auto"))
     engine_kwargs.setdefault("quantization", getattr(args, "quantization", None))
+    if getattr(args, "block_size", None) is not None:
+        engine_kwargs.setdefault("block_size", args.block_size)
     llm = LLM(model_path, dtype=args.dtype, seed=args.seed, max_model_len=max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               **platform_kwargs(args), **engine_kwargs)
@@ -618,7 +622,9 @@ def validate_args(args: argparse.Namespace, hf_config: dict) -> int:
 def build_result(args, model_path: str, device, max_model_len: int, workload: Workload,
                  tm: tuple[float, float], hf: tuple | None, hf_n: int) -> dict:
     """The --output-json document. tm = (tok/s, s); hf = (tok/s, s, generated, agreement)."""
+    from tokenmill.engine.engine_args import EngineArgs
     hf_tok_s, hf_seconds, hf_generated, agreement = hf or (None, None, None, None)
+    default_block_size = EngineArgs.block_size
     return {
         "tokenmill_tok_s": tm[0],
         "hf_generate_tok_s": hf_tok_s,
@@ -634,6 +640,7 @@ def build_result(args, model_path: str, device, max_model_len: int, workload: Wo
             "total_output_tokens": workload.total_output_tokens,
             "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": getattr(args, "block_size", None) or default_block_size,
             "hf_skipped": hf is None, "hf_num_prompts": hf_n,
             "hf_batch_size": args.hf_batch_size,
             "hf_output_tokens": workload.head(hf_n).total_output_tokens,
