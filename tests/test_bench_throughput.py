@@ -133,7 +133,7 @@ def test_bench_throughput_quantization(llama_tiny, tmp_path, capsys):
     assert "weights: int8 (--quantization)" in capsys.readouterr().out
 
 
-def test_bench_throughput_block_size(llama_tiny, tmp_path, caplog):
+def test_bench_throughput_block_size(llama_tiny, tmp_path, caplog, capsys):
     """--block-size reaches the engine's KV cache and is recorded (default: the
     engine's 16); a size that is not a positive int is refused by name."""
     import logging
@@ -147,5 +147,7 @@ def test_bench_throughput_block_size(llama_tiny, tmp_path, caplog):
     assert main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--skip-hf",
                  "--skip-hf-cb", "--skip-roofline", "--output-json", str(out)]) == 0
     assert json.loads(out.read_text())["workload"]["block_size"] == 16
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["bench", "throughput", "--model", llama_tiny.path, *ARGS, "--block-size", "0"])
+    assert "--block-size" in capsys.readouterr().err

@@ -624,7 +624,6 @@ def build_result(args, model_path: str, device, max_model_len: int, workload: Wo
     """The --output-json document. tm = (tok/s, s); hf = (tok/s, s, generated, agreement)."""
     from tokenmill.engine.engine_args import EngineArgs
     hf_tok_s, hf_seconds, hf_generated, agreement = hf or (None, None, None, None)
-    default_block_size = EngineArgs.block_size
     return {
         "tokenmill_tok_s": tm[0],
         "hf_generate_tok_s": hf_tok_s,
@@ -640,7 +639,7 @@ def build_result(args, model_path: str, device, max_model_len: int, workload: Wo
             "total_output_tokens": workload.total_output_tokens,
             "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "block_size": getattr(args, "block_size", None) or default_block_size,
+            "block_size": getattr(args, "block_size", None) or EngineArgs.block_size,
             "hf_skipped": hf is None, "hf_num_prompts": hf_n,
             "hf_batch_size": args.hf_batch_size,
             "hf_output_tokens": workload.head(hf_n).total_output_tokens,
